@@ -1,0 +1,1 @@
+"""ppl_thought: language models with latent thoughts as probabilistic programs."""

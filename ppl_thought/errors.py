@@ -1,0 +1,27 @@
+"""Errors that name the problem (ARCHITECTURE.md, "Rules that keep it right")."""
+
+from __future__ import annotations
+
+
+class PPLThoughtError(Exception):
+    """Base class of every error raised on purpose by ppl_thought."""
+
+
+class UnknownTokenError(PPLThoughtError, ValueError):
+    """A token string or id that is not in the vocabulary."""
+
+
+class NotInImageError(PPLThoughtError, ValueError):
+    """An observation x outside the image of the projection (its lifting is empty)."""
+
+
+class NotInDomainError(PPLThoughtError, ValueError):
+    """A latent sequence z outside Dom(Proj^{<w}) (Def 2.6)."""
+
+
+class TooLargeToEnumerateError(PPLThoughtError, ValueError):
+    """An exact computation by enumeration would visit more sequences than allowed."""
+
+
+class MalformedSequenceError(PPLThoughtError, ValueError):
+    """A token array with the wrong shape, dtype, padding or length."""

@@ -1,0 +1,36 @@
+"""What every autoregressive LM in ppl_thought provides (ARCHITECTURE.md, "Contracts").
+
+An LM is a ``torch.nn.Module`` with ``vocab_size`` and
+``forward(tokens, cache=None, **kwargs) -> (logits, cache)``: ``tokens`` is a LongTensor
+``[B, T]``; ``logits`` is ``[B, T, vocab_size]`` (the next-token logits after each position, the
+f(x) of (2.13)); ``cache`` holds what the LM needs to continue the same rows incrementally.
+The caller writes ``<bos>`` explicitly at the start of a sequence. Logits may be ``-inf``.
+
+A cache has ``length`` (positions consumed), ``batch_size``, ``reorder(index)`` (gather rows
+along the batch dimension; resampling in SMC) and ``expand(n)`` (repeat each row n times; one
+prompt encoded once and shared by n particles).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class LMCache(Protocol):
+    length: int
+
+    @property
+    def batch_size(self) -> int: ...
+
+    def reorder(self, index: torch.Tensor) -> LMCache: ...
+
+    def expand(self, n: int) -> LMCache: ...
+
+
+def step(lm: torch.nn.Module, tokens: torch.Tensor, cache=None, **kwargs):
+    """One incremental step: ``tokens [B]`` -> ``(logits [B, V], cache)``."""
+    logits, cache = lm(tokens[:, None], cache=cache, **kwargs)
+    return logits[:, -1], cache

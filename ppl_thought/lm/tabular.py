@@ -1,0 +1,87 @@
+"""An n-gram LM with an explicit logits table, for exact computations (ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
+
+BOS_ID = 1  # ppl_thought.vocab: <bos> always has id 1
+
+
+@dataclass
+class TabularCache:
+    """The last ``order - 1`` tokens of each row (``<bos>``-padded) and the positions consumed."""
+
+    context: torch.Tensor  # [B, order - 1]
+    length: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.context.shape[0]
+
+    def reorder(self, index: torch.Tensor) -> TabularCache:
+        return TabularCache(self.context.index_select(0, index.to(self.context.device)), self.length)
+
+    def expand(self, n: int) -> TabularCache:
+        return TabularCache(self.context.repeat_interleave(n, dim=0), self.length)
+
+
+class Tabular(nn.Module):
+    """n-gram LM: ``logits[c_1, ..., c_{n-1}, next]``; order 2 is a bigram ``logits[prev, next]``.
+
+    The logits after position i are read at the last ``order - 1`` tokens up to and including i,
+    padded on the left with ``<bos>``; so the first token after ``<bos>`` is conditioned on
+    ``<bos>`` (P_f^{+1}(. | z) = softmax(f(z)), (2.13)). Entries may be ``-inf`` (forbidden
+    transitions). The table is a trainable parameter unless ``trainable=False``.
+    """
+
+    def __init__(self, order: int, vocab_size: int, logits: torch.Tensor | None = None, trainable: bool = True):
+        super().__init__()
+        if order < 1:
+            raise ValueError(f"order must be >= 1, got {order}")
+        shape = (vocab_size,) * order
+        if logits is None:
+            logits = torch.zeros(shape)
+        logits = torch.as_tensor(logits, dtype=torch.get_default_dtype())
+        if tuple(logits.shape) != shape:
+            raise ValueError(f"Tabular(order={order}, vocab_size={vocab_size}) needs logits of shape {shape}, "
+                             f"got {tuple(logits.shape)}")
+        if torch.isnan(logits).any():
+            raise ValueError("Tabular logits contain NaN")
+        if torch.isneginf(logits).all(dim=-1).any():
+            raise ValueError("some context of the Tabular logits has every next token at -inf")
+        self.order = order
+        self.vocab_size = vocab_size
+        if trainable:
+            self.logits = nn.Parameter(logits.clone())
+        else:
+            self.register_buffer("logits", logits.clone())
+
+    def _check(self, tokens: torch.Tensor) -> None:
+        if tokens.ndim != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise MalformedSequenceError(f"tokens must be a LongTensor [B, T], got {tuple(tokens.shape)} {tokens.dtype}")
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise UnknownTokenError(f"token ids must lie in [0, {self.vocab_size})")
+
+    def forward(self, tokens: torch.Tensor, cache: TabularCache | None = None):
+        self._check(tokens)
+        B, T = tokens.shape
+        k = self.order - 1
+        if cache is None:
+            ctx = torch.full((B, k), BOS_ID, dtype=torch.long, device=tokens.device)
+            length = 0
+        else:
+            if cache.batch_size != B:
+                raise MalformedSequenceError(f"cache holds {cache.batch_size} rows but tokens have {B}")
+            ctx, length = cache.context, cache.length
+        full = torch.cat([ctx, tokens.long()], dim=1)  # [B, k + T]
+        if k == 0:
+            logits = self.logits.expand(B, T, self.vocab_size)
+        else:
+            idx = full.unfold(1, k, 1)[:, 1:]  # windows ending at each new token: [B, T, k]
+            logits = self.logits[tuple(idx.unbind(-1))]
+        return logits, TabularCache(full[:, full.shape[1] - k :], length + T)

@@ -1,0 +1,235 @@
+"""Token automata: integer state arrays with transition and mask tables (Def 2.8, (2.26)).
+
+An :class:`Automaton` reads latent tokens one at a time. Its table ``next_state[s, a]`` is the
+state after reading token ``a`` in state ``s``, or ``-1`` where ``a`` is not admissible; the
+admissible next tokens Phi^{<=1}(z) of (2.26) are ``next_state[s] >= 0``. ``final[s]`` marks a
+complete string: for a lifting automaton, the strings that end in a final state are exactly
+Proj^{-1}_{<w}(x) (Prop 2.3); since liftings are prefix-free no token is admissible there, and
+decoding stops. ``emitted[s]`` is |Proj^{<w}(z)| (Def 2.6), the number of observable tokens
+the prefix read so far determines (capped at |x| for a lifting); it gives the unique segment
+decomposition of Lemma 2.1 and the step structure that SMC advances on.
+
+``-1`` is the dead state: stepping it stays dead and its mask is empty. Every operation is
+vectorised over a batch of states (numpy or torch), so all particles move at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+DEAD = -1
+
+
+@dataclass(frozen=True, eq=False)
+class Automaton:
+    """A deterministic token automaton over the whole vocabulary (one column per token id).
+
+    Attributes:
+        next_state: int64 ``[S, V]``; ``-1`` where the token is inadmissible.
+        final: bool ``[S]``; reading stops in a final state (the string is complete).
+        emitted: int64 ``[S]``; observable tokens determined so far, |Proj^{<w}(z)|.
+        start: the start state.
+        max_len: the longest accepted string, or ``None`` when unbounded (a domain automaton).
+    """
+
+    next_state: np.ndarray
+    final: np.ndarray
+    emitted: np.ndarray
+    start: int = 0
+    max_len: int | None = None
+    name: str = "automaton"
+    _table: np.ndarray = field(init=False, repr=False)
+    _torch_cache: dict = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        ns = np.asarray(self.next_state, dtype=np.int64)
+        S = ns.shape[0]
+        if ns.ndim != 2 or S == 0:
+            raise ValueError(f"next_state must be a non-empty [S, V] table, got shape {ns.shape}")
+        if ns.min() < -1 or ns.max() >= S:
+            raise ValueError("next_state entries must be -1 or a state index in [0, S)")
+        final = np.asarray(self.final, dtype=bool)
+        emitted = np.asarray(self.emitted, dtype=np.int64)
+        if final.shape != (S,) or emitted.shape != (S,):
+            raise ValueError(f"final and emitted must have shape ({S},)")
+        if not 0 <= self.start < S:
+            raise ValueError(f"start state {self.start} outside [0, {S})")
+        object.__setattr__(self, "next_state", ns)
+        object.__setattr__(self, "final", final)
+        object.__setattr__(self, "emitted", emitted)
+        # one extra row for the dead state: table[-1] is all -1, so stepping -1 stays -1.
+        table = np.concatenate([ns, np.full((1, ns.shape[1]), DEAD, dtype=np.int64)], axis=0)
+        object.__setattr__(self, "_table", table)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_states(self) -> int:
+        return self.next_state.shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.next_state.shape[1]
+
+    @property
+    def allowed(self) -> np.ndarray:
+        """bool ``[S, V]``: the admissible next tokens of each state, Phi^{<=1} of (2.26)."""
+        return self.next_state >= 0
+
+    # ------------------------------------------------------------------ batched stepping
+    def step(self, states, tokens):
+        """States after reading ``tokens`` (same shape; numpy arrays or torch tensors)."""
+        if isinstance(states, torch.Tensor):
+            return self.torch_table(states.device)[states, tokens]
+        return self._table[np.asarray(states), np.asarray(tokens)]
+
+    def mask(self, states):
+        """bool ``[..., V]``: admissible next tokens for a batch of states (dead -> all False)."""
+        if isinstance(states, torch.Tensor):
+            return self.torch_table(states.device)[states] >= 0
+        return self._table[np.asarray(states)] >= 0
+
+    def is_final(self, states):
+        if isinstance(states, torch.Tensor):
+            fin = self._torch("final", states.device)
+            return (states >= 0) & fin[states]
+        s = np.asarray(states)
+        return (s >= 0) & np.concatenate([self.final, [False]])[s]
+
+    def num_emitted(self, states):
+        """|Proj^{<w}| of the prefixes that led to ``states`` (dead -> -1)."""
+        if isinstance(states, torch.Tensor):
+            return self._torch("emitted", states.device)[states]
+        return np.concatenate([self.emitted, [-1]])[np.asarray(states)]
+
+    def start_states(self, n: int, device: torch.device | str | None = None) -> torch.Tensor:
+        return torch.full((n,), self.start, dtype=torch.long, device=device)
+
+    # ------------------------------------------------------------------ torch views
+    def torch_table(self, device=None) -> torch.Tensor:
+        """The transition table with its dead row, as a LongTensor ``[S + 1, V]`` on ``device``."""
+        return self._torch("table", device)
+
+    def _torch(self, what: str, device) -> torch.Tensor:
+        key = (what, str(torch.device(device) if device is not None else "cpu"))
+        t = self._torch_cache.get(key)
+        if t is None:
+            src = {
+                "table": self._table,
+                "final": np.concatenate([self.final, [False]]),
+                "emitted": np.concatenate([self.emitted, [-1]]),
+            }[what]
+            t = torch.as_tensor(src, device=device)
+            self._torch_cache[key] = t
+        return t
+
+    # ------------------------------------------------------------------ single strings
+    def run(self, z) -> np.ndarray:
+        """The state after each prefix of ``z``: array of length ``len(z) + 1`` (``-1`` once dead)."""
+        z = np.asarray(z, dtype=np.int64).ravel()
+        out = np.empty(len(z) + 1, dtype=np.int64)
+        s = self.start
+        out[0] = s
+        for i, a in enumerate(z):
+            s = int(self._table[s, a]) if 0 <= a < self.vocab_size else DEAD
+            out[i + 1] = s
+        return out
+
+    def accepts(self, z) -> bool:
+        """Whether ``z`` is read without leaving the automaton and ends in a final state."""
+        s = int(self.run(z)[-1])
+        return s >= 0 and bool(self.final[s])
+
+    def admits_prefix(self, z) -> bool:
+        """Whether ``z`` is a prefix of some accepted string (for a domain: z in Dom(Proj^{<w}))."""
+        return int(self.run(z)[-1]) >= 0
+
+    def enumerate(self, limit: int = 100_000) -> list[tuple[int, ...]]:
+        """All accepted strings (depth-first, in id order). Requires a finite language.
+
+        Raises :class:`~ppl_thought.errors.TooLargeToEnumerateError` past ``limit`` strings or
+        when the automaton accepts an unbounded language.
+        """
+        from ppl_thought.errors import TooLargeToEnumerateError
+
+        if self.max_len is None:
+            raise TooLargeToEnumerateError(f"{self.name} accepts unboundedly long strings; cannot enumerate")
+        out: list[tuple[int, ...]] = []
+        stack: list[tuple[int, tuple[int, ...]]] = [(self.start, ())]
+        allowed = self.allowed
+        while stack:
+            s, z = stack.pop()
+            if self.final[s]:
+                out.append(z)
+                if len(out) > limit:
+                    raise TooLargeToEnumerateError(
+                        f"{self.name} accepts more than {limit} strings; raise `limit` or use a sampler"
+                    )
+            toks = np.nonzero(allowed[s])[0]
+            for a in toks[::-1]:
+                stack.append((int(self.next_state[s, a]), z + (int(a),)))
+        return out
+
+    def count(self) -> int:
+        """Number of accepted strings, by dynamic programming over the (acyclic) state graph."""
+        if self.max_len is None:
+            raise ValueError(f"{self.name} accepts unboundedly long strings")
+        memo: dict[int, int] = {}
+        order = self._topological_order()
+        for s in reversed(order):
+            c = int(self.final[s])
+            for a in np.nonzero(self.next_state[s] >= 0)[0]:
+                c += memo[int(self.next_state[s, a])]
+            memo[s] = c
+        return memo[self.start]
+
+    def _topological_order(self) -> list[int]:
+        seen: set[int] = set()
+        order: list[int] = []
+        stack = [(self.start, False)]
+        while stack:
+            s, done = stack.pop()
+            if done:
+                order.append(s)
+                continue
+            if s in seen:
+                continue
+            seen.add(s)
+            stack.append((s, True))
+            for t in set(self.next_state[s][self.next_state[s] >= 0].tolist()):
+                if t not in seen:
+                    stack.append((t, False))
+        return order[::-1]
+
+    def __repr__(self) -> str:
+        return (
+            f"Automaton({self.name}: {self.num_states} states x {self.vocab_size} tokens, "
+            f"start={self.start}, max_len={self.max_len})"
+        )
+
+
+class AutomatonBuilder:
+    """Helper to build tables state by state: ``b.add_state(final, emitted)``, ``b.edge(s, tokens, t)``."""
+
+    def __init__(self, vocab_size: int, name: str = "automaton"):
+        self.V = vocab_size
+        self.name = name
+        self._rows: list[np.ndarray] = []
+        self._final: list[bool] = []
+        self._emitted: list[int] = []
+
+    def add_state(self, final: bool = False, emitted: int = 0) -> int:
+        self._rows.append(np.full(self.V, DEAD, dtype=np.int64))
+        self._final.append(bool(final))
+        self._emitted.append(int(emitted))
+        return len(self._rows) - 1
+
+    def edge(self, src: int, tokens, dst: int) -> None:
+        self._rows[src][np.asarray(tokens, dtype=np.int64)] = dst
+
+    def build(self, start: int = 0, max_len: int | None = None) -> Automaton:
+        return Automaton(
+            np.stack(self._rows), np.array(self._final), np.array(self._emitted), start, max_len, self.name
+        )

@@ -1,0 +1,155 @@
+"""The projection Proj: Omega^w -> Sigma^w of the static theory (Section 2.6) on finite sequences.
+
+A concrete projection supplies three things: ``_project_one`` (the prefix projection
+Proj^{<w} of Def 2.6 on a latent string in its domain), ``domain`` (an automaton for
+Dom(Proj^{<w}), whose masks are the admissible next tokens Phi^{<=1} of (2.26)) and ``lifting``
+(an automaton that accepts exactly Proj^{-1}_{<w}(x), Prop 2.3). Everything else here is
+derived from those: batching, enumeration, the segment decomposition of Lemma 2.1.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ppl_thought.errors import MalformedSequenceError, NotInDomainError, NotInImageError
+from ppl_thought.projections.automaton import Automaton
+from ppl_thought.vocab import Vocab
+
+
+def as_id_array(seq, vocab: Vocab, what: str = "sequence") -> np.ndarray:
+    """A 1-D int64 array of ids from a string, a list of token strings or ids, an array or a tensor."""
+    if isinstance(seq, str):
+        return np.asarray(vocab.encode(seq), dtype=np.int64)
+    if isinstance(seq, torch.Tensor):
+        seq = seq.detach().cpu().numpy()
+    if isinstance(seq, (list, tuple)) and seq and isinstance(seq[0], str):
+        return np.asarray(vocab.encode(list(seq)), dtype=np.int64)
+    a = np.asarray(seq)
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        raise MalformedSequenceError(f"{what} must be a 1-D array of integer ids, got shape {a.shape} {a.dtype}")
+    vocab.check_ids(a, what)
+    return a.astype(np.int64)
+
+
+class Projection(ABC):
+    """Base class of projections (Section 2.6). Subclasses set ``is_disentangled`` (Def 3.5)."""
+
+    #: Def 3.5: the next-segment map Phi_x(z, a) depends only on the observable context x.
+    is_disentangled: bool = True
+
+    def __init__(self, vocab: Vocab):
+        self.vocab = vocab
+
+    # ------------------------------------------------------------ what subclasses implement
+    @abstractmethod
+    def _project_one(self, z: np.ndarray) -> np.ndarray:
+        """Proj^{<w}(z) for one latent string z in Dom(Proj^{<w}); raise NotInDomainError otherwise."""
+
+    @abstractmethod
+    def domain(self, num_observed: int | None = None) -> Automaton:
+        """An automaton for Dom(Proj^{<w}) whose masks give Phi^{<=1} of (2.26) (Def 2.8).
+
+        With ``num_observed = n`` its final states are the latent prefixes that have just
+        determined n observable tokens: the strings it accepts are exactly the union of the
+        liftings of all x in Sigma^n, so sampling the masked prior until a final state draws z
+        with probability P^{<=|z|}(z) and Proj^{<w}(z) ~ (Proj # P)^{<=n} ((2.22)).
+        """
+
+    @abstractmethod
+    def _lifting(self, x: np.ndarray) -> Automaton:
+        """The lifting automaton of a validated observable string x."""
+
+    # ------------------------------------------------------------ observable / latent sets
+    @property
+    def observable_ids(self) -> np.ndarray:
+        """Sigma as token ids."""
+        return self.vocab.observable_ids
+
+    @property
+    def latent_ids(self) -> np.ndarray:
+        """Omega as token ids."""
+        return self.vocab.latent_ids
+
+    # ------------------------------------------------------------ derived API
+    def lifting(self, x) -> Automaton:
+        """An automaton accepting exactly Proj^{-1}_{<w}(x) (Prop 2.3, Def 2.3).
+
+        Raises :class:`NotInImageError` when x contains a non-observable token or is otherwise
+        outside the image of Proj (its lifting would be empty).
+        """
+        xa = as_id_array(x, self.vocab, "observation x")
+        bad = ~np.isin(xa, self.observable_ids)
+        if bad.any():
+            toks = [self.vocab.token(int(i)) for i in xa[bad][:5]]
+            raise NotInImageError(f"observation x contains non-observable tokens {toks}; Sigma is the ordinary "
+                                  "tokens and <eos>")
+        self._check_image(xa)
+        return self._lifting(xa)
+
+    def _check_image(self, x: np.ndarray) -> None:
+        """Raise NotInImageError if x is not a prefix of any sequence in the image of Proj."""
+
+    def project(self, z):
+        """Proj^{<w}(z) (Def 2.6), batched.
+
+        ``z`` is one latent string (1-D ids, a string, or token strings) -> 1-D int64 array; or a
+        batch: a 2-D array/tensor padded with ``<pad>`` on the right, or a list of 1-D strings ->
+        a list of 1-D arrays. Raises :class:`NotInDomainError` for a string outside Dom(Proj^{<w}).
+        """
+        if isinstance(z, torch.Tensor) and z.ndim == 2 or isinstance(z, np.ndarray) and z.ndim == 2:
+            a = z.detach().cpu().numpy() if isinstance(z, torch.Tensor) else z
+            return [self.project(row[row != self.vocab.pad_id]) for row in a]
+        if isinstance(z, list) and z and not isinstance(z[0], (str, int, np.integer)):
+            return [self.project(row) for row in z]
+        za = as_id_array(z, self.vocab, "latent z")
+        return self._project_one(za)
+
+    def in_domain(self, z) -> bool:
+        """Whether z is in Dom(Proj^{<w}), i.e. a prefix of some sequence in Dom(Proj)."""
+        return self.domain().admits_prefix(as_id_array(z, self.vocab, "latent z"))
+
+    def enumerate_lifting(self, x, limit: int = 100_000) -> list[tuple[int, ...]]:
+        """All z in Proj^{-1}_{<w}(x), for small x (TooLargeToEnumerateError past ``limit``)."""
+        return self.lifting(x).enumerate(limit=limit)
+
+    def segments(self, z, x=None) -> list[tuple[int, ...]]:
+        """The unique decomposition z = z^(1) ... z^(|x|), z^(t) in Phi_{x<t}(z^(<t), x_t) (Lemma 2.1).
+
+        ``x`` defaults to Proj^{<w}(z), truncated to the tokens that z's lifting fixes. A segment
+        may be empty when one latent token determines several observable ones (Remark 2.8).
+        """
+        za = as_id_array(z, self.vocab, "latent z")
+        xa = self._project_one(za) if x is None else as_id_array(x, self.vocab, "observation x")
+        lift = self.lifting(xa)
+        states = lift.run(za)
+        if states[-1] < 0 or not lift.final[states[-1]]:
+            raise NotInDomainError(
+                f"z = {self.vocab.decode(za)!r} is not in the lifting of x = {self.vocab.decode(xa)!r}"
+            )
+        em = lift.num_emitted(states)  # emitted after each prefix, len(z) + 1 entries
+        out: list[tuple[int, ...]] = []
+        start = 0
+        for t in range(1, len(xa) + 1):
+            end = int(np.argmax(em >= t))  # first prefix length that fixes x_t
+            end = max(end, start)
+            out.append(tuple(int(v) for v in za[start:end]))
+            start = end
+        if start != len(za):  # trailing tokens belong to the last segment
+            out[-1] = out[-1] + tuple(int(v) for v in za[start:])
+        return out
+
+    def next_segments(self, x: Sequence[int], z: Sequence[int], a: int, limit: int = 100_000):
+        """Phi_x(z, a) of (2.20) by enumeration: the strings s with zs in the lifting of xa."""
+        xa = np.concatenate([as_id_array(x, self.vocab), [a]]).astype(np.int64)
+        za = tuple(int(v) for v in as_id_array(z, self.vocab))
+        n = len(za)
+        return sorted(w[n:] for w in self.enumerate_lifting(xa, limit=limit) if w[:n] == za)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.vocab!r})"
