@@ -25,3 +25,7 @@ class TooLargeToEnumerateError(PPLThoughtError, ValueError):
 
 class MalformedSequenceError(PPLThoughtError, ValueError):
     """A token array with the wrong shape, dtype, padding or length."""
+
+
+class NotRegularError(PPLThoughtError, ValueError):
+    """A language that no finite token automaton accepts (e.g. an unbounded thought schedule)."""

@@ -141,7 +141,8 @@ class Vocab:
     def decode(self, ids: Iterable[int], skip_pad: bool = True) -> str:
         """Ids -> string; padding is dropped unless ``skip_pad=False``."""
         parts = []
-        for i in np.asarray(list(ids) if not hasattr(ids, "tolist") else ids.tolist(), dtype=np.int64).ravel():
+        flat = np.asarray(list(ids) if not hasattr(ids, "tolist") else ids.tolist(), dtype=np.int64).ravel()
+        for i in flat:
             if skip_pad and i == self.pad_id:
                 continue
             parts.append(self.token(int(i)))

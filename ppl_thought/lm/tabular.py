@@ -63,7 +63,9 @@ class Tabular(nn.Module):
 
     def _check(self, tokens: torch.Tensor) -> None:
         if tokens.ndim != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise MalformedSequenceError(f"tokens must be a LongTensor [B, T], got {tuple(tokens.shape)} {tokens.dtype}")
+            raise MalformedSequenceError(
+                f"tokens must be a LongTensor [B, T], got {tuple(tokens.shape)} {tokens.dtype}"
+            )
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise UnknownTokenError(f"token ids must lie in [0, {self.vocab_size})")
 

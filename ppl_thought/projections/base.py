@@ -32,7 +32,9 @@ def as_id_array(seq, vocab: Vocab, what: str = "sequence") -> np.ndarray:
     if a.size == 0:
         return np.zeros(0, dtype=np.int64)
     if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-        raise MalformedSequenceError(f"{what} must be a 1-D array of integer ids, got shape {a.shape} {a.dtype}")
+        raise MalformedSequenceError(
+            f"{what} must be a 1-D array of integer ids, got shape {a.shape} {a.dtype}"
+        )
     vocab.check_ids(a, what)
     return a.astype(np.int64)
 
@@ -59,6 +61,10 @@ class Projection(ABC):
         determined n observable tokens: the strings it accepts are exactly the union of the
         liftings of all x in Sigma^n, so sampling the masked prior until a final state draws z
         with probability P^{<=|z|}(z) and Proj^{<w}(z) ~ (Proj # P)^{<=n} ((2.22)).
+
+        With ``num_observed=None`` the automaton has no final state and ``max_len`` is None; a
+        finite automaton cannot count the observables of unbounded strings, so its ``emitted``
+        is 0 throughout (use ``num_observed=n`` for the counts).
         """
 
     @abstractmethod
@@ -87,12 +93,16 @@ class Projection(ABC):
         bad = ~np.isin(xa, self.observable_ids)
         if bad.any():
             toks = [self.vocab.token(int(i)) for i in xa[bad][:5]]
-            raise NotInImageError(f"observation x contains non-observable tokens {toks}; Sigma is the ordinary "
-                                  "tokens and <eos>")
+            sigma = [self.vocab.token(int(i)) for i in self.observable_ids[:12]]
+            more = ", ..." if len(self.observable_ids) > 12 else ""
+            raise NotInImageError(
+                f"observation x contains non-observable tokens {toks}; the observable vocabulary Sigma of "
+                f"{type(self).__name__} is {sigma}{more}"
+            )
         self._check_image(xa)
         return self._lifting(xa)
 
-    def _check_image(self, x: np.ndarray) -> None:
+    def _check_image(self, x: np.ndarray) -> None:  # noqa: B027 (optional hook)
         """Raise NotInImageError if x is not a prefix of any sequence in the image of Proj."""
 
     def project(self, z):

@@ -1,0 +1,62 @@
+"""The ``ppl-thought`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _info(args: argparse.Namespace) -> int:
+    import importlib.metadata as md
+
+    import ppl_thought as pt
+
+    print(f"ppl_thought {pt.__version__}")
+    for dist in ("torch", "pyro-ppl", "numpyro", "jax", "arviz", "numpy"):
+        try:
+            print(f"  {dist:10s} {md.version(dist)}")
+        except md.PackageNotFoundError:
+            print(f"  {dist:10s} (not installed)")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ppl_thought.demo import run_demo
+
+    results = run_demo(out=args.out, quick=args.quick, seed=args.seed)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ppl-thought",
+        description="Language models with latent thoughts as probabilistic programs (Pyro / NumPyro).",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    info = sub.add_parser("info", help="versions of ppl_thought and its backends")
+    info.set_defaults(func=_info)
+    demo = sub.add_parser("demo", help="the main job: run the library's showcase and write results")
+    demo.add_argument("--quick", action="store_true", help="a shorter run (a minute or two)")
+    demo.add_argument("--out", default="out/demo", help="output folder for JSON and plots")
+    demo.add_argument("--json", default=None, help="also write the results JSON to this file")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 0
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The observed site x ~ Proj(z): a deterministic (delta) distribution given latent sequences."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from pyro.distributions import TorchDistribution
+from torch.distributions import constraints
+
+from ppl_thought.errors import NotInImageError
+
+PAD_ID = 0
+
+
+class ProjectionDelta(TorchDistribution):
+    """x = Proj^{<w}(z) restricted to |x| = n: ``log_prob(x)`` is 0 if z lies in the lifting of x, else -inf.
+
+    z in Proj^{-1}_{<w}(x) (Prop 2.3) is checked by running the lifting automaton of x over all
+    rows of z at once, so scoring is vectorised over particles. ``sample()`` projects each row.
+    """
+
+    arg_constraints: dict = {}
+    support = constraints.independent(constraints.nonnegative_integer, 1)
+
+    def __init__(self, projection, z: torch.Tensor, num_observed: int, validate_args=None):
+        self.projection = projection
+        self.z = z
+        self.num_observed = int(num_observed)
+        super().__init__(z.shape[:-1], torch.Size([self.num_observed]), validate_args=validate_args)
+
+    def expand(self, batch_shape, _instance=None):
+        z = self.z.expand(torch.Size(batch_shape) + self.z.shape[-1:])
+        return ProjectionDelta(self.projection, z, self.num_observed)
+
+    def sample(self, sample_shape=()) -> torch.Tensor:
+        flat = self.z.reshape(-1, self.z.shape[-1])
+        xs = self.projection.project(flat.cpu().numpy()) if flat.shape[0] else []
+        out = torch.full((flat.shape[0], self.num_observed), PAD_ID, dtype=torch.long)
+        for i, x in enumerate(xs):
+            x = np.asarray(x)[: self.num_observed]
+            out[i, : len(x)] = torch.as_tensor(x)
+        out = out.reshape(self.z.shape[:-1] + (self.num_observed,)).to(self.z.device)
+        return out.expand(torch.Size(sample_shape) + out.shape)
+
+    def log_prob(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.as_tensor(x)
+        if x.shape[-1] != self.num_observed:
+            raise ValueError(f"observed x has length {x.shape[-1]}, the model was built for {self.num_observed}")
+        xs = x.reshape(-1, x.shape[-1])
+        if not (xs == xs[:1]).all():
+            return self._log_prob_rows(x)
+        try:
+            lift = self.projection.lifting(xs[0].cpu().numpy())
+        except NotInImageError:
+            return torch.full(torch.broadcast_shapes(x.shape[:-1], self.batch_shape), float("-inf"))
+        z = self.z
+        table = lift.torch_table(z.device)
+        s = torch.full(z.shape[:-1], lift.start, dtype=torch.long, device=z.device)
+        for i in range(z.shape[-1]):
+            tok = z[..., i]
+            s = torch.where(tok == PAD_ID, s, table[s, tok])
+        ok = lift.is_final(s)
+        lp = torch.where(ok, torch.zeros(ok.shape), torch.full(ok.shape, float("-inf")))
+        return lp.expand(torch.broadcast_shapes(x.shape[:-1], self.batch_shape))
+
+    def _log_prob_rows(self, x: torch.Tensor) -> torch.Tensor:
+        shape = torch.broadcast_shapes(x.shape[:-1], self.batch_shape)
+        xs = x.expand(shape + x.shape[-1:]).reshape(-1, x.shape[-1])
+        zs = self.z.expand(shape + self.z.shape[-1:]).reshape(-1, self.z.shape[-1])
+        out = torch.empty(xs.shape[0])
+        for i in range(xs.shape[0]):
+            out[i] = ProjectionDelta(self.projection, zs[i : i + 1], self.num_observed).log_prob(xs[i])[0]
+        return out.reshape(shape)

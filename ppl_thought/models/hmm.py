@@ -1,0 +1,432 @@
+"""Hidden Markov models (Def 2.2), their forward algorithm (3.1) and Theorem 2.3's slow-thinking form.
+
+An HMM ``(A, B, lam)`` over hidden states Omega and observations Sigma draws
+``Z_1 ~ lam``, ``Z_{t+1} ~ A[Z_t]``, ``X_t ~ B[Z_t]`` (Def 2.2); ``P_{A,B,lam}`` is the law of
+``(X_t)``. Observations are integer indices into Sigma (``0 .. |Sigma| - 1``), hidden states
+integer indices into Omega; names (token strings) are only needed for the slow-thinking form.
+
+Everything exact here is computed by the forward algorithm, the Markov case of (3.1):
+``P(x_{<=t}) = lam^T diag(B[:, x_1]) A diag(B[:, x_2]) ... A diag(B[:, x_t]) 1``, in
+``O(T |Omega|^2)`` operations per sequence, batched over sequences. The recursion carries the
+filtered law ``P(Z_t | x_{<=t})`` and accumulates ``log P(x_{<=t})`` as a sum of the logs of
+the one-step normalisers ``P(x_t | x_{<t})``, so it works in log space without underflow; an
+impossible observation gives ``-inf`` (never NaN) and keeps it.
+
+Theorem 2.3 (proof in App. E.2) writes every HMM as ``Proj # P_f`` with a bigram latent model:
+latent tokens are pairs ``(x, z)`` of an observation and a hidden state (Example 2.2, the
+:class:`~ppl_thought.projections.product.Product` projection), Proj keeps the observation, and
+the latent model is the Markov chain of the pairs,
+``P((x', z') | (x, z)) = A[z, z'] B[z', x']`` and ``P((x, z) | <bos>) = lam[z] B[z, x]``.
+:meth:`HMM.as_slow_thinking_parts` builds it as an exact :class:`~ppl_thought.lm.tabular.Tabular`
+bigram LM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from ppl_thought.errors import MalformedSequenceError, TooLargeToEnumerateError, UnknownTokenError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ppl_thought.lm.tabular import Tabular
+    from ppl_thought.projections.product import Product
+
+DTYPE = torch.float64
+_NEG_INF = float("-inf")
+
+
+class EntropyEstimate(NamedTuple):
+    """A Monte-Carlo estimate of a per-token entropy (nats) with its standard error."""
+
+    estimate: float
+    stderr: float
+    num_sequences: int
+    length: int
+
+
+def _as_stochastic(name: str, value, shape: tuple[int, ...] | None, atol: float) -> torch.Tensor:
+    """Validate a probability vector (1-D) or a row-stochastic matrix (2-D); float64, rows renormalised."""
+    t = torch.as_tensor(value).detach().to("cpu", DTYPE)
+    want_ndim = 1 if name == "lam" else 2
+    if t.ndim != want_ndim:
+        raise ValueError(f"HMM {name} must be {want_ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"HMM {name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"HMM {name} is empty (shape {tuple(t.shape)})")
+    rows = t.reshape(-1, t.shape[-1])
+    bad = ~torch.isfinite(rows)
+    if bad.any():
+        i, j = (int(v) for v in bad.nonzero()[0])
+        where = f"{name}[{i}, {j}]" if t.ndim == 2 else f"{name}[{j}]"
+        raise ValueError(f"HMM {where} = {rows[i, j].item()} is not a finite number")
+    neg = rows < 0
+    if neg.any():
+        i, j = (int(v) for v in neg.nonzero()[0])
+        where = f"{name}[{i}, {j}]" if t.ndim == 2 else f"{name}[{j}]"
+        raise ValueError(f"HMM {where} = {rows[i, j].item():.6g} is negative; probabilities must be >= 0")
+    sums = rows.sum(-1)
+    off = (sums - 1).abs() > atol
+    if off.any():
+        i = int(off.nonzero()[0, 0])
+        what = f"row {i} of {name}" if t.ndim == 2 else name
+        raise ValueError(f"{what} sums to {sums[i].item():.6g}, not 1: {name} must be "
+                         f"{'row-stochastic' if t.ndim == 2 else 'a probability vector'} (Def 2.2)")
+    return (rows / sums[:, None]).reshape(t.shape)
+
+
+def _safe_log(p: torch.Tensor) -> torch.Tensor:
+    """log with log(0) = -inf and no warning."""
+    return torch.where(p > 0, p.clamp_min(torch.finfo(p.dtype).tiny).log(), torch.full_like(p, _NEG_INF))
+
+
+class HMM:
+    """A hidden Markov model ``(A, B, lam)`` (Def 2.2).
+
+    Args:
+        A: ``[|Omega|, |Omega|]`` row-stochastic transition matrix, ``A[z, z'] = P(Z_{t+1}=z' | Z_t=z)``.
+        B: ``[|Omega|, |Sigma|]`` row-stochastic emission matrix, ``B[z, x] = P(X_t=x | Z_t=z)``.
+        lam: ``[|Omega|]`` initial distribution of ``Z_1``.
+        observable_tokens: optional names of the observations (token strings, no whitespace),
+            used by :meth:`as_slow_thinking_parts`; default ``"x0", "x1", ...``.
+        hidden_names: optional names of the hidden states; default ``"h0", "h1", ...``.
+        atol: tolerance on row sums; rows within it are renormalised exactly.
+
+    Observation sequences ``x`` are LongTensors of indices in ``[0, |Sigma|)``, either one
+    sequence ``[T]`` or a batch ``[N, T]``; results then have no batch dimension or ``[N]``.
+    All computations run in float64 on the CPU.
+    """
+
+    def __init__(
+        self,
+        A,
+        B,
+        lam,
+        *,
+        observable_tokens: Sequence[str] | None = None,
+        hidden_names: Sequence[str] | None = None,
+        atol: float = 1e-6,
+    ):
+        A = _as_stochastic("A", A, None, atol)
+        S = A.shape[0]
+        if A.shape[1] != S:
+            raise ValueError(f"HMM A must be square [|Omega|, |Omega|], got shape {tuple(A.shape)}")
+        B = _as_stochastic("B", B, None, atol)
+        if B.shape[0] != S:
+            raise ValueError(f"HMM B must have |Omega| = {S} rows (one per hidden state), "
+                             f"got shape {tuple(B.shape)}")
+        lam = _as_stochastic("lam", lam, (S,), atol)
+        self.A, self.B, self.lam = A, B, lam
+        self.log_A, self.log_B, self.log_lam = _safe_log(A), _safe_log(B), _safe_log(lam)
+        K = B.shape[1]
+        self.observable_tokens = self._names(observable_tokens, K, "x", "observable_tokens")
+        self.hidden_names = self._names(hidden_names, S, "h", "hidden_names")
+
+    @staticmethod
+    def _names(names: Sequence[str] | None, n: int, prefix: str, what: str) -> list[str]:
+        if names is None:
+            return [f"{prefix}{i}" for i in range(n)]
+        names = [str(s) for s in names]
+        if len(names) != n:
+            raise ValueError(f"{what} has {len(names)} names but the HMM has {n}")
+        if len(set(names)) != n:
+            raise ValueError(f"{what} contains duplicates: {names}")
+        return names
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_states(self) -> int:
+        """|Omega|, the number of hidden states."""
+        return self.A.shape[0]
+
+    @property
+    def num_observations(self) -> int:
+        """|Sigma|, the number of observation symbols."""
+        return self.B.shape[1]
+
+    def __repr__(self) -> str:
+        return f"HMM(|Omega|={self.num_states}, |Sigma|={self.num_observations})"
+
+    # ------------------------------------------------------------------ input checking
+    def _check_x(self, x, what: str = "observations x") -> tuple[torch.Tensor, bool]:
+        """x -> (LongTensor [N, T], whether the input was a single 1-D sequence)."""
+        if not isinstance(x, torch.Tensor):
+            x = torch.as_tensor(x)
+        if x.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            if x.numel() == 0:
+                x = x.long()
+            else:
+                raise MalformedSequenceError(
+                    f"{what} must hold integer observation indices, got dtype {x.dtype}")
+        if x.ndim not in (1, 2):
+            raise MalformedSequenceError(f"{what} must be [T] or [N, T], got shape {tuple(x.shape)}")
+        single = x.ndim == 1
+        x = x.detach().to("cpu", torch.long)
+        if single:
+            x = x[None]
+        K = self.num_observations
+        if x.numel() and (x.min() < 0 or x.max() >= K):
+            bad = x[(x < 0) | (x >= K)][:5].tolist()
+            raise UnknownTokenError(f"{what} contain indices {bad} outside the observation set [0, {K})")
+        return x, single
+
+    # ------------------------------------------------------------------ forward algorithm (3.1)
+    def _forward(self, x: torch.Tensor, want_filter: bool = False, want_predictive: bool = False):
+        """The forward recursion on a checked batch ``x [N, T]``.
+
+        Returns ``log P(x_{<=t})`` ``[N, T]`` and optionally the filtered laws
+        ``P(Z_t | x_{<=t})`` ``[N, T, |Omega|]`` and the predictive laws
+        ``P(X_{t+1} | x_{<=t})`` ``[N, T + 1, |Sigma|]`` (zero rows after an impossible prefix).
+        """
+        N, T = x.shape
+        S = self.num_states
+        B_T = self.B.T.contiguous()  # [K, S]: emission likelihood of each symbol
+        prior = self.lam.expand(N, S)  # P(Z_t | x_{<t}): the one-step prediction of the hidden state
+        log_p = torch.zeros(N, dtype=DTYPE)
+        prefix = torch.empty(N, T, dtype=DTYPE)
+        filt = torch.empty(N, T, S, dtype=DTYPE) if want_filter else None
+        pred = torch.empty(N, T + 1, self.num_observations, dtype=DTYPE) if want_predictive else None
+        for t in range(T):
+            if want_predictive:
+                pred[:, t] = prior @ self.B
+            joint = prior * B_T[x[:, t]]  # P(Z_t = z, x_t | x_{<t})
+            c = joint.sum(-1)  # P(x_t | x_{<t})
+            log_p = log_p + _safe_log(c)
+            prefix[:, t] = log_p
+            post = joint / torch.where(c > 0, c, torch.ones_like(c))[:, None]  # zero row once impossible
+            if want_filter:
+                filt[:, t] = post
+            prior = post @ self.A
+        if want_predictive:
+            pred[:, T] = prior @ self.B
+        return prefix, filt, pred
+
+    def log_prob(self, x) -> torch.Tensor:
+        """``log P_{A,B,lam}(x_1 .. x_T)`` (Def 2.2) by the forward algorithm (3.1).
+
+        ``x``: ``[T]`` -> 0-d tensor, or ``[N, T]`` -> ``[N]``. ``-inf`` for impossible sequences
+        (never NaN); ``0`` for the empty sequence. ``O(N T |Omega|^2)``.
+        """
+        xb, single = self._check_x(x)
+        if xb.shape[1] == 0:
+            out = torch.zeros(xb.shape[0], dtype=DTYPE)
+        else:
+            out = self._forward(xb)[0][:, -1]
+        return out[0] if single else out
+
+    def prefix_log_probs(self, x) -> torch.Tensor:
+        """``log P(x_{<=t})`` for t = 1..T: ``[T]`` or ``[N, T]`` (the marginal of every prefix)."""
+        xb, single = self._check_x(x)
+        out = self._forward(xb)[0]
+        return out[0] if single else out
+
+    def filter(self, x) -> torch.Tensor:
+        """The filtered laws ``P(Z_t | x_{<=t})`` for t = 1..T: ``[T, |Omega|]`` or ``[N, T, |Omega|]``.
+
+        After an impossible prefix (P(x_{<=t}) = 0) the conditional law is undefined and the
+        row is all zeros.
+        """
+        xb, single = self._check_x(x)
+        out = self._forward(xb, want_filter=True)[1]
+        return out[0] if single else out
+
+    def predictive(self, x) -> torch.Tensor:
+        """Next-observation laws ``P(X_{t+1} | x_{<=t})`` for t = 0..T: ``[(N,) T+1, |Sigma|]``.
+
+        Row 0 is ``lam B`` (nothing observed yet); row t follows the prefix of length t, so
+        ``predictive(x)[t, x[t]] = P(x_{t+1} | x_{<=t})``. Rows after an impossible prefix are zeros.
+        """
+        xb, single = self._check_x(x)
+        out = self._forward(xb, want_predictive=True)[2]
+        return out[0] if single else out
+
+    # ------------------------------------------------------------------ cross-entropy / entropy rate
+    def per_token_nll(self, x) -> torch.Tensor:
+        """``-log P(x) / T`` (nats per token) of each sequence: ``[N]`` (or 0-d for one sequence)."""
+        xb, single = self._check_x(x)
+        T = xb.shape[1]
+        if T == 0:
+            raise MalformedSequenceError("per-token cross-entropy needs sequences of length >= 1")
+        out = -self.log_prob(xb) / T
+        return out[0] if single else out
+
+    def cross_entropy(self, x) -> float:
+        """Exact per-token cross-entropy of held-out sequences: the mean over sequences of ``-log P(x)/T``.
+
+        This is the loss a model of the observations can reach at best on these sequences
+        (``inf`` if some sequence is impossible under the HMM).
+        """
+        return float(self.per_token_nll(x).mean())
+
+    def entropy_rate_estimate(
+        self,
+        length: int = 256,
+        num_sequences: int = 256,
+        burn_in: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> EntropyEstimate:
+        """Monte-Carlo estimate of the entropy rate ``lim_T H(X_{1:T}) / T`` (nats per token).
+
+        Samples ``num_sequences`` sequences of ``length`` tokens and averages the exact
+        conditional log-loss of the tokens after ``burn_in``:
+        ``-(log P(x_{<=T}) - log P(x_{<=burn_in})) / (T - burn_in)``. Its expectation is
+        ``H(X_{b+1:T} | X_{<=b}) / (T - b)``, an upper bound that decreases to the entropy rate as
+        ``b`` grows (for a stationary chain); the standard error is over sequences.
+        """
+        if not 0 <= burn_in < length:
+            raise ValueError(f"need 0 <= burn_in < length, got burn_in={burn_in}, length={length}")
+        if num_sequences < 2:
+            raise ValueError("entropy_rate_estimate needs num_sequences >= 2 for a standard error")
+        _, x = self.sample(num_sequences, length, generator=generator)
+        prefix = self._forward(x)[0]
+        tail = prefix[:, -1] - (prefix[:, burn_in - 1] if burn_in > 0 else 0.0)
+        nll = -tail / (length - burn_in)
+        return EntropyEstimate(float(nll.mean()), float(nll.std() / math.sqrt(num_sequences)),
+                               num_sequences, length)
+
+    # ------------------------------------------------------------------ joint law and brute force
+    def log_joint(self, z, x) -> torch.Tensor:
+        """``log P(Z = z, X = x) = log lam[z_1] + sum log A[z_t, z_{t+1}] + sum log B[z_t, x_t]``.
+
+        ``z`` and ``x`` of the same shape ``[T]`` or ``[N, T]``.
+        """
+        xb, single = self._check_x(x)
+        zb = torch.as_tensor(z).detach().to("cpu", torch.long)
+        zb = zb[None] if zb.ndim == 1 else zb
+        if zb.shape != xb.shape:
+            raise MalformedSequenceError(f"z has shape {tuple(zb.shape)} but x has {tuple(xb.shape)}")
+        if zb.numel() and (zb.min() < 0 or zb.max() >= self.num_states):
+            raise UnknownTokenError(f"hidden states must lie in [0, {self.num_states})")
+        out = self._log_joint(zb, xb)
+        return out[0] if single else out
+
+    def _log_joint(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if z.shape[1] == 0:
+            return torch.zeros(z.shape[0], dtype=DTYPE)
+        out = self.log_lam[z[:, 0]] + self.log_B[z, x].sum(-1)
+        if z.shape[1] > 1:
+            out = out + self.log_A[z[:, :-1], z[:, 1:]].sum(-1)
+        return out
+
+    def brute_force_log_prob(self, x, limit: int = 1_000_000) -> torch.Tensor:
+        """``log P(x)`` by summing ``P(z, x)`` over all ``|Omega|^T`` hidden paths (Def 2.2), for tests.
+
+        Raises :class:`TooLargeToEnumerateError` when ``|Omega|^T`` exceeds ``limit``.
+        """
+        xb, single = self._check_x(x)
+        N, T = xb.shape
+        S = self.num_states
+        if S**T > limit:
+            raise TooLargeToEnumerateError(
+                f"brute force over |Omega|^T = {S}^{T} = {S**T} hidden paths exceeds limit={limit}; "
+                "use log_prob (the forward algorithm) instead"
+            )
+        if T == 0:
+            out = torch.zeros(N, dtype=DTYPE)
+            return out[0] if single else out
+        paths = torch.tensor(list(itertools.product(range(S), repeat=T)), dtype=torch.long)
+        out = torch.full((N,), _NEG_INF, dtype=DTYPE)
+        chunk = max(1, 2**20 // max(1, N * max(T, 1)))
+        for start in range(0, paths.shape[0], chunk):
+            p = paths[start : start + chunk]  # [P, T]
+            P = p.shape[0]
+            lj = self._log_joint(p[None].expand(N, P, T).reshape(N * P, T),
+                                 xb[:, None].expand(N, P, T).reshape(N * P, T)).reshape(N, P)
+            out = torch.logsumexp(torch.cat([out[:, None], lj], dim=1), dim=1)
+        return out[0] if single else out
+
+    # ------------------------------------------------------------------ sampling
+    def sample(
+        self, num_sequences: int, length: int, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw ``(hidden, observed)``, both LongTensors ``[num_sequences, length]`` (Def 2.2).
+
+        Vectorised over sequences (one categorical draw per time step for all rows).
+        """
+        if num_sequences < 0 or length < 0:
+            raise ValueError(f"num_sequences and length must be >= 0, got {num_sequences}, {length}")
+        N, T = int(num_sequences), int(length)
+        z = torch.empty(N, T, dtype=torch.long)
+        if N == 0 or T == 0:
+            return z, torch.empty(N, T, dtype=torch.long)
+        z[:, 0] = torch.multinomial(self.lam.expand(N, -1), 1, replacement=True, generator=generator)[:, 0]
+        for t in range(1, T):
+            z[:, t] = torch.multinomial(self.A[z[:, t - 1]], 1, generator=generator)[:, 0]
+        x = torch.multinomial(self.B[z.reshape(-1)], 1, generator=generator).reshape(N, T)
+        return z, x
+
+    # ------------------------------------------------------------------ Theorem 2.3
+    def as_slow_thinking_parts(
+        self,
+        observable_tokens: list[str] | None = None,
+        hidden_names: list[str] | None = None,
+        sep: str = "|",
+        trainable: bool = False,
+    ) -> tuple[Product, Tabular]:
+        """The HMM as ``Proj # P_f`` with a bigram latent prior (Theorem 2.3, proof in App. E.2).
+
+        Returns ``(projection, prior)``: ``projection = Product.build(observable, hidden, sep)``
+        (Example 2.2: latent tokens are the pairs ``f"{a}{sep}{g}"`` of an observation ``a`` and a
+        hidden state ``g``; Proj keeps ``a``) and ``prior``, an exact order-2
+        :class:`~ppl_thought.lm.tabular.Tabular` LM over the product vocabulary whose next-token
+        law is the Markov chain of the pairs:
+
+        - after ``<bos>``: ``P((a, g)) = lam[g] B[g, a]``;
+        - after ``(a, g)``: ``P((a', g')) = A[g, g'] B[g', a']`` (it does not depend on ``a``).
+
+        (The formula for P^O printed in App. E.2 is garbled; these are the laws the proof needs.)
+        Every other next token (observable-only tokens, specials, impossible pairs) has logit
+        ``-inf``. Contexts that never occur (observable-only tokens, specials other than ``<bos>``)
+        get the ``<bos>`` row, so no row is all ``-inf`` and nothing becomes NaN. Hence
+        ``Proj # P = P_{A,B,lam}``: summing the prior over the lifting of x gives the forward
+        algorithm's ``P(x)``.
+
+        Names default to the ones given at construction.
+        """
+        from ppl_thought.lm.tabular import BOS_ID, Tabular
+        from ppl_thought.projections.product import Product
+
+        obs = self._names(observable_tokens, self.num_observations, "x", "observable_tokens") \
+            if observable_tokens is not None else list(self.observable_tokens)
+        hid = self._names(hidden_names, self.num_states, "h", "hidden_names") \
+            if hidden_names is not None else list(self.hidden_names)
+        product = Product.build(list(obs), list(hid), sep=sep)
+        V = len(product.vocab)
+        pair = torch.tensor([[product.pair_id(a, g) for g in hid] for a in obs], dtype=torch.long)  # [K, S]
+        K, S = pair.shape
+        logits = torch.full((V, V), _NEG_INF, dtype=DTYPE)
+        # row (a, g), column (a', g'): log A[g, g'] + log B[g', a']   (independent of a)
+        step = self.log_A[:, :, None] + self.log_B[None, :, :]  # [g, g', a']
+        rows = pair[:, :, None, None].expand(K, S, K, S)  # (a, g, a', g')
+        cols = pair[None, None, :, :].expand(K, S, K, S)
+        vals = step.permute(0, 2, 1)[None].expand(K, S, K, S)  # [a, g, a', g'] <- step[g, g', a']
+        logits[rows.reshape(-1), cols.reshape(-1)] = vals.reshape(-1)
+        logits[BOS_ID, pair.reshape(-1)] = (self.log_lam[None, :] + self.log_B.T).reshape(-1)
+        never = torch.isneginf(logits).all(dim=-1)
+        logits[never] = logits[BOS_ID].clone()
+        prior = Tabular(2, V, logits.to(torch.get_default_dtype()), trainable=trainable)
+        return product, prior
+
+    def as_slow_thinking(self, **kwargs):
+        """``pt.models.SlowThinking(prior, projection)`` from :meth:`as_slow_thinking_parts` (Theorem 2.3)."""
+        from ppl_thought.models.slow_thinking import SlowThinking
+
+        projection, prior = self.as_slow_thinking_parts(**kwargs)
+        return SlowThinking(prior, projection)
+
+    def observation_ids(
+        self, projection: Product, observable_tokens: list[str] | None = None
+    ) -> torch.Tensor:
+        """The vocabulary id of each observation index in a product projection's vocabulary: ``[|Sigma|]``.
+
+        ``observation_ids(product)[x]`` turns an index sequence x into the id sequence that the
+        slow-thinking model of :meth:`as_slow_thinking_parts` observes (pass the same
+        ``observable_tokens`` as there if you overrode them).
+        """
+        names = self.observable_tokens if observable_tokens is None else list(observable_tokens)
+        return torch.tensor([projection.vocab.id(a) for a in names], dtype=torch.long)

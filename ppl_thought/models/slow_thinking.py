@@ -1,0 +1,152 @@
+"""The slow-thinking model Proj # P_f as a Pyro program (Sections 2.6.3, 3.7).
+
+``SlowThinking(prior, projection)`` is the model of the projection view (ARCHITECTURE.md):
+the latent site ``z ~ LMSequence(prior, constraint=projection.domain(|x|))`` draws a latent
+prefix from the masked prior P_f (Def 2.8) until it determines |x| observable tokens, and the
+observed site ``x ~ Proj(z)`` is a delta. Its marginal likelihood is (2.22) and its posterior
+over z is Q_* of (2.24); both are available exactly by enumeration for small models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyro
+import torch
+
+from ppl_thought.distributions.lm_sequence import PAD_ID, LMSequence
+from ppl_thought.distributions.projected import ProjectionDelta
+from ppl_thought.errors import NotInImageError, TooLargeToEnumerateError
+from ppl_thought.projections.base import Projection, as_id_array
+
+
+def pad_sequences(seqs, length: int | None = None, pad_id: int = PAD_ID) -> torch.Tensor:
+    """A list of 1-D id sequences -> a right-padded LongTensor ``[len(seqs), length]``."""
+    L = max((len(s) for s in seqs), default=0) if length is None else length
+    out = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            out[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+    return out
+
+
+@dataclass
+class EnumeratedPosterior:
+    """The exact posterior Q_*(z | x) of (2.24) over the enumerated lifting of x.
+
+    ``support`` is ``[K, L]`` right-padded latent sequences; ``log_probs`` ``[K]`` are log Q_*(z | x)
+    (they log-sum-exp to 0); ``log_marginal`` is log (Proj # P)^{<=|x|}(x) of (2.22).
+    """
+
+    support: torch.Tensor
+    log_probs: torch.Tensor
+    log_marginal: torch.Tensor
+    log_joint: torch.Tensor
+
+    @property
+    def probs(self) -> torch.Tensor:
+        return self.log_probs.exp()
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        idx = torch.multinomial(self.probs, n, replacement=True, generator=generator)
+        return self.support[idx]
+
+    def as_dict(self) -> dict[tuple[int, ...], float]:
+        return {tuple(int(t) for t in row if t != PAD_ID): float(p) for row, p in zip(self.support, self.probs)}
+
+
+class SlowThinking:
+    """The Pyro model of Proj # P_f with latent site ``"z"`` and observed site ``"x"``.
+
+    Args:
+        prior: the latent LM P_f (a :mod:`ppl_thought.lm` module over the projection's vocabulary).
+        projection: a :class:`~ppl_thought.projections.Projection`.
+
+    Call it as a Pyro model: ``model(x)`` with x a string, token list or 1-D LongTensor
+    (observed), or ``model(None, length=n)`` to generate. Under a particle plate the z site
+    carries the batch.
+    """
+
+    def __init__(self, prior: torch.nn.Module, projection: Projection):
+        if int(prior.vocab_size) != len(projection.vocab):
+            raise ValueError(
+                f"prior vocab_size {prior.vocab_size} != projection vocabulary size {len(projection.vocab)}"
+            )
+        self.prior = prior
+        self.projection = projection
+        self.vocab = projection.vocab
+
+    # ------------------------------------------------------------------ the program
+    def x_ids(self, x) -> torch.Tensor:
+        """x as a 1-D LongTensor of ids (accepts text, token strings, ids)."""
+        return torch.as_tensor(as_id_array(x, self.vocab, "observation x"), dtype=torch.long)
+
+    def z_dist(self, num_observed: int) -> LMSequence:
+        """P_f masked to Dom(Proj) (Def 2.8), stopped once ``num_observed`` tokens are determined."""
+        return LMSequence(self.prior, constraint=self.projection.domain(num_observed), vocab=self.vocab)
+
+    def __call__(self, x=None, length: int | None = None):
+        if x is None and length is None:
+            raise ValueError("give the observation x, or length= to generate")
+        xt = self.x_ids(x) if x is not None else None
+        n = len(xt) if xt is not None else int(length)
+        pyro.module("prior", self.prior)
+        z = pyro.sample("z", self.z_dist(n))
+        return pyro.sample("x", ProjectionDelta(self.projection, z, n), obs=xt)
+
+    model = __call__
+
+    # ------------------------------------------------------------------ exact answers
+    def enumerate_log_joint(self, x, limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
+        """(support ``[K, L]``, log P^{<=|z|}(z) ``[K]``) for every z in the lifting of x."""
+        xt = self.x_ids(x)
+        try:
+            lifting = self.projection.enumerate_lifting(xt.numpy(), limit=limit)
+        except TooLargeToEnumerateError as e:
+            raise TooLargeToEnumerateError(
+                f"exact computation for |x| = {len(xt)} needs the whole lifting: {e}. Use an engine "
+                "(pt.infer.Importance / SMC) for long observations"
+            ) from None
+        dist = self.z_dist(len(xt))
+        support = pad_sequences(lifting, dist.max_len)
+        with torch.no_grad():
+            lp = torch.cat([dist.log_prob(chunk) for chunk in support.split(4096)]) if len(support) else \
+                torch.zeros(0)
+        return support, lp
+
+    def exact_log_prob(self, x, limit: int = 20_000) -> torch.Tensor:
+        """log (Proj # P)^{<=|x|}(x) = log sum_{z in lifting(x)} P^{<=|z|}(z), equation (2.22).
+
+        ``-inf`` for x outside the image of Proj. Raises TooLargeToEnumerateError when the
+        lifting has more than ``limit`` sequences.
+        """
+        try:
+            _, lp = self.enumerate_log_joint(x, limit)
+        except NotInImageError:
+            return torch.tensor(float("-inf"))
+        return torch.logsumexp(lp, 0) if len(lp) else torch.tensor(float("-inf"))
+
+    def exact_posterior(self, x, limit: int = 20_000) -> EnumeratedPosterior:
+        """Q_*(z | x) = P^{<=|z|}(z) / (Proj # P)^{<=|x|}(x) on the lifting of x, equation (2.24)."""
+        support, lp = self.enumerate_log_joint(x, limit)
+        logz = torch.logsumexp(lp, 0) if len(lp) else torch.tensor(float("-inf"))
+        if not torch.isfinite(logz):
+            raise NotInImageError(
+                f"x = {self.vocab.decode(self.x_ids(x))!r} has probability 0 under Proj # P: no posterior"
+            )
+        return EnumeratedPosterior(support, lp - logz, logz, lp)
+
+    def exact_log_probs_all(self, n: int, limit: int = 20_000) -> dict[tuple[int, ...], float]:
+        """log (Proj # P)(x) for every x in Sigma^n (a check that (2.22) sums to 1)."""
+        sigma = self.projection.observable_ids
+        if len(sigma) ** n > limit:
+            raise TooLargeToEnumerateError(f"|Sigma|^n = {len(sigma) ** n} over limit {limit}")
+        out = {}
+        for xs in np.array(np.meshgrid(*[sigma] * n, indexing="ij")).reshape(n, -1).T if n else [np.zeros(0, int)]:
+            out[tuple(int(v) for v in xs)] = float(self.exact_log_prob(xs.astype(np.int64)))
+        return out
+
+    def __repr__(self) -> str:
+        return f"SlowThinking(prior={type(self.prior).__name__}, projection={self.projection!r})"
+

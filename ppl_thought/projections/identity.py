@@ -1,0 +1,51 @@
+"""The identity projection of Example 2.1: Omega = Sigma, Proj = id."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ppl_thought.errors import NotInDomainError
+from ppl_thought.projections._tables import loop, phase_tables, set_edges, unroll
+from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections.base import Projection
+from ppl_thought.vocab import Vocab
+
+
+class Identity(Projection):
+    """Ex 2.1: Omega = Sigma and Proj = id.
+
+    The lifting is ``x -> {x}`` and the next-segment map is Phi_x(z, a) = {a}, so
+    (Proj # P)^{<=t}(x_t | x_{<t}) is the classical autoregression (2.25). Every x in Sigma* is
+    in the image, and Dom(Proj) = Sigma^w: any observable token is admissible after any prefix.
+    """
+
+    is_disentangled = True
+
+    def __init__(self, vocab: Vocab):
+        super().__init__(vocab)
+        nxt, em = phase_tables(1, len(vocab))
+        set_edges(nxt, em, 0, vocab.observable_ids, 0, emitting=True)
+        self._tables = (nxt, em)
+
+    @property
+    def latent_ids(self) -> np.ndarray:
+        """Omega = Sigma (Ex 2.1)."""
+        return self.observable_ids
+
+    def _project_one(self, z: np.ndarray) -> np.ndarray:
+        bad = ~np.isin(z, self.observable_ids)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise NotInDomainError(
+                f"Identity: token {self.vocab.token(int(z[i]))!r} at position {i} of z is not observable; "
+                "Omega = Sigma (the ordinary tokens and <eos>)"
+            )
+        return z.astype(np.int64, copy=True)
+
+    def domain(self, num_observed: int | None = None) -> Automaton:
+        if num_observed is None:
+            return loop(self._tables[0], 0, "Identity.domain")
+        return unroll(lambda t: self._tables, 0, int(num_observed), None, f"Identity.domain({num_observed})")
+
+    def _lifting(self, x: np.ndarray) -> Automaton:
+        return unroll(lambda t: self._tables, 0, len(x), x, "Identity.lifting")
