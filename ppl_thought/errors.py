@@ -29,3 +29,7 @@ class MalformedSequenceError(PPLThoughtError, ValueError):
 
 class NotRegularError(PPLThoughtError, ValueError):
     """A language that no finite token automaton accepts (e.g. an unbounded thought schedule)."""
+
+
+class NotDisentangledError(PPLThoughtError, ValueError):
+    """A sampler that needs a disentangled projection (Def 3.5) was given one that is not."""

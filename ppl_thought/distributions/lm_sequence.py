@@ -334,6 +334,8 @@ class LMSequence(TorchDistribution):
         if self._last is not None and value is self._last[0] and not self._needs_grad():
             return self._last[1]
         value = self._check_value(value)
+        if self.prompt.ndim > 1:  # one prompt per row: broadcast the value over the prompts' batch
+            value = value.expand(torch.broadcast_shapes(value.shape[:-1], self.prompt.shape[:-1]) + value.shape[-1:])
         batch = value.shape[:-1]
         device = self._device()
         if value.numel() == 0:  # no rows, or empty sequences: complete iff the start is final
@@ -380,7 +382,35 @@ class LMSequence(TorchDistribution):
         return value
 
     def _score(self, z: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Masked step log-probabilities of right-padded rows ``z [n, L]`` given logits ``[n, L, V]``."""
+        """Masked step log-probabilities of right-padded rows ``z [n, L]`` given logits ``[n, L, V]``, summed."""
+        steps, complete = self._steps(z, logits)
+        lp = steps.sum(-1)
+        return torch.where(complete, lp, torch.full_like(lp, float("-inf")))
+
+    def step_log_probs(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token masked log-probabilities ``[..., L]`` (0 on padding) and completeness ``[...]``.
+
+        The prefix sums are log P(z_{<=k}) (Def 2.8), e.g. the marginal Q(z | x) = int Q(zs | xy) ds
+        of Remark 3.5 restricted to the first |z| tokens. One teacher-forced pass.
+        """
+        value = self._check_value(value)
+        if self.prompt.ndim > 1:  # one prompt per row: broadcast the value over the prompts' batch
+            value = value.expand(torch.broadcast_shapes(value.shape[:-1], self.prompt.shape[:-1]) + value.shape[-1:])
+        batch = value.shape[:-1]
+        device = self._device()
+        flat = value.reshape(-1, value.shape[-1]).to(device)
+        n, L = flat.shape
+        if L == 0 or n == 0:
+            return torch.zeros(batch + (L,), device=device), torch.ones(batch, dtype=torch.bool, device=device)
+        if self.prompt.ndim > 1:
+            raise NotImplementedError("step_log_probs supports a prompt shared by every row")
+        ctx = torch.cat([torch.tensor([BOS_ID], device=device), self.prompt.to(device)])
+        inputs = torch.cat([ctx.expand(n, -1), flat[:, :-1]], dim=1)
+        logits, _ = self.lm(inputs, **self.lm_kwargs_for(n))
+        steps, complete = self._steps(flat, logits[:, ctx.shape[0] - 1 :])
+        return steps.reshape(batch + (L,)), complete.reshape(batch)
+
+    def _steps(self, z: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, L = z.shape
         lengths = (z != PAD_ID).sum(-1)
         # automaton states before each token; sequential in L, vectorised over rows
@@ -399,7 +429,7 @@ class LMSequence(TorchDistribution):
         step = torch.where(torch.isneginf(tok_logit), torch.full_like(lse, float("-inf")), tok_logit - lse)
         pos = torch.arange(L, device=z.device)
         inside = pos[None] < lengths[:, None]
-        lp = torch.where(inside, step, torch.zeros_like(step)).sum(-1)
+        steps = torch.where(inside, step, torch.zeros_like(step))
         # completeness: the first end (stop token or final state) must be the last token
         ends = self._ends(z, auto[:, 1:]) & inside
         if self.constraint is not None:
@@ -413,7 +443,7 @@ class LMSequence(TorchDistribution):
             start_final, lengths == 0,
             torch.where(ends.any(-1), first_end == lengths - 1, lengths == self.max_len),
         )
-        return torch.where(complete, lp, torch.full_like(lp, float("-inf")))
+        return steps, complete
 
     def __repr__(self) -> str:
         c = self.constraint.name if self.constraint is not None else None

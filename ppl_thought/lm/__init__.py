@@ -1,0 +1,7 @@
+"""Autoregressive LMs with KV caches: ``forward(tokens, cache=None) -> (logits, cache)``."""
+
+from ppl_thought.lm.base import LMCache, step
+from ppl_thought.lm.tabular import Tabular, TabularCache
+from ppl_thought.lm.transformer import KVCache, Transformer
+
+__all__ = ["Transformer", "KVCache", "Tabular", "TabularCache", "LMCache", "step"]

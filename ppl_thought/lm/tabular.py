@@ -69,8 +69,18 @@ class Tabular(nn.Module):
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise UnknownTokenError(f"token ids must lie in [0, {self.vocab_size})")
 
-    def forward(self, tokens: torch.Tensor, cache: TabularCache | None = None):
+    def forward(self, tokens: torch.Tensor, cache: TabularCache | None = None,
+                valid: torch.Tensor | None = None):
+        """``tokens [B, T]`` -> ``(logits [B, T, V], cache)``.
+
+        ``valid`` (bool ``[B, T]``, optional): invalid tokens are not read, the context of their row
+        does not change, and their logits are those of the unchanged context. A row of SMC that
+        waits at a segment boundary feeds a dummy token with ``valid=False`` (ragged batches in
+        lockstep).
+        """
         self._check(tokens)
+        if valid is not None and not bool(valid.all()):
+            return self._forward_valid(tokens, cache, valid)
         B, T = tokens.shape
         k = self.order - 1
         if cache is None:
@@ -87,3 +97,23 @@ class Tabular(nn.Module):
             idx = full.unfold(1, k, 1)[:, 1:]  # windows ending at each new token: [B, T, k]
             logits = self.logits[tuple(idx.unbind(-1))]
         return logits, TabularCache(full[:, full.shape[1] - k :], length + T)
+
+    def _forward_valid(self, tokens: torch.Tensor, cache: TabularCache | None, valid: torch.Tensor):
+        B, T = tokens.shape
+        if valid.shape != tokens.shape:
+            raise MalformedSequenceError(f"valid has shape {tuple(valid.shape)}, tokens {tuple(tokens.shape)}")
+        k = self.order - 1
+        if cache is None:
+            ctx = torch.full((B, k), BOS_ID, dtype=torch.long, device=tokens.device)
+            length = 0
+        else:
+            ctx, length = cache.context, cache.length
+        out = []
+        for i in range(T):
+            if k > 0:
+                shifted = torch.cat([ctx[:, 1:], tokens[:, i : i + 1].long()], dim=1)
+                ctx = torch.where(valid[:, i : i + 1], shifted, ctx)
+                out.append(self.logits[tuple(ctx.unbind(-1))])
+            else:
+                out.append(self.logits.expand(B, self.vocab_size))
+        return torch.stack(out, 1), TabularCache(ctx, length + T)

@@ -1,0 +1,122 @@
+"""Engine benchmarks: ours vs pyro.infer.Importance, sampling vs bare forward, SMC throughput.
+
+    python benchmarks/engines.py [--quick] [--json FILE]
+
+Figures are ratios measured in one run (ARCHITECTURE.md). One torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import pyro
+import pyro.infer
+import torch
+
+from ppl_thought.distributions import LMSequence
+from ppl_thought.inference import SMC, Importance
+from ppl_thought.lm import Tabular, Transformer
+from ppl_thought.models import SlowThinking
+from ppl_thought.projections import PauseToThink
+from ppl_thought.vocab import Vocab
+
+
+class CausalSampler:
+    """An LM decoded under the lifting of x (sampler and Pyro guide)."""
+
+    def __init__(self, lm, model):
+        self.lm, self.model = lm, model
+
+    def dist(self, x):
+        x = self.model.x_ids(x)
+        return LMSequence(self.lm, constraint=self.model.projection.lifting(x),
+                          max_len=self.model.z_dist(len(x)).max_len)
+
+    def sample_with_log_prob(self, x, n):
+        return self.dist(x).sample_with_log_prob((n,))
+
+    def __call__(self, x):
+        return pyro.sample("z", self.dist(x))
+
+
+def timed(fn, reps):
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    vocab = Vocab(["a", "b", "c", "d"])
+    V = len(vocab)
+    proj = PauseToThink(vocab, max_thought_len=2)
+    prior = Transformer(V, d_model=32, n_layers=2, n_heads=2).eval()
+    q_lm = Transformer(V, d_model=32, n_layers=2, n_heads=2).eval()
+    model = SlowThinking(prior, proj)
+    guide = CausalSampler(q_lm, model)
+    x = "abcd" if args.quick else "abcdabcd"
+    n = 256
+    reps = 1 if args.quick else 3
+    out: dict = {"num_particles": n, "x_len": len(x)}
+
+    with torch.no_grad():
+        t_ours = timed(lambda: Importance(n).run(model, guide, x), reps)
+        t_ours_traced = timed(lambda: Importance(n, fast=False).run(model, guide, x), reps)
+        t_pyro = timed(lambda: pyro.infer.Importance(model, guide, num_samples=n).run(x), 1)
+    out.update(importance_s=t_ours, importance_traced_s=t_ours_traced, pyro_importance_s=t_pyro,
+               is_speedup_vs_pyro_importance=t_pyro / t_ours,
+               is_traced_speedup_vs_pyro_importance=t_pyro / t_ours_traced)
+
+    # sampling vs a bare incremental forward loop (same batch, same number of steps)
+    B, steps = 256, 16
+    dist = LMSequence(prior, constraint=proj.domain(steps // 2), max_len=steps)
+
+    def sample():
+        z, _ = dist.sample_with_log_prob((B,))
+        return z
+
+    with torch.no_grad():
+        z = sample()
+        ntok = int((z != 0).sum())
+        t_sample = timed(sample, reps)
+        L = z.shape[1]
+
+        def bare():
+            logits, cache = prior(torch.ones(B, 1, dtype=torch.long))
+            for i in range(L):
+                logits, cache = prior(z[:, i : i + 1].clamp(min=2), cache=cache)
+
+        t_bare = timed(bare, reps)
+    out.update(sampling_tokens_per_s=ntok / t_sample, forward_tokens_per_s=B * L / t_bare,
+               sampling_fraction_of_forward=(ntok / t_sample) / (B * L / t_bare))
+
+    # SMC throughput (particle-steps = particles x lockstep token steps)
+    tab = Tabular(2, V, torch.randn(V, V), trainable=False)
+    tmodel = SlowThinking(tab, proj)
+    tguide = CausalSampler(Tabular(2, V, torch.randn(V, V), trainable=False), tmodel)
+    for name, m, g in (("tabular", tmodel, tguide), ("transformer", model, guide)):
+        res = {}
+
+        def run(res=res, m=m, g=g):
+            res["r"] = SMC(n).run(m, g, x)
+
+        t = timed(run, reps)
+        out[f"smc_{name}_particle_steps_per_s"] = res["r"].stats["particle_steps"] / t
+        out[f"smc_{name}_mode"] = res["r"].stats["mode"]
+    print(json.dumps(out, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Sampler families (Def 3.1) as Pyro guides for the site ``"z"`` (ARCHITECTURE.md, "Guides").
+
+The hierarchy of Section 3.6: identity (3.30) ⊆ predictive (Def 3.7) ⊆ causal (3.33) ⊆
+explanatory (Def 3.9); the exact posterior Q_* (2.24) and the inquisitive sampler Q_bullet (3.22).
+
+- :class:`Identity` (model), :class:`Predictive` (lm, projection): thought decisions with the next
+  observable marginalised, then x_t forced.
+- :class:`Causal` (lm, projection): the LM decoded under the lifting automaton (masked softmax).
+- :class:`Explanatory` (lm, projection, mode_tag, gating): "x <explain> z" (Section 5.6.2).
+- :class:`Posterior` (model), :class:`Inquisitive` (model, centered): exact, by enumeration.
+- :class:`GatedLM`: the gating of App. L; :func:`explanatory_guide`: the program view.
+- :class:`Sampler`, :class:`SamplerDistribution`: the protocol and its Pyro distribution.
+"""
+
+from ppl_thought.guides.base import Sampler, SamplerDistribution
+from ppl_thought.guides.exact import Inquisitive, Posterior
+from ppl_thought.guides.explanatory import Causal, Explanatory, GatedCache, GatedLM, explanatory_guide
+from ppl_thought.guides.predictive import Identity, MarginalizedDecoder, Predictive, emission_substitution
+
+__all__ = [
+    "Causal",
+    "Explanatory",
+    "GatedCache",
+    "GatedLM",
+    "Identity",
+    "Inquisitive",
+    "MarginalizedDecoder",
+    "Posterior",
+    "Predictive",
+    "Sampler",
+    "SamplerDistribution",
+    "emission_substitution",
+    "explanatory_guide",
+]

@@ -1,0 +1,184 @@
+"""The sampler protocol of Def 3.1 and its Pyro face (ARCHITECTURE.md, "Guides").
+
+A sampler Q maps an observation x to a law Q(. | x) supported on the lifting Proj^{-1}_{<w}(x)
+(Def 3.1). Every sampler in :mod:`ppl_thought.guides` offers
+
+- ``sample(x, n) -> LongTensor [n, L]``: n latent sequences, right-padded with ``<pad>`` to the
+  event length L = ``projection.domain(len(x)).max_len`` of the model's site ``"z"``;
+- ``sample_with_log_prob(x, n) -> (z, log Q(z | x))``;
+- ``log_prob(z, x) -> [n]``: log Q(z | x), ``-inf`` outside the lifting (never NaN);
+- ``__call__(x)``: a Pyro guide sampling the site ``"z"`` from :class:`SamplerDistribution`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import pyro
+import torch
+from pyro.distributions import TorchDistribution
+from torch.distributions import constraints
+
+from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections.base import Projection, as_id_array
+
+PAD_ID = 0
+
+
+class Sampler(ABC):
+    """Base class of samplers Q(z | x) (Def 3.1). Subclasses implement ``_sample`` and ``_log_prob``."""
+
+    projection: Projection
+    site: str = "z"
+
+    # ------------------------------------------------------------------ helpers
+    def _automata(self) -> dict:
+        cache = self.__dict__.get("_automata_cache")
+        if cache is None or len(cache) > 256:
+            cache = self.__dict__["_automata_cache"] = {}
+        return cache
+
+    def lifting(self, x) -> Automaton:
+        """The lifting automaton of x (Prop 2.3), cached per x; NotInImageError names bad input."""
+        xa = as_id_array(x, self.projection.vocab, "observation x")
+        key = ("lift", tuple(xa.tolist()))
+        cache = self._automata()
+        if key not in cache:
+            cache[key] = self.projection.lifting(xa)
+        return cache[key]
+
+    def domain(self, n: int) -> Automaton:
+        """``projection.domain(n)``, cached."""
+        key = ("dom", int(n))
+        cache = self._automata()
+        if key not in cache:
+            cache[key] = self.projection.domain(int(n))
+        return cache[key]
+
+    def x_ids(self, x) -> torch.Tensor:
+        """x as a 1-D LongTensor of ids (text, token strings, ids); non-observable tokens raise."""
+        xa = as_id_array(x, self.projection.vocab, "observation x")
+        self.lifting(xa)  # NotInImageError naming the problem
+        return torch.as_tensor(xa, dtype=torch.long)
+
+    def event_length(self, x) -> int:
+        """L = ``projection.domain(|x|).max_len``: the event length of the model's site ``"z"``."""
+        n = len(self.x_ids(x))
+        L = self.domain(n).max_len
+        if L is None:
+            raise ValueError(f"{type(self.projection).__name__}.domain({n}) is unbounded: no event length")
+        return int(L)
+
+    def _check_z(self, z, L: int) -> torch.Tensor:
+        z = torch.as_tensor(z)
+        if z.dtype in (torch.float16, torch.float32, torch.float64, torch.bool):
+            raise MalformedSequenceError(f"latent sequences must hold integer ids, got dtype {z.dtype}")
+        z = z.long()
+        if z.ndim == 1:
+            z = z[None]
+        if z.ndim != 2:
+            raise MalformedSequenceError(f"latent sequences must be [n, L], got shape {tuple(z.shape)}")
+        if z.shape[-1] > L:
+            if (z[:, L:] != PAD_ID).any():
+                raise MalformedSequenceError(f"latent sequence longer than the event length {L}")
+            z = z[:, :L]
+        elif z.shape[-1] < L:
+            z = torch.cat([z, torch.full((z.shape[0], L - z.shape[-1]), PAD_ID, dtype=torch.long)], -1)
+        V = len(self.projection.vocab)
+        if z.numel() and (z.min() < 0 or z.max() >= V):
+            raise MalformedSequenceError(f"latent sequences contain ids outside the vocabulary [0, {V})")
+        return z
+
+    # ------------------------------------------------------------------ the protocol
+    @abstractmethod
+    def _sample(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(z [n, L], log Q(z | x) [n])`` for a validated x."""
+
+    @abstractmethod
+    def _log_prob(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """log Q(z | x) ``[n]`` for validated ``z [n, L]``."""
+
+    def sample_with_log_prob(self, x, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """n draws Z ~ Q(. | x) (one batched decoding, no loop over particles) and log Q(Z | x)."""
+        xt = self.x_ids(x)
+        if int(n) < 0:
+            raise ValueError(f"number of samples must be >= 0, got {n}")
+        return self._sample(xt, int(n))
+
+    def sample(self, x, n: int) -> torch.Tensor:
+        """n latent sequences ``[n, L]`` drawn from Q(. | x), right-padded with ``<pad>``."""
+        return self.sample_with_log_prob(x, n)[0]
+
+    def log_prob(self, z, x) -> torch.Tensor:
+        """log Q(z | x) ``[n]`` (Def 3.1): ``-inf`` for z outside the lifting of x, never NaN."""
+        xt = self.x_ids(x)
+        zt = self._check_z(z, self.event_length(xt))
+        if zt.shape[0] == 0:
+            return torch.zeros(0)
+        return self._log_prob(zt, xt)
+
+    def distribution(self, x) -> SamplerDistribution:
+        return SamplerDistribution(self, x)
+
+    def _register(self) -> None:  # noqa: B027 (optional hook)
+        """Register trainable modules with Pyro's param store (overridden by LM-based samplers)."""
+
+    def __call__(self, x=None, *args, **kwargs):
+        """The Pyro guide: samples the site ``"z"`` (batch from an enclosing particle plate)."""
+        if x is None:
+            raise ValueError("a guide needs the observation x")
+        self._register()
+        return pyro.sample(self.site, SamplerDistribution(self, x))
+
+    guide = __call__
+
+
+class SamplerDistribution(TorchDistribution):
+    """Q(. | x) as a Pyro distribution over ``[*batch, L]`` latent arrays.
+
+    ``sample(shape)`` draws ``prod(shape + batch_shape)`` sequences in one batched call of the
+    sampler and caches their log Q, so ``log_prob`` of the value just sampled costs nothing
+    (as :class:`~ppl_thought.distributions.LMSequence` does).
+    """
+
+    arg_constraints: dict = {}
+    support = constraints.independent(constraints.nonnegative_integer, 1)
+    has_rsample = False
+
+    def __init__(self, sampler: Sampler, x, batch_shape=(), validate_args=None):
+        self.sampler = sampler
+        self.x = sampler.x_ids(x)
+        self.L = sampler.event_length(self.x)
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        super().__init__(torch.Size(batch_shape), torch.Size([self.L]), validate_args=validate_args)
+
+    def expand(self, batch_shape, _instance=None):
+        new = self._get_checked_instance(SamplerDistribution, _instance)
+        new.sampler, new.x, new.L, new._last = self.sampler, self.x, self.L, None
+        TorchDistribution.__init__(new, torch.Size(batch_shape), self.event_shape, validate_args=False)
+        return new
+
+    def sample(self, sample_shape=()) -> torch.Tensor:
+        shape = torch.Size(sample_shape) + self.batch_shape
+        n = int(shape.numel())
+        z, lq = self.sampler._sample(self.x, n)
+        z, lq = z.reshape(shape + (self.L,)), lq.reshape(shape)
+        self._last = (z, lq)
+        return z
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        if self._last is not None and value is self._last[0] and not torch.is_grad_enabled():
+            return self._last[1]
+        if self._last is not None and value is self._last[0] and not _needs_grad(self.sampler):
+            return self._last[1]
+        value = torch.as_tensor(value)
+        batch = value.shape[:-1]
+        flat = self.sampler._check_z(value.reshape(-1, value.shape[-1]), self.L)
+        lp = self.sampler._log_prob(flat, self.x) if flat.shape[0] else torch.zeros(0)
+        return lp.reshape(batch)
+
+
+def _needs_grad(sampler: Sampler) -> bool:
+    mods = [m for m in vars(sampler).values() if isinstance(m, torch.nn.Module)]
+    return any(p.requires_grad for m in mods for p in m.parameters())

@@ -1,0 +1,129 @@
+"""Exact samplers by enumeration of the lifting: the posterior Q_* (2.24) and the inquisitive
+sampler Q_bullet (3.22), with the translation-invariant variant of Remark 3.7.
+
+Both are tables over the enumerated lifting of x (small models only); sampling is one
+``torch.multinomial`` call for all particles and scoring one row comparison against the table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ppl_thought.errors import NotInImageError
+from ppl_thought.guides.base import Sampler
+
+
+class _TableSampler(Sampler):
+    """A sampler given by log-probabilities over the enumerated lifting of x (cached per x)."""
+
+    def __init__(self, model, limit: int = 20_000):
+        self.model = model
+        self.projection = model.projection
+        self.limit = limit
+        self._cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def table(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """(support ``[K, L]``, log Q(z | x) ``[K]``) over the lifting of x."""
+        xt = self.x_ids(x)
+        key = tuple(xt.tolist())
+        if key not in self._cache:
+            self._cache[key] = self._compute(xt)
+        return self._cache[key]
+
+    def clear(self) -> None:
+        """Forget cached tables (call after the prior's parameters change)."""
+        self._cache.clear()
+
+    def _compute(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _sample(self, x, n):
+        support, lq = self.table(x)
+        idx = torch.multinomial(lq.exp(), n, replacement=True) if n else torch.zeros(0, dtype=torch.long)
+        return support[idx], lq[idx]
+
+    def _log_prob(self, z, x):
+        support, lq = self.table(x)
+        eq = (z[:, None, :] == support[None, :, :]).all(-1)  # [n, K]
+        hit = eq.any(-1)
+        return torch.where(hit, lq[eq.float().argmax(-1)], torch.full((z.shape[0],), float("-inf")))
+
+
+class Posterior(_TableSampler):
+    """The posterior sampler Q_*(z | x) = P^{<=|z|}(z) / (Proj # P)^{<=|x|}(x), equation (2.24),
+    by enumeration (``model.exact_posterior``). Importance weights P(z)/Q_*(z) equal p(x) for every z.
+    """
+
+    def _compute(self, x):
+        post = self.model.exact_posterior(x, limit=self.limit)
+        return post.support, post.log_probs.detach()
+
+
+class Inquisitive(_TableSampler):
+    """The inquisitive sampler Q_bullet of (3.22), Def 3.2, exactly for small models:
+
+        Q_bullet(z | x) ∝ P_f^{<=|z|}(z) * || grad_theta log P_f^{<=|z|}(z) ||,   z in lifting(x),
+
+    theta = all trainable parameters of the prior (the norm is the Euclidean norm of the
+    concatenated per-sequence gradient, so Q_bullet is parametrisation-dependent, as the text says).
+
+    ``centered=True`` gives the translation-invariant variant of Remark 3.7. The remark writes the
+    distance ||grad log P(z) - v_*(x)|| with v_*(x) = -grad log (Proj # P)(x) of (3.21); taken
+    literally that is ||g(z) + gbar|| and is *not* translation invariant (g -> g + c moves it by
+    2c). We read it as the distance to the mean gradient gbar = E_{Q_*}[g(z)] = grad log p(x),
+    i.e. ||g(z) - gbar||, which is what "depend only on the distances ... invariant to a uniform
+    translation" requires (the sign of v_* is garbled).
+
+    When every norm vanishes (e.g. a one-element lifting with ``centered=True``), (3.22) is 0/0 and
+    Q_* (2.24) is returned instead.
+
+    Per-sequence gradients are taken in one batched vector-Jacobian call
+    (``autograd.grad(..., is_grads_batched=True)``), with a loop over the enumerated support as a
+    fallback for LMs that vmap cannot trace.
+    """
+
+    def __init__(self, model, centered: bool = False, limit: int = 2_000):
+        super().__init__(model, limit)
+        self.centered = centered
+
+    def per_sequence_gradients(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(support ``[K, L]``, log P(z) ``[K]``, flattened grad_theta log P(z) ``[K, D]``)."""
+        xt = self.x_ids(x)
+        params = [p for p in self.model.prior.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("Inquisitive: the prior has no trainable parameters; Q_bullet (3.22) needs theta")
+        support, _ = self.model.enumerate_log_joint(xt, limit=self.limit)
+        dist = self.model.z_dist(len(xt))
+        with torch.enable_grad():
+            lp = dist.log_prob(support)
+            K = lp.shape[0]
+            ok = torch.isfinite(lp)
+            safe = torch.where(ok, lp, torch.zeros_like(lp))
+            try:
+                grads = torch.autograd.grad(safe, params, grad_outputs=torch.eye(K), is_grads_batched=True,
+                                            retain_graph=True, allow_unused=True)
+                G = torch.cat([(g if g is not None else torch.zeros((K,) + p.shape)).reshape(K, -1)
+                               for g, p in zip(grads, params)], 1)
+            except RuntimeError:
+                rows = []
+                for k in range(K):
+                    gk = torch.autograd.grad(safe[k], params, retain_graph=True, allow_unused=True)
+                    rows.append(torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                                           for g, p in zip(gk, params)]))
+                G = torch.stack(rows)
+        G = torch.where(ok[:, None], G, torch.zeros_like(G))
+        return support, lp.detach(), G.detach()
+
+    def _compute(self, x):
+        support, lp, G = self.per_sequence_gradients(x)
+        if not torch.isfinite(lp).any():
+            raise NotInImageError("x has probability 0 under the model: no inquisitive sampler")
+        if self.centered:
+            q = torch.softmax(torch.where(torch.isfinite(lp), lp, torch.full_like(lp, -torch.inf)), 0)
+            G = G - (q[:, None] * G).sum(0, keepdim=True)
+        norm = G.norm(dim=-1)
+        logw = lp + torch.log(norm)  # -inf where P(z) = 0 or the gradient vanishes
+        lz = torch.logsumexp(logw, 0)
+        if not torch.isfinite(lz):  # every gradient (distance) vanishes: (3.22) is 0/0; use its limit Q_*
+            return support, lp - torch.logsumexp(lp, 0)
+        return support, logw - lz

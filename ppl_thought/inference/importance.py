@@ -1,0 +1,336 @@
+"""Importance sampling: the estimator (3.2) of (Proj # P)(x), vectorised over particles.
+
+``Importance(n).run(model, guide, *args)`` runs the guide once under a particle plate (the
+particles are a batch dimension of every site), replays the model on the guide trace, and
+weights particle i by log w_i = log p(all model sites) - log q(all guide sites). For a
+slow-thinking model this is S_i = log P^{<=|Z_i|}(Z_i) - log Q(Z_i | x), and
+
+    log p_n = logsumexp(S) - log n                                           (3.2)
+
+is an unbiased estimate of p = (Proj # P)^{<=|x|}(x) on the probability scale; its variance is
+p^2 chi2(Q_* || Q) / n (3.4). The log-normal variant of Remark 3.4 estimates log p by
+mean(S) + var(S) / 2. :meth:`Importance.conditional_log_prob` is (3.7) with the shared-sample
+variant of Remark 3.5.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pyro
+import pyro.poutine as poutine
+import torch
+
+from ppl_thought.errors import NotInImageError, PPLThoughtError
+from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
+
+
+class ZeroWeightsError(PPLThoughtError, ValueError):
+    """Every importance weight is zero (log weight -inf): the estimate of p(x) would be 0."""
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def log_marginal_stderr(log_w: torch.Tensor) -> torch.Tensor:
+    """Delta-method standard error of log p_n: sd(w) / (sqrt(n) mean(w)), from log weights ``[n]``.
+
+    var(p_n) = var(w) / n ((3.4)), and d log p = dp / p. With normalised weights W_i
+    (sum 1), w_i / mean(w) = n W_i, so se = sqrt(sum_i (n W_i - 1)^2 / ((n - 1) n)).
+    """
+    n = log_w.shape[-1]
+    if n < 2 or torch.isneginf(torch.logsumexp(log_w, -1)).all():
+        return torch.tensor(float("nan"))
+    rel = n * torch.softmax(log_w.double(), -1)
+    var = ((rel - 1) ** 2).sum(-1) / (n - 1)
+    return (var / n).sqrt().to(log_w.dtype)
+
+
+def log_normal_estimate(log_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Remark 3.4: log p ~ mean(S) + var(S)/2 under S ~ N(mu, s^2) (unbiased variance); and its stderr.
+
+    Particles with S = -inf are outside the log-normal model; they are dropped (an
+    estimate with all S = -inf is -inf). stderr^2 = s^2/n + s^4/(2(n-1)) (delta method).
+    """
+    s = log_w[torch.isfinite(log_w)].double()
+    n = s.numel()
+    if n == 0:
+        return torch.tensor(float("-inf")), torch.tensor(float("nan"))
+    if n == 1:
+        return s[0].float(), torch.tensor(float("nan"))
+    var = s.var(unbiased=True)
+    est = s.mean() + var / 2
+    se = (var / n + var**2 / (2 * (n - 1))).sqrt()
+    return est.float(), se.float()
+
+
+def pareto_khat(log_w: torch.Tensor) -> float:
+    """Pareto-smoothed importance sampling k-hat of the weights (arviz.psislw); nan if unavailable.
+
+    k-hat < 0.5: the variance of the weights is finite; 0.5-0.7 usable; > 0.7: unreliable.
+    """
+    lw = log_w.detach().double().cpu()
+    lw = lw[torch.isfinite(lw)]
+    if lw.numel() < 10:
+        return float("nan")
+    if float(lw.max() - lw.min()) < 1e-12:  # constant weights: the exact posterior
+        return float("-inf")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import arviz
+
+            _, k = arviz.psislw(lw.numpy().copy())
+        return float(k)
+    except Exception:  # pragma: no cover - arviz missing or failing
+        return float("nan")
+
+
+def _summarise(log_w: torch.Tensor, log_normal: bool, what: str) -> dict[str, Any]:
+    if torch.isnan(log_w).any():
+        raise ValueError(f"{what}: NaN log weights (a model or guide log-probability is NaN)")
+    lse = torch.logsumexp(log_w, -1)
+    if torch.isneginf(lse):
+        raise ZeroWeightsError(
+            f"{what}: all {log_w.shape[-1]} importance weights are zero (every log weight is -inf): the guide "
+            "proposed no latent value the model can produce (support mismatch), so the estimate of p(x) is 0. "
+            "Check that the guide is supported on the lifting of x, or use more particles"
+        )
+    out: dict[str, Any] = {
+        "log_marginal": log_mean_exp(log_w),
+        "log_marginal_stderr": log_marginal_stderr(log_w),
+        "ess": effective_sample_size(log_w),
+        "khat": pareto_khat(log_w),
+    }
+    if log_normal:
+        est, se = log_normal_estimate(log_w)
+        out["log_marginal_iid"], out["log_marginal_stderr_iid"] = out["log_marginal"], out["log_marginal_stderr"]
+        out["log_marginal"], out["log_marginal_stderr"] = est, se
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- traces
+def _max_plate_nesting(model, guide, args, kwargs) -> int:
+    """Deepest plate used by model or guide (one trace of each, outside any particle plate)."""
+    depth = 0
+    with poutine.block():
+        gtr = poutine.trace(guide).get_trace(*args, **kwargs)
+        mtr = poutine.trace(poutine.replay(model, trace=gtr)).get_trace(*args, **kwargs)
+    for tr in (gtr, mtr):
+        for site in tr.nodes.values():
+            if site["type"] == "sample":
+                for f in site["cond_indep_stack"]:
+                    if f.vectorized and f.dim is not None:
+                        depth = max(depth, -f.dim)
+    return depth
+
+
+def _per_particle(lp: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """Sum a site's log-prob over every dimension except the particle dimension ``dim`` -> ``[n]``."""
+    lp = torch.as_tensor(lp)
+    if lp.ndim >= -dim and lp.shape[dim] == n:
+        return lp.movedim(dim, 0).reshape(n, -1).sum(-1)
+    if lp.ndim >= -dim and lp.shape[dim] == 1:
+        return lp.movedim(dim, 0).reshape(1, -1).sum(-1).expand(n)
+    return lp.sum().expand(n)
+
+
+def _trace_log_weight(tr, n: int, dim: int, observed_only: bool | None = None) -> torch.Tensor:
+    total = torch.zeros(n)
+    for site in tr.nodes.values():
+        if site["type"] != "sample":
+            continue
+        if observed_only is not None and bool(site["is_observed"]) != observed_only:
+            continue
+        total = total + _per_particle(site["log_prob"], n, dim).to(total.dtype).cpu()
+    return total
+
+
+def _not_in_image_result(message: str, n: int, engine: str, observed: dict) -> Result:
+    warnings.warn(message, stacklevel=3)
+    log_w = torch.full((n,), float("-inf"))
+    return Result(samples={}, log_weights=log_w, log_marginal=torch.tensor(float("-inf")),
+                  log_marginal_stderr=torch.tensor(0.0), stats={"message": message}, observed=observed,
+                  engine=engine)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+class Importance:
+    """Vectorised importance sampling, estimator (3.2) (ARCHITECTURE.md, "Engines").
+
+    Args:
+        num_particles: n, the number of draws from the guide.
+        log_normal_correction: report the log-normal estimate of Remark 3.4 as ``log_marginal``
+            (the plain (3.2) estimate stays in ``stats["log_marginal_iid"]``).
+        fast: when the model is a :class:`~ppl_thought.models.SlowThinking` and the guide a sampler
+            (``sample_with_log_prob(x, n)``), sample z and log q in one decoding loop and score log P
+            with one teacher-forced pass instead of tracing. Same numbers as the trace path.
+        max_plate_nesting: plates of the user program (found by tracing once when ``None``).
+
+    ``run(model, guide, *args, **kwargs) -> Result``: ``log_weights [n]``, ``log_marginal`` (3.2),
+    ``log_marginal_stderr`` (delta method), ``samples`` (the guide's latent sites, particles
+    leading), ``stats`` with ``ess`` and ``khat`` (PSIS Pareto k). When x is outside the image
+    of Proj (the lifting is empty) the result has ``log_marginal = -inf`` and a message (with a
+    warning); when x is in the image but every weight is zero, :class:`ZeroWeightsError`.
+    """
+
+    def __init__(self, num_particles: int, log_normal_correction: bool = False, fast: bool = True,
+                 max_plate_nesting: int | None = None):
+        if int(num_particles) < 1:
+            raise ValueError(f"num_particles must be >= 1, got {num_particles}")
+        self.num_particles = int(num_particles)
+        self.log_normal_correction = bool(log_normal_correction)
+        self.fast = bool(fast)
+        self.max_plate_nesting = max_plate_nesting
+
+    # ------------------------------------------------------------------ public API
+    def run(self, model, guide, *args, **kwargs) -> Result:
+        """Draw n particles from the guide, weight them by p/q, and estimate log p(data) by (3.2)."""
+        from ppl_thought.models.slow_thinking import SlowThinking
+
+        observed = {"args": args, "kwargs": kwargs}
+        try:
+            if self.fast and isinstance(model, SlowThinking) and hasattr(guide, "sample_with_log_prob") \
+                    and len(args) == 1 and not kwargs:
+                samples, log_w, extra = self._fast(model, guide, args[0])
+            else:
+                samples, log_w, extra = self._traced(model, guide, args, kwargs)
+        except NotInImageError as e:
+            return _not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles, "Importance", observed)
+        stats = _summarise(log_w, self.log_normal_correction, "Importance")
+        stats.update(extra)
+        return Result(
+            samples=samples, log_weights=log_w, log_marginal=stats.pop("log_marginal"),
+            log_marginal_stderr=stats.pop("log_marginal_stderr"), stats=stats, observed=observed,
+            engine="Importance",
+        )
+
+    def log_prob(self, model, guide, *args, **kwargs) -> torch.Tensor:
+        """log p_n of (3.2) (``-inf`` for x outside the image of Proj)."""
+        return self.run(model, guide, *args, **kwargs).log_marginal
+
+    # ------------------------------------------------------------------ paths
+    def _traced(self, model, guide, args, kwargs):
+        """Generic path: guide and model under one vectorised particle plate; replay the model on the guide."""
+        n = self.num_particles
+        depth = self.max_plate_nesting
+        if depth is None:
+            depth = _max_plate_nesting(model, guide, args, kwargs)
+        dim = -(depth + 1)
+        with torch.no_grad(), poutine.block():
+            with pyro.plate("particles", n, dim=dim):
+                gtr = poutine.trace(guide).get_trace(*args, **kwargs)
+            with pyro.plate("particles", n, dim=dim):
+                mtr = poutine.trace(poutine.replay(model, trace=gtr)).get_trace(*args, **kwargs)
+            gtr.compute_log_prob()
+            mtr.compute_log_prob()
+        log_p = _trace_log_weight(mtr, n, dim)
+        log_q = _trace_log_weight(gtr, n, dim, observed_only=False)
+        log_w = torch.where(torch.isneginf(log_p), torch.full_like(log_p, float("-inf")), log_p - log_q)
+        samples = {name: site["value"] for name, site in gtr.nodes.items()
+                   if site["type"] == "sample" and not site["is_observed"]}
+        return samples, log_w, {"log_p": log_p, "log_q": log_q}
+
+    def _fast(self, model, sampler, x):
+        """SlowThinking + sampler: z, log Q(z | x) in one decoding loop; log P(z) by one teacher-forced pass."""
+        xt = model.x_ids(x)
+        model.projection.lifting(xt)  # NotInImageError for x outside the image
+        n = self.num_particles
+        dist = model.z_dist(len(xt))
+        with torch.no_grad():
+            z, log_q = sampler.sample_with_log_prob(xt, n)
+            z = _pad_to(z, dist.max_len)
+            log_p = dist.log_prob(z)
+            from ppl_thought.distributions.projected import ProjectionDelta
+
+            log_p = log_p + ProjectionDelta(model.projection, z, len(xt)).log_prob(xt)
+        log_w = torch.where(torch.isneginf(log_p), torch.full_like(log_p, float("-inf")), log_p - log_q)
+        return {"z": z}, log_w, {"log_p": log_p, "log_q": log_q}
+
+    # ------------------------------------------------------------------ (3.7) and Remark 3.5
+    def conditional_log_prob(self, model, sampler, x, y, shared: bool = True) -> Result:
+        """log (Proj # P)(y | x) ~ log p_n(xy) - log q_n(x), estimator (3.7).
+
+        ``shared=False``: p_n from W_i ~ Q(. | xy) and q_n from independent Z_i ~ Q(. | x), the
+        plain (3.7), overestimated by chi2(Q_*(.|x) || Q(.|x)) / n in relative terms (3.8).
+        ``shared=True`` (Remark 3.5): Z_i = the prefix of W_i in the lifting of x (Lemma 2.1), with
+        Q(Z_i | x) = int Q(Z_i s | xy) ds the product of the sampler's token probabilities over
+        Z_i; positively correlated p and q reduce the bias. Needs ``sampler.dist(x)`` (an
+        :class:`LMSequence`) or ``sampler.step_log_probs(z, x)`` for the token probabilities.
+
+        Returns a Result whose ``log_marginal`` is the estimate, with ``stats["log_p_xy"]`` and
+        ``stats["log_p_x"]``.
+        """
+        xt, yt = model.x_ids(x), model.x_ids(y)
+        xy = torch.cat([xt, yt])
+        n = self.num_particles
+        try:
+            model.projection.lifting(xy)
+        except NotInImageError as e:
+            return _not_in_image_result(f"log p(y | x) = -inf: {e}", n, "Importance.conditional", {"x": x, "y": y})
+        dist_xy = model.z_dist(len(xy))
+        with torch.no_grad():
+            w, lq_w = sampler.sample_with_log_prob(xy, n)
+            w = _pad_to(w, dist_xy.max_len)
+            if not shared:
+                res_xy = self.run(model, sampler, xy)
+                res_x = self.run(model, sampler, xt)
+                lp_xy, lp_x = res_xy.log_marginal, res_x.log_marginal
+                log_w_xy, log_w_x = res_xy.log_weights, res_x.log_weights
+            else:
+                p_steps, complete = dist_xy.step_log_probs(w)
+                lp_w = torch.where(complete, p_steps.sum(-1), torch.full((n,), float("-inf")))
+                log_w_xy = torch.where(torch.isneginf(lp_w), lp_w, lp_w - lq_w)
+                k = _prefix_len(model.projection.lifting(xt), w)
+                q_steps = _sampler_step_log_probs(sampler, w, xy)
+                pos = torch.arange(w.shape[-1])[None]
+                inside = pos < k[:, None]
+                lp_z = torch.where(inside, p_steps, torch.zeros_like(p_steps)).sum(-1)
+                lq_z = torch.where(inside, q_steps, torch.zeros_like(q_steps)).sum(-1)
+                log_w_x = torch.where(torch.isneginf(lp_z), lp_z, lp_z - lq_z)
+                lp_xy = _summarise(log_w_xy, False, "Importance.conditional (xy)")["log_marginal"]
+                lp_x = _summarise(log_w_x, False, "Importance.conditional (x)")["log_marginal"]
+        est = lp_xy - lp_x
+        return Result(samples={"z": w}, log_weights=log_w_xy, log_marginal=est,
+                      log_marginal_stderr=None,
+                      stats={"log_p_xy": lp_xy, "log_p_x": lp_x, "log_weights_x": log_w_x, "shared": shared},
+                      observed={"x": x, "y": y}, engine="Importance.conditional")
+
+
+def _pad_to(z: torch.Tensor, length: int) -> torch.Tensor:
+    if z.shape[-1] == length:
+        return z
+    if z.shape[-1] > length:
+        if (z[..., length:] != 0).any():
+            raise ValueError(f"sampled z of length {z.shape[-1]} exceeds the model's z length {length}")
+        return z[..., :length]
+    pad = torch.zeros(z.shape[:-1] + (length - z.shape[-1],), dtype=z.dtype, device=z.device)
+    return torch.cat([z, pad], -1)
+
+
+def _prefix_len(lifting, w: torch.Tensor) -> torch.Tensor:
+    """Length of the prefix of each row of ``w`` that lies in the lifting (its first final state)."""
+    table = lifting.torch_table(w.device)
+    n, L = w.shape
+    s = lifting.start_states(n, w.device)
+    k = torch.where(lifting.is_final(s), torch.zeros(n, dtype=torch.long), torch.full((n,), -1))
+    for i in range(L):
+        s = table[s, w[:, i]]
+        k = torch.where((k < 0) & lifting.is_final(s), torch.full_like(k, i + 1), k)
+    if (k < 0).any():
+        raise ValueError("a sample of Q(. | xy) has no prefix in the lifting of x: the sampler is not "
+                         "supported on the lifting of xy")
+    return k
+
+
+def _sampler_step_log_probs(sampler, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if hasattr(sampler, "step_log_probs"):
+        return sampler.step_log_probs(z, x)
+    if hasattr(sampler, "dist"):
+        dist = sampler.dist(x)
+        return dist.step_log_probs(_pad_to(z, dist.max_len))[0][..., : z.shape[-1]]
+    raise TypeError("the shared-sample estimator of Remark 3.5 needs the sampler's token probabilities: give it "
+                    "step_log_probs(z, x) or dist(x) -> LMSequence; or use shared=False")
+
+
+__all__ = ["Importance", "ZeroWeightsError", "log_marginal_stderr", "log_normal_estimate", "pareto_khat"]
+

@@ -1,0 +1,138 @@
+"""Checkpoints: safetensors for tensors, JSON for the config, atomic writes, no pickle (ARCHITECTURE.md).
+
+A checkpoint is a directory::
+
+    model.safetensors   the state dict; tensors that alias one another (tied weights) are stored once
+                        and the other names are listed in the metadata entry "ppl_thought.aliases"
+    config.json         {"format", "config", "extra", "tensors": {"file", "sha256"}}
+
+Each file is written to a temporary file in the same directory, fsynced and moved into place with
+``os.replace``, so a reader sees the old file or the new one, never a torn one. The tensors are written
+first and the config records their SHA-256, so a crash between the two writes is detected at load time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from collections import Counter
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+FORMAT = "ppl_thought.checkpoint/1"
+TENSORS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+_ALIASES_KEY = "ppl_thought.aliases"
+
+
+def save_checkpoint(path: str | Path, module: torch.nn.Module | Mapping[str, torch.Tensor], config: dict,
+                    extra: dict | None = None) -> Path:
+    """Write ``module.state_dict()`` (or a dict of tensors), ``config`` and ``extra`` to directory ``path``.
+
+    ``config`` and ``extra`` must be JSON-serialisable (checked before anything is written).
+    Returns the checkpoint directory.
+    """
+    path = Path(path)
+    state = module.state_dict() if isinstance(module, torch.nn.Module) else dict(module)
+    tensors, aliases = _unshared(state)
+    header = {"format": FORMAT, "config": config, "extra": extra if extra is not None else {}}
+    json.dumps(header)  # fail early (TypeError) on anything JSON cannot hold
+    path.mkdir(parents=True, exist_ok=True)
+
+    metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
+    _atomic_write(path / TENSORS_FILE, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    header["tensors"] = {"file": TENSORS_FILE, "sha256": _sha256(path / TENSORS_FILE)}
+    text = json.dumps(header, indent=2, sort_keys=True) + "\n"
+    _atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    return path
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[dict, dict, dict]:
+    """Read a checkpoint written by ``save_checkpoint``: ``(state_dict, config, extra)``.
+
+    Aliased names (tied weights) come back as the same tensor object. Raises ``ValueError`` if the
+    directory holds no checkpoint of this format or the tensors file does not match the config.
+    """
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"no checkpoint at {path} (missing {CONFIG_FILE})")
+    header = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ValueError(f"{path / CONFIG_FILE} is not a {FORMAT} checkpoint")
+    tensors_file = path / header["tensors"]["file"]
+    if _sha256(tensors_file) != header["tensors"]["sha256"]:
+        raise ValueError(f"{tensors_file} does not match {path / CONFIG_FILE} (interrupted or mixed write?)")
+
+    state = load_file(tensors_file, device=str(device))
+    with safe_open(tensors_file, framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
+    for name, target in aliases.items():
+        state[name] = state[target]
+    return state, header["config"], header["extra"]
+
+
+def _unshared(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors safetensors accepts (contiguous, no shared memory) plus ``{alias: stored name}``.
+
+    A name whose tensor is exactly another's (same memory, shape and strides: tied weights) becomes an
+    alias; tensors that merely overlap in memory are copied.
+    """
+    tensors, aliases, seen = {}, {}, {}
+    for name, t in state.items():
+        t = t.detach()
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, t.shape, t.stride())
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            tensors[name] = t
+    owners = Counter((t.device, t.untyped_storage().data_ptr()) for t in tensors.values() if t.numel())
+    for name, t in tensors.items():
+        shared = t.numel() and owners[(t.device, t.untyped_storage().data_ptr())] > 1
+        tensors[name] = (t.clone() if shared else t).contiguous().cpu()
+    return tensors, aliases
+
+
+def _atomic_write(target: Path, write: Callable[[str], object]) -> None:
+    """``write(tmp)`` into a temporary file next to ``target``, fsync it, then ``os.replace`` it in."""
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
+    try:
+        write(str(tmp))
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(target.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

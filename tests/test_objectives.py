@@ -1,0 +1,191 @@
+"""Objectives of Sections 3.4 / 5.3 against exact enumeration (PauseToThink c=2, Tabular P and Q)."""
+
+import functools
+
+import pyro
+import pytest
+import torch
+from _training_fixtures import X, exact_nll, exact_reverse_kl, problem
+
+from ppl_thought.inference import (
+    GRPO,
+    SFT,
+    SVI,
+    Inquisitive,
+    OneSampler,
+    R1Zero,
+    SamplerPolicyGradient,
+    SeparatePolicy,
+    Sum,
+    TwoSampler,
+    group_advantages,
+)
+from ppl_thought.inference.objectives import Particles, per_sample_grad_norms
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    pyro.clear_param_store()
+    yield
+    pyro.clear_param_store()
+
+
+def _grad(module, fn):
+    module.zero_grad()
+    fn()
+    return module.logits.grad.clone()
+
+
+def test_one_sampler_gradient_converges_to_exact():
+    prior, q, model, guide = problem()
+    gstar = _grad(prior, lambda: exact_nll(model).backward())
+    errs = {}
+    for n in (8, 1024):
+        e = []
+        for s in range(4):
+            torch.manual_seed(s)
+            g = _grad(prior, functools.partial(OneSampler(n).loss_and_grads, model, guide, X))
+            e.append(float((g - gstar).norm() ** 2))
+        errs[n] = sum(e) / len(e)
+    assert errs[1024] < errs[8] / 8
+    assert errs[1024] ** 0.5 < 0.15 * float(gstar.norm())
+    torch.manual_seed(0)
+    assert abs(-OneSampler(2000).loss(model, guide, X) - float(-exact_nll(model).detach())) < 0.15
+
+
+def test_sampler_policy_gradient_is_unbiased_for_reverse_kl():
+    prior, q, model, guide = problem()
+    gstar = _grad(q, lambda: exact_reverse_kl(model, guide).backward())
+    obj, gs = SamplerPolicyGradient(4), []
+    for s in range(100):
+        torch.manual_seed(s)
+        gs.append(_grad(q, lambda: obj.loss_and_grads(model, guide, X)))
+        assert prior.logits.grad is None or prior.logits.grad.abs().sum() == 0  # P is detached
+    G = torch.stack(gs)
+    mean, se = G.mean(0), G.std(0) / len(gs) ** 0.5
+    z = (mean - gstar).abs() / (se + 1e-8)
+    assert z.max() < 4.5  # unbiased: every coordinate within its confidence bound
+    # the 1/n normalisation (dropping (n-1)^-1) would be biased by 3/4 and fail the same bound
+    z_wrong = (0.75 * mean - gstar).abs() / (0.75 * se + 1e-8)
+    assert z_wrong.max() > 4.5
+
+
+def test_objectives_run_under_pyro_svi_and_decrease_exact_loss():
+    prior, q, model, guide = problem()
+    nll0, kl0 = float(exact_nll(model)), float(exact_reverse_kl(model, guide))
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.1}), loss=Sum(OneSampler(16),
+                                                                             SamplerPolicyGradient(16)))
+    torch.manual_seed(0)
+    losses = [svi.step(X) for _ in range(30)]
+    nll1, kl1 = float(exact_nll(model)), float(exact_reverse_kl(model, guide))
+    assert all(map(lambda v: v == v, losses))
+    assert nll1 < nll0 - 0.5
+    assert kl1 < kl0
+
+
+def test_svi_engine_result():
+    prior, q, model, guide = problem()
+    torch.manual_seed(0)
+    res = SVI(Sum(OneSampler(16), SamplerPolicyGradient(16)), {"lr": 0.1}).run(model, guide, X, num_steps=20)
+    assert res.stats["losses"].shape == (20,) and res.engine == "SVI"
+    assert res.samples["z"].shape == (16, 10) and res.log_weights.shape == (16,)
+    assert abs(float(res.log_marginal) - float(-exact_nll(model))) < 0.5
+    with pytest.raises(TypeError):
+        SVI("elbo", {"lr": 0.1})
+    with pytest.raises(ValueError):
+        SVI(OneSampler(2), {"lr": 0.1}).run(model, guide, X, num_steps=-1)
+
+
+def test_two_sampler_gradient_and_reduction():
+    prior, q, model, guide = problem()
+    from _training_fixtures import CausalGuide, tabular
+    train_guide = CausalGuide(tabular(5), name="train_sampler")
+    gstar = _grad(prior, lambda: exact_nll(model).backward())
+    torch.manual_seed(0)
+    g = _grad(prior, lambda: TwoSampler(train_guide, 2000).loss_and_grads(model, guide, X))
+    assert (g - gstar).norm() < 0.15 * gstar.norm()
+    with pytest.raises(TypeError):
+        TwoSampler("not a guide")
+
+
+def test_inquisitive_reward_uses_per_sample_gradient_norms():
+    prior, q, model, guide = problem()
+    obj = Inquisitive(6)
+    torch.manual_seed(0)
+    pt = obj.particles(model, guide, X)
+    norms = per_sample_grad_norms(pt.log_p, pt.params)
+    loop = torch.stack([torch.autograd.grad(pt.log_p[i], prior.logits, retain_graph=True)[0].norm()
+                        for i in range(6)])
+    torch.testing.assert_close(norms, loop)
+    obj._norms = norms
+    torch.testing.assert_close(obj.rewards(pt), pt.log_w + norms.log())
+    g = _grad(q, lambda: obj.loss_and_grads(model, guide, X))
+    assert torch.isfinite(g).all() and g.abs().sum() > 0
+
+
+def test_grpo_group_normalised_advantages_and_clipping():
+    a = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0]))
+    assert abs(float(a.mean())) < 1e-6 and abs(float(a.std(correction=0)) - 1) < 1e-4
+    assert torch.equal(group_advantages(torch.ones(4)), torch.zeros(4))
+    with pytest.raises(ValueError):
+        group_advantages(torch.tensor([1.0]))
+    with pytest.raises(ValueError):
+        group_advantages(torch.tensor([1.0, float("nan")]))
+    # clipping: rho = (2, 0.5) with A = (+1, -1) are both clipped at 1 +- 0.2: no gradient
+    theta = torch.zeros(2, requires_grad=True)
+    obj = GRPO(lambda z: torch.tensor([1.0, 0.0]), num_particles=2, clip_eps=0.2)
+    pt = Particles(theta + torch.log(torch.tensor([2.0, 0.5])), torch.zeros(2), {"z": torch.zeros(2, 1)})
+    value, surr = obj.from_particles(pt)
+    surr.backward()
+    assert torch.equal(theta.grad, torch.zeros(2)) and float(value) == -0.5
+    theta.grad = None  # on-policy (rho = 1): gradient -(1/n) A_i
+    GRPO(lambda z: torch.tensor([1.0, 0.0]), 2).from_particles(Particles(theta * 1, torch.zeros(2),
+                                                                         {"z": torch.zeros(2, 1)}))[1].backward()
+    torch.testing.assert_close(theta.grad, -group_advantages(torch.tensor([1.0, 0.0])) / 2)
+
+
+def test_grpo_r1zero_sft_separate_policy_train_on_tiny_problem():
+    prior, q, model, guide = problem()
+    a_id = int(X[0])
+    reward = lambda z, x: (z[:, 0] == a_id).float()  # noqa: E731  a thought-free first token
+    torch.manual_seed(0)
+    for obj in (GRPO(reward, 8), GRPO(reward, 8, advantage="ratio"), R1Zero(4), R1Zero(4, baseline=True),
+                SFT(4), SeparatePolicy(reward, 6)):
+        svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), loss=obj)
+        vals = [svi.step(X) for _ in range(3)]
+        assert all(v == v for v in vals), type(obj).__name__
+    # SFT on given sequences is the teacher-forced NLL, and impossible sequences are refused
+    post = model.exact_posterior(X)
+    seqs = post.support[:3]
+    expect = -float(post.log_joint[:3].mean())
+    assert abs(SFT().loss(model, guide, X, sequences=seqs) - expect) < 1e-5
+    with pytest.raises(ValueError, match="probability 0"):
+        SFT().loss(model, guide, X, sequences=torch.zeros(1, 10, dtype=torch.long).index_fill_(1,
+                                                                                               torch.tensor([0]), 7))
+    with pytest.raises(ValueError, match="integer"):
+        SFT().loss(model, guide, X, sequences=torch.zeros(1, 10))
+
+
+def test_bad_input_errors():
+    prior, q, model, guide = problem()
+    with pytest.raises(ValueError, match="num_particles"):
+        SamplerPolicyGradient(1)
+    with pytest.raises(ValueError, match="num_particles"):
+        OneSampler(0)
+    with pytest.raises(ValueError, match="advantage"):
+        GRPO(lambda z: z, 4, advantage="nope")
+    with pytest.raises(ValueError, match="one value per particle"):
+        GRPO(lambda z, x: torch.zeros(3), 4).loss(model, guide, X)
+
+    def empty_guide(x):
+        pass
+    with pytest.raises(ValueError, match="no latent"):
+        OneSampler(2).loss(model, empty_guide, X)
+    # zero weights give +inf loss and zero gradient, never NaN
+    log_p = torch.full((3,), float("-inf"), requires_grad=True)
+    v, s = OneSampler(3).from_particles(Particles(log_p * 1, torch.zeros(3), {}))
+    assert v == float("inf")
+    s.backward()
+    assert not torch.isnan(log_p.grad).any()
+    with pytest.raises(ValueError, match="not finite"):
+        SamplerPolicyGradient(3).from_particles(Particles(log_p * 1, torch.zeros(3, requires_grad=True), {}))
