@@ -1,6 +1,7 @@
 """Ready programs: SlowThinking (Proj # P_f), HMM (Def 2.2), LatentThought (continuous z, LTM Sec 2.1)."""
 
 from ppl_thought.models.hmm import HMM
+from ppl_thought.models.latent_thought import DualRateTrainer, LatentThought, LocalGaussianGuide
 from ppl_thought.models.slow_thinking import EnumeratedPosterior, SlowThinking, pad_sequences
 
 __all__ = ["SlowThinking", "EnumeratedPosterior", "HMM", "pad_sequences", "LatentThought", "LocalGaussianGuide",

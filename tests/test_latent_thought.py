@@ -1,0 +1,180 @@
+"""Latent Thought Models (latent-thought-models.txt, Sec 2.1-2.2, Algorithm 1, Eq. 4 and 5)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pyro
+import pytest
+import torch
+
+from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.models.latent_thought import DualRateTrainer, LatentThought, LocalGaussianGuide
+
+
+def _ltm(seed: int = 0, **kw) -> LatentThought:
+    torch.manual_seed(seed)
+    args = dict(vocab_size=6, d_model=16, n_layers=2, n_heads=2, n_z=2, window=2, d_latent=4, max_len=16)
+    args.update(kw)
+    return LatentThought(**args)
+
+
+def _sharpen(ltm: LatentThought, factor: float) -> None:
+    """Make the decoder depend strongly on z (a random init gives near-uniform logits that ignore z)."""
+    with torch.no_grad():
+        ltm.decoder.embed.weight.mul_(50.0)  # tied LM head: logits of order 1, not 0.02
+        for block in ltm.decoder.blocks:
+            block.cross.kv.weight.mul_(factor)
+            block.cross.out.weight.mul_(factor)
+
+
+def test_log_likelihood_matches_incremental_decoding():
+    ltm = _ltm()
+    x = torch.randint(0, 6, (3, 7))
+    z = torch.randn(4, 3, *ltm.latent_shape)  # 4 samples of z per sequence
+    ll = ltm.log_likelihood(x, z).detach()
+    assert ll.shape == (4, 3)
+    for s in range(4):
+        for b in range(3):
+            cache, tok, total = None, torch.tensor([ltm.bos_id]), 0.0
+            for n in range(7):
+                logits, cache = ltm.decoder.step(tok, cache, latents=z[s, b:b + 1])
+                total += torch.log_softmax(logits[0, :6], -1)[x[b, n]].item()
+                tok = x[b, n:n + 1]
+            assert ll[s, b].item() == pytest.approx(total, abs=1e-4)
+    # one sequence, z without the batch dimension
+    assert torch.allclose(ltm.log_likelihood(x[1], z[:, 1]), ll[:, 1], atol=1e-5)
+
+
+def test_padding_mask_and_errors():
+    ltm = _ltm(pad_id=0)
+    x = torch.tensor([[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]])
+    z = torch.randn(2, *ltm.latent_shape)
+    lp = ltm.token_log_probs(x, z)
+    assert (lp[0, 3:] == 0).all() and (lp[1] < 0).all()
+    assert ltm.log_likelihood(x[:1, :3], z[:1]).item() == pytest.approx(ltm.log_likelihood(x, z)[0].item(), abs=1e-5)
+    with pytest.raises(MalformedSequenceError):
+        ltm.log_likelihood(x, torch.randn(2, 3, 3))
+    with pytest.raises(MalformedSequenceError):
+        ltm.log_likelihood(torch.tensor([[7, 1]]), torch.randn(1, *ltm.latent_shape))
+    with pytest.raises(ValueError):
+        _ltm(n_z=0)
+
+
+def test_pyro_model_sites_and_trace_elbo_agree():
+    ltm = _ltm()
+    x = torch.randint(0, 6, (3, 5))
+    tr = pyro.poutine.trace(ltm.model).get_trace(x)
+    assert tr.nodes["z"]["value"].shape == (3, *ltm.latent_shape)
+    assert tr.nodes["x"]["is_observed"]
+    assert "ltm_decoder$$$embed.weight" in pyro.get_param_store().keys()
+    tr.compute_log_prob()
+    z = tr.nodes["z"]["value"]
+    assert torch.allclose(tr.nodes["x"]["log_prob"], ltm.log_likelihood(x, z), atol=1e-5)
+    guide = ltm.fit_local(x, num_steps=3)
+    torch.manual_seed(1)
+    elbo_pyro = -pyro.infer.Trace_ELBO(num_particles=400, vectorize_particles=True,
+                                       max_plate_nesting=1).loss(ltm.model, guide, x)
+    ours = ltm.elbo(x, guide, num_samples=400, detach_guide=True).sum().item()
+    assert elbo_pyro == pytest.approx(ours, abs=0.5)
+    pyro.clear_param_store()
+
+
+def test_inner_loop_does_not_touch_decoder():
+    ltm = _ltm()
+    x = torch.randint(0, 6, (4, 6))
+    before = {k: v.detach().clone() for k, v in ltm.decoder.state_dict().items()}
+    guide = ltm.fit_local(x, num_steps=5, lr=0.3)
+    for k, v in ltm.decoder.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for p in ltm.decoder.parameters():
+        assert p.grad is None and p.requires_grad
+    assert not torch.equal(guide.loc, torch.zeros_like(guide.loc))  # the local parameters did move
+    # the slow step (Algorithm 1, line 15) does change the decoder
+    trainer = DualRateTrainer(ltm, total_steps=1, inner_steps=2, slow_lr=1e-2, progress=False)
+    m = trainer.step(x)
+    assert math.isfinite(m["loss"]) and m["fast_lr"] == pytest.approx(0.3)
+    assert any(not torch.equal(v, before[k]) for k, v in ltm.decoder.state_dict().items())
+
+
+def _grid_log_marginal(ltm: LatentThought, x: torch.Tensor) -> float:
+    """log p(x) = log int N(z; 0, 1) p(x | z) dz for a 1-D z, by the trapezoid rule on [-10, 10]."""
+    grid = torch.linspace(-10, 10, 4001)
+    z = grid.view(-1, 1, 1, 1, 1)
+    with torch.no_grad():
+        f = ltm.log_likelihood(x, z)[:, 0] + torch.distributions.Normal(0, 1).log_prob(grid)
+    dz = (grid[1] - grid[0]).item()
+    w = torch.full_like(grid, math.log(dz))
+    w[0] = w[-1] = math.log(dz / 2)
+    return torch.logsumexp(f + w, 0).item()
+
+
+def test_elbo_and_iw_bound_lower_bound_exact_log_marginal():
+    ltm = _ltm(n_layers=1, n_z=1, d_latent=1)
+    _sharpen(ltm, 8.0)
+    torch.manual_seed(3)
+    x = torch.randint(0, 6, (1, 8))
+    exact = _grid_log_marginal(ltm, x)
+    guide = ltm.fit_local(x, num_steps=30, lr=0.1)
+    elbo = ltm.elbo(x, guide, num_samples=4000, detach_guide=True).item()
+    iw = ltm.iw_bound(x, guide.distribution(detach=True), 4000).item()
+    assert elbo <= exact + 0.02
+    assert elbo <= iw + 0.02
+    assert iw == pytest.approx(exact, abs=0.05)
+    # the prior as proposal: IW with many samples still converges to the same integral
+    prior = LocalGaussianGuide.init(1, ltm.latent_shape).distribution(detach=True)
+    assert ltm.iw_bound(x, prior, 20000).item() == pytest.approx(exact, abs=0.1)
+    # the engine agrees with the model's bound (Importance with the fitted guide)
+    try:
+        from ppl_thought.inference.importance import Importance
+    except ImportError:  # pragma: no cover - engine being written elsewhere
+        return
+    res = Importance(4000).run(ltm.model, guide, x)
+    assert float(res.log_marginal) == pytest.approx(exact, abs=0.05)
+    pyro.clear_param_store()
+
+
+def test_elbo_improves_with_inner_steps():
+    ltm = _ltm()
+    _sharpen(ltm, 30.0)
+    torch.manual_seed(5)
+    x = torch.randint(0, 6, (8, 10))
+    elbos = {}
+    for T in (0, 2, 8, 16):
+        torch.manual_seed(7)
+        guide = ltm.fit_local(x, num_steps=T, lr=0.3)
+        elbos[T] = ltm.elbo(x, guide, num_samples=256, detach_guide=True).sum().item()
+    assert elbos[2] > elbos[0] and elbos[8] > elbos[2] and elbos[16] > elbos[0] + 1.0, elbos
+
+
+def test_langevin_posterior_runs_and_is_finite():
+    ltm = _ltm()
+    x = torch.randint(0, 6, (6,))
+    res = ltm.langevin_posterior(x, num_steps=15, warmup_steps=15, num_chains=2, seed=0)
+    z = res.samples["z"]
+    assert z.shape == (2, 15, 1, *ltm.latent_shape) and torch.isfinite(z).all()
+    for p in ltm.decoder.parameters():
+        assert p.grad is None and p.requires_grad
+    out = ltm.langevin_evaluate(x[None], iw_samples=16, num_steps=10, warmup_steps=10, num_chains=1, seed=0)
+    assert math.isfinite(out["ppl"]) and out["ppl"] > 1.0
+
+
+def test_example_core_runs_tiny(tmp_path: Path):
+    path = Path(__file__).resolve().parents[1] / "examples" / "latent_thought_model.py"
+    spec = importlib.util.spec_from_file_location("latent_thought_model_example", path)
+    ex = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ex
+    spec.loader.exec_module(ex)
+    res = ex.run(ex.TINY, str(tmp_path), progress=False)
+    for key in ("elbo_ppl_by_T", "ltm_ppl", "ar_window_ppl", "exact_ppl", "langevin_ppl"):
+        assert key in res
+    assert all(math.isfinite(v) for v in res["elbo_ppl_by_T"].values())
+    assert res["exact_ppl"] >= 1.0 and math.isfinite(res["ltm_ppl"]) and math.isfinite(res["langevin_ppl"])
+    assert Path(res["plot"]).exists()
+    # exact log p(x) of the mixture sums to one over all sequences of length 2
+    data = ex.MarkovMixture(3, 2, 0.5, torch.Generator().manual_seed(0))
+    xs = torch.cartesian_prod(torch.arange(3), torch.arange(3))
+    assert data.log_prob(xs).exp().sum().item() == pytest.approx(1.0, abs=1e-5)
