@@ -154,6 +154,7 @@ class LMSequence(TorchDistribution):
             batch_shape = torch.broadcast_shapes(batch_shape, self.prompt.shape[:-1])
         super().__init__(batch_shape, torch.Size([self.max_len]), validate_args=validate_args)
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._allowed: dict[str, torch.Tensor] = {}  # device -> admissible-token table
 
     # ------------------------------------------------------------------ set-up helpers
     def _stop_ids(self, stop) -> torch.Tensor:
@@ -191,17 +192,30 @@ class LMSequence(TorchDistribution):
         return p.device if p is not None else torch.device("cpu")
 
     def _mask(self, auto: torch.Tensor) -> torch.Tensor:
-        """Admissible next tokens ``[n, V]``: the constraint's mask (2.26), never <pad>/<bos>."""
+        """Admissible next tokens ``[n, V]``: the constraint's mask (2.26), never <pad>/<bos>.
+
+        One gather from a cached ``[S + 1, V]`` table (the last row is the dead state).
+        """
+        key = str(auto.device)
+        table = self._allowed.get(key)
+        if table is None:
+            if self.constraint is None:
+                table = torch.ones(1, self.vocab_size, dtype=torch.bool, device=auto.device)
+            else:
+                table = self.constraint.torch_table(auto.device) >= 0
+            table = table.clone()
+            table[:, PAD_ID] = False
+            table[:, BOS_ID] = False
+            self._allowed[key] = table
         if self.constraint is None:
-            m = torch.ones(auto.shape[0], self.vocab_size, dtype=torch.bool, device=auto.device)
-        else:
-            m = self.constraint.mask(auto)
-        m[:, PAD_ID] = False
-        m[:, BOS_ID] = False
-        return m
+            return table.expand(auto.shape[0], -1)
+        return table[auto]
 
     def _ends(self, tok: torch.Tensor, auto: torch.Tensor) -> torch.Tensor:
-        ends = torch.isin(tok, self.stop_ids.to(tok.device))
+        if len(self.stop_ids):
+            ends = torch.isin(tok, self.stop_ids.to(tok.device))
+        else:
+            ends = torch.zeros(tok.shape, dtype=torch.bool, device=tok.device)
         if self.constraint is not None:
             ends = ends | self.constraint.is_final(auto)
         return ends
@@ -253,20 +267,20 @@ class LMSequence(TorchDistribution):
             out[k] = v
         return out
 
-    def extend(self, state: DecodeState, tokens: torch.Tensor) -> DecodeState:
+    def extend(self, state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> DecodeState:
         """Append one token per row (``tokens [n]``; ignored for finished rows), scoring it.
 
         The step log-probability log softmax(f~)_{token} of Def 2.8 is added to ``log_prob``;
-        tokens outside the mask give ``-inf``.
+        tokens outside the mask give ``-inf``. ``mask`` is ``self._mask(state.auto)`` if the caller
+        has it already. When every row is finished after this token, the LM is not run again.
         """
         n = tokens.shape[0]
         active = ~state.done
-        logits = state.logits
-        mask = self._mask(state.auto)
-        masked = logits.masked_fill(~mask, float("-inf"))
-        lse = torch.logsumexp(masked, -1, keepdim=True)
-        logp_all = torch.where(torch.isneginf(lse), torch.full_like(masked, float("-inf")), masked - lse)
-        step_lp = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+        mask = self._mask(state.auto) if mask is None else mask
+        masked = state.logits.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(masked, -1)
+        tok_logit = masked.gather(-1, tokens[:, None]).squeeze(-1)
+        step_lp = torch.where(torch.isneginf(tok_logit), torch.full_like(lse, float("-inf")), tok_logit - lse)
         tok = torch.where(active, tokens, torch.full_like(tokens, PAD_ID))
         new_auto = state.auto
         if self.constraint is not None:
@@ -275,6 +289,8 @@ class LMSequence(TorchDistribution):
         lengths = state.lengths + active.long()
         toks = torch.cat([state.tokens, tok[:, None]], dim=1)
         done = state.done | (active & self._ends(tok, new_auto)) | (lengths >= self.max_len)
+        if bool(done.all()):  # nothing will read the next logits
+            return DecodeState(toks, lengths, new_auto, done, lp, state.logits, state.cache, state.context)
         if state.cache is not None:
             feed = torch.where(active, tok, torch.full_like(tok, BOS_ID))  # finished rows feed a dummy
             nxt, cache = self.lm(feed[:, None], cache=state.cache, **self.lm_kwargs_for(n))
@@ -288,9 +304,10 @@ class LMSequence(TorchDistribution):
     def reorder(self, state: DecodeState, index: torch.Tensor) -> DecodeState:
         return state.reorder(index)
 
-    def draw(self, state: DecodeState, generator: torch.Generator | None = None) -> torch.Tensor:
+    def draw(self, state: DecodeState, generator: torch.Generator | None = None,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
         """Sample one next token per row from the masked softmax (Def 2.8)."""
-        mask = self._mask(state.auto)
+        mask = self._mask(state.auto) if mask is None else mask
         masked = state.logits.float().masked_fill(~mask, float("-inf"))
         dead = torch.isneginf(masked).all(-1) & ~state.done
         if dead.any():
@@ -304,12 +321,37 @@ class LMSequence(TorchDistribution):
 
     def decode(self, n: int, state: DecodeState | None = None,
                generator: torch.Generator | None = None) -> DecodeState:
-        """Sample tokens for every unfinished row until each ends (stop token, final state, max_len)."""
+        """Sample tokens for every unfinished row until each ends (stop token, final state, max_len).
+
+        Finished rows are written out and dropped from the batch (their KV cache rows too) once
+        a quarter of the batch has finished, so late steps only pay for live rows. The returned
+        state has every row finished and no cache.
+        """
         state = self.init(n) if state is None else state
+        n = state.done.shape[0]
+        device = state.done.device
+        rows = torch.arange(n, device=device)
+        out_tok = torch.full((n, self.max_len), PAD_ID, dtype=torch.long, device=device)
+        out_len = torch.zeros(n, dtype=torch.long, device=device)
+        out_auto = state.auto.clone()
+        out_lp = torch.zeros(n, dtype=state.log_prob.dtype, device=device)
+
+        def flush(st: DecodeState, which: torch.Tensor) -> None:
+            idx = rows[which]
+            out_tok[idx, : st.tokens.shape[1]] = st.tokens[which]
+            out_len[idx], out_auto[idx], out_lp[idx] = st.lengths[which], st.auto[which], st.log_prob[which]
+
         with torch.no_grad():
-            while not state.done.all():
-                state = self.extend(state, self.draw(state, generator))
-        return state
+            while not bool(state.done.all()):
+                if state.cache is not None and float(state.done.float().mean()) > 0.25:
+                    flush(state, state.done)
+                    keep = (~state.done).nonzero().squeeze(-1)
+                    state, rows = state.reorder(keep), rows[keep]
+                mask = self._mask(state.auto)
+                state = self.extend(state, self.draw(state, generator, mask), mask)
+            flush(state, torch.ones_like(state.done))
+        return DecodeState(out_tok[:, : int(out_len.max()) if n else 0], out_len, out_auto,
+                           torch.ones(n, dtype=torch.bool, device=device), out_lp, state.logits[:0], None)
 
     # ------------------------------------------------------------------ Distribution API
     def sample_with_log_prob(self, sample_shape=(), generator: torch.Generator | None = None):

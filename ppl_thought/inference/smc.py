@@ -68,14 +68,15 @@ def resample(weights: torch.Tensor, method: str = "systematic", generator: torch
 def _guide_dist(guide, x: torch.Tensor) -> LMSequence:
     if isinstance(guide, LMSequence):
         return guide
-    for name in ("dist", "sequence", "distribution"):
+    for name in ("dist", "seq", "sequence", "distribution"):
         if hasattr(guide, name):
             d = getattr(guide, name)(x)
             if isinstance(d, LMSequence):
                 return d
     raise TypeError(
-        "SMC needs the proposal as an LMSequence decoded under the lifting of x: pass an LMSequence or a "
-        "guide with dist(x) -> LMSequence"
+        "SMC needs the proposal as an LMSequence decoded under the lifting of x: pass an LMSequence, "
+        "pt.guides.Causal / pt.guides.Explanatory, or a guide with dist(x) -> LMSequence (the marginalising "
+        f"samplers Identity / Predictive are not step-wise LMSequences yet; got {type(guide).__name__})"
     )
 
 
