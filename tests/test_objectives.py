@@ -37,18 +37,25 @@ def _grad(module, fn):
 
 
 def test_one_sampler_gradient_converges_to_exact():
-    prior, q, model, guide = problem()
+    """(3.17): the self-normalised gradient converges to the exact one at rate 1/n.
+
+    n * MSE must stay flat as n grows: a biased estimator's n * MSE grows like n * bias^2. The
+    sampler is the causal sampler of the prior itself (chi2(Q_*||Q) = 0.35), so n >= 64 is in the
+    asymptotic regime; with the default fixture sampler (chi2 = 23.6, q down to 6e-7) it is not.
+    """
+    prior, q, model, guide = problem(0, 0)
     gstar = _grad(prior, lambda: exact_nll(model).backward())
     errs = {}
-    for n in (8, 1024):
+    for n in (8, 64, 512):
         e = []
-        for s in range(4):
+        for s in range(16):
             torch.manual_seed(s)
             g = _grad(prior, functools.partial(OneSampler(n).loss_and_grads, model, guide, X))
             e.append(float((g - gstar).norm() ** 2))
         errs[n] = sum(e) / len(e)
-    assert errs[1024] < errs[8] / 8
-    assert errs[1024] ** 0.5 < 0.15 * float(gstar.norm())
+    assert errs[512] < errs[64] < errs[8]
+    assert errs[512] < errs[8] / 16
+    assert 512 * errs[512] < 3 * 64 * errs[64]
     torch.manual_seed(0)
     assert abs(-OneSampler(2000).loss(model, guide, X) - float(-exact_nll(model).detach())) < 0.15
 

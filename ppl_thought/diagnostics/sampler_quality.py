@@ -5,12 +5,15 @@ The slow-thinking scaling laws of Table 3.1 all scale with chi^2(Q_*(.|x) || Q(.
 - :func:`chi2` exactly, from log-probability vectors over one enumerated support, or from two
   samplers and a small model (the lifting of x is enumerated);
 - :func:`chi2_from_weights`: the Monte-Carlo estimate from importance log-weights w = P/Q under Q;
-- :func:`kl`: KL(p || q) exactly, with the same inputs as :func:`chi2`.
+- :func:`kl`: KL(p || q) exactly, with the same inputs as :func:`chi2`;
+- :func:`kl_from_weights`: the self-normalised estimates of both KLs from log-weights;
+- :func:`sampler_report`: all of these, exact next to estimated, with ESS and Pareto k.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -60,3 +63,116 @@ def chi2_from_weights(log_w) -> float:
         return math.nan
     return float(
         torch.exp(math.log(n) + torch.logsumexp(2 * lw, 0) - 2 * torch.logsumexp(lw, 0)) - 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- estimates
+def kl_from_weights(log_w) -> tuple[float, float]:
+    """Self-normalised Monte-Carlo (KL(Q_* || Q), KL(Q || Q_*)) from log-weights w = P(z)/Q(z), z ~ Q.
+
+    With p_n = mean(w) ((3.2)) and normalised weights W_i: KL(Q_* || Q) ~ sum_i W_i log(w_i / p_n) and
+    KL(Q || Q_*) ~ log p_n - mean(log w) (``inf`` when some w_i = 0: Q puts mass outside Q_*).
+    ``nan`` for no finite weight.
+    """
+    lw = torch.as_tensor(log_w, dtype=torch.float64).reshape(-1)
+    n = lw.numel()
+    if n == 0 or not torch.isfinite(lw).any():
+        return math.nan, math.nan
+    log_pn = torch.logsumexp(lw, 0) - math.log(n)
+    W = torch.softmax(lw, 0)
+    fin = torch.isfinite(lw)
+    fwd = float(torch.where(fin, W * (lw - log_pn), torch.zeros_like(lw)).sum())
+    rev = math.inf if not bool(fin.all()) else float(log_pn - lw.mean())
+    return max(0.0, fwd), max(0.0, rev)
+
+
+@dataclass
+class SamplerReport:
+    """How good a sampler Q is for x: exact numbers (enumeration) next to estimates from n weights.
+
+    ``chi2_exact`` = chi^2(Q_*(.|x) || Q(.|x)), the constant of every scaling law of Table 3.1
+    ((3.4), (3.8), (3.9)); ``kl_exact`` = KL(Q_* || Q), ``kl_reverse_exact`` = KL(Q || Q_*) (the loss
+    (3.5) up to log p). ``*_est`` are the Monte-Carlo estimates from ``n`` importance weights
+    (``chi2_from_weights``, ``kl_from_weights``); ``ess`` the importance ESS, ``khat`` the PSIS Pareto
+    k. ``exact_available`` is False (exact fields ``nan``) when the lifting of x is too large to enumerate.
+    """
+
+    n: int
+    log_marginal_exact: float
+    log_marginal_est: float
+    log_marginal_stderr: float
+    chi2_exact: float
+    chi2_est: float
+    kl_exact: float
+    kl_est: float
+    kl_reverse_exact: float
+    kl_reverse_est: float
+    ess: float
+    ess_fraction: float
+    khat: float
+    exact_available: bool
+    predicted_relative_mse: float = math.nan  # chi2_exact / n: the relative squared error of p_n, (3.4)
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def table(self) -> str:
+        """A plain-text two-column table (exact | estimated)."""
+        rows = [("log p(x)", self.log_marginal_exact, self.log_marginal_est),
+                ("chi2(Q*||Q)", self.chi2_exact, self.chi2_est),
+                ("KL(Q*||Q)", self.kl_exact, self.kl_est),
+                ("KL(Q||Q*)", self.kl_reverse_exact, self.kl_reverse_est)]
+        lines = [f"{'':14s} {'exact':>12s} {'estimated':>12s}"]
+        lines += [f"{name:14s} {a:12.5g} {b:12.5g}" for name, a, b in rows]
+        lines.append(f"ESS {self.ess:.1f} / {self.n} ({self.ess_fraction:.3f}), Pareto k {self.khat:.3g}")
+        return "\n".join(lines)
+
+
+def sampler_report(model, sampler, x, n: int = 1000, seed: int | None = 0, limit: int = 20_000) -> SamplerReport:
+    """Exact and estimated sampler quality of ``sampler`` (a Q(.|x) with ``sample_with_log_prob`` and
+    ``log_prob``) against the posterior Q_*(.|x) of the :class:`~ppl_thought.models.SlowThinking` ``model``.
+
+    The estimates come from one run of importance sampling with ``n`` particles (estimator (3.2)); the
+    exact values enumerate the lifting of x (skipped, ``nan``, when it has more than ``limit`` sequences).
+    """
+    from ppl_thought.diagnostics.inference_data import psis_khat
+    from ppl_thought.errors import TooLargeToEnumerateError
+    from ppl_thought.inference.importance import Importance
+
+    if int(n) < 2:
+        raise ValueError(f"sampler_report needs n >= 2 draws, got {n}")
+    exact = True
+    lp_exact = chi2_x = kl_x = klr_x = math.nan
+    try:
+        support, lj = model.enumerate_log_joint(x, limit=limit)
+        lp_exact_t = torch.logsumexp(lj.double(), 0)
+        lp_exact = float(lp_exact_t)
+        log_post = lj.double() - lp_exact_t
+        with torch.no_grad():
+            lq = sampler.log_prob(support, x).double()
+        chi2_x, kl_x, klr_x = chi2(log_post, lq), kl(log_post, lq), kl(lq, log_post)
+    except TooLargeToEnumerateError:
+        exact = False
+    ctx = torch.random.fork_rng(devices=[]) if seed is not None else _null()
+    with ctx:
+        if seed is not None:
+            torch.manual_seed(seed)
+        res = Importance(int(n)).run(model, sampler, x)
+    lw = res.log_weights.double()
+    kl_e, klr_e = kl_from_weights(lw)
+    ess = float(res.ess)
+    se = res.log_marginal_stderr
+    return SamplerReport(
+        n=int(n), log_marginal_exact=lp_exact, log_marginal_est=float(res.log_marginal),
+        log_marginal_stderr=float(se) if se is not None else math.nan,
+        chi2_exact=chi2_x, chi2_est=chi2_from_weights(lw), kl_exact=kl_x, kl_est=kl_e,
+        kl_reverse_exact=klr_x, kl_reverse_est=klr_e, ess=ess, ess_fraction=ess / int(n), khat=psis_khat(lw),
+        exact_available=exact, predicted_relative_mse=chi2_x / int(n) if exact else math.nan,
+    )
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

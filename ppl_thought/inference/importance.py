@@ -228,7 +228,8 @@ class Importance:
         log_w = torch.where(torch.isneginf(log_p), torch.full_like(log_p, float("-inf")), log_p - log_q)
         samples = {name: site["value"] for name, site in gtr.nodes.items()
                    if site["type"] == "sample" and not site["is_observed"]}
-        return samples, log_w, {"log_p": log_p, "log_q": log_q}
+        log_lik = _trace_log_weight(mtr, n, dim, observed_only=True)  # log p(data | latents) per particle
+        return samples, log_w, {"log_p": log_p, "log_q": log_q, "log_likelihood": log_lik}
 
     def _fast(self, model, sampler, x):
         """SlowThinking + sampler: z, log Q(z | x) in one decoding loop; log P(z) by one teacher-forced pass."""
@@ -242,9 +243,10 @@ class Importance:
             log_p = dist.log_prob(z)
             from ppl_thought.distributions.projected import ProjectionDelta
 
-            log_p = log_p + ProjectionDelta(model.projection, z, len(xt)).log_prob(xt)
+            log_lik = ProjectionDelta(model.projection, z, len(xt)).log_prob(xt)
+            log_p = log_p + log_lik
         log_w = torch.where(torch.isneginf(log_p), torch.full_like(log_p, float("-inf")), log_p - log_q)
-        return {"z": z}, log_w, {"log_p": log_p, "log_q": log_q}
+        return {"z": z}, log_w, {"log_p": log_p, "log_q": log_q, "log_likelihood": log_lik.expand(n)}
 
     # ------------------------------------------------------------------ (3.7) and Remark 3.5
     def conditional_log_prob(self, model, sampler, x, y, shared: bool = True) -> Result:

@@ -1,0 +1,131 @@
+"""Headless diagnostic plots (matplotlib's Agg canvas; no display and no pyplot state needed).
+
+Every function returns the matplotlib ``Figure`` and, with ``path``, writes it as a PNG there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.6):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * ncols, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
+    return fig, axes
+
+
+def _save(fig, path: str | Path | None):
+    if path is not None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100, format="png")
+    return fig
+
+
+def plot_weights(log_weights, path: str | Path | None = None, khat: float | None = None,
+                 title: str = "importance weights"):
+    """Sorted normalised importance weights (log scale) and the PSIS Pareto k against 0.5 / 0.7."""
+    from ppl_thought.diagnostics.inference_data import psis_khat
+
+    lw = np.asarray(torch.as_tensor(log_weights, dtype=torch.float64)).reshape(-1)
+    k = psis_khat(lw) if khat is None else float(khat)
+    fin = np.isfinite(lw)
+    fig, (ax1, ax2) = _figure(2)
+    if fin.any():
+        w = np.exp(lw[fin] - lw[fin].max())
+        w = np.sort(w / w.sum())[::-1]
+        ax1.semilogy(np.arange(1, len(w) + 1), w, ".-", ms=3)
+        ess = 1.0 / float((w**2).sum())
+        ax1.set_title(f"{title}: ESS {ess:.1f} / {len(lw)} ({(~fin).sum()} zero)")
+    else:
+        ax1.set_title(f"{title}: every weight is zero")
+    ax1.set_xlabel("rank")
+    ax1.set_ylabel("normalised weight")
+    kk = k if math.isfinite(k) else 0.0
+    ax2.bar([0], [kk], color="C1" if kk > 0.7 else ("C2" if kk < 0.5 else "C0"))
+    for thr, style in ((0.5, ":"), (0.7, "--")):
+        ax2.axhline(thr, ls=style, color="k", lw=1)
+    ax2.set_xticks([0], ["Pareto k"])
+    ax2.set_ylim(min(0.0, kk) - 0.1, max(1.0, kk + 0.1))
+    ax2.set_title(f"PSIS k-hat = {k:.3g}")
+    return _save(fig, path)
+
+
+def plot_scaling_law(law, path: str | Path | None = None):
+    """Measured error against n (2 standard errors) with the Table 3.1 prediction, log-log."""
+    fig, (ax,) = _figure()
+    ns = np.asarray(law.ns, dtype=float)
+    ax.errorbar(ns, law.measured, yerr=2 * np.asarray(law.measured_se), fmt="o", label="measured", capsize=3)
+    ax.plot(ns, law.predicted, "-", label="prediction (Table 3.1)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("sampling size n")
+    ax.set_ylabel({"encoding": "E (p_n - p)^2", "decoding": "E TV(Q*, Q_n)",
+                   "gradient": "E ||v_n - grad p||^2"}.get(law.task, "error"))
+    ax.set_title(f"{law.task}: chi2 = {law.chi2:.3g}, slope {law.slope:.2f}")
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_ess(ess_per_step: Sequence[float], num_particles: int | None = None, path: str | Path | None = None,
+             resampled: Sequence[bool] | None = None, threshold: float | None = None):
+    """ESS after each SMC step, with resampling steps marked."""
+    ess = np.asarray(ess_per_step, dtype=float)
+    fig, (ax,) = _figure()
+    steps = np.arange(1, len(ess) + 1)
+    ax.plot(steps, ess, "o-", label="ESS")
+    if resampled is not None and len(resampled):
+        r = np.asarray(resampled, dtype=bool)[: len(ess)]
+        ax.plot(steps[r], ess[r], "rx", ms=9, label="resampled")
+    if num_particles:
+        ax.axhline(num_particles, color="k", lw=1, ls=":", label="n")
+        if threshold:
+            ax.axhline(threshold * num_particles, color="r", lw=1, ls="--", label="threshold")
+    ax.set_xlabel("SMC step (observed segment)")
+    ax.set_ylabel("effective sample size")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_causal_gap(series: Mapping[str, tuple[Sequence[int], Sequence[float]]] | Sequence[float],
+                    path: str | Path | None = None):
+    """The causal gap (7.3) over training steps (several named series, e.g. explanatory vs predictive)."""
+    if not isinstance(series, Mapping):
+        vals = list(series)
+        series = {"causal gap (7.3)": (list(range(len(vals))), vals)}
+    fig, (ax,) = _figure()
+    for name, (steps, vals) in series.items():
+        ax.plot(steps, vals, "-", label=name)
+    ax.axhline(0.0, color="k", lw=1, ls=":")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("weighted causal gap")
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_trace(values, path: str | Path | None = None, name: str = "accept_prob"):
+    """A per-chain trace ``[chains, draws]`` (e.g. Langevin acceptance probabilities)."""
+    v = np.asarray(values, dtype=float)
+    if v.ndim == 1:
+        v = v[None]
+    fig, (ax,) = _figure()
+    for c in range(v.shape[0]):
+        ax.plot(v[c], lw=0.8, label=f"chain {c}")
+    ax.set_xlabel("draw")
+    ax.set_ylabel(name)
+    if v.shape[0] <= 8:
+        ax.legend()
+    return _save(fig, path)
+
+
+__all__ = ["plot_causal_gap", "plot_ess", "plot_scaling_law", "plot_trace", "plot_weights"]

@@ -1,0 +1,289 @@
+"""Tests of ppl_thought.diagnostics: ArviZ export, sampler quality, scaling laws (Table 3.1), causal gap (7.3),
+posterior drift (Def 3.10), k-token advantage (next-token-long-range Def 2, Eq 1.2) and plots."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from engine_helpers import VOCAB, tabular
+
+import ppl_thought as pt
+from ppl_thought.cli import main as cli_main
+from ppl_thought.diagnostics import (
+    advantage_bound,
+    causal_gap,
+    k_token_advantage,
+    plot_causal_gap,
+    plot_ess,
+    plot_scaling_law,
+    plot_trace,
+    plot_weights,
+    posterior_drift,
+    psis_khat,
+    sample_continuations,
+    sampler_report,
+    scaling_law,
+    to_inference_data,
+)
+from ppl_thought.diagnostics.causal import ZeroWeightError
+from ppl_thought.diagnostics.inference_data import import_arviz
+from ppl_thought.inference import SMC, Importance, Langevin
+from ppl_thought.io import load_result, save_result
+from ppl_thought.lm.tabular import Tabular
+from ppl_thought.models import SlowThinking
+from ppl_thought.projections import PauseToThink
+
+az = import_arviz()
+
+
+def small_model(order: int = 2, seed: int = 0, trainable: bool = False) -> SlowThinking:
+    g = torch.Generator().manual_seed(seed)
+    V = len(VOCAB)
+    prior = Tabular(order, V, torch.randn((V,) * order, generator=g) * 1.5, trainable=trainable)
+    return SlowThinking(prior, PauseToThink(VOCAB, max_thought_len=2))
+
+
+@pytest.fixture(scope="module")
+def model() -> SlowThinking:
+    return small_model(trainable=True)
+
+
+@pytest.fixture(scope="module")
+def is_result(model):
+    torch.manual_seed(0)
+    return Importance(64).run(model, pt.guides.Identity(model), "a b")
+
+
+@pytest.fixture(scope="module")
+def smc_result(model):
+    torch.manual_seed(1)
+    guide = pt.guides.Causal(tabular(len(VOCAB), 3), model.projection)
+    return SMC(32, ess_threshold=0.99).run(model, guide, "a b a")
+
+
+def gaussian(y):
+    z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    pyro.sample("y", dist.Normal(z.sum(), 1.0), obs=y)
+
+
+@pytest.fixture(scope="module")
+def langevin_result():
+    return Langevin(num_steps=150, warmup_steps=60, num_chains=2, seed=0, disable_progbar=True).run(
+        gaussian, None, torch.tensor(0.5))
+
+
+def is_png(path) -> bool:
+    data = open(path, "rb").read()
+    return len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------- ArviZ export
+def test_importance_inference_data_groups(is_result, tmp_path):
+    idata = to_inference_data(is_result, vocab=VOCAB)
+    assert {"posterior", "sample_stats", "observed_data", "log_likelihood"} <= set(idata.groups())
+    post = idata.posterior
+    assert post.sizes["chain"] == 1 and post.sizes["draw"] == 64
+    z = post["z"].values
+    assert np.issubdtype(z.dtype, np.integer) and z.ndim == 3
+    np.testing.assert_array_equal(post["z_length"].values, (z != 0).sum(-1))
+    text = post["z_text"].values[0, 0]
+    assert re.sub(r"<s>.*?</s>", "", text).replace(" ", "") == "ab"  # Proj deletes the thoughts
+    lw = idata.sample_stats["log_weight"].values[0]
+    np.testing.assert_allclose(lw, is_result.log_weights.double().numpy())
+    attrs = idata.sample_stats.attrs
+    assert attrs["log_marginal"] == pytest.approx(float(is_result.log_marginal))
+    assert attrs["log_marginal_stderr"] == pytest.approx(float(is_result.log_marginal_stderr))
+    assert attrs["ess"] == pytest.approx(float(is_result.ess), rel=1e-5)
+    _, k_arviz = az.psislw(lw.copy())  # PSIS runs on the weights and agrees with the recorded k
+    assert attrs["khat"] == pytest.approx(float(k_arviz))
+    assert idata.observed_data["x"].values.tolist() == ["a b"] or str(idata.observed_data["x"].values) == "a b"
+    assert idata.log_likelihood["x"].shape == (1, 64)
+
+    path = tmp_path / "is.nc"
+    idata.to_netcdf(str(path))
+    back = az.from_netcdf(str(path))
+    np.testing.assert_array_equal(back.posterior["z"].values, z)
+    np.testing.assert_array_equal(back.sample_stats["log_weight"].values, idata.sample_stats["log_weight"].values)
+    assert back.posterior["z_text"].values[0, 0] == text
+    assert back.sample_stats.attrs["khat"] == pytest.approx(attrs["khat"])
+
+
+def test_smc_inference_data_has_ancestry_and_step_ess(smc_result):
+    idata = to_inference_data(smc_result)
+    ss = idata.sample_stats
+    assert ss["ancestry"].shape == (1, 32, 3)
+    np.testing.assert_array_equal(ss["ancestry"].values[0], smc_result.ancestry.numpy().T)
+    assert len(ss.attrs["ess_per_step"]) == 3 and ss.attrs["resampled"].tolist() == smc_result.stats["resampled"]
+    assert math.isfinite(ss.attrs["log_marginal"])
+
+
+def test_langevin_inference_data_and_arviz(langevin_result, tmp_path):
+    idata = to_inference_data(langevin_result)
+    assert idata.posterior["z"].shape == (2, 150, 2)
+    for name in ("accept_prob", "step_size", "diverging", "lp"):
+        assert idata.sample_stats[name].shape == (2, 150)
+    summary = az.summary(idata, var_names=["z"])
+    assert {"mean", "ess_bulk", "r_hat"} <= set(summary.columns)
+    assert np.all(az.ess(idata)["z"].values > 20)
+    assert np.all(az.rhat(idata)["z"].values < 1.1)
+    idata.to_netcdf(str(tmp_path / "l.nc"))
+    back = az.from_netcdf(str(tmp_path / "l.nc"))
+    np.testing.assert_allclose(back.sample_stats["accept_prob"].values, idata.sample_stats["accept_prob"].values)
+
+
+def test_to_inference_data_rejects_non_results():
+    with pytest.raises(TypeError, match="engine Result"):
+        to_inference_data({"z": 1})
+
+
+def test_save_result_roundtrip_and_cli(is_result, smc_result, langevin_result, tmp_path, capsys):
+    for name, res in (("is", is_result), ("smc", smc_result), ("mcmc", langevin_result)):
+        d = save_result(tmp_path / name, res)
+        back = load_result(d)
+        assert back.engine == res.engine
+        for k in res.samples:
+            assert torch.equal(back.samples[k], res.samples[k])
+        if res.log_weights is not None:
+            assert torch.equal(back.log_weights, res.log_weights)
+        assert back.stats.keys() == res.stats.keys()
+    assert back.observed["y"] == pytest.approx(0.5)
+
+    assert cli_main(["diagnose", str(tmp_path / "smc")]) == 0
+    out = capsys.readouterr().out
+    assert "log_marginal" in out and "ESS per step" in out
+    assert is_png(tmp_path / "smc" / "smc.weights.png") and is_png(tmp_path / "smc" / "smc.ess.png")
+
+    nc = tmp_path / "mcmc.nc"
+    to_inference_data(langevin_result).to_netcdf(str(nc))
+    assert cli_main(["diagnose", str(nc), "--out", str(tmp_path / "plots")]) == 0
+    assert "r_hat" in capsys.readouterr().out
+    assert is_png(tmp_path / "plots" / "mcmc.accept_prob.png")
+    assert cli_main(["diagnose", str(tmp_path / "missing.nc")]) == 2
+
+
+# ---------------------------------------------------------------------------------------------- sampler quality
+def test_sampler_report_exact_and_estimated(model):
+    rep = sampler_report(model, pt.guides.Identity(model), "a b", n=2000, seed=0)
+    assert rep.exact_available
+    assert rep.log_marginal_exact == pytest.approx(float(model.exact_log_prob("a b")), abs=1e-5)
+    assert rep.chi2_est == pytest.approx(rep.chi2_exact, rel=0.25)
+    assert rep.kl_est == pytest.approx(rep.kl_exact, rel=0.25)
+    assert rep.kl_reverse_est == pytest.approx(rep.kl_reverse_exact, rel=0.25)
+    assert abs(rep.log_marginal_est - rep.log_marginal_exact) < 4 * rep.log_marginal_stderr
+    assert 0 < rep.ess_fraction <= 1 and rep.khat < 0.7
+    exact = sampler_report(model, pt.guides.Posterior(model), "a b", n=100)
+    assert exact.chi2_exact == pytest.approx(0.0, abs=1e-6) and exact.khat == -math.inf
+    assert "chi2" in rep.table()
+
+
+def test_psis_khat_edge_cases():
+    assert math.isnan(psis_khat(torch.zeros(5)))
+    assert psis_khat(torch.zeros(50)) == -math.inf
+    heavy = torch.distributions.Pareto(1.0, 0.6).sample((2000,)).log()  # infinite variance weights
+    assert psis_khat(heavy) > 0.7
+
+
+# ---------------------------------------------------------------------------------------------- scaling laws
+def test_encoding_error_scales_as_chi2_over_n(model):
+    law = scaling_law(model, pt.guides.Identity(model), "a b", task="encoding", ns=(4, 8, 16, 32, 64), reps=2000,
+                      seed=0)
+    assert law.chi2 > 0.3  # a sampler that is clearly not the posterior
+    assert law.slope == pytest.approx(-1.0, abs=0.1)  # 1/n
+    assert law.constant == pytest.approx(law.chi2, rel=0.2)  # n E(p_n - p)^2 / p^2 = chi2(Q*||Q), (3.4)
+    assert law.predicted_constant == pytest.approx(law.chi2)
+    np.testing.assert_allclose(law.measured, law.predicted, rtol=0.25)
+
+
+def test_gradient_and_decoding_laws(model):
+    g = pt.guides.Identity(model)
+    grad = scaling_law(model, g, "a b", task="gradient", ns=(4, 16, 64), reps=800, seed=1)
+    assert grad.slope == pytest.approx(-1.0, abs=0.15)
+    assert grad.constant == pytest.approx(grad.predicted_constant, rel=0.2)  # exact variance, (3.24) form
+    dec = scaling_law(model, g, "a b", task="decoding", ns=(4, 16, 64), reps=300, seed=2)
+    assert np.all(np.diff(dec.measured) < 0) and np.all(dec.measured <= 1.0)
+    assert dec.predicted == pytest.approx(np.sqrt((6 * dec.chi2 + 2) / dec.ns))
+    with pytest.raises(ValueError, match="task"):
+        scaling_law(model, g, "a b", task="nope")
+
+
+# ---------------------------------------------------------------------------------------------- causal gap, drift
+def test_causal_gap_matches_hand_computation():
+    lq = torch.tensor([[-1.0, -2.0, -0.5]])
+    lpy = torch.tensor([[-1.5, -1.0, -3.0]])
+    lpr = torch.tensor([[-2.0, -1.0, float("-inf")]])  # third thought cannot produce X_r: weight 0
+    r = lq - lpy
+    lpt = lpy + lpr - lq
+    p = torch.softmax(lpt, -1)
+    expected = float((r[0, :2] * p[0, :2]).sum())
+    assert float(causal_gap(lq, lpy, lpr)) == pytest.approx(expected)
+    assert float(causal_gap(lq, lpy, lpr, response_length=4)) == pytest.approx(expected / 4)
+    lpy_inf = lpy.clone()
+    lpy_inf[0, 2] = float("-inf")  # r = +inf but weight 0: never NaN
+    assert math.isfinite(float(causal_gap(lq, lpy_inf, lpr)))
+    with pytest.raises(ZeroWeightError):
+        causal_gap(lq, lpy, torch.full_like(lpr, float("-inf")))
+
+
+def test_posterior_drift():
+    markov = small_model(order=2)
+    assert posterior_drift(markov, "a b a", 1) == pytest.approx(0.0, abs=1e-6)  # bigram: no drift
+    trigram = small_model(order=3, seed=4)
+    d = posterior_drift(trigram, "a b a", 1)
+    assert 1e-3 < d <= 1.0
+    with pytest.raises(ValueError):
+        posterior_drift(trigram, "a b a", 0)
+
+
+# ---------------------------------------------------------------------------------------------- k-token advantage
+def test_k_token_advantage_ci():
+    V, k, N = 4, 3, 3000
+    gen = torch.Generator().manual_seed(0)
+    true_table = torch.randn(V, V, generator=gen) * 2.0
+    true = Tabular(2, V, true_table, trainable=False)
+    other = Tabular(2, V, torch.zeros(V, V), trainable=False)  # uniform next tokens
+    prefixes = torch.randint(0, V, (N, 2), generator=gen)
+    held = sample_continuations(true, prefixes, k, generator=gen)
+    same = sample_continuations(true, prefixes, k, generator=gen)
+    diff = sample_continuations(other, prefixes, k, generator=gen)
+    top = true_table.argmax(-1)
+
+    def d(pre, window):  # 1 if the window follows the true chain's most likely transition at least once
+        last = torch.cat([pre[:, -1:], window[:, :-1]], 1)
+        return (window == top[last]).any(-1)
+
+    a_same = k_token_advantage(d, prefixes, held, same, k)
+    assert a_same.covers_zero
+    a_diff = k_token_advantage(d, prefixes, held, diff, k)
+    assert not a_diff.covers_zero and a_diff.n == N
+    # list inputs with a per-example distinguisher give the same number
+    a_list = k_token_advantage(lambda p, w: bool(d(torch.as_tensor([p]), torch.as_tensor([w]))[0]),
+                               prefixes.tolist(), held.tolist(), diff.tolist(), k)
+    assert a_list.advantage == pytest.approx(a_diff.advantage)
+    assert advantage_bound(k, 1.5, 1.0) == pytest.approx(math.sqrt(k * 0.5 / 2))
+    assert advantage_bound(k, 1.0, 1.2) == 0.0
+    r = k_token_advantage(d, prefixes, held, diff, k, loss=math.log(V), entropy_rate=0.5)
+    assert abs(r.advantage) <= r.bound
+    with pytest.raises(ValueError, match="pair up"):
+        k_token_advantage(d, prefixes, held[:5], diff, k)
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def test_plots_render_headless(is_result, smc_result, langevin_result, model, tmp_path):
+    plot_weights(is_result.log_weights, tmp_path / "w.png")
+    plot_ess(smc_result.stats["ess"], 32, tmp_path / "ess.png", resampled=smc_result.stats["resampled"],
+             threshold=0.99)
+    plot_causal_gap({"explanatory": ([0, 1, 2], [-0.2, 0.0, 0.1]), "predictive": ([0, 1, 2], [-0.3, -0.2, -0.2])},
+                    tmp_path / "gap.png")
+    plot_trace(langevin_result.stats["accept_prob"], tmp_path / "acc.png")
+    law = scaling_law(model, pt.guides.Identity(model), "a b", ns=(2, 8), reps=50)
+    plot_scaling_law(law, tmp_path / "law.png")
+    law.plot(tmp_path / "law2.png")
+    plot_weights(torch.full((8,), float("-inf")), tmp_path / "dead.png")
+    for name in ("w", "ess", "gap", "acc", "law", "law2", "dead"):
+        assert is_png(tmp_path / f"{name}.png"), name
