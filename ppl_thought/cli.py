@@ -32,6 +32,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    from ppl_thought.diagnostics.report import diagnose
+
+    try:
+        text, _ = diagnose(args.file, out=args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"ppl-thought diagnose: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ppl-thought",
@@ -46,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", default=None, help="also write the results JSON to this file")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+    diag = sub.add_parser("diagnose", help="summary table and plots for a saved result (netcdf or save_result dir)")
+    diag.add_argument("file", help="a netcdf from to_inference_data(...).to_netcdf, or a save_result directory")
+    diag.add_argument("--out", default=None, help="folder for the plots (default: next to FILE)")
+    diag.set_defaults(func=_diagnose)
     return p
 
 
