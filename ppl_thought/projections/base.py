@@ -120,6 +120,16 @@ class Projection(ABC):
         za = as_id_array(z, self.vocab, "latent z")
         return self._project_one(za)
 
+    def _check_latent_is_observable(self, z: np.ndarray) -> None:
+        """For projections with Omega = Sigma: raise NotInDomainError naming the first latent token that is not."""
+        bad = ~np.isin(z, self.observable_ids)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise NotInDomainError(
+                f"{type(self).__name__}: token {self.vocab.token(int(z[i]))!r} at position {i} of z is not in "
+                "Omega = Sigma (the ordinary tokens and <eos>)"
+            )
+
     def in_domain(self, z) -> bool:
         """Whether z is in Dom(Proj^{<w}), i.e. a prefix of some sequence in Dom(Proj)."""
         return self.domain().admits_prefix(as_id_array(z, self.vocab, "latent z"))

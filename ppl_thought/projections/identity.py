@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ppl_thought.errors import NotInDomainError
 from ppl_thought.projections._tables import loop, phase_tables, set_edges, unroll
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection
@@ -33,13 +32,7 @@ class Identity(Projection):
         return self.observable_ids
 
     def _project_one(self, z: np.ndarray) -> np.ndarray:
-        bad = ~np.isin(z, self.observable_ids)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise NotInDomainError(
-                f"Identity: token {self.vocab.token(int(z[i]))!r} at position {i} of z is not observable; "
-                "Omega = Sigma (the ordinary tokens and <eos>)"
-            )
+        self._check_latent_is_observable(z)
         return z.astype(np.int64, copy=True)
 
     def domain(self, num_observed: int | None = None) -> Automaton:

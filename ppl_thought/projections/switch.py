@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ppl_thought.errors import NotInDomainError, UnknownTokenError
+from ppl_thought.errors import UnknownTokenError
 from ppl_thought.projections.automaton import Automaton, AutomatonBuilder
 from ppl_thought.projections.base import Projection
 from ppl_thought.vocab import Vocab
@@ -49,13 +49,7 @@ class FirstTokenSwitch(Projection):
         return self.observable_ids
 
     def _project_one(self, z: np.ndarray) -> np.ndarray:
-        bad = ~np.isin(z, self.observable_ids)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise NotInDomainError(
-                f"FirstTokenSwitch: token {self.vocab.token(int(z[i]))!r} at position {i} of z is not in "
-                "Omega = Sigma (the ordinary tokens and <eos>)"
-            )
+        self._check_latent_is_observable(z)
         if len(z) == 0:
             return np.zeros(0, dtype=np.int64)
         if z[0] == self.repeat_id:
