@@ -129,6 +129,126 @@ def test_reorder_and_expand_continue_like_recomputation(case, mode):
         assert_close(logits, full[:, 7:])
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Ragged rows: valid=False tokens are skipped (SMC particles waiting at a segment boundary)
+# ---------------------------------------------------------------------------------------------------------
+
+RAGGED_CASES = ["plain", "cross_layer", "cross_shared"]  # valid masks need window=None
+
+
+def random_valid(batch: int, T: int, seed: int, p: float = 0.4) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(batch, T, generator=g) >= p
+
+
+def decode_ragged(model, tokens, valid, latents, sizes, cache=None):
+    """Like ``decode_in_chunks`` with a valid mask (a size of 1 goes through ``step``)."""
+    out, i = [], 0
+    for n in sizes:
+        if n == 1:
+            logits, cache = model.step(tokens[:, i], cache, latents=latents, valid=valid[:, i])
+            out.append(logits[:, None])
+        else:
+            logits, cache = model(tokens[:, i:i + n], cache, latents=latents, valid=valid[:, i:i + n])
+            out.append(logits)
+        i += n
+    return torch.cat(out, dim=1), cache
+
+
+def assert_rows_match_recomputation(model, tokens, valid, latents, logits):
+    """Each row's logits at its valid steps equal those of the row run alone on its valid tokens."""
+    for b in range(tokens.shape[0]):
+        if not valid[b].any():
+            continue
+        row_latents = None if latents is None else latents[b:b + 1]
+        ref, _ = model(tokens[b:b + 1, valid[b]], latents=row_latents)
+        assert_close(logits[b, valid[b]], ref[0])
+
+
+@pytest.mark.parametrize("mode", GRAD_MODES)
+@pytest.mark.parametrize("case", RAGGED_CASES)
+def test_invalid_tokens_are_skipped_like_recomputing_each_row(case, mode):
+    for seed in range(3):
+        model, tokens, latents = setup(case, batch=5, T=14, seed=seed)
+        valid = random_valid(5, 14, seed)
+        valid[0] = True  # one row never pauses
+        valid[1, :3] = False  # one row starts paused
+        with GRAD_MODES[mode]():
+            full, c0 = model(tokens, latents=latents, valid=valid)
+            steps, c1 = decode_ragged(model, tokens, valid, latents, [1] * 14)
+            chunks, c2 = decode_ragged(model, tokens, valid, latents, [3, 1, 1, 5, 2, 1, 1])
+            dense_cont, _ = decode_ragged(model, tokens, torch.ones_like(valid), latents, [1] * 14)
+        with torch.no_grad():
+            for logits in (full, steps, chunks):
+                assert torch.isfinite(logits).all()  # unspecified, but never NaN
+                assert_rows_match_recomputation(model, tokens, valid, latents, logits)
+        for cache in (c0, c1, c2):
+            assert cache.length == 14 and cache.ragged
+            assert torch.equal(cache.positions, valid.sum(1)) and torch.equal(cache.key_valid, valid)
+        assert_close(dense_cont, model(tokens, latents=latents)[0])
+
+
+@pytest.mark.parametrize("case", RAGGED_CASES)
+def test_ragged_cache_continues_densely_and_after_reorder_and_expand(case):
+    model, tokens, latents = setup(case, batch=3, T=12, seed=4)
+    valid = random_valid(3, 12, 5)
+    with torch.no_grad():
+        _, cache = decode_ragged(model, tokens[:, :7], valid[:, :7], latents, [4, 1, 1, 1])
+        for how, index in (("reorder", torch.tensor([2, 0, 0, 1, 2])),
+                           ("expand", torch.arange(3).repeat_interleave(2))):
+            c = cache.reorder(index) if how == "reorder" else cache.expand(2)
+            assert torch.equal(c.positions, cache.positions[index]) and c.length == 7
+            new_latents = None if latents is None else latents[index]
+            cont = torch.randint(V, (len(index), 5), generator=torch.Generator().manual_seed(3))
+            for cont_valid in (random_valid(len(index), 5, 6), torch.ones(len(index), 5, dtype=torch.bool)):
+                logits, _ = decode_ragged(model, cont, cont_valid, new_latents, [1, 3, 1], c)
+                all_tokens = torch.cat([tokens[:, :7][index], cont], dim=1)
+                all_valid = torch.cat([valid[:, :7][index], cont_valid], dim=1)
+                padded = torch.cat([torch.zeros(len(index), 7, V), logits], dim=1)
+                mask = all_valid.clone()
+                mask[:, :7] = False  # compare only the continuation
+                for b in range(len(index)):
+                    row_latents = None if new_latents is None else new_latents[b:b + 1]
+                    ref, _ = model(all_tokens[b:b + 1, all_valid[b]], latents=row_latents)
+                    keep = mask[b][all_valid[b]]
+                    assert_close(padded[b, mask[b]], ref[0, keep])
+            # valid=None on a ragged cache continues each row at its own position
+            logits, _ = model(cont, c, latents=new_latents)
+            for b in range(len(index)):
+                row_latents = None if new_latents is None else new_latents[b:b + 1]
+                row = torch.cat([tokens[index[b], :7][valid[index[b], :7]], cont[b]])[None]
+                ref, _ = model(row, latents=row_latents)
+                assert_close(logits[b], ref[0, -5:])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_all_valid_is_the_dense_path(case):
+    model, tokens, latents = setup(case)
+    with torch.no_grad():
+        dense, c_dense = decode_in_chunks(model, tokens, latents, [5, 1, 7])
+        ones = torch.ones_like(tokens, dtype=torch.bool)
+        same, c_same = decode_ragged(model, tokens, ones, latents, [5, 1, 7])
+    assert torch.equal(dense, same)
+    assert not c_same.ragged and c_same.key_valid is None and c_same.positions is None
+    assert c_dense.num_cached == c_same.num_cached
+
+
+def test_invalid_tokens_with_a_window_are_refused():
+    model, tokens, _ = setup("window")
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    valid[1, 4] = False
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        model(tokens, valid=valid)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        model.step(tokens[:, 0], valid=valid[:, 4])
+    model(tokens, valid=torch.ones_like(valid))  # all valid is fine
+    plain, tokens, _ = setup("plain")
+    with pytest.raises(MalformedSequenceError, match="valid"):
+        plain(tokens, valid=torch.ones(3, 2, dtype=torch.bool))
+    with pytest.raises(MalformedSequenceError, match="valid"):
+        plain(tokens, valid=torch.ones_like(tokens))
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_one_cache_continued_several_ways(case):
     """Caches are values: in-place appends never overwrite what another continuation reads."""

@@ -5,8 +5,8 @@ advances in lockstep. :class:`Stepper` feeds one token per row per call; rows th
 ``active`` (waiting at a segment boundary, or finished) keep their next-token logits and
 their LM context unchanged. Two modes, chosen from the LM:
 
-* ``valid`` mode, for LMs whose ``forward`` takes ``valid`` (``Tabular``; the Transformer once it
-  supports it): the whole batch is fed one token per call with the KV cache and ``valid=active``,
+* ``valid`` mode, for LMs whose ``forward`` takes ``valid`` (``Tabular``, ``Transformer`` with
+  ``window=None``): the whole batch is fed one token per call with the KV cache and ``valid=active``,
   so an inactive row's dummy token neither changes its context nor is attended to.
 * ``recompute`` mode, for any other LM: each row's context is kept right-padded and the LM is
   rerun on it (no cache: quadratic in the length, but exact for every LM).
@@ -22,7 +22,14 @@ from ppl_thought.distributions.lm_sequence import BOS_ID, PAD_ID
 
 
 def supports_valid(lm: torch.nn.Module) -> bool:
-    """Whether ``lm.forward`` accepts the per-token ``valid`` mask."""
+    """Whether ``lm.forward`` accepts the per-token ``valid`` mask.
+
+    An LM whose support depends on its configuration says so with a ``valid_mask_supported``
+    attribute (the Transformer: only without a sliding window); otherwise the signature decides.
+    """
+    flag = getattr(lm, "valid_mask_supported", None)
+    if flag is not None:
+        return bool(flag)
     try:
         return "valid" in inspect.signature(lm.forward).parameters
     except (TypeError, ValueError):

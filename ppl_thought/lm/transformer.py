@@ -6,9 +6,15 @@
             x = x + CrossAttention(RMSNorm(x), z_l)      only with cross_attention=True (LTM, Sec 2.1)
             x = x + SwiGLU(RMSNorm(x))
 
-``forward(tokens [B, T], cache=None, latents=None) -> (logits [B, T, V], cache)`` follows the LM
-protocol of ``ppl_thought.lm.base``: the logits after position i are the next-token logits f(x_{<=i}),
-and passing the returned cache back continues the same rows at position ``cache.length``.
+``forward(tokens [B, T], cache=None, latents=None, valid=None) -> (logits [B, T, V], cache)`` follows
+the LM protocol of ``ppl_thought.lm.base``: the logits after position i are the next-token logits
+f(x_{<=i}), and passing the returned cache back continues the same rows at position ``cache.length``.
+
+Ragged rows (``valid`` bool ``[B, T]``): a token with ``valid=False`` is a placeholder. No later query
+attends to it, it does not advance its row's RoPE position, and its own logits are unspecified, so
+each row computes exactly what it would on its valid tokens alone (SMC particles waiting at a segment
+boundary, ``inference/_stepper.py``). The cache then keeps a per-row key-validity mask and per-row
+positions; attention uses an explicit boolean mask. Not supported with a sliding window.
 
 Sliding window (``window=k``): position i attends to positions i-k+1 .. i in every layer, so the
 cache keeps only the last k-1 keys/values per layer. Stacking L such layers gives a receptive field
@@ -71,6 +77,10 @@ class KVCache:
 
     Caches are values: ``forward`` never changes the cache it is given, so one prefix may be
     continued several ways. ``reorder`` and ``expand`` return new caches.
+
+    After a ``valid`` mask with a False entry, ``key_valid`` (bool ``[B, T_cached]``) says which cached
+    keys may be attended to and ``positions`` (long ``[B]``) is each row's next RoPE position (its
+    number of valid tokens); both are None while every token was valid (all rows at ``length``).
     """
 
     #: Append in place into preallocated buffers when gradients are off. ``False`` makes every
@@ -85,6 +95,17 @@ class KVCache:
         self._cross = None  # per layer (k, v) of the latents, or None
         self._latents = None  # the tensor _cross was computed from
         self._latents_version = None
+        self.key_valid: torch.Tensor | None = None  # [B, T_cached] bool, None while all valid
+        self.positions: torch.Tensor | None = None  # [B] long, None while every row is at ``length``
+
+    @property
+    def ragged(self) -> bool:
+        """Whether some cached token was invalid (rows may sit at different positions)."""
+        return self.key_valid is not None
+
+    def _with_rows(self, key_valid: torch.Tensor | None, positions: torch.Tensor | None) -> KVCache:
+        self.key_valid, self.positions = key_valid, positions
+        return self
 
     @classmethod
     def _empty(cls, n_layers: int, window: int | None) -> KVCache:
@@ -151,7 +172,10 @@ class KVCache:
                 out.append(new)
         # The cached latent projections belong to the old rows: drop them; the caller passes the
         # reordered latents next time.
-        return KVCache(_Storage(keys, values, n), 0, n, self.length, self.window)
+        out = KVCache(_Storage(keys, values, n), 0, n, self.length, self.window)
+        if self.ragged:
+            out._with_rows(self.key_valid.index_select(0, index), self.positions.index_select(0, index))
+        return out
 
     # -- writing (used by Transformer.forward) --------------------------------------------------------
 
@@ -163,10 +187,12 @@ class KVCache:
             # Functional: _store concatenates onto views of the old entries.
             keys = [None] * self.num_layers if fresh else list(self.keys)
             values = [None] * self.num_layers if fresh else list(self.values)
-            return KVCache(_Storage(keys, values, None), 0, kept + n, self.length, self.window)
+            new = KVCache(_Storage(keys, values, None), 0, kept + n, self.length, self.window)
+            return new._with_rows(self.key_valid, self.positions)
         if old.filled == self._end and self._end + n <= old.capacity and _writable(old.keys[0]):
             old.filled = self._end + n  # in place: this cache is the only one that reaches the frontier
-            return KVCache(old, self._start, self._end + n, self.length, self.window)
+            new = KVCache(old, self._start, self._end + n, self.length, self.window)
+            return new._with_rows(self.key_valid, self.positions)
         # Reallocate (full, branched from, or built with gradients): copy the kept entries to the front
         # of a buffer with room to grow. A window cache keeps <= window-1 entries, so this compacts it.
         capacity = min(2 * (kept + n), max(capacity_limit, kept + n))
@@ -176,7 +202,8 @@ class KVCache:
                 new = buf.new_empty((buf.shape[0], buf.shape[1], capacity, buf.shape[3]))
                 new[:, :, :kept] = buf[:, :, self._start:self._end]
                 out.append(new)
-        return KVCache(_Storage(keys, values, kept + n), 0, kept + n, self.length, self.window)
+        new = KVCache(_Storage(keys, values, kept + n), 0, kept + n, self.length, self.window)
+        return new._with_rows(self.key_valid, self.positions)
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add this step's ``k, v`` ``[B, H, n, Dh]`` of one layer; return all the keys/values it may see."""
@@ -376,6 +403,14 @@ class Transformer(nn.Module):
         """How many tokens (the current one included) the logits can depend on: n_layers*(window-1)+1."""
         return None if self.window is None else self.n_layers * (self.window - 1) + 1
 
+    @property
+    def valid_mask_supported(self) -> bool:
+        """Whether ``forward`` accepts ``valid`` masks with False entries (only without a window).
+
+        SMC's ``Stepper`` reads this to pick the cached "valid" mode or the exact "recompute" mode.
+        """
+        return self.window is None
+
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (tied weights counted once)."""
         n = sum(p.numel() for p in self.parameters())
@@ -383,8 +418,8 @@ class Transformer(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
-                latents: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, latents: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
         """Next-token logits ``[B, T, vocab_size]`` after each position, and the cache to continue.
 
         Args:
@@ -392,29 +427,83 @@ class Transformer(nn.Module):
             cache: a ``KVCache`` returned by this model for the same rows (left unchanged).
             latents: with ``cross_attention=True``, ``[B, n_layers, N_z, d_latent]`` (layer l reads
                 ``latents[:, l]``) or ``[B, N_z, d_latent]`` (shared by all layers); B may be 1.
+            valid: optional bool ``[B, T]``. A token with ``valid=False`` is skipped by its row: no later
+                query attends to it and it does not advance the row's RoPE position; its logits are
+                unspecified. ``None`` (or all True) is the ordinary dense path. Needs ``window=None``.
         """
         B, T = self._check(tokens, cache)
+        valid = self._check_valid(valid, B, T, tokens.device)
         latent_kv = self._latent_kv(latents, B, cache)
         if cache is None:
             cache = KVCache._empty(self.n_layers, self.window)
         start = cache.length
-        mask, causal = self._attention_mask(cache.num_cached, start, T, tokens.device)
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        if valid is None and not cache.ragged:
+            mask, causal = self._attention_mask(cache.num_cached, start, T, tokens.device)
+            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+            rows = None
+        else:
+            mask, causal, cos, sin, rows = self._ragged_attention(cache, valid, B, T, tokens.device)
 
         new = cache._append(T, self.max_len)
         x = self.drop(self.embed(tokens))
         for block in self.blocks:
             x = block(x, cos, sin, mask, causal, new, None if latent_kv is None else latent_kv[block.index])
         logits = self.lm_head(self.norm(x))
-        return logits, new._finish(T, latent_kv, latents)
+        new = new._finish(T, latent_kv, latents)
+        return logits, (new if rows is None else new._with_rows(*rows))
 
-    def step(self, tokens: torch.Tensor, cache: KVCache | None = None,
-             latents: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
-        """One incremental step: ``tokens [B]`` -> ``(logits [B, vocab_size], cache)``."""
+    def step(self, tokens: torch.Tensor, cache: KVCache | None = None, latents: torch.Tensor | None = None,
+             valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
+        """One incremental step: ``tokens [B]`` (``valid [B]`` optional) -> ``(logits [B, vocab_size], cache)``."""
         if not isinstance(tokens, torch.Tensor) or tokens.ndim != 1:
             raise MalformedSequenceError(f"step takes tokens [B], got {_describe(tokens)}")
-        logits, cache = self(tokens[:, None], cache, latents)
+        if valid is not None:
+            valid = torch.as_tensor(valid)
+            if valid.ndim != 1:
+                raise MalformedSequenceError(f"step takes valid [B], got {_describe(valid)}")
+            valid = valid[:, None]
+        logits, cache = self(tokens[:, None], cache, latents, valid=valid)
         return logits[:, 0], cache
+
+    def _check_valid(self, valid, B: int, T: int, device) -> torch.Tensor | None:
+        """``valid`` as a bool ``[B, T]`` tensor, or None when absent or all True (the dense path)."""
+        if valid is None:
+            return None
+        valid = torch.as_tensor(valid, device=device)
+        if valid.dtype != torch.bool or valid.shape != (B, T):
+            raise MalformedSequenceError(f"valid must be a bool tensor [B, T] = [{B}, {T}], got {_describe(valid)}")
+        if bool(valid.all()):
+            return None
+        if self.window is not None:
+            raise NotImplementedError(
+                f"valid=False tokens are not supported with a sliding window (window={self.window}): "
+                "ragged rows under a window are future work; use window=None, or recompute each row")
+        return valid
+
+    def _ragged_attention(self, cache: KVCache, valid: torch.Tensor | None, B: int, T: int, device):
+        """Mask, RoPE tables and new per-row state when some token (new or cached) is invalid.
+
+        The mask ``[B, 1, T, n_cached + T]`` allows causal keys that are valid, plus each query's own
+        key (so an invalid query still attends to something: its logits are finite, if meaningless).
+        RoPE uses each row's own positions, ``[B, 1, T, Dh/2]`` tables.
+        """
+        n = cache.num_cached
+        if valid is None:
+            valid = torch.ones(B, T, dtype=torch.bool, device=device)
+        old_valid = cache.key_valid
+        if old_valid is None:
+            old_valid = torch.ones(B, n, dtype=torch.bool, device=device)
+        pos0 = cache.positions
+        if pos0 is None:
+            pos0 = torch.full((B,), cache.length, dtype=torch.long, device=device)
+        counts = valid.long().cumsum(1)
+        positions = pos0[:, None] + counts - valid.long()  # [B, T]: valid tokens before this one
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        key_valid = torch.cat([old_valid, valid], dim=1)  # [B, n + T]
+        q = torch.arange(n, n + T, device=device)[:, None]
+        k = torch.arange(n + T, device=device)[None, :]
+        mask = (k <= q) & (key_valid[:, None, :] | (k == q))  # [B, T, n + T]
+        return mask[:, None], False, cos, sin, (key_valid, pos0 + valid.sum(1))
 
     def _attention_mask(self, n_cached: int, start: int, T: int, device) -> tuple[torch.Tensor | None, bool]:
         """Boolean mask ``[T, n_cached + T]`` (True = attend), or None with is_causal, or None alone.
