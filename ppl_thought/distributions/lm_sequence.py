@@ -17,6 +17,7 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
+from ppl_thought.lm.base import match_rows
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.vocab import Vocab
 
@@ -260,12 +261,7 @@ class LMSequence(TorchDistribution):
 
     def lm_kwargs_for(self, n: int) -> dict:
         """LM keyword arguments with batched tensors (e.g. latents) matched to ``n`` rows."""
-        out = {}
-        for k, v in self.lm_kwargs.items():
-            if isinstance(v, torch.Tensor) and v.shape[0] != n and n % v.shape[0] == 0:
-                v = v.repeat_interleave(n // v.shape[0], 0)
-            out[k] = v
-        return out
+        return match_rows(self.lm_kwargs, n)
 
     def extend(self, state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> DecodeState:
         """Append one token per row (``tokens [n]``; ignored for finished rows), scoring it.

@@ -19,6 +19,7 @@ import inspect
 import torch
 
 from ppl_thought.distributions.lm_sequence import BOS_ID, PAD_ID
+from ppl_thought.lm.base import match_rows
 
 
 def supports_valid(lm: torch.nn.Module) -> bool:
@@ -65,12 +66,7 @@ class Stepper:
         self.logits: torch.Tensor | None = None
 
     def _kw(self, n: int) -> dict:
-        out = {}
-        for k, v in self.lm_kwargs.items():
-            if isinstance(v, torch.Tensor) and v.shape[0] != n and n % v.shape[0] == 0:
-                v = v.repeat_interleave(n // v.shape[0], 0)
-            out[k] = v
-        return out
+        return match_rows(self.lm_kwargs, n)
 
     def start(self, ctx: torch.Tensor) -> Stepper:
         """Encode right-padded contexts ``[n, T]`` (each starting with ``<bos>``)."""

@@ -34,3 +34,17 @@ def step(lm: torch.nn.Module, tokens: torch.Tensor, cache=None, **kwargs):
     """One incremental step: ``tokens [B]`` -> ``(logits [B, V], cache)``."""
     logits, cache = lm(tokens[:, None], cache=cache, **kwargs)
     return logits[:, -1], cache
+
+
+def match_rows(kwargs: dict, n: int) -> dict:
+    """LM keyword arguments with batched tensors (e.g. ``latents``) repeated to ``n`` rows.
+
+    A tensor whose leading dimension divides ``n`` is repeated row by row (``repeat_interleave``),
+    matching ``cache.expand``; everything else is passed as is.
+    """
+    out = {}
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] != n and n % v.shape[0] == 0:
+            v = v.repeat_interleave(n // v.shape[0], 0)
+        out[k] = v
+    return out
