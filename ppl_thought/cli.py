@@ -22,12 +22,12 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ppl_thought.demo import run_demo
+    from ppl_thought.demo import _json_default, run_demo
 
-    results = run_demo(out=args.out, quick=args.quick, seed=args.seed)
+    results = run_demo(out=args.out, quick=args.quick, seed=args.seed, n=args.n, parts=tuple(args.parts))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(results, f, indent=2, default=_json_default)
         print(f"wrote {args.json}")
     return 0
 
@@ -53,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions of ppl_thought and its backends")
     info.set_defaults(func=_info)
     demo = sub.add_parser("demo", help="the main job: run the library's showcase and write results")
-    demo.add_argument("--quick", action="store_true", help="a shorter run (a minute or two)")
+    demo.add_argument("--quick", action="store_true", help="a shorter run (under five minutes on 2 cores)")
+    demo.add_argument("--n", type=int, default=8, help="sampling size n of (7.1)/(7.2) (the paper uses 8 and 16)")
+    demo.add_argument("--parts", nargs="+", default=["sec7", "a5"], choices=["sec7", "a5"],
+                      help="which parts to run (Section 7 and/or A5)")
     demo.add_argument("--out", default="out/demo", help="output folder for JSON and plots")
     demo.add_argument("--json", default=None, help="also write the results JSON to this file")
     demo.add_argument("--seed", type=int, default=0)

@@ -1,138 +1,730 @@
-"""``ppl-thought demo``: what the library computes today, measured against exact answers.
+"""``ppl-thought demo``: the preliminary experiment of Section 7 and the A5 separation, at small scale.
 
-1. Pause to think (Ex 2.3): a Transformer prior P_f over Omega = Sigma + {<s>, </s>}; the exact
-   likelihood (2.22) of an observation by enumerating its lifting, and the Monte-Carlo
-   estimator (3.2) with the causal sampler "decode the prior under the lifting automaton",
-   for growing sample sizes n, with its error against the exact value.
-2. The A5 "cups and ball" HMM (App. E.1): exact per-token entropy by the forward algorithm (3.1),
-   and the Theorem 2.3 construction Proj # P_f reproducing the HMM's likelihood exactly.
+Part 1, Section 7 (App. L, Fig 7.1): explanatory vs predictive samplers on the hidden-choice task
+(:mod:`ppl_thought.data.query_response`, a natural instance of Example 5.1). Three trainings with
+equal data, optimizer steps, sampling size n and network size:
 
-The Section 7 experiment and the A5 training comparison replace this with the main job when
-the engines and guides land (see docs/paper-map.md).
+- SFT (fast thinking): ``-log P(x_r | x)`` (the SFT loss of Section 7);
+- latent model P + predictive sampler Q(y | x): the latent loss (7.1) through
+  :class:`~ppl_thought.inference.objectives.OneSampler` ((3.17)/(5.20)) and the sampler loss (7.2)
+  through :class:`~ppl_thought.inference.objectives.SamplerPolicyGradient` ((3.25)/(5.24));
+- the same with the explanatory sampler Q(y | x x_r) (prompt ``x x_r <explain>``, Section 5.6.2).
+
+Test loss: (7.1) on held-out data with each method's own sampler and n samples, per response
+token; the causal gap (7.3) over training.
+
+Part 2, Theorems 2.1/2.3 on the A5 "cups and ball" HMM (App. E.1): a plain Transformer and a
+latent model Proj # P_f (Product projection, Ex 2.2, with a hidden alphabet; P_f a Transformer of
+the same width and depth over the pair tokens) trained on the same sequences. The latent model is
+trained EM-like: particles from sequential Monte Carlo over the lifting (the causal sampler of
+(3.33), P_f decoded under the lifting automaton, resampling when the ESS drops) and the
+self-normalised gradient of (3.17). Its test loss is the SMC estimate of -log (Proj # P_f)(x)
+(an unbiased estimate of the likelihood, Lemma 2.1). Excess losses are measured against the exact
+cross-entropy by the forward algorithm (3.1), on held-out sequences longer than the training ones.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
+import platform
 import time
+import warnings
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ppl_thought.data import a5_hmm
-from ppl_thought.distributions import LMSequence
+from ppl_thought.data.a5 import OBSERVABLE_TOKENS, a5_hmm
+from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
+from ppl_thought.inference.result import log_mean_exp
+from ppl_thought.inference.trainer import clip_joint_
 from ppl_thought.lm import Transformer
-from ppl_thought.models import SlowThinking
-from ppl_thought.projections import PauseToThink
-from ppl_thought.vocab import Vocab
+from ppl_thought.projections import Product, QueryResponse
+
+NEG_INF = float("-inf")
 
 
-def _pause_to_think(quick: bool, seed: int) -> dict:
-    torch.manual_seed(seed)
-    vocab = Vocab(["a", "b", "c"])
-    projection = PauseToThink(vocab, max_thought_len=2)
-    prior = Transformer(len(vocab), d_model=32, n_layers=2, n_heads=4).eval()
-    with torch.no_grad():  # a sharper random prior, so that thinking matters
-        prior.embed.weight.mul_(4.0)
-    model = SlowThinking(prior, projection)
-    x = "a b c"
-    exact = float(model.exact_log_prob(x))
-    sampler = LMSequence(prior, constraint=projection.lifting(x), vocab=vocab)
-    target = model.z_dist(len(vocab.encode(x)))
-    sizes = [16, 64, 256] if quick else [16, 64, 256, 1024, 4096]
-    reps = 20 if quick else 50
-    rows = []
-    for n in tqdm(sizes, desc="importance sampling (3.2)", leave=False):
-        est = []
-        for _ in range(reps):
+# ====================================================================== configuration
+@dataclass
+class Sec7Config:
+    """Sizes of the Section 7 experiment (all three methods share them)."""
+
+    m: int = 5  # letters
+    query_len: int = 6  # k
+    num_choices: int = 8  # C
+    thought_len: int = 1  # |y|
+    n: int = 8  # sampling size of (7.1)/(7.2), training and test
+    steps: int = 3000
+    batch: int = 32
+    lr: float = 2e-3
+    clip: float = 1.0
+    d_model: int = 48
+    n_layers: int = 2
+    n_heads: int = 4
+    num_test: int = 1024
+    eval_every: int = 250
+    num_eval_curve: int = 256
+    sampler_init_scale: float = 1.0  # scales the sampler's (tied) embeddings at init: sharper initial Q
+    pretrain_steps: int = 0  # the shared "base model" (App. L finetunes a pretrained LM), 0 = from scratch
+    thought_alphabet: str = "methods"  # "methods": thoughts are method names; "ordinary": any ordinary token
+
+
+@dataclass
+class A5Config:
+    """Sizes of the A5 experiment (both models share them)."""
+
+    train_len: int = 32
+    test_len: int = 128
+    steps: int = 800
+    batch: int = 16
+    particles: int = 16  # SMC particles for training and test
+    hidden: int = 5  # |Gamma|
+    lr: float = 3e-3
+    clip: float = 1.0
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    num_test: int = 64
+    eval_every: int = 100
+
+
+def configs(quick: bool, n: int = 8) -> tuple[Sec7Config, A5Config]:
+    """The quick (< 5 min on 2 cores) or default (< 20 min) sizes."""
+    if quick:
+        return (Sec7Config(n=n, steps=800, num_test=512, eval_every=100),
+                A5Config(train_len=24, test_len=96, steps=250, particles=16, num_test=32, eval_every=50))
+    return Sec7Config(n=n), A5Config()
+
+
+# ====================================================================== helpers
+def _masked_log_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """log_softmax of ``logits`` restricted to ``allowed`` (Def 2.8); disallowed entries are -inf."""
+    return logits.masked_fill(~allowed, NEG_INF).log_softmax(-1)
+
+
+def _score(lm: torch.nn.Module, tokens: torch.Tensor, start: int, allowed: torch.Tensor) -> torch.Tensor:
+    """``[B, T - start]``: log-probabilities of ``tokens[:, start:]`` given their prefixes, masked to ``allowed``."""
+    logits, _ = lm(tokens[:, :-1])
+    lp = _masked_log_softmax(logits[:, start - 1:], allowed)
+    return lp.gather(-1, tokens[:, start:, None]).squeeze(-1)
+
+
+def _lme(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return log_mean_exp(x, dim)
+
+
+def _se(x: np.ndarray) -> float:
+    return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan")
+
+
+def latent_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """(7.1) per example, batched ``[B, n] -> [B]``: the surrogate of
+    :class:`~ppl_thought.inference.objectives.OneSampler` ((3.17)/(5.20)), -sum_i w_i log P(Y_i X_r | X),
+    w = softmax(log P - log Q) detached; its gradient is that of -log (1/n) sum_i P/U(Q). ``-inf``
+    log P (impossible particles) get weight 0 and contribute 0, never NaN."""
+    lw = (log_p - log_q).detach()
+    w = torch.softmax(lw, -1).nan_to_num(0.0)
+    return -(w * log_p.masked_fill(w == 0, 0.0)).sum(-1)
+
+
+def sampler_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """(7.2) per example, batched ``[B, n] -> [B]``: the plain policy gradient of
+    :class:`~ppl_thought.inference.objectives.SamplerPolicyGradient` ((3.25)/(5.24)) with rewards
+    R_i = U(log P/Q) and the leave-one-out baseline: -1/(n-1) sum_i U(R_i - mean_j R_j) log Q(Y_i | .)."""
+    rew = (log_p - log_q).detach()
+    if not torch.isfinite(rew).all():
+        raise ValueError("sampler reward log P/Q is not finite: the sampler proposes thoughts outside the prior's "
+                         "support")
+    adv = rew - rew.mean(-1, keepdim=True)
+    return -(adv * log_q).sum(-1) / (log_q.shape[-1] - 1)
+
+
+def causal_gaps(log_p_y: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """(7.3) per example ``[B, n] -> [B]``: sum_i r_i p_i with r_i = log Q(Y_i | .) - log P(Y_i | X) and
+    p = softmax(log P(Y_i X_r | X) - log Q(Y_i | .))."""
+    with torch.no_grad():
+        p = torch.softmax(log_p - log_q, -1).nan_to_num(0.0)
+        return (p * (log_q - log_p_y)).masked_fill(p == 0, 0.0).sum(-1)
+
+
+# ====================================================================== Section 7
+class Sec7:
+    """The three trainings of Section 7 on one :class:`PermutationChoiceTask` (see the module docstring)."""
+
+    def __init__(self, task: PermutationChoiceTask, cfg: Sec7Config, seed: int):
+        self.task, self.cfg, self.seed = task, cfg, seed
+        v = task.vocab
+        self.vocab = v
+        V = len(v)
+        self.sigma = torch.zeros(V, dtype=torch.bool)  # Sigma: ordinary tokens and <eos>
+        self.sigma[torch.as_tensor(v.observable_ids)] = True
+        self.thought = torch.zeros(V, dtype=torch.bool)  # the thought alphabet (ordinary tokens, QueryResponse)
+        if cfg.thought_alphabet == "ordinary":
+            self.thought[torch.as_tensor(v.ordinary_ids)] = True
+        elif cfg.thought_alphabet == "methods":
+            self.thought[[v.id(t) for t in task.methods]] = True
+        else:
+            raise ValueError(f"thought_alphabet must be 'methods' or 'ordinary', got {cfg.thought_alphabet!r}")
+        self.projection = QueryResponse(v, max_thought_len=cfg.thought_len)
+        k = task.query_len
+        self.k = k
+
+    def _lm(self) -> Transformer:
+        """A copy of the shared base model: every network of every method starts from it."""
+        if getattr(self, "_base", None) is None:
+            self._base = self.pretrain()
+        return copy.deepcopy(self._base)
+
+    def pretrain(self) -> Transformer:
+        """The base model, as in App. L where every component is a copy of one pretrained LM: next-token
+        training on "worked solutions" ``<bos> q <eos> <s> M<c> </s> q o pi_c <eos>`` that name the method
+        *before* applying it (the way pretraining text says "using the Archimedes method" before the
+        code, Example 5.1). So the base model can *use* a thought that names the method; nothing teaches
+        any sampler to *produce* one, and it never sees the fine-tuning format (the name at the end of
+        the response) or ``<explain>``."""
+        c = self.cfg
+        torch.manual_seed(self.seed)
+        lm = Transformer(len(self.vocab), d_model=c.d_model, n_layers=c.n_layers, n_heads=c.n_heads, max_len=64)
+        if c.pretrain_steps <= 0:
+            return lm
+        g = torch.Generator().manual_seed(self.seed + 101)
+        opt = torch.optim.Adam(lm.parameters(), lr=c.lr)
+        allowed = torch.ones(len(self.vocab), dtype=torch.bool)
+        for _ in range(c.pretrain_steps):
+            q, _, r = self.task.sample(c.batch, generator=g)
+            x = self._latent(q, r[:, -1:] + self.vocab.num_specials, r[:, :-1])  # name first, then the method
+            opt.zero_grad()
+            loss = -_score(lm, x, 1, allowed).mean()
+            loss.backward()
+            clip_joint_(list(lm.parameters()), c.clip)
+            opt.step()
+        return lm
+
+    # --- formats
+    def _obs(self, q: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """``<bos> q <eos> r <eos>`` (the observation x x_r of Section 5.1)."""
+        v, B = self.vocab, q.shape[0]
+        col = lambda i: torch.full((B, 1), i, dtype=torch.long)  # noqa: E731
+        return torch.cat([col(v.bos_id), self.task.letter_ids(q), col(v.eos_id), self.task.letter_ids(r),
+                          col(v.eos_id)], 1)
+
+    def _latent(self, q: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """``<bos> q <eos> <s> y </s> r <eos>`` (the latent format (5.1))."""
+        v, B = self.vocab, q.shape[0]
+        col = lambda i: torch.full((B, 1), i, dtype=torch.long)  # noqa: E731
+        return torch.cat([col(v.bos_id), self.task.letter_ids(q), col(v.eos_id), col(v.think_id), y,
+                          col(v.end_think_id), self.task.letter_ids(r), col(v.eos_id)], 1)
+
+    def _sampler_prompt(self, q: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        """Predictive: ``<bos> q <eos> <s>``; explanatory: ``<bos> q <eos> r <eos> <explain> <s>`` (Fig 5.5)."""
+        v, B = self.vocab, q.shape[0]
+        col = lambda i: torch.full((B, 1), i, dtype=torch.long)  # noqa: E731
+        if r is None:
+            return torch.cat([col(v.bos_id), self.task.letter_ids(q), col(v.eos_id), col(v.think_id)], 1)
+        return torch.cat([self._obs(q, r), col(v.explain_id), col(v.think_id)], 1)
+
+    # --- the pieces of (7.1)
+    def sample_thoughts(self, Q: torch.nn.Module, prompt: torch.Tensor) -> torch.Tensor:
+        """y ~ Q(. | prompt) exactly (no temperature, (7.2)), ``[B, thought_len]`` thought-token ids."""
+        y = torch.zeros(prompt.shape[0], 0, dtype=torch.long)
+        with torch.no_grad():
+            for _ in range(self.cfg.thought_len):
+                logits, _ = Q(torch.cat([prompt, y], 1))
+                p = _masked_log_softmax(logits[:, -1], self.thought).exp()
+                y = torch.cat([y, torch.multinomial(p, 1)], 1)
+        return y
+
+    def log_q(self, Q: torch.nn.Module, prompt: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """log Q(y | prompt) ``[B]``."""
+        return _score(Q, torch.cat([prompt, y], 1), prompt.shape[1], self.thought).sum(-1)
+
+    def log_p_parts(self, P: torch.nn.Module, q, y, r) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log P(y | x), log P(x_r | x y)) ``[B]`` each from one pass of P, masked to Dom(Proj) (Def 2.8)."""
+        z = self._latent(q, y, r)
+        k, L = self.k, self.cfg.thought_len
+        logits, _ = P(z[:, :-1])
+        ys, rs = k + 3, k + 4 + L  # y after <bos> q <eos> <s>; r <eos> after </s> (<s>, </s> are forced)
+        lp_y = _masked_log_softmax(logits[:, ys - 1: ys - 1 + L], self.thought).gather(-1, z[:, ys:ys + L, None])
+        lp_r = _masked_log_softmax(logits[:, rs - 1:], self.sigma).gather(-1, z[:, rs:, None])
+        return lp_y.squeeze(-1).sum(-1), lp_r.squeeze(-1).sum(-1)
+
+    def particles(self, P, Q, q, r, explanatory: bool, n: int):
+        """n thoughts per example from the method's sampler (7.2) and their log P, log Q ``[B, n]``."""
+        B = q.shape[0]
+        qn, rn = q.repeat_interleave(n, 0), r.repeat_interleave(n, 0)
+        prompt = self._sampler_prompt(qn, rn if explanatory else None)
+        if self.cfg.thought_len == 1:  # one pass gives both the sample and log Q
+            logits, _ = Q(prompt)
+            lq_all = _masked_log_softmax(logits[:, -1], self.thought)
+            y = torch.multinomial(lq_all.detach().exp(), 1)
+            lq = lq_all.gather(1, y).squeeze(1)
+        else:
+            y = self.sample_thoughts(Q, prompt)
+            lq = self.log_q(Q, prompt, y)
+        lp_y, lp_r = self.log_p_parts(P, qn, y, rn)
+        return y.view(B, n, -1), lp_y.view(B, n), lp_r.view(B, n), lq.view(B, n)
+
+    # --- training
+    def train(self, method: str, data, test, bar) -> dict:
+        """Train one method ('fast', 'pred' or 'expl') and return its curves and test results."""
+        c = self.cfg
+        q_all, r_all = data
+        g = torch.Generator().manual_seed(self.seed + 17)
+        P = self._lm()
+        nets = [P]
+        Q = None
+        if method != "fast":
+            Q = self._lm()
             with torch.no_grad():
-                z, log_q = sampler.sample_with_log_prob((n,))
-                log_p = target.log_prob(z)
-            est.append(float(torch.logsumexp(log_p - log_q, 0) - math.log(n)))
-        est = np.array(est)
-        ratio = np.exp(est - exact)
-        rows.append({"n": n, "mean_log_estimate": float(est.mean()), "rel_mse": float(np.mean((ratio - 1) ** 2)),
-                     "z_ratio_mean": float(ratio.mean()), "z_ratio_se": float(ratio.std(ddof=1) / np.sqrt(reps))})
-    post = model.exact_posterior(x)
-    top = torch.argsort(post.probs, descending=True)[:5]
-    return {
-        "x": x,
-        "lifting_size": len(post.support),
-        "exact_log_prob": exact,
-        "importance": rows,
-        "posterior_top": [{"z": vocab.decode(post.support[i]), "prob": float(post.probs[i])} for i in top],
-    }
+                Q.embed.weight.mul_(c.sampler_init_scale)
+            nets.append(Q)
+        params = [p for net in nets for p in net.parameters()]
+        opt = torch.optim.Adam(params, lr=c.lr)
+        curve, gap_curve, train_gap = [], [], []
+        norm = self.k + 2
+        for step in range(1, c.steps + 1):
+            idx = torch.randint(q_all.shape[0], (c.batch,), generator=g)
+            q, r = q_all[idx], r_all[idx]
+            opt.zero_grad()
+            if method == "fast":
+                x = self._obs(q, r)
+                loss = -_score(P, x, self.k + 2, self.sigma).sum(-1).mean() / norm  # SFT loss
+            else:
+                _, lp_y, lp_r, lq = self.particles(P, Q, q, r, method == "expl", c.n)
+                lp = lp_y + lp_r  # log P(y r | x), [B, n]
+                loss = (latent_surrogate(lp, lq) + sampler_surrogate(lp, lq)).sum() / (c.batch * norm)
+                gaps = causal_gaps(lp_y, lp, lq)
+                train_gap.append(float(gaps.mean()) / norm)
+            loss.backward()
+            clip_joint_(params, c.clip)  # joint clipping of P and Q together (App. L)
+            opt.step()
+            bar.update(1)
+            if step % c.eval_every == 0 or step == c.steps:
+                ev = self.evaluate(method, P, Q, test, c.num_eval_curve)
+                curve.append({"step": step, "test_loss": ev["loss"]})
+                if ev.get("causal_gap") is not None:
+                    gap_curve.append({"step": step, "causal_gap": ev["causal_gap"]})
+                bar.set_postfix({method: f"{ev['loss']:.4f}"})
+        final = self.evaluate(method, P, Q, test, None)
+        return {"final": final, "curve": curve, "causal_gap_curve": gap_curve, "train_causal_gap": train_gap,
+                "nets": nets}
+
+    def evaluate(self, method: str, P, Q, test, limit: int | None) -> dict:
+        """Test loss (7.1) per response token with n samples of the method's own sampler, per example."""
+        q_all, r_all = test
+        if limit is not None:
+            q_all, r_all = q_all[:limit], r_all[:limit]
+        norm = self.k + 2
+        losses, gaps, ys, lws = [], [], [], []
+        with torch.no_grad():
+            for s in range(0, q_all.shape[0], 256):
+                q, r = q_all[s:s + 256], r_all[s:s + 256]
+                if method == "fast":
+                    losses.append(-_score(P, self._obs(q, r), self.k + 2, self.sigma).sum(-1) / norm)
+                    continue
+                y, lp_y, lp_r, lq = self.particles(P, Q, q, r, method == "expl", self.cfg.n)
+                lw = lp_y + lp_r - lq
+                losses.append(-_lme(lw, 1) / norm)
+                gaps.append(causal_gaps(lp_y, lp_y + lp_r, lq) / norm)
+                ys.append(y[..., 0])
+                lws.append(lw)
+        loss = torch.cat(losses).double().numpy()
+        out = {"loss": float(loss.mean()), "se": _se(loss), "per_example": loss}
+        if gaps:
+            out["causal_gap"] = float(torch.cat(gaps).mean())
+            out["thoughts"] = torch.cat(ys).numpy()
+            out["log_weights"] = torch.cat(lws).double().numpy()
+        return out
 
 
-def _a5(quick: bool, seed: int) -> dict:
-    task = a5_hmm(reveal_prob=0.5)
+def run_sec7(cfg: Sec7Config, seed: int = 0, progress: bool = True) -> dict:
+    """Part 1: the three trainings of Section 7 and their test losses (7.1), gains and causal gaps (7.3)."""
+    task = permutation_choice_task(cfg.m, cfg.query_len, cfg.num_choices, seed=seed)
     g = torch.Generator().manual_seed(seed)
-    T = 64 if quick else 256
-    x = task.sample(64, T, generator=g)
-    ce = task.exact_cross_entropy(x)
-    model = task.hmm.as_slow_thinking()
-    short = task.sample(8, 3, generator=g)
-    from ppl_thought.models.hmm import observation_ids
-
-    diffs = []
-    for row in short:
-        z_x = observation_ids(model.projection)[row]
-        diffs.append(abs(float(model.exact_log_prob(z_x.numpy())) - float(task.hmm.log_prob(row))))
-    return {
-        "sequence_length": T,
-        "exact_cross_entropy_nats": float(ce),
-        "entropy_rate_nats": float(task.entropy_rate),
-        "theorem_2_3_max_abs_diff": max(diffs),
+    q_tr, _, r_tr = task.sample(cfg.steps * cfg.batch, generator=g)  # one fixed training set for all three
+    q_te, c_te, r_te = task.sample(cfg.num_test, generator=g)
+    exp = Sec7(task, cfg, seed)
+    runs = {}
+    t0 = time.time()
+    with tqdm(total=3 * cfg.steps, desc="Section 7: SFT / predictive / explanatory", disable=not progress) as bar:
+        for method in ("fast", "pred", "expl"):
+            t = time.time()
+            runs[method] = exp.train(method, (q_tr, r_tr), (q_te, r_te), bar)
+            runs[method]["seconds"] = round(time.time() - t, 1)
+    floor_ex = -task.exact_log_prob(q_te, r_te).numpy() / (cfg.query_len + 2)
+    Lf, Lp, Le = (runs[m]["final"] for m in ("fast", "pred", "expl"))
+    d_pred = Lf["per_example"] - Lp["per_example"]
+    d_expl = Lf["per_example"] - Le["per_example"]
+    gain_p, gain_e = float(d_pred.mean()), float(d_expl.mean())
+    rel = gain_e / gain_p - 1 if gain_p != 0 else float("nan")
+    # how sharp the explanatory sampler is: does its thought identify the hidden choice?
+    expl_thoughts = Le["thoughts"]
+    res = {
+        "task": {"m": cfg.m, "query_len": cfg.query_len, "num_choices": cfg.num_choices,
+                 "thought_len": cfg.thought_len, "perms": task.perms.tolist()},
+        "config": asdict(cfg),
+        "L_fast": Lf["loss"], "L_pred": Lp["loss"], "L_expl": Le["loss"],
+        "L_fast_se": Lf["se"], "L_pred_se": Lp["se"], "L_expl_se": Le["se"],
+        "entropy_floor": float(floor_ex.mean()), "entropy_floor_exact": task.entropy_floor_per_token(),
+        "gain_pred": gain_p, "gain_pred_se": _se(d_pred), "gain_expl": gain_e, "gain_expl_se": _se(d_expl),
+        "relative_improvement": rel,
+        "causal_gap": Le.get("causal_gap"), "causal_gap_pred": Lp.get("causal_gap"),
+        "causal_gap_curve": {m: runs[m]["causal_gap_curve"] for m in ("pred", "expl")},
+        "test_loss_curve": {m: runs[m]["curve"] for m in ("fast", "pred", "expl")},
+        "train_causal_gap": {m: _smooth(runs[m]["train_causal_gap"]) for m in ("pred", "expl")},
+        "thought_choice_mutual_information": _mutual_information(expl_thoughts, c_te.numpy()),
+        "num_params": {m: sum(p.numel() for net in runs[m]["nets"] for p in net.parameters()) for m in runs},
+        "seconds": {m: runs[m]["seconds"] for m in runs},
+        "total_seconds": round(time.time() - t0, 1),
     }
+    res["criterion_expl_ge_2x_pred_and_3se"] = bool(gain_e >= 2 * gain_p and gain_e > 3 * res["gain_expl_se"])
+    res["_arrays"] = {"per_example": {m: runs[m]["final"]["per_example"] for m in runs},
+                      "expl_thoughts": expl_thoughts, "expl_log_weights": Le["log_weights"],
+                      "pred_thoughts": Lp["thoughts"], "pred_log_weights": Lp["log_weights"]}
+    return res
 
 
-def _plot(results: dict, path: str) -> None:
+def _smooth(xs: list[float], bins: int = 20) -> list[float]:
+    if not xs:
+        return []
+    chunks = np.array_split(np.asarray(xs), min(bins, len(xs)))
+    return [float(c.mean()) for c in chunks]
+
+
+def _mutual_information(thoughts: np.ndarray, choices: np.ndarray) -> float:
+    """I(thought; hidden choice) in nats from the test particles [N, n] (how much y tells about c)."""
+    y = thoughts.reshape(-1)
+    c = np.repeat(choices, thoughts.shape[1])
+    joint = np.zeros((int(y.max()) + 1, int(c.max()) + 1))
+    np.add.at(joint, (y, c), 1.0)
+    joint /= joint.sum()
+    py, pc = joint.sum(1, keepdims=True), joint.sum(0, keepdims=True)
+    nz = joint > 0
+    return float((joint[nz] * np.log(joint[nz] / (py @ pc)[nz])).sum())
+
+
+# ====================================================================== A5
+class A5Latent:
+    """Proj # P_f on the A5 HMM: Product projection (Ex 2.2) with hidden alphabet Gamma, P_f a Transformer."""
+
+    def __init__(self, cfg: A5Config, seed: int):
+        self.cfg = cfg
+        self.projection = Product.build(list(OBSERVABLE_TOKENS), [f"h{i}" for i in range(cfg.hidden)])
+        v = self.projection.vocab
+        self.vocab = v
+        self.pairs = torch.tensor([[self.projection.pair_id(a, g) for g in range(cfg.hidden)]
+                                   for a in OBSERVABLE_TOKENS])  # [7, G]
+        self.domain = torch.zeros(len(v), dtype=torch.bool)  # Dom(Proj): pair tokens
+        self.domain[self.pairs.reshape(-1)] = True
+        torch.manual_seed(seed)
+        self.lm = Transformer(len(v), d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                              max_len=max(cfg.test_len, cfg.train_len) + 2)
+
+    def smc(self, x: torch.Tensor, n: int, ess_threshold: float = 0.5, generator=None):
+        """SMC over the lifting of each row of ``x`` [S, T] (Lemma 2.1): proposal = P_f decoded under
+        the lifting (3.33), incremental weight sum_g P_f((x_t, g) | z_<t), resampling (multinomial)
+        when the ESS falls under ``ess_threshold * n``. Returns (paths [S, n, T], final log-weights
+        [S, n], log Z_hat [S]) -- log Z_hat estimates log (Proj # P_f)(x) (2.22)."""
+        S, T = x.shape
+        rows = S * n
+        bos = torch.full((rows, 1), self.vocab.bos_id, dtype=torch.long)
+        logw = torch.zeros(S, n)
+        logz = torch.zeros(S)
+        paths = torch.zeros(S, n, T, dtype=torch.long)
+        with torch.no_grad():
+            logits, cache = self.lm(bos)
+            for t in range(T):
+                lp = _masked_log_softmax(logits[:, -1], self.domain)  # [rows, V]
+                cand = self.pairs[x[:, t]].repeat_interleave(n, 0)  # [rows, G]
+                lpc = lp.gather(1, cand)
+                inc = torch.logsumexp(lpc, 1)  # log P(x_t | z_<t)
+                gi = torch.multinomial(torch.softmax(lpc, 1).nan_to_num(0.0) + 1e-30, 1, generator=generator)
+                tok = cand.gather(1, gi)
+                paths[:, :, t] = tok.view(S, n)
+                prev = torch.log_softmax(logw, 1)
+                logw = logw + inc.view(S, n)
+                logz = logz + torch.logsumexp(prev + inc.view(S, n), 1)
+                if t < T - 1:
+                    w = torch.softmax(logw, 1)
+                    ess = 1.0 / (w ** 2).sum(1)
+                    resample = ess < ess_threshold * n
+                    index = torch.arange(rows).view(S, n)
+                    if resample.any():
+                        anc = torch.multinomial(w[resample].nan_to_num(0.0) + 1e-30, n, replacement=True,
+                                                generator=generator)
+                        index[resample] = anc + (torch.nonzero(resample).view(-1, 1) * n)
+                        logw = torch.where(resample[:, None], torch.zeros_like(logw), logw)
+                        flat = index.view(-1)
+                        paths = paths.view(rows, T)[flat].view(S, n, T)
+                        cache = cache.reorder(flat)
+                        tok = tok[flat]
+                    logits, cache = self.lm(tok, cache)
+        return paths, logw, logz
+
+    def train_step(self, x: torch.Tensor, opt, params, generator=None) -> float:
+        """One EM-like step: SMC particles, then the self-normalised gradient of (3.17):
+        -sum_i w_i grad log P_f(Z_i), normalised per token."""
+        S, T = x.shape
+        n = self.cfg.particles
+        paths, logw, logz = self.smc(x, n, generator=generator)
+        w = torch.softmax(logw, 1)
+        z = torch.cat([torch.full((S * n, 1), self.vocab.bos_id, dtype=torch.long), paths.view(S * n, T)], 1)
+        lp = _score(self.lm, z, 1, self.domain).sum(-1).view(S, n)
+        opt.zero_grad()
+        loss = -(w * lp).sum(1).mean() / T
+        loss.backward()
+        clip_joint_(params, self.cfg.clip)
+        opt.step()
+        return float(-logz.mean() / T)
+
+    def nll_per_token(self, x: torch.Tensor, generator=None) -> np.ndarray:
+        """-log Z_hat / T per sequence (SMC estimate of -log (Proj # P_f)(x) per token)."""
+        out = []
+        for s in range(0, x.shape[0], 16):
+            _, _, logz = self.smc(x[s:s + 16], self.cfg.particles, generator=generator)
+            out.append(-logz / x.shape[1])
+        return torch.cat(out).double().numpy()
+
+
+def _plain_nll(lm, vocab_bos: int, x_ids: torch.Tensor) -> np.ndarray:
+    z = torch.cat([torch.full((x_ids.shape[0], 1), vocab_bos, dtype=torch.long), x_ids], 1)
+    allowed = torch.ones(lm.vocab_size, dtype=torch.bool)
+    with torch.no_grad():
+        return (-_score(lm, z, 1, allowed).sum(-1) / x_ids.shape[1]).double().numpy()
+
+
+def run_a5(cfg: A5Config, seed: int = 0, progress: bool = True) -> dict:
+    """Part 2: plain Transformer vs Proj # P_f on the A5 HMM; excess loss over the exact entropy (3.1)."""
+    task = a5_hmm(0.5)
+    g = torch.Generator().manual_seed(seed + 1)
+    x_test = task.sample(cfg.num_test, cfg.test_len, generator=g)
+    x_test_short = task.sample(cfg.num_test, cfg.train_len, generator=g)
+    exact = task.hmm.log_prob(x_test).double().numpy() / -cfg.test_len
+    exact_short = task.hmm.log_prob(x_test_short).double().numpy() / -cfg.train_len
+    torch.manual_seed(seed)
+    plain = Transformer(len(task.vocab), d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                        max_len=cfg.test_len + 2)
+    latent = A5Latent(cfg, seed)
+    opt_p = torch.optim.Adam(plain.parameters(), lr=cfg.lr)
+    params_l = list(latent.lm.parameters())
+    opt_l = torch.optim.Adam(params_l, lr=cfg.lr)
+    bos = task.vocab.bos_id
+    allowed = torch.ones(len(task.vocab), dtype=torch.bool)
+    curve = []
+    t0 = time.time()
+    secs = {"plain": 0.0, "latent": 0.0}
+    with tqdm(total=cfg.steps, desc="A5: plain Transformer / Proj # P_f", disable=not progress) as bar:
+        for step in range(1, cfg.steps + 1):
+            x = task.sample(cfg.batch, cfg.train_len, generator=g)  # the same batch for both models
+            t = time.time()
+            ids = task.to_vocab_ids(x)
+            z = torch.cat([torch.full((cfg.batch, 1), bos, dtype=torch.long), ids], 1)
+            opt_p.zero_grad()
+            lp = -_score(plain, z, 1, allowed).sum(-1).mean() / cfg.train_len
+            lp.backward()
+            clip_joint_(list(plain.parameters()), cfg.clip)
+            opt_p.step()
+            t1 = time.time()
+            ll = latent.train_step(x, opt_l, params_l, generator=g)
+            secs["plain"] += t1 - t
+            secs["latent"] += time.time() - t1
+            bar.update(1)
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                pe = float(_plain_nll(plain, bos, task.to_vocab_ids(x_test_short)).mean() - exact_short.mean())
+                le = float(latent.nll_per_token(x_test_short[:16], generator=g).mean() - exact_short[:16].mean())
+                curve.append({"step": step, "plain_train_loss": float(lp.detach()), "latent_train_loss": ll,
+                              "plain_excess_short": pe, "latent_excess_short": le})
+                bar.set_postfix({"plain": f"{pe:.3f}", "latent": f"{le:.3f}"})
+    plain_nll = _plain_nll(plain, bos, task.to_vocab_ids(x_test))
+    latent_nll = latent.nll_per_token(x_test, generator=g)
+    pex, lex = plain_nll - exact, latent_nll - exact
+    short_p = _plain_nll(plain, bos, task.to_vocab_ids(x_test_short)) - exact_short
+    short_l = latent.nll_per_token(x_test_short, generator=g) - exact_short
+    res = {
+        "config": asdict(cfg),
+        "exact_cross_entropy_nats": float(exact.mean()), "entropy_rate_nats": task.entropy_rate,
+        "plain_excess_nats": float(pex.mean()), "plain_excess_se": _se(pex),
+        "latent_excess_nats": float(lex.mean()), "latent_excess_se": _se(lex),
+        "plain_excess_train_len": float(short_p.mean()), "latent_excess_train_len": float(short_l.mean()),
+        "ratio_plain_over_latent": float(pex.mean() / lex.mean()) if lex.mean() > 0 else float("inf"),
+        "num_params": {"plain": sum(p.numel() for p in plain.parameters()), "latent": sum(p.numel() for p in params_l)},
+        "curve": curve,
+        "seconds": {k: round(v, 1) for k, v in secs.items()},
+        "total_seconds": round(time.time() - t0, 1),
+    }
+    res["criterion_latent_3x_below_plain"] = bool(lex.mean() * 3 <= pex.mean())
+    res["_arrays"] = {"plain_excess": pex, "latent_excess": lex}
+    return res
+
+
+# ====================================================================== outputs
+def _plots(results: dict, out: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = results["pause_to_think"]["importance"]
-    n = np.array([r["n"] for r in rows])
-    mse = np.array([r["rel_mse"] for r in rows])
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.loglog(n, mse, "o-", label="measured E[(Z_n/Z - 1)^2]")
-    ax.loglog(n, mse[0] * n[0] / n, "--", label="1/n slope (3.4)")
-    ax.set_xlabel("particles n")
-    ax.set_ylabel("relative squared error")
-    ax.set_title("Encoding error of (3.2), causal sampler")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    paths = []
+    s7 = results.get("sec7")
+    if s7:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+        for m, label in (("fast", "SFT (fast)"), ("pred", "predictive"), ("expl", "explanatory")):
+            cu = s7["test_loss_curve"][m]
+            a.plot([r["step"] for r in cu], [r["test_loss"] for r in cu], "o-", label=label)
+        a.axhline(s7["entropy_floor"], color="k", ls=":", label="entropy floor")
+        a.set_xlabel("training step")
+        a.set_ylabel("test loss (7.1) per response token")
+        a.legend()
+        for m, label in (("pred", "predictive"), ("expl", "explanatory")):
+            cu = s7["causal_gap_curve"][m]
+            b.plot([r["step"] for r in cu], [r["causal_gap"] for r in cu], "o-", label=label)
+        b.axhline(0, color="k", lw=0.5)
+        b.set_xlabel("training step")
+        b.set_ylabel("average causal gap (7.3)")
+        b.legend()
+        fig.suptitle(f"Section 7 at small scale (n = {s7['config']['n']})")
+        fig.tight_layout()
+        p = os.path.join(out, "sec7_fig7_1.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    a5 = results.get("a5")
+    if a5:
+        fig, ax = plt.subplots(figsize=(5, 3.8))
+        cu = a5["curve"]
+        ax.plot([r["step"] for r in cu], [r["plain_excess_short"] for r in cu], "o-", label="plain Transformer")
+        ax.plot([r["step"] for r in cu], [r["latent_excess_short"] for r in cu], "o-", label="Proj # P_f")
+        ax.set_yscale("symlog", linthresh=1e-2)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("excess loss (nats/token), train length")
+        ax.set_title("A5 cups and ball (Thm 2.1 / 2.3)")
+        ax.legend()
+        fig.tight_layout()
+        p = os.path.join(out, "a5_excess.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
 
 
-def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0) -> dict:
-    """Run the demo, print a table, and write ``results.json`` and ``encoding_error.png`` into ``out``."""
+def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
+    """ArviZ netcdf files. Section 7: for each latent method, the weighted test particles (thoughts and
+    log-weights of (7.1)) of the first held-out example through
+    :func:`ppl_thought.diagnostics.to_inference_data` when available, and all held-out examples
+    (chain = example, draw = particle) with ``az.from_dict``. A5: the per-sequence excess losses."""
+    try:
+        import arviz as az
+    except ImportError:  # pragma: no cover
+        return []
+    try:
+        from ppl_thought.diagnostics import to_inference_data
+    except ImportError:  # pragma: no cover - the diagnostics conversion is optional
+        to_inference_data = None
+    from ppl_thought.inference.result import Result
+
+    written = []
+    s7 = arrays.get("sec7")
+    if s7:
+        for m in ("expl", "pred"):
+            lw = np.asarray(s7[f"{m}_log_weights"])  # [N, n]
+            th = np.asarray(s7[f"{m}_thoughts"])
+            if to_inference_data is not None:
+                lw0 = torch.as_tensor(lw[0])
+                res = Result(samples={"thought": torch.as_tensor(th[0])}, log_weights=lw0,
+                             log_marginal=log_mean_exp(lw0, 0), engine=f"Importance (7.1), {m} sampler")
+                p = os.path.join(out, f"sec7_{m}_example0.nc")
+                to_inference_data(res).to_netcdf(p)
+                written.append(p)
+            with warnings.catch_warnings():  # chain = held-out example: many chains, n draws each, by design
+                warnings.simplefilter("ignore", UserWarning)
+                idata = az.from_dict(posterior={"thought": th}, sample_stats={"log_weight": lw},
+                                     observed_data={"test_loss_per_token": s7["per_example"][m]})
+            p = os.path.join(out, f"sec7_{m}_particles.nc")
+            idata.to_netcdf(p)
+            written.append(p)
+    a5 = arrays.get("a5")
+    if a5:
+        idata = az.from_dict(observed_data={"plain_excess": a5["plain_excess"], "latent_excess": a5["latent_excess"]})
+        p = os.path.join(out, "a5_excess.nc")
+        idata.to_netcdf(p)
+        written.append(p)
+    return written
+
+
+def _machine() -> dict:
+    return {"nproc": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+            "processor": platform.processor(), "torch": torch.__version__}
+
+
+def _print(results: dict) -> None:
+    s7, a5 = results.get("sec7"), results.get("a5")
+    if s7:
+        n = s7["config"]["n"]
+        print(f"\nSection 7 (n = {n}): test loss (7.1) per response token, "
+              f"{s7['config']['num_test']} held-out examples")
+        print(f"  entropy floor H(R|Q)/(k+2) = {s7['entropy_floor_exact']:.4f}")
+        for key, name in (("L_fast", "SFT (fast thinking)"), ("L_pred", "latent + predictive"),
+                          ("L_expl", "latent + explanatory")):
+            print(f"  {name:24s} {s7[key]:.4f} +- {s7[key + '_se']:.4f}")
+        print(f"  gain predictive  L_fast - L_pred = {s7['gain_pred']:+.4f} +- {s7['gain_pred_se']:.4f}")
+        print(f"  gain explanatory L_fast - L_expl = {s7['gain_expl']:+.4f} +- {s7['gain_expl_se']:.4f}")
+        print(f"  relative improvement (L_fast - L_expl)/(L_fast - L_pred) - 1 = {s7['relative_improvement']:.2%}")
+        print(f"  causal gap (7.3) at the end: explanatory {s7['causal_gap']:+.4f}, predictive "
+              f"{s7['causal_gap_pred']:+.4f}; I(thought; choice) = {s7['thought_choice_mutual_information']:.3f} nats")
+        print(f"  criterion (gain_expl >= 2 gain_pred and > 3 se): {s7['criterion_expl_ge_2x_pred_and_3se']}")
+    if a5:
+        print(f"\nA5 cups and ball: excess loss over the exact entropy (forward algorithm), "
+              f"train length {a5['config']['train_len']}, test length {a5['config']['test_len']}")
+        print(f"  plain Transformer {a5['plain_excess_nats']:.4f} +- {a5['plain_excess_se']:.4f} nats/token")
+        print(f"  Proj # P_f        {a5['latent_excess_nats']:.4f} +- {a5['latent_excess_se']:.4f} nats/token")
+        print(f"  (at train length: plain {a5['plain_excess_train_len']:.4f}, latent "
+              f"{a5['latent_excess_train_len']:.4f}); criterion latent <= plain / 3: "
+              f"{a5['criterion_latent_3x_below_plain']}")
+
+
+def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int = 8,
+             parts: tuple[str, ...] = ("sec7", "a5"), sec7_config: Sec7Config | None = None,
+             a5_config: A5Config | None = None,
+             progress: bool = True) -> dict:
+    """Run the demo (Section 7 and A5), print a table, write ``results.json``, PNG plots and ArviZ
+    netcdf files into ``out``. ``n`` is the sampling size of (7.1)/(7.2) (8 or 16 as in the paper)."""
+    if n < 2:
+        raise ValueError(f"n must be >= 2 (the sampler loss (7.2) needs a baseline), got {n}")
+    unknown = set(parts) - {"sec7", "a5"}
+    if unknown:
+        raise ValueError(f"unknown demo parts {sorted(unknown)}; choose from 'sec7', 'a5'")
     os.makedirs(out, exist_ok=True)
+    c7, ca5 = configs(quick, n)
+    c7, ca5 = sec7_config or c7, a5_config or ca5
     t0 = time.time()
-    results = {"pause_to_think": _pause_to_think(quick, seed), "a5": _a5(quick, seed)}
+    results: dict = {"quick": quick, "seed": seed, "machine": _machine()}
+    arrays: dict = {}
+    if "sec7" in parts:
+        results["sec7"] = run_sec7(c7, seed, progress)
+        arrays["sec7"] = results["sec7"].pop("_arrays")
+    if "a5" in parts:
+        results["a5"] = run_a5(ca5, seed, progress)
+        arrays["a5"] = results["a5"].pop("_arrays")
     results["seconds"] = round(time.time() - t0, 1)
-    p = results["pause_to_think"]
-    print(f"\nPause to think (Ex 2.3): x = {p['x']!r}, |lifting| = {p['lifting_size']}")
-    print(f"  exact log p(x) by enumeration (2.22): {p['exact_log_prob']:.4f}")
-    print(f"  {'n':>6} {'mean log Z_n':>14} {'E[Z_n/Z]':>16} {'rel. MSE':>10}")
-    for r in p["importance"]:
-        print(f"  {r['n']:>6} {r['mean_log_estimate']:>14.4f} {r['z_ratio_mean']:>9.3f} +- {r['z_ratio_se']:.3f}"
-              f" {r['rel_mse']:>10.4f}")
-    print("  most probable thoughts under the exact posterior (2.24):")
-    for r in p["posterior_top"]:
-        print(f"    {r['prob']:.3f}  {r['z']}")
-    a = results["a5"]
-    print(f"\nA5 cups-and-ball HMM (App. E.1), T = {a['sequence_length']}:")
-    print(f"  exact cross-entropy of samples (forward algorithm): {a['exact_cross_entropy_nats']:.4f} nats/token")
-    print(f"  entropy rate (closed form): {a['entropy_rate_nats']:.4f} nats/token")
-    print(f"  Theorem 2.3: |log (Proj # P_f)(x) - log P_HMM(x)| <= {a['theorem_2_3_max_abs_diff']:.2e}")
-    _plot(results, os.path.join(out, "encoding_error.png"))
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"\nwrote {out}/results.json and {out}/encoding_error.png in {results['seconds']} s")
+    _print(results)
+    files = _plots(results, out) + _arviz(results, arrays, out)
+    results["files"] = files
+    path = os.path.join(out, "results.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=2, default=_json_default)
+    os.replace(tmp, path)
+    print(f"\nwrote {path} and {len(files)} plot/ArviZ files in {results['seconds']} s")
     return results
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o)}")

@@ -1,5 +1,6 @@
 """Synthetic tasks with exact answers (ARCHITECTURE.md, ``data/``)."""
 
 from ppl_thought.data.a5 import A5Task, a5_hmm
+from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
 
-__all__ = ["A5Task", "a5_hmm"]
+__all__ = ["A5Task", "PermutationChoiceTask", "a5_hmm", "permutation_choice_task"]
