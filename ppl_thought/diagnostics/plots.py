@@ -56,7 +56,11 @@ def plot_weights(log_weights, path: str | Path | None = None, khat: float | None
         ax2.axhline(thr, ls=style, color="k", lw=1)
     ax2.set_xticks([0], ["Pareto k"])
     ax2.set_ylim(min(0.0, kk) - 0.1, max(1.0, kk + 0.1))
-    ax2.set_title(f"PSIS k-hat = {k:.3g}")
+    if math.isfinite(k):
+        ax2.set_title(f"PSIS k-hat = {k:.3g}")
+    else:  # PSIS fits a tail: too few distinct finite weights (e.g. a handful of particles)
+        ax2.set_title("PSIS k-hat: not available")
+        ax2.text(0, 0.5, f"no Pareto fit\n({int(fin.sum())} finite weights)", ha="center", va="center")
     return _save(fig, path)
 
 
