@@ -53,14 +53,14 @@ NEG_INF = float("-inf")
 class Sec7Config:
     """Sizes of the Section 7 experiment (all three methods share them)."""
 
-    m: int = 5  # letters
-    query_len: int = 6  # k
-    num_choices: int = 8  # C
+    m: int = 4  # letters
+    query_len: int = 2  # k
+    num_choices: int = 4  # C
     thought_len: int = 1  # |y|
     n: int = 8  # sampling size of (7.1)/(7.2), training and test
     steps: int = 3000
     batch: int = 32
-    lr: float = 2e-3
+    lr: float = 3e-3
     clip: float = 1.0
     d_model: int = 48
     n_layers: int = 2

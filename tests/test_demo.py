@@ -69,6 +69,26 @@ def test_permutation_task_entropy_and_samples():
         task.exact_log_prob(q[:, :2], r[:, :2])
 
 
+def test_default_sec7_task_exact_likelihood_matches_brute_force():
+    """The task of the default demo (Sec7Config: m=4, k=2, C=4): (D.2) and H(R | Q) = log C by brute force."""
+    cfg = Sec7Config()
+    task = permutation_choice_task(cfg.m, cfg.query_len, cfg.num_choices, seed=0)
+    rs = _responses(task)
+    h = 0.0
+    for q in itertools.product(range(task.m), repeat=task.query_len):
+        lp = task.exact_log_prob(torch.tensor([q] * len(rs)), torch.tensor(rs))
+        brute = torch.tensor([_brute_p(task, q, r) for r in rs], dtype=torch.float64)
+        assert torch.allclose(lp.exp(), brute) and math.isclose(float(brute.sum()), 1.0, rel_tol=1e-12)
+        h -= float((brute[brute > 0] * brute[brute > 0].log()).sum())
+    n_q = task.m ** task.query_len
+    assert math.isclose(task.conditional_entropy(), h / n_q, rel_tol=1e-10)
+    assert math.isclose(task.entropy_floor_per_token(), math.log(cfg.num_choices) / (cfg.query_len + 2), rel_tol=1e-10)
+    # the query does not determine the choice (broad prior), query + response do (sharp posterior)
+    q, c, r = task.sample(64, generator=torch.Generator().manual_seed(1))
+    post = task.posterior_choices(q, r)
+    assert torch.equal(post.argmax(-1), c) and torch.allclose(post.max(-1).values, torch.ones(64, dtype=torch.float64))
+
+
 def test_a5_exact_log_prob_matches_brute_force_over_hidden_paths():
     task = a5_hmm(0.5)
     x = task.sample(4, 3, generator=torch.Generator().manual_seed(2))

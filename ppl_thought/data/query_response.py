@@ -138,7 +138,7 @@ class PermutationChoiceTask:
         return self.conditional_entropy() / (self.query_len + 2)
 
 
-def permutation_choice_task(m: int = 5, query_len: int = 6, num_choices: int = 8,
+def permutation_choice_task(m: int = 4, query_len: int = 2, num_choices: int = 4,
                             seed: int = 0) -> PermutationChoiceTask:
     """The task (D.1) with m letters, queries of length k = ``query_len`` and C = ``num_choices``
     methods: distinct random substitutions of the letters (fixed by ``seed``; the first is the
