@@ -180,3 +180,19 @@ def longest_path(
             if t not in depth:
                 stack.append((t, False))
     return depth[start]
+
+
+class PhaseMachine:
+    """Mixin for projections given by one phase machine ``self._tables = (next_phase, emits)``
+    that does not change along the sequence (start phase 0): the domain and lifting automata."""
+
+    _tables: tuple[np.ndarray, np.ndarray]
+
+    def domain(self, num_observed: int | None = None) -> Automaton:
+        name = type(self).__name__
+        if num_observed is None:
+            return loop(self._tables[0], 0, f"{name}.domain")
+        return unroll(lambda t: self._tables, 0, int(num_observed), None, f"{name}.domain({num_observed})")
+
+    def _lifting(self, x: np.ndarray) -> Automaton:
+        return unroll(lambda t: self._tables, 0, len(x), x, f"{type(self).__name__}.lifting")

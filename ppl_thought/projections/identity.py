@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ppl_thought.projections._tables import loop, phase_tables, set_edges, unroll
-from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections._tables import PhaseMachine, phase_tables, set_edges
 from ppl_thought.projections.base import Projection
 from ppl_thought.vocab import Vocab
 
 
-class Identity(Projection):
+class Identity(PhaseMachine, Projection):
     """Ex 2.1: Omega = Sigma and Proj = id.
 
     The lifting is ``x -> {x}`` and the next-segment map is Phi_x(z, a) = {a}, so
@@ -34,11 +33,3 @@ class Identity(Projection):
     def _project_one(self, z: np.ndarray) -> np.ndarray:
         self._check_latent_is_observable(z)
         return z.astype(np.int64, copy=True)
-
-    def domain(self, num_observed: int | None = None) -> Automaton:
-        if num_observed is None:
-            return loop(self._tables[0], 0, "Identity.domain")
-        return unroll(lambda t: self._tables, 0, int(num_observed), None, f"Identity.domain({num_observed})")
-
-    def _lifting(self, x: np.ndarray) -> Automaton:
-        return unroll(lambda t: self._tables, 0, len(x), x, "Identity.lifting")

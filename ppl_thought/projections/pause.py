@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from ppl_thought.errors import NotInDomainError
-from ppl_thought.projections._tables import loop, phase_tables, set_edges, unroll
-from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections._tables import PhaseMachine, phase_tables, set_edges
 from ppl_thought.projections.base import Projection
 from ppl_thought.vocab import Vocab
 
 
-class PauseToThink(Projection):
+class PauseToThink(PhaseMachine, Projection):
     """Ex 2.3 with constant bounds c_t = c: Dom(Proj) = {(y^(t) x_t)_t : x_t in Sigma, y^(t) in T_c},
     T_c = {empty} U {<s> y </s> : y ordinary, 1 <= |y| <= c}, and Proj deletes the thoughts.
 
@@ -90,15 +89,6 @@ class PauseToThink(Projection):
                 raise NotInDomainError(f"PauseToThink: token {v.token(a)!r} at position {i} inside a "
                                        "thought; thoughts contain ordinary tokens only")
         return np.asarray(out, dtype=np.int64)
-
-    def domain(self, num_observed: int | None = None) -> Automaton:
-        if num_observed is None:
-            return loop(self._tables[0], 0, "PauseToThink.domain")
-        return unroll(lambda t: self._tables, 0, int(num_observed), None,
-                      f"PauseToThink.domain({num_observed})")
-
-    def _lifting(self, x: np.ndarray) -> Automaton:
-        return unroll(lambda t: self._tables, 0, len(x), x, "PauseToThink.lifting")
 
     def __repr__(self) -> str:
         return f"PauseToThink({self.vocab!r}, max_thought_len={self.max_thought_len})"

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from ppl_thought.errors import NotInDomainError, UnknownTokenError
-from ppl_thought.projections._tables import loop, phase_tables, unroll
-from ppl_thought.projections.automaton import DEAD, Automaton
+from ppl_thought.projections._tables import PhaseMachine, phase_tables
+from ppl_thought.projections.automaton import DEAD
 from ppl_thought.projections.base import Projection
 from ppl_thought.vocab import EOS, Vocab
 
 
-class Product(Projection):
+class Product(PhaseMachine, Projection):
     """Ex 2.2: Omega = Sigma x Gamma and Proj: ((x_t, y_t))_t -> (x_t)_t.
 
     Each latent token is a vocabulary token named ``f"{a}{sep}{g}"`` for an observable token
@@ -113,14 +113,6 @@ class Product(Projection):
                 f"'a{self.sep}g' (a in Sigma, g in Gamma)"
             )
         return out
-
-    def domain(self, num_observed: int | None = None) -> Automaton:
-        if num_observed is None:
-            return loop(self._tables[0], 0, "Product.domain")
-        return unroll(lambda t: self._tables, 0, int(num_observed), None, f"Product.domain({num_observed})")
-
-    def _lifting(self, x: np.ndarray) -> Automaton:
-        return unroll(lambda t: self._tables, 0, len(x), x, "Product.lifting")
 
     def __repr__(self) -> str:
         return f"Product(Sigma={self.observable}, Gamma={self.hidden}, sep={self.sep!r})"

@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from ppl_thought.errors import NotInDomainError
-from ppl_thought.projections._tables import loop, phase_tables, set_edges, unroll
-from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections._tables import PhaseMachine, phase_tables, set_edges
 from ppl_thought.projections.base import Projection
 from ppl_thought.vocab import Vocab
 
 
-class QueryResponse(Projection):
+class QueryResponse(PhaseMachine, Projection):
     """Section 5.1: observations alternate queries and responses, each ending in ``<eos>``,
     x = x_q^(1) x_r^(1) x_q^(2) ... with x_q, x_r in Sigma_box^* = {w <eos> : <eos> not in w};
     the latent sequence puts exactly one thought y^(t) in T = {<s> w </s> : w ordinary^{<=c}}
@@ -90,15 +89,6 @@ class QueryResponse(Projection):
                     "ordinary tokens only"
                 )
         return np.asarray(out, dtype=np.int64)
-
-    def domain(self, num_observed: int | None = None) -> Automaton:
-        if num_observed is None:
-            return loop(self._tables[0], 0, "QueryResponse.domain")
-        return unroll(lambda t: self._tables, 0, int(num_observed), None,
-                      f"QueryResponse.domain({num_observed})")
-
-    def _lifting(self, x: np.ndarray) -> Automaton:
-        return unroll(lambda t: self._tables, 0, len(x), x, "QueryResponse.lifting")
 
     def __repr__(self) -> str:
         return f"QueryResponse({self.vocab!r}, max_thought_len={self.max_thought_len})"
