@@ -572,16 +572,17 @@ def _plots(results: dict, out: str) -> list[str]:
     s7 = results.get("sec7")
     if s7:
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+        colors = {"fast": "C0", "pred": "C1", "expl": "C2"}  # one colour per method in both panels
         for m, label in (("fast", "SFT (fast)"), ("pred", "predictive"), ("expl", "explanatory")):
             cu = s7["test_loss_curve"][m]
-            a.plot([r["step"] for r in cu], [r["test_loss"] for r in cu], "o-", label=label)
+            a.plot([r["step"] for r in cu], [r["test_loss"] for r in cu], "o-", color=colors[m], label=label)
         a.axhline(s7["entropy_floor"], color="k", ls=":", label="entropy floor")
         a.set_xlabel("training step")
         a.set_ylabel("test loss (7.1) per response token")
         a.legend()
         for m, label in (("pred", "predictive"), ("expl", "explanatory")):
             cu = s7["causal_gap_curve"][m]
-            b.plot([r["step"] for r in cu], [r["causal_gap"] for r in cu], "o-", label=label)
+            b.plot([r["step"] for r in cu], [r["causal_gap"] for r in cu], "o-", color=colors[m], label=label)
         b.axhline(0, color="k", lw=0.5)
         b.set_xlabel("training step")
         b.set_ylabel("average causal gap (7.3)")
