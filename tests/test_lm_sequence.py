@@ -199,7 +199,7 @@ def test_text_prompt_and_program_view():
     tr = pyro.poutine.trace(cot).get_trace("a b")
     z = tr.nodes["thought"]["value"]
     assert z.shape == (4,)
-    assert np.isfinite(float(tr.log_prob_sum()))
+    assert np.isfinite(float(tr.log_prob_sum().detach()))
     assert isinstance(tr.nodes["thought"]["fn"], pdist.TorchDistribution)
 
 
