@@ -113,10 +113,6 @@ def _score(lm: torch.nn.Module, tokens: torch.Tensor, start: int, allowed: torch
     return lp.gather(-1, tokens[:, start:, None]).squeeze(-1)
 
 
-def _lme(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return log_mean_exp(x, dim)
-
-
 def _se(x: np.ndarray) -> float:
     return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan")
 
@@ -157,6 +153,7 @@ class Sec7:
 
     def __init__(self, task: PermutationChoiceTask, cfg: Sec7Config, seed: int):
         self.task, self.cfg, self.seed = task, cfg, seed
+        self._base: Transformer | None = None  # the shared base model, built on first use
         v = task.vocab
         self.vocab = v
         V = len(v)
@@ -175,7 +172,7 @@ class Sec7:
 
     def _lm(self) -> Transformer:
         """A copy of the shared base model: every network of every method starts from it."""
-        if getattr(self, "_base", None) is None:
+        if self._base is None:
             self._base = self.pretrain()
         return copy.deepcopy(self._base)
 
@@ -328,7 +325,7 @@ class Sec7:
                     continue
                 y, lp_y, lp_r, lq = self.particles(P, Q, q, r, method == "expl", self.cfg.n)
                 lw = lp_y + lp_r - lq
-                losses.append(-_lme(lw, 1) / norm)
+                losses.append(-log_mean_exp(lw, 1) / norm)
                 gaps.append(causal_gaps(lp_y, lp_y + lp_r, lq) / norm)
                 ys.append(y[..., 0])
                 lws.append(lw)
