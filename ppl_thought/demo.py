@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from ppl_thought.data.a5 import OBSERVABLE_TOKENS, a5_hmm
 from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
 from ppl_thought.inference.result import log_mean_exp
-from ppl_thought.inference.trainer import clip_joint_
+from ppl_thought.inference.trainer import clip_joint_, cosine_lr
 from ppl_thought.lm import Transformer
 from ppl_thought.projections import Product, QueryResponse
 
@@ -55,22 +55,27 @@ class Sec7Config:
 
     m: int = 4  # letters
     query_len: int = 2  # k
-    num_choices: int = 4  # C
+    num_choices: int = 8  # C
     thought_len: int = 1  # |y|
     n: int = 8  # sampling size of (7.1)/(7.2), training and test
-    steps: int = 3000
+    steps: int = 1000  # fine-tuning steps of each method
     batch: int = 32
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak fine-tuning learning rate (cosine schedule of App. L: 5% warm-up, decay to 10%)
+    weight_decay: float = 0.1  # AdamW, as App. L
     clip: float = 1.0
-    d_model: int = 48
+    d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
     num_test: int = 1024
-    eval_every: int = 250
+    eval_every: int = 100
     num_eval_curve: int = 256
     sampler_init_scale: float = 1.0  # scales the sampler's (tied) embeddings at init: sharper initial Q
-    pretrain_steps: int = 0  # the shared "base model" (App. L finetunes a pretrained LM), 0 = from scratch
+    # the shared base model (App. L fine-tunes one pretrained LM), see Sec7.pretrain; 0 = from scratch
+    pretrain_steps: int = 6000  # at most this many steps ...
+    pretrain_target: float = 0.005  # ... or until the held-out loss of a response given its method is below this
+    pretrain_lr: float = 1e-2
     thought_alphabet: str = "methods"  # "methods": thoughts are method names; "ordinary": any ordinary token
+    seeds: int = 3  # replicates of the whole experiment (base model, data, initialisation, sampling)
 
 
 @dataclass
@@ -83,7 +88,7 @@ class A5Config:
     batch: int = 16
     particles: int = 16  # SMC particles for training and test
     hidden: int = 5  # |Gamma|
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak; cosine schedule of App. L (5% warm-up, decay to 10%) for both models
     clip: float = 1.0
     d_model: int = 64
     n_layers: int = 2
@@ -95,7 +100,7 @@ class A5Config:
 def configs(quick: bool, n: int = 8) -> tuple[Sec7Config, A5Config]:
     """The quick (< 5 min on 2 cores) or default (< 20 min) sizes."""
     if quick:
-        return (Sec7Config(n=n, steps=800, num_test=512, eval_every=100),
+        return (Sec7Config(n=n, steps=300, num_test=512, eval_every=50, seeds=1),
                 A5Config(train_len=24, test_len=96, steps=250, particles=16, num_test=32, eval_every=50))
     return Sec7Config(n=n), A5Config()
 
@@ -170,36 +175,72 @@ class Sec7:
         k = task.query_len
         self.k = k
 
+    def base(self, progress: bool = False) -> Transformer:
+        """The shared base model (:meth:`pretrain`), built once on first use."""
+        if self._base is None:
+            self._base = self.pretrain(progress)
+        return self._base
+
     def _lm(self) -> Transformer:
         """A copy of the shared base model: every network of every method starts from it."""
-        if self._base is None:
-            self._base = self.pretrain()
-        return copy.deepcopy(self._base)
+        return copy.deepcopy(self.base())
 
-    def pretrain(self) -> Transformer:
-        """The base model, as in App. L where every component is a copy of one pretrained LM: next-token
-        training on "worked solutions" ``<bos> q <eos> <s> M<c> </s> q o pi_c <eos>`` that name the method
-        *before* applying it (the way pretraining text says "using the Archimedes method" before the
-        code, Example 5.1). So the base model can *use* a thought that names the method; nothing teaches
-        any sampler to *produce* one, and it never sees the fine-tuning format (the name at the end of
-        the response) or ``<explain>``."""
+    def pretrain(self, progress: bool = False) -> Transformer:
+        """The base model, as in App. L where every component is a copy of one pretrained LM.
+
+        Next-token training on "worked solutions" ``<bos> q <eos> <s> M<c> </s> sigma_c(q) <eos>`` that
+        name the method *before* applying it (the way pretraining text says "using the Archimedes
+        method" before the computation, Example 5.1), with the loss on the solution after ``</s>``
+        (as in instruction tuning; with the loss on every token the base sat on its plateau for more
+        than 6000 steps in 2 of 3 seeds). So the base model can *use* a thought that names the method.
+        Nothing teaches any network to *produce* the right thought for a response, and the
+        base never sees the fine-tuning format (the response ending with the method's name), the SFT
+        format, or ``<explain>``. AdamW with the cosine schedule of App. L at ``pretrain_lr``; stops
+        early once the held-out loss of the response letters given their method falls below
+        ``pretrain_target`` (checked every 250 steps), at most ``pretrain_steps`` steps. What happened
+        is kept in ``self.base_info``. The cost is paid once, for all three methods."""
         c = self.cfg
         torch.manual_seed(self.seed)
         lm = Transformer(len(self.vocab), d_model=c.d_model, n_layers=c.n_layers, n_heads=c.n_heads, max_len=64)
+        self.base_info = {"steps": 0, "response_loss_given_method": None, "seconds": 0.0}
         if c.pretrain_steps <= 0:
             return lm
+        t0 = time.time()
         g = torch.Generator().manual_seed(self.seed + 101)
-        opt = torch.optim.Adam(lm.parameters(), lr=c.lr)
+        q_ev, _, r_ev = self.task.sample(256, generator=torch.Generator().manual_seed(self.seed + 202))
+        x_ev = self._worked(q_ev, r_ev)
+        opt = torch.optim.AdamW(lm.parameters(), lr=c.pretrain_lr, weight_decay=c.weight_decay)
         allowed = torch.ones(len(self.vocab), dtype=torch.bool)
-        for _ in range(c.pretrain_steps):
-            q, _, r = self.task.sample(c.batch, generator=g)
-            x = self._latent(q, r[:, -1:] + self.vocab.num_specials, r[:, :-1])  # name first, then the method
-            opt.zero_grad()
-            loss = -_score(lm, x, 1, allowed).mean()
-            loss.backward()
-            clip_joint_(list(lm.parameters()), c.clip)
-            opt.step()
+        step, held_out = 0, float("nan")
+        with tqdm(total=c.pretrain_steps, desc="Section 7: base model (shared)", disable=not progress) as bar:
+            for step in range(1, c.pretrain_steps + 1):
+                for group in opt.param_groups:
+                    group["lr"] = cosine_lr(c.pretrain_lr, step - 1, c.pretrain_steps)
+                q, _, r = self.task.sample(c.batch, generator=g)
+                opt.zero_grad()
+                loss = -_score(lm, self._worked(q, r), self.k + 5, allowed).mean()  # the solution after </s>
+                loss.backward()
+                clip_joint_(list(lm.parameters()), c.clip)
+                opt.step()
+                bar.update(1)
+                if step % 250 == 0 or step == c.pretrain_steps:
+                    with torch.no_grad():  # the response letters, after <bos> q <eos> <s> M </s>
+                        held_out = float(-_score(lm, x_ev, self.k + 5, allowed)[:, :self.k].mean())
+                    bar.set_postfix({"response|method": f"{held_out:.3f}"})
+                    if held_out < c.pretrain_target:
+                        break
+        self.base_info = {"steps": step, "response_loss_given_method": held_out,
+                          "reached_target": bool(held_out < c.pretrain_target), "seconds": round(time.time() - t0, 1)}
+        if not held_out < c.pretrain_target:
+            warnings.warn(f"Section 7 base model (seed {self.seed}) did not reach its pretraining target in "
+                          f"{step} steps (held-out response loss given the method {held_out:.3f} >= "
+                          f"{c.pretrain_target}): it has not learned to use a thought, so this replicate cannot "
+                          "show the effect of the samplers", RuntimeWarning, stacklevel=2)
         return lm
+
+    def _worked(self, q: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """A worked solution ``<bos> q <eos> <s> M<c> </s> sigma_c(q) <eos>`` for the base model."""
+        return self._latent(q, self.task.letter_ids(r[:, -1:]), r[:, :-1])
 
     # --- formats
     def _obs(self, q: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -280,12 +321,14 @@ class Sec7:
                 Q.embed.weight.mul_(c.sampler_init_scale)
             nets.append(Q)
         params = [p for net in nets for p in net.parameters()]
-        opt = torch.optim.Adam(params, lr=c.lr)
+        opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
         curve, gap_curve, train_gap = [], [], []
         norm = self.k + 2
         for step in range(1, c.steps + 1):
             idx = torch.randint(q_all.shape[0], (c.batch,), generator=g)
             q, r = q_all[idx], r_all[idx]
+            for group in opt.param_groups:
+                group["lr"] = cosine_lr(c.lr, step - 1, c.steps)
             opt.zero_grad()
             if method == "fast":
                 x = self._obs(q, r)
@@ -339,48 +382,104 @@ class Sec7:
 
 
 def run_sec7(cfg: Sec7Config, seed: int = 0, progress: bool = True) -> dict:
-    """Part 1: the three trainings of Section 7 and their test losses (7.1), gains and causal gaps (7.3)."""
+    """Part 1: the three trainings of Section 7 and their test losses (7.1), gains and causal gaps (7.3).
+
+    ``cfg.seeds`` replicates (training seeds ``seed, seed + 1, ...``) of the whole experiment -- base
+    model, data, initialisation and sampling -- on one task (built from ``seed``) and one test set.
+    Losses and gains are averaged over replicates; their ``*_se`` are test-set standard errors of that
+    average, and ``*_seed_sd`` the spread between replicates. ``per_seed`` keeps each replicate's numbers."""
+    if cfg.seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {cfg.seeds}")
     task = permutation_choice_task(cfg.m, cfg.query_len, cfg.num_choices, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    q_tr, _, r_tr = task.sample(cfg.steps * cfg.batch, generator=g)  # one fixed training set for all three
-    q_te, c_te, r_te = task.sample(cfg.num_test, generator=g)
-    exp = Sec7(task, cfg, seed)
-    runs = {}
+    q_te, c_te, r_te = task.sample(cfg.num_test, generator=torch.Generator().manual_seed(seed + 7919))
     t0 = time.time()
-    with tqdm(total=3 * cfg.steps, desc="Section 7: SFT / predictive / explanatory", disable=not progress) as bar:
-        for method in ("fast", "pred", "expl"):
-            t = time.time()
-            runs[method] = exp.train(method, (q_tr, r_tr), (q_te, r_te), bar)
-            runs[method]["seconds"] = round(time.time() - t, 1)
+    reps = [_sec7_replicate(task, cfg, seed + i, (q_te, c_te, r_te), progress, f"seed {seed + i}")
+            for i in range(cfg.seeds)]
     floor_ex = -task.exact_log_prob(q_te, r_te).numpy() / (cfg.query_len + 2)
-    Lf, Lp, Le = (runs[m]["final"] for m in ("fast", "pred", "expl"))
-    d_pred = Lf["per_example"] - Lp["per_example"]
-    d_expl = Lf["per_example"] - Le["per_example"]
-    gain_p, gain_e = float(d_pred.mean()), float(d_expl.mean())
-    rel = gain_e / gain_p - 1 if gain_p != 0 else float("nan")
-    # how sharp the explanatory sampler is: does its thought identify the hidden choice?
-    expl_thoughts = Le["thoughts"]
+    S = len(reps)
+    pooled = {}  # mean over replicates of per-example quantities, and its test-set standard error
+    for key in ("fast", "pred", "expl", "gain_pred", "gain_expl"):
+        per = np.stack([r["_per_example"][key] for r in reps])  # [S, N]
+        pooled[key] = (float(per.mean()), _se(per.mean(0)), float(np.std([p.mean() for p in per], ddof=1))
+                       if S > 1 else 0.0)
+    gain_p, gain_e = pooled["gain_pred"][0], pooled["gain_expl"][0]
     res = {
         "task": {"m": cfg.m, "query_len": cfg.query_len, "num_choices": cfg.num_choices,
                  "thought_len": cfg.thought_len, "perms": task.perms.tolist()},
         "config": asdict(cfg),
+        "seeds": [r["seed"] for r in reps],
+        "entropy_floor": float(floor_ex.mean()), "entropy_floor_exact": task.entropy_floor_per_token(),
+        "gain_pred": gain_p, "gain_pred_se": pooled["gain_pred"][1], "gain_pred_seed_sd": pooled["gain_pred"][2],
+        "gain_expl": gain_e, "gain_expl_se": pooled["gain_expl"][1], "gain_expl_seed_sd": pooled["gain_expl"][2],
+        "relative_improvement": gain_e / gain_p - 1 if gain_p != 0 else float("nan"),
+        # the paper's ratio reads as "how much more the explanatory sampler gains" only if gain_pred > 0
+        "relative_improvement_defined": bool(gain_p > 0),
+    }
+    for m in ("fast", "pred", "expl"):
+        res[f"L_{m}"], res[f"L_{m}_se"], res[f"L_{m}_seed_sd"] = pooled[m]
+    for key in ("causal_gap", "causal_gap_pred", "thought_choice_mutual_information"):
+        res[key] = float(np.mean([r[key] for r in reps]))
+    steps = [row["step"] for row in reps[0]["test_loss_curve"]["fast"]]
+    res["test_loss_curve"] = {m: [{"step": st, "test_loss": float(np.mean([r["test_loss_curve"][m][i]["test_loss"]
+                                                                            for r in reps]))}
+                                  for i, st in enumerate(steps)] for m in ("fast", "pred", "expl")}
+    res["causal_gap_curve"] = {m: [{"step": st, "causal_gap": float(np.mean([r["causal_gap_curve"][m][i]["causal_gap"]
+                                                                             for r in reps]))}
+                                   for i, st in enumerate(steps)] for m in ("pred", "expl")}
+    res["criterion_expl_ge_2x_pred_and_3se"] = bool(gain_e >= 2 * gain_p and gain_e > 3 * res["gain_expl_se"])
+    res["criterion_per_seed"] = [r["criterion_expl_ge_2x_pred_and_3se"] for r in reps]
+    res["num_params"] = reps[0]["num_params"]
+    res["per_seed"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in reps]
+    res["total_seconds"] = round(time.time() - t0, 1)
+    arrays = [r["_arrays"] for r in reps]
+    res["_arrays"] = {k: np.concatenate([a[k] for a in arrays]) for k in arrays[0] if k != "per_example"}
+    res["_arrays"]["per_example"] = {m: np.concatenate([a["per_example"][m] for a in arrays])
+                                     for m in ("fast", "pred", "expl")}
+    return res
+
+
+def _sec7_replicate(task: PermutationChoiceTask, cfg: Sec7Config, seed: int, test, progress: bool,
+                    label: str) -> dict:
+    """One replicate of the three trainings from one shared base model (see :func:`run_sec7`)."""
+    q_te, c_te, r_te = test
+    g = torch.Generator().manual_seed(seed)
+    q_tr, _, r_tr = task.sample(cfg.steps * cfg.batch, generator=g)  # one fixed training set for all three
+    exp = Sec7(task, cfg, seed)
+    runs = {}
+    t0 = time.time()
+    exp.base(progress)
+    with tqdm(total=3 * cfg.steps, desc=f"Section 7, {label}: SFT / predictive / explanatory",
+              disable=not progress) as bar:
+        for method in ("fast", "pred", "expl"):
+            t = time.time()
+            runs[method] = exp.train(method, (q_tr, r_tr), (q_te, r_te), bar)
+            runs[method]["seconds"] = round(time.time() - t, 1)
+    Lf, Lp, Le = (runs[m]["final"] for m in ("fast", "pred", "expl"))
+    d_pred = Lf["per_example"] - Lp["per_example"]
+    d_expl = Lf["per_example"] - Le["per_example"]
+    gain_p, gain_e = float(d_pred.mean()), float(d_expl.mean())
+    res = {
+        "seed": seed,
         "L_fast": Lf["loss"], "L_pred": Lp["loss"], "L_expl": Le["loss"],
         "L_fast_se": Lf["se"], "L_pred_se": Lp["se"], "L_expl_se": Le["se"],
-        "entropy_floor": float(floor_ex.mean()), "entropy_floor_exact": task.entropy_floor_per_token(),
         "gain_pred": gain_p, "gain_pred_se": _se(d_pred), "gain_expl": gain_e, "gain_expl_se": _se(d_expl),
-        "relative_improvement": rel,
+        "relative_improvement": gain_e / gain_p - 1 if gain_p != 0 else float("nan"),
+        "base_model": exp.base_info,
         "causal_gap": Le.get("causal_gap"), "causal_gap_pred": Lp.get("causal_gap"),
         "causal_gap_curve": {m: runs[m]["causal_gap_curve"] for m in ("pred", "expl")},
         "test_loss_curve": {m: runs[m]["curve"] for m in ("fast", "pred", "expl")},
         "train_causal_gap": {m: _smooth(runs[m]["train_causal_gap"]) for m in ("pred", "expl")},
-        "thought_choice_mutual_information": _mutual_information(expl_thoughts, c_te.numpy()),
+        # how sharp the explanatory sampler is: does its thought identify the hidden choice?
+        "thought_choice_mutual_information": _mutual_information(Le["thoughts"], c_te.numpy()),
         "num_params": {m: sum(p.numel() for net in runs[m]["nets"] for p in net.parameters()) for m in runs},
         "seconds": {m: runs[m]["seconds"] for m in runs},
         "total_seconds": round(time.time() - t0, 1),
     }
     res["criterion_expl_ge_2x_pred_and_3se"] = bool(gain_e >= 2 * gain_p and gain_e > 3 * res["gain_expl_se"])
+    res["_per_example"] = {"fast": Lf["per_example"], "pred": Lp["per_example"], "expl": Le["per_example"],
+                           "gain_pred": d_pred, "gain_expl": d_expl}
     res["_arrays"] = {"per_example": {m: runs[m]["final"]["per_example"] for m in runs},
-                      "expl_thoughts": expl_thoughts, "expl_log_weights": Le["log_weights"],
+                      "expl_thoughts": Le["thoughts"], "expl_log_weights": Le["log_weights"],
                       "pred_thoughts": Lp["thoughts"], "pred_log_weights": Lp["log_weights"]}
     return res
 
@@ -517,6 +616,8 @@ def run_a5(cfg: A5Config, seed: int = 0, progress: bool = True) -> dict:
     with tqdm(total=cfg.steps, desc="A5: plain Transformer / Proj # P_f", disable=not progress) as bar:
         for step in range(1, cfg.steps + 1):
             x = task.sample(cfg.batch, cfg.train_len, generator=g)  # the same batch for both models
+            for group in opt_p.param_groups + opt_l.param_groups:  # the same schedule for both (App. L)
+                group["lr"] = cosine_lr(cfg.lr, step - 1, cfg.steps)
             t = time.time()
             ids = task.to_vocab_ids(x)
             z = torch.cat([torch.full((cfg.batch, 1), bos, dtype=torch.long), ids], 1)
@@ -570,9 +671,13 @@ def _plots(results: dict, out: str) -> list[str]:
     if s7:
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
         colors = {"fast": "C0", "pred": "C1", "expl": "C2"}  # one colour per method in both panels
+        per_seed = s7.get("per_seed", []) if len(s7.get("per_seed", [])) > 1 else []
         for m, label in (("fast", "SFT (fast)"), ("pred", "predictive"), ("expl", "explanatory")):
             cu = s7["test_loss_curve"][m]
             a.plot([r["step"] for r in cu], [r["test_loss"] for r in cu], "o-", color=colors[m], label=label)
+            for rep in per_seed:  # each replicate, thin
+                cu = rep["test_loss_curve"][m]
+                a.plot([r["step"] for r in cu], [r["test_loss"] for r in cu], "-", color=colors[m], lw=0.7, alpha=0.4)
         a.axhline(s7["entropy_floor"], color="k", ls=":", label="entropy floor")
         a.set_xlabel("training step")
         a.set_ylabel("test loss (7.1) per response token")
@@ -584,7 +689,9 @@ def _plots(results: dict, out: str) -> list[str]:
         b.set_xlabel("training step")
         b.set_ylabel("average causal gap (7.3)")
         b.legend()
-        fig.suptitle(f"Section 7 at small scale (n = {s7['config']['n']})")
+        seeds = len(s7.get("seeds", [0]))
+        fig.suptitle(f"Section 7 at small scale (n = {s7['config']['n']}"
+                     + (f"; mean of {seeds} seeds, thin lines: each seed)" if seeds > 1 else ")"))
         fig.tight_layout()
         p = os.path.join(out, "sec7_fig7_1.png")
         fig.savefig(p, dpi=110)
@@ -661,19 +768,27 @@ def _machine() -> dict:
 def _print(results: dict) -> None:
     s7, a5 = results.get("sec7"), results.get("a5")
     if s7:
-        n = s7["config"]["n"]
-        print(f"\nSection 7 (n = {n}): test loss (7.1) per response token, "
-              f"{s7['config']['num_test']} held-out examples")
+        n, seeds = s7["config"]["n"], s7.get("seeds", [results.get("seed", 0)])
+        print(f"\nSection 7 (n = {n}, {len(seeds)} seed(s) {seeds}): test loss (7.1) per response token, "
+              f"{s7['config']['num_test']} held-out examples; +- test-set s.e.")
         print(f"  entropy floor H(R|Q)/(k+2) = {s7['entropy_floor_exact']:.4f}")
         for key, name in (("L_fast", "SFT (fast thinking)"), ("L_pred", "latent + predictive"),
                           ("L_expl", "latent + explanatory")):
-            print(f"  {name:24s} {s7[key]:.4f} +- {s7[key + '_se']:.4f}")
+            print(f"  {name:24s} {s7[key]:.4f} +- {s7[key + '_se']:.4f}"
+                  + (f"   (per seed: {', '.join(f'{r[key]:.4f}' for r in s7['per_seed'])})"
+                     if len(s7.get("per_seed", [])) > 1 else ""))
         print(f"  gain predictive  L_fast - L_pred = {s7['gain_pred']:+.4f} +- {s7['gain_pred_se']:.4f}")
         print(f"  gain explanatory L_fast - L_expl = {s7['gain_expl']:+.4f} +- {s7['gain_expl_se']:.4f}")
-        print(f"  relative improvement (L_fast - L_expl)/(L_fast - L_pred) - 1 = {s7['relative_improvement']:.2%}")
+        rel = f"{s7['relative_improvement']:.2%}"
+        if not s7.get("relative_improvement_defined", True):
+            rel += " (not meaningful: the predictive gain is <= 0)"
+        print(f"  relative improvement (L_fast - L_expl)/(L_fast - L_pred) - 1 = {rel}")
         print(f"  causal gap (7.3) at the end: explanatory {s7['causal_gap']:+.4f}, predictive "
               f"{s7['causal_gap_pred']:+.4f}; I(thought; choice) = {s7['thought_choice_mutual_information']:.3f} nats")
-        print(f"  criterion (gain_expl >= 2 gain_pred and > 3 se): {s7['criterion_expl_ge_2x_pred_and_3se']}")
+        crit = f"  criterion (gain_expl >= 2 gain_pred and > 3 se): {s7['criterion_expl_ge_2x_pred_and_3se']}"
+        if len(s7.get("criterion_per_seed", [])) > 1:
+            crit += f"; per seed: {s7['criterion_per_seed']}"
+        print(crit)
     if a5:
         print(f"\nA5 cups and ball: excess loss over the exact entropy (forward algorithm), "
               f"train length {a5['config']['train_len']}, test length {a5['config']['test_len']}")

@@ -70,7 +70,7 @@ def test_permutation_task_entropy_and_samples():
 
 
 def test_default_sec7_task_exact_likelihood_matches_brute_force():
-    """The task of the default demo (Sec7Config: m=4, k=2, C=4): (D.2) and H(R | Q) = log C by brute force."""
+    """The task of the default demo (Sec7Config: m=4, k=2, C=8): (D.2) and H(R | Q) = log C by brute force."""
     cfg = Sec7Config()
     task = permutation_choice_task(cfg.m, cfg.query_len, cfg.num_choices, seed=0)
     rs = _responses(task)
@@ -148,10 +148,11 @@ def test_a5_latent_smc_is_unbiased_against_enumeration():
 
 def test_tiny_end_to_end_demo_writes_json(tmp_path):
     c7 = Sec7Config(m=3, query_len=3, num_choices=3, n=4, steps=4, batch=4, d_model=16, n_layers=1, n_heads=2,
-                    num_test=16, eval_every=2, num_eval_curve=8, pretrain_steps=2)
+                    num_test=16, eval_every=2, num_eval_curve=8, pretrain_steps=2, seeds=2)
     ca5 = A5Config(train_len=4, test_len=8, steps=2, batch=2, particles=4, hidden=2, d_model=16, n_layers=1,
                    n_heads=2, num_test=4, eval_every=1)
-    res = run_demo(out=str(tmp_path), quick=True, seed=0, n=4, sec7_config=c7, a5_config=ca5, progress=False)
+    with pytest.warns(RuntimeWarning, match="pretraining target"):  # 2 pretraining steps are not enough
+        res = run_demo(out=str(tmp_path), quick=True, seed=0, n=4, sec7_config=c7, a5_config=ca5, progress=False)
     saved = json.loads((tmp_path / "results.json").read_text())
     for key in ("L_fast", "L_pred", "L_expl", "L_fast_se", "L_pred_se", "L_expl_se", "relative_improvement",
                 "causal_gap", "causal_gap_curve", "test_loss_curve"):
@@ -159,6 +160,13 @@ def test_tiny_end_to_end_demo_writes_json(tmp_path):
     for key in ("plain_excess_nats", "latent_excess_nats", "exact_cross_entropy_nats"):
         assert key in saved["a5"] and np.isfinite(saved["a5"][key]), key
     assert np.isfinite(res["sec7"]["L_expl"])
+    # two replicates, averaged: the pooled losses are the means of the per-seed ones
+    per = saved["sec7"]["per_seed"]
+    assert saved["sec7"]["seeds"] == [0, 1] and len(per) == 2 and len(saved["sec7"]["criterion_per_seed"]) == 2
+    for m in ("fast", "pred", "expl"):
+        assert math.isclose(saved["sec7"][f"L_{m}"], np.mean([p[f"L_{m}"] for p in per]), rel_tol=1e-9)
+    assert per[0]["base_model"]["steps"] == 2 and per[0]["L_fast"] != per[1]["L_fast"]
+    assert len(saved["sec7"]["test_loss_curve"]["expl"]) == 2  # steps 2 and 4
     assert (tmp_path / "sec7_fig7_1.png").exists() and (tmp_path / "a5_excess.png").exists()
     assert any(f.endswith(".nc") for f in res["files"])
     with pytest.raises(ValueError):
@@ -176,3 +184,32 @@ def test_sec7_formats_follow_query_response_projection():
     z, x = exp._latent(q, y, r), exp._obs(q, r)
     for zi, xi in zip(z, x):  # Proj deletes the thought <s> y </s> (Section 5.1); <bos> is context only
         assert exp.projection.project(zi[1:].numpy()).tolist() == xi[1:].tolist()
+
+
+def test_cosine_lr_follows_app_l_schedule():
+    from ppl_thought.inference import cosine_lr
+
+    lrs = [cosine_lr(1.0, s, 100) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.2) and lrs[4] == pytest.approx(1.0)  # 5 warm-up steps: 0.2 .. 1.0
+    assert lrs[-1] == pytest.approx(0.1)  # decays to 10% of the peak at the last step
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))  # monotone after the warm-up
+    assert cosine_lr(2.0, 52, 100) == pytest.approx(2.0 * (0.1 + 0.9 * 0.5), rel=0.03)  # half-way
+    with pytest.raises(ValueError):
+        cosine_lr(1.0, 100, 100)
+
+
+def test_sec7_base_model_stops_early_at_its_target():
+    from ppl_thought.demo import Sec7
+
+    task = permutation_choice_task(m=3, query_len=2, num_choices=2)
+    cfg = Sec7Config(m=3, query_len=2, num_choices=2, d_model=16, n_layers=1, n_heads=2, pretrain_steps=400,
+                     pretrain_target=100.0)
+    exp = Sec7(task, cfg, seed=0)
+    base = exp.base()
+    assert exp.base_info["steps"] == 250 and exp.base_info["response_loss_given_method"] < 100.0
+    assert exp.base() is base  # built once, shared by every method
+    cfg.pretrain_target = 0.0  # unreachable: runs to the maximum and says so
+    exp2 = Sec7(task, cfg, seed=0)
+    with pytest.warns(RuntimeWarning, match="did not reach its pretraining target"):
+        exp2.base()
+    assert exp2.base_info["steps"] == 400 and not exp2.base_info["reached_target"]

@@ -20,3 +20,4 @@ from ppl_thought.inference.smc import SMC as SMC
 from ppl_thought.inference.svi import SVI as SVI
 from ppl_thought.inference.trainer import Trainer as Trainer
 from ppl_thought.inference.trainer import clip_joint_ as clip_joint_
+from ppl_thought.inference.trainer import cosine_lr as cosine_lr

@@ -51,6 +51,21 @@ def clip_joint_(params: Sequence[torch.Tensor], max_norm: float | None) -> float
     return float(norm)
 
 
+def cosine_lr(peak: float, step: int, total: int, warmup: float = 0.05, floor: float = 0.1) -> float:
+    """The learning-rate schedule of App. L: linear warm-up from 0 to ``peak`` over the first
+    ``warmup`` fraction of ``total`` steps, then a cosine decay to ``floor * peak`` at the last step.
+    ``step`` counts from 0."""
+    if total < 1 or not 0 <= step < total:
+        raise ValueError(f"step must lie in [0, total), got step={step}, total={total}")
+    if not 0.0 <= warmup < 1.0 or not 0.0 <= floor <= 1.0:
+        raise ValueError(f"warmup must lie in [0, 1) and floor in [0, 1], got {warmup} and {floor}")
+    w = int(warmup * total)
+    if step < w:
+        return peak * (step + 1) / w
+    progress = (step - w) / max(1, total - 1 - w)
+    return peak * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
 def _unique_params(modules: Mapping[str, torch.nn.Module]) -> list[torch.nn.Parameter]:
     seen, out = set(), []
     for m in modules.values():
