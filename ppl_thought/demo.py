@@ -2,7 +2,9 @@
 
 Part 1, Section 7 (App. L, Fig 7.1): explanatory vs predictive samplers on the hidden-choice task
 (:mod:`ppl_thought.data.query_response`, a natural instance of Example 5.1). Three trainings with
-equal data, optimizer steps, sampling size n and network size:
+equal data, optimizer steps, sampling size n and network size, every network a copy of one shared
+base model that can use a thought naming the method (:meth:`Sec7.pretrain`, the analogue of App. L's
+pretrained LLM), repeated over ``Sec7Config.seeds`` replicates:
 
 - SFT (fast thinking): ``-log P(x_r | x)`` (the SFT loss of Section 7);
 - latent model P + predictive sampler Q(y | x): the latent loss (7.1) through
