@@ -24,7 +24,8 @@ def _info(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from ppl_thought.demo import _json_default, run_demo
 
-    results = run_demo(out=args.out, quick=args.quick, seed=args.seed, n=args.n, parts=tuple(args.parts))
+    results = run_demo(out=args.out, quick=args.quick, seed=args.seed, n=args.n, parts=tuple(args.parts),
+                       seeds=args.seeds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=_json_default)
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="out/demo", help="output folder for JSON and plots")
     demo.add_argument("--json", default=None, help="also write the results JSON to this file")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seeds", type=int, default=None,
+                      help="Section 7 replicates (seeds --seed, --seed + 1, ...); default 3, or 1 with --quick")
     demo.set_defaults(func=_demo)
     diag = sub.add_parser("diagnose", help="summary table and plots for a saved result (netcdf or save_result dir)")
     diag.add_argument("file", help="a netcdf from to_inference_data(...).to_netcdf, or a save_result directory")

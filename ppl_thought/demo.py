@@ -34,7 +34,7 @@ import os
 import platform
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -804,9 +804,10 @@ def _print(results: dict) -> None:
 def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int = 8,
              parts: tuple[str, ...] = ("sec7", "a5"), sec7_config: Sec7Config | None = None,
              a5_config: A5Config | None = None,
-             progress: bool = True) -> dict:
+             progress: bool = True, seeds: int | None = None) -> dict:
     """Run the demo (Section 7 and A5), print a table, write ``results.json``, PNG plots and ArviZ
-    netcdf files into ``out``. ``n`` is the sampling size of (7.1)/(7.2) (8 or 16 as in the paper)."""
+    netcdf files into ``out``. ``n`` is the sampling size of (7.1)/(7.2) (8 or 16 as in the paper);
+    ``seeds``, if given, is the number of Section 7 replicates (``Sec7Config.seeds``)."""
     if n < 2:
         raise ValueError(f"n must be >= 2 (the sampler loss (7.2) needs a baseline), got {n}")
     unknown = set(parts) - {"sec7", "a5"}
@@ -815,6 +816,10 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
     os.makedirs(out, exist_ok=True)
     c7, ca5 = configs(quick, n)
     c7, ca5 = sec7_config or c7, a5_config or ca5
+    if seeds is not None:
+        if seeds < 1:
+            raise ValueError(f"seeds must be >= 1, got {seeds}")
+        c7 = replace(c7, seeds=seeds)
     t0 = time.time()
     results: dict = {"quick": quick, "seed": seed, "machine": _machine()}
     arrays: dict = {}

@@ -193,6 +193,8 @@ def test_tiny_end_to_end_demo_writes_json(tmp_path):
     assert any(f.endswith(".nc") for f in res["files"])
     with pytest.raises(ValueError):
         run_demo(out=str(tmp_path), n=1)
+    with pytest.raises(ValueError, match="seeds"):
+        run_demo(out=str(tmp_path), seeds=0)
 
 
 def test_sec7_formats_follow_query_response_projection():
