@@ -78,6 +78,7 @@ class Sec7Config:
     pretrain_lr: float = 1e-2
     thought_alphabet: str = "methods"  # "methods": thoughts are method names; "ordinary": any ordinary token
     seeds: int = 3  # replicates of the whole experiment (base model, data, initialisation, sampling)
+    gating: bool = False  # the gating trick (L.1)/(L.2) for the latent model P of both latent methods
 
 
 @dataclass
@@ -118,6 +119,28 @@ def _score(lm: torch.nn.Module, tokens: torch.Tensor, start: int, allowed: torch
     logits, _ = lm(tokens[:, :-1])
     lp = _masked_log_softmax(logits[:, start - 1:], allowed)
     return lp.gather(-1, tokens[:, start:, None]).squeeze(-1)
+
+
+def _logits_and_features(lm: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and the features before the unembedding (f_post and f_pre of App. L) from one pass."""
+    out = {}
+    handle = lm.norm.register_forward_hook(lambda _m, _i, o: out.__setitem__("f", o))
+    try:
+        logits, _ = lm(tokens)
+    finally:
+        handle.remove()
+    return logits, out["f"]
+
+
+def _gate(d: int) -> torch.nn.Module:
+    """The gate MLP of (L.2): 3 layers with SiLU, 2d -> 2d -> 2d -> 2, last layer weight 0 and bias
+    [2, -2], so p_slow = sigmoid(-4) < 0.02 at the start and the latent model starts as fast thinking."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(2 * d, 2 * d), torch.nn.SiLU(), torch.nn.Linear(2 * d, 2 * d),
+                              torch.nn.SiLU(), torch.nn.Linear(2 * d, 2))
+    torch.nn.init.zeros_(mlp[-1].weight)
+    with torch.no_grad():
+        mlp[-1].bias.copy_(torch.tensor([2.0, -2.0]))
+    return mlp
 
 
 def _se(x: np.ndarray) -> float:
@@ -283,13 +306,23 @@ class Sec7:
         return _score(Q, torch.cat([prompt, y], 1), prompt.shape[1], self.thought).sum(-1)
 
     def log_p_parts(self, P: torch.nn.Module, q, y, r) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log P(y | x), log P(x_r | x y)) ``[B]`` each from one pass of P, masked to Dom(Proj) (Def 2.8)."""
+        """(log P(y | x), log P(x_r | x y)) ``[B]`` each, masked to Dom(Proj) (Def 2.8). With the gating
+        trick (``P.gate``, :func:`_gate`) the response logits are (L.1)/(L.2): p_fast * f(x x_r) +
+        p_slow * f(x <s> y </s> x_r), gates from the features before the unembedding of both passes."""
         z = self._latent(q, y, r)
         k, L = self.k, self.cfg.thought_len
-        logits, _ = P(z[:, :-1])
         ys, rs = k + 3, k + 4 + L  # y after <bos> q <eos> <s>; r <eos> after </s> (<s>, </s> are forced)
+        gate = getattr(P, "gate", None)
+        if gate is None:
+            logits, _ = P(z[:, :-1])
+            resp = logits[:, rs - 1:]
+        else:
+            logits, f_slow = _logits_and_features(P, z[:, :-1])
+            fast, f_fast = _logits_and_features(P, self._obs(q, r)[:, :-1])
+            g = torch.softmax(gate(torch.cat([f_fast[:, k + 1:], f_slow[:, rs - 1:]], -1)), -1)  # (L.2)
+            resp = g[..., :1] * fast[:, k + 1:] + g[..., 1:] * logits[:, rs - 1:]  # (L.1)
         lp_y = _masked_log_softmax(logits[:, ys - 1: ys - 1 + L], self.thought).gather(-1, z[:, ys:ys + L, None])
-        lp_r = _masked_log_softmax(logits[:, rs - 1:], self.sigma).gather(-1, z[:, rs:, None])
+        lp_r = _masked_log_softmax(resp, self.sigma).gather(-1, z[:, rs:, None])
         return lp_y.squeeze(-1).sum(-1), lp_r.squeeze(-1).sum(-1)
 
     def particles(self, P, Q, q, r, explanatory: bool, n: int):
@@ -317,6 +350,8 @@ class Sec7:
         P = self._lm()
         nets = [P]
         Q = None
+        if method != "fast" and c.gating:
+            P.gate = _gate(c.d_model)  # a submodule of P: trained, counted and copied with it
         if method != "fast":
             Q = self._lm()
             with torch.no_grad():

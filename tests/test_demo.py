@@ -237,3 +237,29 @@ def test_sec7_base_model_stops_early_at_its_target():
     with pytest.warns(RuntimeWarning, match="did not reach its pretraining target"):
         exp2.base()
     assert exp2.base_info["steps"] == 400 and not exp2.base_info["reached_target"]
+
+
+def test_sec7_gating_trick_starts_as_fast_thinking_and_mixes_logits():
+    """(L.1)/(L.2): a fresh gate gives p_slow = sigmoid(-4) exactly, and the response logits are
+    p_fast * f(x x_r) + p_slow * f(x <s> y </s> x_r); without a gate P reads the latent format only."""
+    from ppl_thought.demo import Sec7, _gate, _masked_log_softmax
+
+    task = permutation_choice_task(m=3, query_len=2, num_choices=3)
+    cfg = Sec7Config(m=3, query_len=2, num_choices=3, d_model=16, n_layers=1, n_heads=2, pretrain_steps=0)
+    exp = Sec7(task, cfg, seed=0)
+    P = exp._lm()
+    q, c, r = task.sample(5, generator=torch.Generator().manual_seed(0))
+    y = task.letter_ids(task.m + c)[:, None]
+    k = task.query_len
+    with torch.no_grad():
+        _, lp_r_plain = exp.log_p_parts(P, q, y, r)
+        P.gate = _gate(cfg.d_model)
+        lp_y, lp_r = exp.log_p_parts(P, q, y, r)
+        slow, _ = P(exp._latent(q, y, r)[:, :-1])
+        fast, _ = P(exp._obs(q, r)[:, :-1])
+    p_slow = torch.sigmoid(torch.tensor(-4.0))
+    mixed = (1 - p_slow) * fast[:, k + 1:] + p_slow * slow[:, k + 4:]
+    target = exp._obs(q, r)[:, k + 2:]
+    want = _masked_log_softmax(mixed, exp.sigma).gather(-1, target[..., None]).squeeze(-1).sum(-1)
+    assert torch.allclose(lp_r, want, atol=1e-5) and not torch.allclose(lp_r, lp_r_plain)
+    assert torch.isfinite(lp_y).all() and sum(p.numel() for p in P.gate.parameters()) > 0
