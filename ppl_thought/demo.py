@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from ppl_thought.data.a5 import OBSERVABLE_TOKENS, a5_hmm
 from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
+from ppl_thought.guides.explanatory import gate_mlp
 from ppl_thought.inference.result import log_mean_exp
 from ppl_thought.inference.trainer import clip_joint_, cosine_lr
 from ppl_thought.lm import Transformer
@@ -130,17 +131,6 @@ def _logits_and_features(lm: Transformer, tokens: torch.Tensor) -> tuple[torch.T
     finally:
         handle.remove()
     return logits, out["f"]
-
-
-def _gate(d: int) -> torch.nn.Module:
-    """The gate MLP of (L.2): 3 layers with SiLU, 2d -> 2d -> 2d -> 2, last layer weight 0 and bias
-    [2, -2], so p_slow = sigmoid(-4) < 0.02 at the start and the latent model starts as fast thinking."""
-    mlp = torch.nn.Sequential(torch.nn.Linear(2 * d, 2 * d), torch.nn.SiLU(), torch.nn.Linear(2 * d, 2 * d),
-                              torch.nn.SiLU(), torch.nn.Linear(2 * d, 2))
-    torch.nn.init.zeros_(mlp[-1].weight)
-    with torch.no_grad():
-        mlp[-1].bias.copy_(torch.tensor([2.0, -2.0]))
-    return mlp
 
 
 def _se(x: np.ndarray) -> float:
@@ -307,8 +297,9 @@ class Sec7:
 
     def log_p_parts(self, P: torch.nn.Module, q, y, r) -> tuple[torch.Tensor, torch.Tensor]:
         """(log P(y | x), log P(x_r | x y)) ``[B]`` each, masked to Dom(Proj) (Def 2.8). With the gating
-        trick (``P.gate``, :func:`_gate`) the response logits are (L.1)/(L.2): p_fast * f(x x_r) +
-        p_slow * f(x <s> y </s> x_r), gates from the features before the unembedding of both passes."""
+        trick (``P.gate``, :func:`~ppl_thought.guides.explanatory.gate_mlp`) the response logits are
+        (L.1)/(L.2): p_fast * f(x x_r) + p_slow * f(x <s> y </s> x_r), gates from the features before the
+        unembedding of both passes."""
         z = self._latent(q, y, r)
         k, L = self.k, self.cfg.thought_len
         ys, rs = k + 3, k + 4 + L  # y after <bos> q <eos> <s>; r <eos> after </s> (<s>, </s> are forced)
@@ -351,7 +342,7 @@ class Sec7:
         nets = [P]
         Q = None
         if method != "fast" and c.gating:
-            P.gate = _gate(c.d_model)  # a submodule of P: trained, counted and copied with it
+            P.gate = gate_mlp(c.d_model)  # a submodule of P: trained, counted and copied with it
         if method != "fast":
             Q = self._lm()
             with torch.no_grad():

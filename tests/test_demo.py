@@ -242,7 +242,8 @@ def test_sec7_base_model_stops_early_at_its_target():
 def test_sec7_gating_trick_starts_as_fast_thinking_and_mixes_logits():
     """(L.1)/(L.2): a fresh gate gives p_slow = sigmoid(-4) exactly, and the response logits are
     p_fast * f(x x_r) + p_slow * f(x <s> y </s> x_r); without a gate P reads the latent format only."""
-    from ppl_thought.demo import Sec7, _gate, _masked_log_softmax
+    from ppl_thought.demo import Sec7, _masked_log_softmax
+    from ppl_thought.guides.explanatory import gate_mlp
 
     task = permutation_choice_task(m=3, query_len=2, num_choices=3)
     cfg = Sec7Config(m=3, query_len=2, num_choices=3, d_model=16, n_layers=1, n_heads=2, pretrain_steps=0)
@@ -253,7 +254,7 @@ def test_sec7_gating_trick_starts_as_fast_thinking_and_mixes_logits():
     k = task.query_len
     with torch.no_grad():
         _, lp_r_plain = exp.log_p_parts(P, q, y, r)
-        P.gate = _gate(cfg.d_model)
+        P.gate = gate_mlp(cfg.d_model)
         lp_y, lp_r = exp.log_p_parts(P, q, y, r)
         slow, _ = P(exp._latent(q, y, r)[:, :-1])
         fast, _ = P(exp._obs(q, r)[:, :-1])

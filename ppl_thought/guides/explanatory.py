@@ -128,6 +128,16 @@ class GatedCache:
         return GatedCache(self.slow.expand(n), self.fast.expand(n) if self.fast is not None else None, self.length)
 
 
+def gate_mlp(d: int) -> nn.Module:
+    """The gate MLP of (L.2): 3 layers with SiLU, 2d -> 2d -> 2d -> 2 (logits of p_fast, p_slow), the last
+    layer with weight 0 and bias [2, -2], so p_slow = sigmoid(-4) < 0.02 at initialisation."""
+    mlp = nn.Sequential(nn.Linear(2 * d, 2 * d), nn.SiLU(), nn.Linear(2 * d, 2 * d), nn.SiLU(), nn.Linear(2 * d, 2))
+    nn.init.zeros_(mlp[-1].weight)
+    with torch.no_grad():
+        mlp[-1].bias.copy_(torch.tensor([2.0, -2.0]))
+    return mlp
+
+
 class GatedLM(nn.Module):
     """The gating trick of App. L around any LM f, for finetuning it into an explanatory sampler.
 
@@ -155,11 +165,7 @@ class GatedLM(nn.Module):
         self.features = features
         d = int(feature_dim) if feature_dim is not None else self.vocab_size
         self.explain_id = explain_id
-        self.gate = nn.Sequential(nn.Linear(2 * d, 2 * d), nn.SiLU(), nn.Linear(2 * d, 2 * d), nn.SiLU(),
-                                  nn.Linear(2 * d, 2))
-        nn.init.zeros_(self.gate[-1].weight)
-        with torch.no_grad():
-            self.gate[-1].bias.copy_(torch.tensor([2.0, -2.0]))
+        self.gate = gate_mlp(d)
 
     def _pre(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self.features is not None:
