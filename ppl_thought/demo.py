@@ -133,6 +133,11 @@ def _logits_and_features(lm: Transformer, tokens: torch.Tensor) -> tuple[torch.T
     return logits, out["f"]
 
 
+def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
 def _se(x: np.ndarray) -> float:
     return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan")
 
@@ -229,8 +234,7 @@ class Sec7:
         step, held_out = 0, float("nan")
         with tqdm(total=c.pretrain_steps, desc="Section 7: base model (shared)", disable=not progress) as bar:
             for step in range(1, c.pretrain_steps + 1):
-                for group in opt.param_groups:
-                    group["lr"] = cosine_lr(c.pretrain_lr, step - 1, c.pretrain_steps)
+                _set_lr(opt, cosine_lr(c.pretrain_lr, step - 1, c.pretrain_steps))
                 q, _, r = self.task.sample(c.batch, generator=g)
                 opt.zero_grad()
                 loss = -_score(lm, self._worked(q, r), self.k + 5, allowed).mean()  # the solution after </s>
@@ -341,9 +345,9 @@ class Sec7:
         P = self._lm()
         nets = [P]
         Q = None
-        if method != "fast" and c.gating:
-            P.gate = gate_mlp(c.d_model)  # a submodule of P: trained, counted and copied with it
         if method != "fast":
+            if c.gating:
+                P.gate = gate_mlp(c.d_model)  # a submodule of P: trained, counted and copied with it
             Q = self._lm()
             with torch.no_grad():
                 Q.embed.weight.mul_(c.sampler_init_scale)
@@ -355,8 +359,7 @@ class Sec7:
         for step in range(1, c.steps + 1):
             idx = torch.randint(q_all.shape[0], (c.batch,), generator=g)
             q, r = q_all[idx], r_all[idx]
-            for group in opt.param_groups:
-                group["lr"] = cosine_lr(c.lr, step - 1, c.steps)
+            _set_lr(opt, cosine_lr(c.lr, step - 1, c.steps))
             opt.zero_grad()
             if method == "fast":
                 x = self._obs(q, r)
@@ -439,7 +442,7 @@ def run_sec7(cfg: Sec7Config, seed: int = 0, progress: bool = True) -> dict:
         "entropy_floor": float(floor_ex.mean()), "entropy_floor_exact": task.entropy_floor_per_token(),
         "gain_pred": gain_p, "gain_pred_se": pooled["gain_pred"][1], "gain_pred_seed_sd": pooled["gain_pred"][2],
         "gain_expl": gain_e, "gain_expl_se": pooled["gain_expl"][1], "gain_expl_seed_sd": pooled["gain_expl"][2],
-        "relative_improvement": gain_e / gain_p - 1 if gain_p != 0 else float("nan"),
+        "relative_improvement": _relative_improvement(gain_p, gain_e),
         # the paper's ratio reads as "how much more the explanatory sampler gains" only if gain_pred > 0
         "relative_improvement_defined": bool(gain_p > 0),
     }
@@ -447,23 +450,34 @@ def run_sec7(cfg: Sec7Config, seed: int = 0, progress: bool = True) -> dict:
         res[f"L_{m}"], res[f"L_{m}_se"], res[f"L_{m}_seed_sd"] = pooled[m]
     for key in ("causal_gap", "causal_gap_pred", "thought_choice_mutual_information"):
         res[key] = float(np.mean([r[key] for r in reps]))
-    steps = [row["step"] for row in reps[0]["test_loss_curve"]["fast"]]
-    res["test_loss_curve"] = {m: [{"step": st, "test_loss": float(np.mean([r["test_loss_curve"][m][i]["test_loss"]
-                                                                            for r in reps]))}
-                                  for i, st in enumerate(steps)] for m in ("fast", "pred", "expl")}
-    res["causal_gap_curve"] = {m: [{"step": st, "causal_gap": float(np.mean([r["causal_gap_curve"][m][i]["causal_gap"]
-                                                                             for r in reps]))}
-                                   for i, st in enumerate(steps)] for m in ("pred", "expl")}
-    res["criterion_expl_ge_2x_pred_and_3se"] = bool(gain_e >= 2 * gain_p and gain_e > 3 * res["gain_expl_se"])
+    res["test_loss_curve"] = _mean_curves(reps, "test_loss_curve", "test_loss")
+    res["causal_gap_curve"] = _mean_curves(reps, "causal_gap_curve", "causal_gap")
+    res["criterion_expl_ge_2x_pred_and_3se"] = _criterion(gain_p, gain_e, res["gain_expl_se"])
     res["criterion_per_seed"] = [r["criterion_expl_ge_2x_pred_and_3se"] for r in reps]
     res["num_params"] = reps[0]["num_params"]
     res["per_seed"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in reps]
     res["total_seconds"] = round(time.time() - t0, 1)
     arrays = [r["_arrays"] for r in reps]
-    res["_arrays"] = {k: np.concatenate([a[k] for a in arrays]) for k in arrays[0] if k != "per_example"}
-    res["_arrays"]["per_example"] = {m: np.concatenate([a["per_example"][m] for a in arrays])
+    res["_arrays"] = {k: np.concatenate([a[k] for a in arrays]) for k in arrays[0]}
+    res["_arrays"]["per_example"] = {m: np.concatenate([r["_per_example"][m] for r in reps])
                                      for m in ("fast", "pred", "expl")}
     return res
+
+
+def _relative_improvement(gain_pred: float, gain_expl: float) -> float:
+    """(L_fast - L_expl) / (L_fast - L_pred) - 1 of Section 7 (NaN when the predictive gain is 0)."""
+    return gain_expl / gain_pred - 1 if gain_pred != 0 else float("nan")
+
+
+def _criterion(gain_pred: float, gain_expl: float, gain_expl_se: float) -> bool:
+    """The issue's test: the explanatory gain is at least twice the predictive one and above 3 s.e."""
+    return bool(gain_expl >= 2 * gain_pred and gain_expl > 3 * gain_expl_se)
+
+
+def _mean_curves(reps: list[dict], curves: str, value: str) -> dict:
+    """Average over replicates of the curves ``rep[curves][method]`` (the same evaluation steps)."""
+    return {m: [{"step": row["step"], value: float(np.mean([r[curves][m][i][value] for r in reps]))}
+                for i, row in enumerate(reps[0][curves][m])] for m in reps[0][curves]}
 
 
 def _sec7_replicate(task: PermutationChoiceTask, cfg: Sec7Config, seed: int, test, progress: bool,
@@ -491,7 +505,7 @@ def _sec7_replicate(task: PermutationChoiceTask, cfg: Sec7Config, seed: int, tes
         "L_fast": Lf["loss"], "L_pred": Lp["loss"], "L_expl": Le["loss"],
         "L_fast_se": Lf["se"], "L_pred_se": Lp["se"], "L_expl_se": Le["se"],
         "gain_pred": gain_p, "gain_pred_se": _se(d_pred), "gain_expl": gain_e, "gain_expl_se": _se(d_expl),
-        "relative_improvement": gain_e / gain_p - 1 if gain_p != 0 else float("nan"),
+        "relative_improvement": _relative_improvement(gain_p, gain_e),
         "base_model": exp.base_info,
         "causal_gap": Le.get("causal_gap"), "causal_gap_pred": Lp.get("causal_gap"),
         "causal_gap_curve": {m: runs[m]["causal_gap_curve"] for m in ("pred", "expl")},
@@ -503,11 +517,10 @@ def _sec7_replicate(task: PermutationChoiceTask, cfg: Sec7Config, seed: int, tes
         "seconds": {m: runs[m]["seconds"] for m in runs},
         "total_seconds": round(time.time() - t0, 1),
     }
-    res["criterion_expl_ge_2x_pred_and_3se"] = bool(gain_e >= 2 * gain_p and gain_e > 3 * res["gain_expl_se"])
+    res["criterion_expl_ge_2x_pred_and_3se"] = _criterion(gain_p, gain_e, res["gain_expl_se"])
     res["_per_example"] = {"fast": Lf["per_example"], "pred": Lp["per_example"], "expl": Le["per_example"],
                            "gain_pred": d_pred, "gain_expl": d_expl}
-    res["_arrays"] = {"per_example": {m: runs[m]["final"]["per_example"] for m in runs},
-                      "expl_thoughts": Le["thoughts"], "expl_log_weights": Le["log_weights"],
+    res["_arrays"] = {"expl_thoughts": Le["thoughts"], "expl_log_weights": Le["log_weights"],
                       "pred_thoughts": Lp["thoughts"], "pred_log_weights": Lp["log_weights"]}
     return res
 
@@ -644,8 +657,8 @@ def run_a5(cfg: A5Config, seed: int = 0, progress: bool = True) -> dict:
     with tqdm(total=cfg.steps, desc="A5: plain Transformer / Proj # P_f", disable=not progress) as bar:
         for step in range(1, cfg.steps + 1):
             x = task.sample(cfg.batch, cfg.train_len, generator=g)  # the same batch for both models
-            for group in opt_p.param_groups + opt_l.param_groups:  # the same schedule for both (App. L)
-                group["lr"] = cosine_lr(cfg.lr, step - 1, cfg.steps)
+            for opt in (opt_p, opt_l):  # the same schedule for both (App. L)
+                _set_lr(opt, cosine_lr(cfg.lr, step - 1, cfg.steps))
             t = time.time()
             ids = task.to_vocab_ids(x)
             z = torch.cat([torch.full((cfg.batch, 1), bos, dtype=torch.long), ids], 1)
