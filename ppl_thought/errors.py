@@ -33,3 +33,11 @@ class NotRegularError(PPLThoughtError, ValueError):
 
 class NotDisentangledError(PPLThoughtError, ValueError):
     """A sampler that needs a disentangled projection (Def 3.5) was given one that is not."""
+
+
+class ProgramError(PPLThoughtError, ValueError):
+    """A ``pt.Program`` broke the step protocol (finished flags, state entries, steps past ``max_steps``)."""
+
+
+class SiteMismatchError(PPLThoughtError, ValueError):
+    """A guide does not sample exactly the model's latent sites (a name or a shape differs)."""

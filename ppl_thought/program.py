@@ -1,0 +1,234 @@
+"""``pt.Program``: the step-wise program protocol every engine speaks (ARCHITECTURE.md, "How a program is written").
+
+A program is Pyro's ``SMCFilter`` protocol, batched over particles::
+
+    class Program(pt.Program):
+        def init(self, state, *args, **kwargs): ...          # set up state (tensors [n, ...], LM states)
+        def step(self, state, t, *args, **kwargs): ...       # ordinary Pyro code for step t = 0, 1, ...
+            # return None to go on, or a bool tensor [n] marking the particles that are finished
+
+Both methods are ordinary Pyro code (``pyro.sample``, ``pyro.sample(..., obs=...)``, ``pyro.factor``)
+that an engine runs once for all particles under a particle plate. ``state`` is a dict the engine
+owns: its entries are tensors ``[num_particles, ...]`` or objects with ``reorder(index)`` (KV-cached LM
+states, :class:`~ppl_thought.distributions.LMState`), and the engine reorders every entry after
+resampling. Site names must be unique across steps (``f"z_{t}"``).
+
+``pt.twist(log_psi)`` inside a step sets a potential log psi_t ``[n]`` on the particles (LLaMPPL's
+idea): SMC multiplies the incremental weight by psi_t / psi_{t-1} and divides the last potential out
+when a particle finishes, so Z-hat stays unbiased for the untwisted program whatever psi is (the
+twist only moves variance). Run as a plain Pyro function (Importance, SVI, ``pyro.infer.Predictive``)
+the twists cancel, so they are not applied at all.
+
+A program is also a plain Pyro model: ``program(*args)`` runs ``init`` and every step in one trace,
+with the batch of the enclosing particle plate (:func:`particles`), masking each finished particle's
+later sites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pyro
+import pyro.poutine as poutine
+import torch
+from pyro.poutine.runtime import _PYRO_STACK
+
+from ppl_thought.errors import ProgramError
+
+PARTICLES = "particles"
+
+__all__ = ["PARTICLES", "Program", "as_done", "particles", "reorder_state", "twist", "freeze_finished"]
+
+
+# ---------------------------------------------------------------------------------------------- twists
+class _TwistCollector:
+    """Receives the ``pt.twist`` calls of one step (installed by SMC around the model's step)."""
+
+    def __init__(self) -> None:
+        self.log_psi: torch.Tensor | None = None
+
+    def add(self, log_psi: torch.Tensor) -> None:
+        self.log_psi = log_psi if self.log_psi is None else self.log_psi + log_psi
+
+
+_TWISTS: list[_TwistCollector] = []
+
+
+@contextmanager
+def collect_twists() -> Iterator[_TwistCollector]:
+    """Collect the potentials set by ``pt.twist`` while the body runs (engines only)."""
+    c = _TwistCollector()
+    _TWISTS.append(c)
+    try:
+        yield c
+    finally:
+        _TWISTS.pop()
+
+
+def twist(log_psi) -> None:
+    """Set the potential log psi_t ``[n]`` of the particles at this step (SMC adds it now, removes it later).
+
+    Several calls in one step add up. Outside an engine that steps the program (e.g. Importance,
+    which runs whole traces) the potential cancels and nothing is done.
+    """
+    if not _TWISTS:
+        return
+    lp = torch.as_tensor(log_psi)
+    if torch.is_floating_point(lp) and torch.isnan(lp).any():
+        raise ProgramError("pt.twist got NaN: a twist is a log-potential, -inf is allowed, NaN is not")
+    _TWISTS[-1].add(lp)
+
+
+# ---------------------------------------------------------------------------------------------- plates
+def particles() -> int:
+    """The number of particles of the enclosing particle plate (``pyro.plate("particles", n)``), else 1."""
+    for frame in reversed(_PYRO_STACK):
+        if getattr(frame, "name", None) == PARTICLES and hasattr(frame, "size"):
+            return int(frame.size)
+    return 1
+
+
+def as_done(done, n: int, device=None) -> torch.Tensor | None:
+    """A step's return value as a bool tensor ``[n]`` (``None``: nobody finished)."""
+    if done is None:
+        return None
+    d = torch.as_tensor(done, device=device)
+    if d.dtype != torch.bool:
+        raise ProgramError(f"Program.step must return None or a bool tensor [num_particles], got dtype {d.dtype}")
+    if d.ndim == 0:
+        d = d.expand(n)
+    if d.shape != (n,):
+        raise ProgramError(f"Program.step returned finished flags of shape {tuple(d.shape)}; expected ({n},) "
+                           "(one flag per particle)")
+    return d
+
+
+# ---------------------------------------------------------------------------------------------- state
+def reorder_state(state: dict, index: torch.Tensor, n: int) -> None:
+    """Gather every entry of ``state`` by the ancestor ``index`` (in place): tensors ``[n, ...]`` by
+    indexing, objects by their ``reorder(index)`` (its return value replaces the entry if not None),
+    dicts / lists / tuples entry by entry. Anything else is an error naming the key."""
+    for key in list(state):
+        state[key] = _reorder(state[key], index, n, key)
+
+
+def _reorder(v: Any, index: torch.Tensor, n: int, key: str):
+    if isinstance(v, torch.Tensor):
+        if v.ndim == 0:
+            return v
+        if v.shape[0] != n:
+            raise ProgramError(f"state[{key!r}] is a tensor of shape {tuple(v.shape)}: state tensors must be "
+                               f"[num_particles={n}, ...] so that resampling can reorder them (keep shared "
+                               "constants on the program object)")
+        return v[index.to(v.device)]
+    if hasattr(v, "reorder"):
+        out = v.reorder(index)
+        return v if out is None else out
+    if isinstance(v, dict):
+        return {k: _reorder(w, index, n, f"{key}.{k}") for k, w in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_reorder(w, index, n, f"{key}[{i}]") for i, w in enumerate(v))
+    if v is None or isinstance(v, (int, float, str, bool)):
+        return v
+    raise ProgramError(f"state[{key!r}] of type {type(v).__name__} cannot be reordered after resampling: "
+                       "store tensors [num_particles, ...] or objects with reorder(index)")
+
+
+def freeze_finished(before: dict, after: dict, finished: torch.Tensor) -> None:
+    """Keep the tensor entries of finished particles as they were before the step (in place)."""
+    for key, v in after.items():
+        old = before.get(key)
+        if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and v.shape == old.shape and v.ndim:
+            m = finished.to(v.device).reshape((-1,) + (1,) * (v.ndim - 1))
+            after[key] = torch.where(m, old, v)
+
+
+# ---------------------------------------------------------------------------------------------- program
+class Program:
+    """Base class of step-wise programs (see the module docstring).
+
+    Class attributes an engine reads:
+
+    * ``max_plate_nesting``: plates the program uses itself inside a step (the particle plate goes
+      left of them); 0 by default.
+    * ``max_steps``: a bound on the number of steps (engines raise past it); ``None``: the engine's bound.
+    """
+
+    max_plate_nesting: int = 0
+    max_steps: int | None = None
+
+    def init(self, state: dict, *args, **kwargs) -> None:
+        """Set up ``state`` before step 0 (may sample sites; default: nothing)."""
+
+    def step(self, state: dict, t: int, *args, **kwargs):
+        """Step ``t``: Pyro code for all particles at once; return None or finished flags ``[n]``."""
+        raise NotImplementedError(f"{type(self).__name__} must define step(self, state, t, *args, **kwargs)")
+
+    def outputs(self, state: dict, *args, **kwargs) -> dict:
+        """Extra values for ``Result.samples`` read from the final state (default: none)."""
+        return {}
+
+    # -- as a plain Pyro model -----------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """Run ``init`` and every step in one trace (Importance, SVI, ``pyro.infer.Predictive``)."""
+        return run_whole(self, *args, **kwargs)
+
+
+def run_whole(program: Program, *args, max_steps: int = 10_000, **kwargs) -> dict:
+    """Run a program from start to finish as one Pyro trace, masking the sites of finished particles.
+
+    Returns the final state. Twists are not applied (they cancel over a whole run).
+    """
+    n = particles()
+    state: dict = {}
+    program.init(state, *args, **kwargs)
+    finished = None
+    bound = program.max_steps if program.max_steps is not None else max_steps
+    t = 0
+    while True:
+        if t >= bound:
+            raise ProgramError(f"{type(program).__name__} did not finish within max_steps={bound} steps")
+        before = dict(state) if finished is not None else None
+        with _masked(finished):
+            done = as_done(program.step(state, t, *args, **kwargs), n)
+        if finished is not None:
+            freeze_finished(before, state, finished)
+        if done is not None:
+            finished = done if finished is None else finished | done.to(finished.device)
+            if bool(finished.all()):
+                return state
+        t += 1
+
+
+@contextmanager
+def _masked(finished: torch.Tensor | None):
+    if finished is None:
+        yield
+        return
+    with poutine.mask(mask=_plate_mask(~finished)):
+        yield
+
+
+def _plate_mask(active: torch.Tensor) -> torch.Tensor:
+    """The per-particle mask shaped for the particle plate's dim (right-aligned batch dims)."""
+    for frame in reversed(_PYRO_STACK):
+        if getattr(frame, "name", None) == PARTICLES and getattr(frame, "dim", None) is not None:
+            return active.reshape((-1,) + (1,) * (-frame.dim - 1))
+    return active
+
+
+def sample_site_names(trace) -> list[str]:
+    return [k for k, s in trace.nodes.items() if s["type"] == "sample"]
+
+
+def is_program(obj) -> bool:
+    return isinstance(obj, Program) or (callable(getattr(obj, "init", None)) and callable(getattr(obj, "step", None))
+                                        and not isinstance(obj, type))
+
+
+def pyro_module(name: str, module: torch.nn.Module) -> None:
+    """``pyro.module`` for a trainable module (no-op for frozen ones)."""
+    if any(p.requires_grad for p in module.parameters()):
+        pyro.module(name, module)
