@@ -10,7 +10,8 @@ A slow-thinking model is the tuple (Sigma, Omega, Proj, P, Q) of the static theo
     pt.dist                       # LMSequence: Pyro distribution over token sequences (Def 2.8)
     pt.models                     # SlowThinking (Proj # P_f), HMM (Def 2.2, Theorem 2.3)
     pt.data                       # synthetic tasks with exact answers (A5 cups-and-ball HMM)
-    pt.infer                      # engines (Result, Langevin, ...)
+    pt.infer                      # engines: Importance, SMC, SVI, Langevin, decode (Result)
+    pt.Program                    # the step-wise program protocol (init / step), pt.twist, pt.particles
 
 Subpackages are imported on first use, so ``import ppl_thought`` stays light.
 """
@@ -38,7 +39,9 @@ _SUBMODULES = {
     "io": "ppl_thought.io",
 }
 
-__all__ = ["Vocab", "__version__", *_SUBMODULES]
+_ATTRIBUTES = {name: "ppl_thought.program" for name in ("Program", "Shared", "twist", "particles")}
+
+__all__ = ["Vocab", "__version__", *_SUBMODULES, *_ATTRIBUTES]
 
 
 def __getattr__(name: str):
@@ -46,8 +49,12 @@ def __getattr__(name: str):
         mod = importlib.import_module(_SUBMODULES[name])
         globals()[name] = mod
         return mod
+    if name in _ATTRIBUTES:
+        value = getattr(importlib.import_module(_ATTRIBUTES[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'ppl_thought' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_SUBMODULES))
+    return sorted(list(globals()) + list(_SUBMODULES) + list(_ATTRIBUTES))

@@ -39,7 +39,7 @@ from ppl_thought.errors import ProgramError
 
 PARTICLES = "particles"
 
-__all__ = ["PARTICLES", "Program", "as_done", "particles", "reorder_state", "twist", "freeze_finished"]
+__all__ = ["PARTICLES", "Program", "Shared", "as_done", "particles", "reorder_state", "twist", "freeze_finished"]
 
 
 # ---------------------------------------------------------------------------------------------- twists
@@ -106,6 +106,24 @@ def as_done(done, n: int, device=None) -> torch.Tensor | None:
 
 
 # ---------------------------------------------------------------------------------------------- state
+class Shared:
+    """A state entry shared by every particle (a lifting automaton, a table): resampling leaves it alone.
+
+    ``state["lift"] = pt.Shared(automaton)``; read it back with ``state["lift"].value``.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def reorder(self, index: torch.Tensor) -> Shared:
+        return self
+
+    def __repr__(self) -> str:
+        return f"Shared({self.value!r})"
+
+
 def reorder_state(state: dict, index: torch.Tensor, n: int) -> None:
     """Gather every entry of ``state`` by the ancestor ``index`` (in place): tensors ``[n, ...]`` by
     indexing, objects by their ``reorder(index)`` (its return value replaces the entry if not None),

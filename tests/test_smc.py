@@ -8,8 +8,10 @@ import pytest
 import torch
 from engine_helpers import VOCAB, LiftingSampler, pause_model, tabular
 
+import ppl_thought as pt
+from ppl_thought.distributions.lm_state import LMState
+from ppl_thought.errors import ProgramError
 from ppl_thought.inference import SMC, ZeroWeightsError
-from ppl_thought.inference._stepper import Stepper
 from ppl_thought.inference.smc import resample
 
 X = "abab"
@@ -20,8 +22,21 @@ def explanatory(model):
     return LiftingSampler(lm, model, prompt=lambda x: torch.cat([x, torch.tensor([VOCAB.id("<explain>")])]))
 
 
+class Twisted(pt.models.SlowThinking):
+    """SlowThinking with an arbitrary positive potential on prefixes, set in the program with pt.twist."""
+
+    def __init__(self, base, table):
+        super().__init__(base.prior, base.projection)
+        self.table = table
+
+    def step(self, state, t, x=None, length=None):
+        done = super().step(state, t, x, length)
+        pt.twist(self.table[state["z"].tokens].sum(-1) * 0.5)
+        return done
+
+
 def ratios(model, sampler, reps, **kw):
-    exact = float(model.exact_log_prob(X))
+    exact = float(pt.models.SlowThinking.exact_log_prob(model, X))
     out = torch.stack([SMC(16, **kw).run(model, sampler, X).log_marginal for _ in range(reps)])
     return torch.exp(out.double() - exact)
 
@@ -43,10 +58,7 @@ def test_z_hat_unbiased_explanatory_and_twisted():
     g = torch.Generator().manual_seed(0)
     table = torch.randn(len(VOCAB), generator=g)
 
-    def twist(tokens, t):  # an arbitrary positive potential on prefixes
-        return table[tokens].sum(-1) * 0.5
-
-    r = ratios(model, sampler, 150, ess_threshold=1.0, twist=twist)
+    r = ratios(Twisted(model, table), sampler, 150, ess_threshold=1.0)
     assert abs(float(r.mean()) - 1) < 4 * float(r.std()) / math.sqrt(len(r)) + 1e-3
 
 
@@ -83,33 +95,52 @@ def test_resampling_schemes_offspring_means():
         resample(w, "bogus")
 
 
+def _segments_valid_vs_recompute(lm, V, seed):
+    """The same segments fed to a cached LMState ("valid" mode: waiting rows feed nothing) and to a
+    recomputing one give the same logits, also after reordering rows."""
+    g = torch.Generator().manual_seed(seed)
+
+    class NoValid(torch.nn.Module):  # the same LM seen without the valid mask: recompute mode
+        valid_mask_supported = False
+
+        def __init__(self):
+            super().__init__()
+            self.lm, self.vocab_size = lm, lm.vocab_size
+
+        def forward(self, tokens, cache=None):
+            return self.lm(tokens)
+
+    a = LMState.start(lm, 6, prompt=torch.tensor([3]), max_len=64)
+    b = LMState.start(NoValid(), 6, prompt=torch.tensor([3]), max_len=64)
+    assert a.context is None and b.context is not None
+    for _ in range(4):
+        lens = torch.randint(0, 4, (6,), generator=g)
+        seg = torch.randint(2, V, (6, 3), generator=g)
+        seg[torch.arange(3)[None] >= lens[:, None]] = 0
+        a.segment(max_tokens=3).log_prob(seg)
+        a.extend(seg)
+        b.extend(seg)
+        assert torch.allclose(a.logits, b.logits, atol=1e-5)
+        idx = torch.randint(0, 6, (6,), generator=g)
+        a.reorder(idx)
+        b.reorder(idx)
+        assert torch.allclose(a.logits, b.logits, atol=1e-5)
+        assert torch.equal(a.tokens, b.tokens)
+
+
 def test_paused_rows_keep_their_context():
-    """valid-mode (cached, dummy tokens masked) equals recompute-mode decoding under random pauses."""
-    lm = tabular(len(VOCAB), 3, order=3)
-    g = torch.Generator().manual_seed(0)
-    ctx = torch.tensor([[1, 6], [1, 7]]).repeat(3, 1)
-    a, b = Stepper(lm, mode="valid").start(ctx), Stepper(lm, mode="recompute").start(ctx)
-    for _ in range(8):
-        tok = torch.randint(6, 8, (6,), generator=g)
-        active = torch.rand(6, generator=g) < 0.5
-        a.feed(tok, active)
-        b.feed(tok, active)
-        assert torch.allclose(a.logits, b.logits)
-    idx = torch.tensor([5, 5, 0, 1, 2, 3])
-    a.reorder(idx)
-    b.reorder(idx)
-    tok = torch.full((6,), 6)
-    a.feed(tok, torch.ones(6, dtype=torch.bool))
-    b.feed(tok, torch.ones(6, dtype=torch.bool))
-    assert torch.allclose(a.logits, b.logits)
+    """valid-mode (cached, waiting rows masked) equals recompute-mode decoding under ragged segments."""
+    _segments_valid_vs_recompute(tabular(len(VOCAB), 3, order=3), len(VOCAB), 0)
 
 
 def test_errors():
     model = pause_model(0)
     with pytest.raises(ValueError, match="resampling"):
         SMC(8, resampling="nope")
-    with pytest.raises(TypeError, match="LMSequence"):
+    with pytest.raises(ProgramError, match="pt.Program"):
         SMC(8).run(model, object(), X)
+    with pytest.raises(ProgramError, match="pt.Program"):
+        SMC(8).run(lambda x: None, None, X)
     V = len(VOCAB)
     logits = torch.randn(V, V)
     logits[:, VOCAB.id("b")] = float("-inf")
@@ -126,7 +157,8 @@ def test_errors():
 
 
 def test_smc_accepts_library_guides_and_is_unbiased_against_exact():
-    """SMC with pt.guides.Explanatory / Causal: the mean of Z-hat / Z over seeds stays near 1."""
+    """SMC with pt.guides.Explanatory / Causal / Identity: the mean of Z-hat / Z
+    over seeds stays near 1."""
     import ppl_thought as pt
 
     vocab = pt.Vocab(["a", "b"])
@@ -137,7 +169,7 @@ def test_smc_accepts_library_guides_and_is_unbiased_against_exact():
     x = "a b a"
     exact = float(model.exact_log_prob(x))
     q_lm = pt.lm.Tabular(2, len(vocab), torch.randn(len(vocab), len(vocab), generator=g), trainable=False)
-    for guide in (pt.guides.Causal(q_lm, proj), pt.guides.Explanatory(q_lm, proj)):
+    for guide in (pt.guides.Causal(q_lm, proj), pt.guides.Explanatory(q_lm, proj), pt.guides.Identity(model)):
         ratios = []
         for seed in range(60):
             torch.manual_seed(seed)
@@ -146,8 +178,6 @@ def test_smc_accepts_library_guides_and_is_unbiased_against_exact():
         ratios = torch.tensor(ratios)
         se = ratios.std() / len(ratios) ** 0.5
         assert abs(float(ratios.mean()) - 1) < 4 * float(se) + 0.02
-    with pytest.raises(TypeError, match="Identity"):
-        pt.infer.SMC(num_particles=8).run(model, pt.guides.Identity(model), x)
 
 
 def test_smc_on_a_transformer_uses_its_cache_and_is_unbiased():
@@ -168,23 +198,11 @@ def test_smc_on_a_transformer_uses_its_cache_and_is_unbiased():
     x = "a b a"
     exact = float(model.exact_log_prob(x))
 
-    g = torch.Generator().manual_seed(1)
-    ctx = torch.randint(2, V, (6, 3), generator=g)
-    ctx[:, 0] = 1
-    a, b = Stepper(prior, mode="valid").start(ctx), Stepper(prior, mode="recompute").start(ctx)
-    assert Stepper(prior).mode == "valid"
+    _segments_valid_vs_recompute(prior, V, 1)
     windowed = pt.lm.Transformer(V, d_model=16, n_layers=2, n_heads=2, max_len=64, window=3).eval()
-    assert Stepper(windowed).mode == "recompute"  # ragged rows under a window are not supported
+    # ragged rows under a window are not supported by the valid mask: recompute mode
     r = pt.infer.SMC(num_particles=8).run(pt.models.SlowThinking(windowed, proj), pt.guides.Causal(q_lm, proj), x)
     assert r.stats["mode"] == "recompute" and torch.isfinite(r.log_marginal)
-    for _ in range(6):
-        tok = torch.randint(2, V, (6,), generator=g)
-        active = torch.rand(6, generator=g) < 0.5
-        a.feed(tok, active)
-        b.feed(tok, active)
-        assert torch.allclose(a.logits, b.logits, atol=1e-5)
-        a.reorder(torch.tensor([5, 5, 0, 1, 2, 3]))
-        b.reorder(torch.tensor([5, 5, 0, 1, 2, 3]))
 
     ratios = []
     for seed in range(40):

@@ -218,7 +218,8 @@ class LMState:
 
     def _adopt(self, post: dict) -> None:
         for k, v in post.items():
-            setattr(self, k, v)
+            if not k.startswith("_"):
+                setattr(self, k, v)
         self._pending = None
 
     def snapshot(self) -> dict:
@@ -352,32 +353,24 @@ class Segment(TorchDistribution):
         out = value[:, 0] if self.scalar else value
         if self.scalar and value.shape[1] == 0:
             out = torch.zeros(n, dtype=torch.long, device=dev)
+        post["_step_lp"] = lp
         self._memo.append((out, post, False))
-        self._lp = (out, lp)
         return out, lp
 
     # ------------------------------------------------------------------ scoring: one teacher-forced pass
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        return self._advance(value)["_step_lp"] if self._needs_recompute(value) else self._memo_lp(value)
-
-    def _memo_lp(self, value):
-        for v, post, _ in self._memo:
-            if v is value:
-                return post["log_prob"] - self.snap["log_prob"]
         return self._advance(value)["_step_lp"]
 
-    def _needs_recompute(self, value) -> bool:
-        return _needs_grad(self.base.lm) and not any(v is value and g for v, _, g in self._memo)
-
     def _advance(self, value: torch.Tensor) -> dict:
-        """The state after appending ``value`` (memoised by identity) with ``_step_lp`` its log-probability."""
+        """The state after appending ``value`` (memoised by identity) with ``_step_lp`` its log-probability
+        (recomputed with a graph when the LM is trained and the memo has none)."""
         grad = _needs_grad(self.base.lm)
         for v, post, g in self._memo:
             if v is value and (g or not grad):
-                return {**post, "_step_lp": post["log_prob"] - self.snap["log_prob"]}
+                return post
         post = self._teacher_force(value)
         self._memo.append((value, post, grad))
-        return {**post, "_step_lp": post["log_prob"] - self.snap["log_prob"]}
+        return post
 
     def _teacher_force(self, value: torch.Tensor) -> dict:
         base, snap = self.base, self.snap
@@ -436,7 +429,7 @@ class Segment(TorchDistribution):
             done = done | ((seg_len > 0) & torch.isin(last_tok, base.stop_ids.to(dev)))
         return {"logits": logits_after, "cache": cache, "context": context, "s": s,
                 "tokens": _append(snap["tokens"], snap["lengths"], v), "lengths": lengths,
-                "log_prob": snap["log_prob"] + step_lp, "done": done}
+                "log_prob": snap["log_prob"] + step_lp, "done": done, "_step_lp": step_lp}
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -7,7 +7,11 @@ A sampler Q maps an observation x to a law Q(. | x) supported on the lifting Pro
   event length L = ``projection.domain(len(x)).max_len`` of the model's site ``"z"``;
 - ``sample_with_log_prob(x, n) -> (z, log Q(z | x))``;
 - ``log_prob(z, x) -> [n]``: log Q(z | x), ``-inf`` outside the lifting (never NaN);
-- ``__call__(x)``: a Pyro guide sampling the site ``"z"`` from :class:`SamplerDistribution`.
+- ``__call__(x)``: a Pyro guide sampling the site ``"z"`` from :class:`SamplerDistribution`;
+- ``init(state, x)`` / ``step(state, t, x)``: the same law as a :class:`~ppl_thought.program.Program`
+  whose step t samples segment t of the lifting (Lemma 2.1) at site ``f"z_{t}"``, the guide of
+  :class:`~ppl_thought.models.SlowThinking`'s steps (SMC). Q(z | x) is the product of the segment
+  laws, so a whole trace of the steps and ``__call__`` give the same law.
 """
 
 from __future__ import annotations
@@ -19,18 +23,23 @@ import torch
 from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
+from ppl_thought.distributions.lm_sequence import LMSequence
+from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.program import Program, is_program, particles
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection, as_id_array
 
 PAD_ID = 0
 
 
-class Sampler(ABC):
-    """Base class of samplers Q(z | x) (Def 3.1). Subclasses implement ``_sample`` and ``_log_prob``."""
+class Sampler(Program, ABC):
+    """Base class of samplers Q(z | x) (Def 3.1). Subclasses implement ``_sample`` and ``_log_prob``,
+    and ``step_state(x, n)`` (the batched state the segments are drawn from) for the step-wise face."""
 
     projection: Projection
     site: str = "z"
+    max_plate_nesting = 0
 
     # ------------------------------------------------------------------ helpers
     def _automata(self) -> dict:
@@ -118,6 +127,16 @@ class Sampler(ABC):
             return torch.zeros(0)
         return self._log_prob(zt, xt)
 
+    def token_log_probs(self, z, x) -> torch.Tensor:
+        """log Q(z_i | z_<i, x) ``[n, L]`` for ``z [n, L]`` (0 on padding): the factors of log Q(z | x)
+        (the shared-sample estimator of Remark 3.5 needs them)."""
+        xt = self.x_ids(x)
+        zt = self._check_z(z, self.event_length(xt))
+        return self._token_log_probs(zt, xt)
+
+    def _token_log_probs(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not give token probabilities")
+
     def distribution(self, x) -> SamplerDistribution:
         return SamplerDistribution(self, x)
 
@@ -132,6 +151,79 @@ class Sampler(ABC):
         return pyro.sample(self.site, SamplerDistribution(self, x))
 
     guide = __call__
+
+    # ------------------------------------------------------------------ the step-wise face (SMC)
+    def step_state(self, x: torch.Tensor, n: int):
+        """An object with ``segment(until_emitted=k)`` (a distribution over the next segment of each
+        of ``n`` rows), ``extend(value)`` and ``reorder(index)``: Q decoded segment by segment."""
+        raise NotImplementedError(f"{type(self).__name__} has no step-wise form")
+
+    def token_rule(self, x: torch.Tensor) -> TokenRule:
+        """The masked softmax under the lifting of x (Def 2.8), cached per x (its tables per device)."""
+        key = ("rule", tuple(x.tolist()))
+        cache = self._automata()
+        if key not in cache:
+            cache[key] = TokenRule(self.lifting(x), len(self.projection.vocab))
+        return cache[key]
+
+    def init(self, state: dict, x=None, *args, **kwargs) -> None:
+        if x is None:
+            raise ValueError("a guide needs the observation x")
+        self._register()
+        xt = self.x_ids(x)
+        state["q"] = self.step_state(xt, particles())
+        state["num_observed"] = len(xt)
+
+    def step(self, state: dict, t: int, x=None, *args, **kwargs):
+        """Segment t of the lifting (Lemma 2.1): until x_{t+1} is determined; the last one until the end."""
+        q = state["q"]
+        seg = pyro.sample(f"{self.site}_{t}", q.segment(until_emitted=segment_end(t, state["num_observed"])))
+        q.extend(seg)
+        return None
+
+
+def segment_end(t: int, num_observed: int) -> int | None:
+    """``until_emitted`` of step t: segment t ends once t + 1 observables are determined; the last
+    segment ends at a final state of the automaton (None)."""
+    return t + 1 if t + 1 < num_observed else None
+
+
+class SequenceGuide(Program):
+    """A guide given as ``x -> LMSequence`` under the lifting of x, decoded segment by segment.
+
+    Wraps an :class:`LMSequence` or any object with ``dist(x)`` / ``seq(x)`` returning one (the
+    lifting automaton is its constraint), so that SMC can step it.
+    """
+
+    def __init__(self, make, site: str = "z"):
+        self.make = make
+        self.site = site
+
+    def init(self, state: dict, x=None, *args, **kwargs) -> None:
+        seq = self.make(x)
+        if not isinstance(seq, LMSequence) or seq.constraint is None:
+            raise TypeError("a sequence guide must give an LMSequence constrained to the lifting of x")
+        auto = seq.constraint
+        state["q"] = LMState.start(seq.lm, particles(), prompt=seq.prompt, rule=TokenRule(auto, seq.vocab_size),
+                                   max_len=seq.max_len, stop_ids=seq.stop_ids, lm_kwargs=seq.lm_kwargs)
+        final = auto.emitted[auto.final]
+        state["num_observed"] = int(final.max()) if len(final) else 0
+
+    step = Sampler.step
+
+
+def as_step_guide(guide):
+    """``guide`` as a program SMC can step: programs and None as they are; LMSequences and objects with
+    ``dist(x)`` / ``seq(x)`` wrapped in :class:`SequenceGuide`; anything else unchanged (SMC then says
+    what is missing)."""
+    if guide is None or is_program(guide):
+        return guide
+    if isinstance(guide, LMSequence):
+        return SequenceGuide(lambda x: guide)
+    for name in ("dist", "seq"):
+        if callable(getattr(guide, name, None)):
+            return SequenceGuide(getattr(guide, name))
+    return guide
 
 
 class SamplerDistribution(TorchDistribution):

@@ -8,9 +8,11 @@ Both are tables over the enumerated lifting of x (small models only); sampling i
 from __future__ import annotations
 
 import torch
+from pyro.distributions import TorchDistribution
+from torch.distributions import constraints
 
 from ppl_thought.errors import NotInImageError
-from ppl_thought.guides.base import Sampler
+from ppl_thought.guides.base import PAD_ID, Sampler
 
 
 class _TableSampler(Sampler):
@@ -37,10 +39,24 @@ class _TableSampler(Sampler):
     def _compute(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def step_state(self, x: torch.Tensor, n: int) -> TableState:
+        """The table decoded segment by segment (SMC): Q(z^(t) | z^(<t), x) as ratios of table sums."""
+        support, lq = self.table(x)
+        return TableState(support, lq, self.lifting(x), n)
+
     def _sample(self, x, n):
         support, lq = self.table(x)
         idx = torch.multinomial(lq.exp(), n, replacement=True) if n else torch.zeros(0, dtype=torch.long)
         return support[idx], lq[idx]
+
+    def _token_log_probs(self, z, x):
+        """log Q(z_i | z_<i, x) as ratios of the table's prefix masses."""
+        support, lq = self.table(x)
+        agree = torch.cumprod((z[:, None, :] == support[None]).long(), -1).bool()  # [n, K, L]: prefix <= i agrees
+        mass = torch.logsumexp(lq[None, :, None].masked_fill(~agree, float("-inf")), 1)  # [n, L]
+        prev = torch.cat([torch.zeros(z.shape[0], 1), mass[:, :-1]], 1)
+        step = torch.where(torch.isneginf(prev), torch.full_like(mass, float("-inf")), mass - prev)
+        return torch.where(z != PAD_ID, step, torch.zeros_like(step))
 
     def _log_prob(self, z, x):
         support, lq = self.table(x)
@@ -127,3 +143,100 @@ class Inquisitive(_TableSampler):
         if not torch.isfinite(lz):  # every gradient (distance) vanishes: (3.22) is 0/0; use its limit Q_*
             return support, lp - torch.logsumexp(lp, 0)
         return support, logw - lz
+
+
+class TableState:
+    """``n`` rows decoding a table Q over the support ``[K, L]`` segment by segment (Lemma 2.1).
+
+    ``consistent [n, K]`` marks the support rows that agree with a row's prefix, so
+    Q(z^(t) | z^(<t), x) = Q(rows agreeing with z^(<=t)) / Q(rows agreeing with z^(<t)).
+    ``ends[k, j]`` is where segment j of support row k ends (j = 1 .. T; the last at the row's end).
+    """
+
+    def __init__(self, support: torch.Tensor, log_q: torch.Tensor, lift, n: int):
+        self.support, self.log_q = support, log_q
+        K, L = support.shape
+        self.lengths_k = (support != PAD_ID).sum(-1)
+        T = int(lift.emitted[lift.final].max()) if lift.final.any() else 0
+        s = lift.start_states(K)
+        emitted = torch.empty(K, L + 1, dtype=torch.long)
+        emitted[:, 0] = lift.num_emitted(s)
+        for i in range(L):
+            tok = support[:, i]
+            s = torch.where(tok != PAD_ID, lift.step(s, tok), s)
+            emitted[:, i + 1] = lift.num_emitted(s)
+        ends = torch.stack([(emitted >= j).long().argmax(-1) for j in range(1, T)] + [self.lengths_k], -1) \
+            if T > 0 else self.lengths_k[:, None]
+        self.ends = ends  # [K, T]
+        self.consistent = torch.ones(n, K, dtype=torch.bool)
+        self.pos = torch.zeros(n, dtype=torch.long)
+
+    def segment(self, until_emitted: int | None = None) -> TableSegment:
+        j = self.ends.shape[1] if until_emitted is None else int(until_emitted)
+        return TableSegment(self, j - 1)
+
+    def extend(self, value: torch.Tensor) -> TableState:
+        self.consistent = self._agree(value, self.consistent, self.pos)
+        self.pos = self.pos + (value != PAD_ID).sum(-1)
+        return self
+
+    def reorder(self, index: torch.Tensor) -> TableState:
+        self.consistent, self.pos = self.consistent[index], self.pos[index]
+        return self
+
+    def _agree(self, value: torch.Tensor, consistent: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        v = value.reshape(value.shape[0], -1).to(self.support.device)
+        L = self.support.shape[1]
+        cols = self.support.T  # [L, K]
+        ok = consistent.clone()
+        for j in range(v.shape[1]):
+            present = v[:, j] != PAD_ID
+            at = pos + j
+            col = cols[at.clamp(max=L - 1)]  # [n, K]
+            hit = (col == v[:, j, None]) & (at < L)[:, None]
+            ok = ok & (hit | ~present[:, None])
+        return ok
+
+
+class TableSegment(TorchDistribution):
+    """Segment j of every row of a :class:`TableState` (values ``[n, S]`` right-padded, ragged)."""
+
+    arg_constraints: dict = {}
+    support = constraints.independent(constraints.nonnegative_integer, 1)
+    ragged_event = True
+
+    def __init__(self, state: TableState, j: int):
+        self.state, self.j = state, j
+        self.consistent, self.pos = state.consistent, state.pos  # the state may be extended before scoring
+        super().__init__(torch.Size([state.consistent.shape[0]]), torch.Size([state.support.shape[1]]),
+                         validate_args=False)
+
+    def expand(self, batch_shape, _instance=None):
+        if torch.Size(batch_shape) != self.batch_shape:
+            raise ValueError(f"a table segment has batch shape {tuple(self.batch_shape)}, not {tuple(batch_shape)}")
+        return self
+
+    def _log_mass(self, ok: torch.Tensor) -> torch.Tensor:
+        return torch.logsumexp(self.state.log_q.masked_fill(~ok, float("-inf")), -1)
+
+    def sample(self, sample_shape=()) -> torch.Tensor:
+        st = self.state
+        w = torch.softmax(st.log_q.masked_fill(~self.consistent, float("-inf")), -1)
+        w = torch.where(torch.isnan(w), torch.full_like(w, 1.0 / w.shape[-1]), w)
+        k = torch.multinomial(w, 1).squeeze(-1)
+        end = st.ends[k, min(self.j, st.ends.shape[1] - 1)]
+        width = int((end - self.pos).clamp(min=0).max()) if len(k) else 0
+        idx = self.pos[:, None] + torch.arange(width)[None]
+        inside = idx < end[:, None]
+        vals = st.support[k[:, None], idx.clamp(max=st.support.shape[1] - 1)]
+        return torch.where(inside, vals, torch.full_like(vals, PAD_ID))
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        st = self.state
+        after = st._agree(value, self.consistent, self.pos)
+        # the segment must end where segment j of the agreeing rows ends
+        n_tok = (value.reshape(value.shape[0], -1) != PAD_ID).sum(-1)
+        ends_here = st.ends[:, min(self.j, st.ends.shape[1] - 1)][None] == (self.pos + n_tok)[:, None]
+        before = self._log_mass(self.consistent)
+        out = self._log_mass(after & ends_here) - before
+        return torch.where(torch.isneginf(before), torch.full_like(out, float("-inf")), out)

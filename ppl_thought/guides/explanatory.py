@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ppl_thought.distributions.lm_sequence import LMSequence, concat
+from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import UnknownTokenError
 from ppl_thought.guides.base import Sampler
 from ppl_thought.projections.base import Projection
@@ -51,11 +52,18 @@ class _LMSampler(Sampler):
         if any(p.requires_grad for p in self.lm.parameters()):
             pyro.module(self.name, self.lm)
 
+    def step_state(self, x: torch.Tensor, n: int) -> LMState:
+        """Q(. | x) for ``n`` rows as an :class:`LMState`, decoded segment by segment (SMC)."""
+        return LMState.start(self.lm, n, prompt=self.prompt(x), rule=self.token_rule(x), max_len=self.event_length(x))
+
     def _sample(self, x, n):
         return self.seq(x).sample_with_log_prob((n,))
 
     def _log_prob(self, z, x):
         return self.seq(x).log_prob(z)
+
+    def _token_log_probs(self, z, x):
+        return self.seq(x).step_log_probs(z)[0]
 
 
 class Causal(_LMSampler):

@@ -26,6 +26,7 @@ import numpy as np
 import pyro
 import torch
 
+from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import NotDisentangledError
 from ppl_thought.guides.base import PAD_ID, Sampler
 from ppl_thought.projections.automaton import Automaton
@@ -139,6 +140,15 @@ class MarginalizedDecoder(Sampler):
                            torch.log(torch.where(ok, tot, torch.ones_like(tot))), torch.full_like(q, float("-inf")))
         return logq
 
+    def step_state(self, x: torch.Tensor, n: int) -> LMState:
+        """The rule (3.30) for ``n`` rows as an :class:`LMState` (state: domain and lifting states), decoded
+        segment by segment (SMC)."""
+        key = ("marginal_rule", tuple(x.tolist()))
+        cache = self._automata()
+        if key not in cache:
+            cache[key] = MarginalizedRule(self, x, self.domain(len(x)), self.lifting(x))
+        return LMState.start(self.lm, n, rule=cache[key], max_len=int(self.domain(len(x)).max_len))
+
     def _sample(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self._device()
         D, lift = self.domain(len(x)), self.lifting(x)
@@ -170,8 +180,9 @@ class MarginalizedDecoder(Sampler):
                 logits = logits[:, -1]
         return z, lp
 
-    def _log_prob(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """One teacher-forced pass of the LM; the automata are run along the L positions."""
+    def _teacher_forced(self, z: torch.Tensor, x: torch.Tensor):
+        """One teacher-forced pass of the LM; the automata are run along the L positions.
+        Returns (per-token log Q [n, L] (0 on padding), whether z is a complete lifting [n])."""
         dev = self._device()
         z = z.to(dev)
         n, L = z.shape
@@ -191,14 +202,45 @@ class MarginalizedDecoder(Sampler):
                                    sL[:, :L].reshape(-1), x, D, lift).reshape(n, L, -1)
         step = logq.gather(-1, z[..., None]).squeeze(-1)
         inside = torch.arange(L, device=dev)[None] < lengths[:, None]
-        total = torch.where(inside, step, torch.zeros_like(step)).sum(-1)
+        step = torch.where(inside, step, torch.zeros_like(step))
         padded_ok = ((z != PAD_ID) == inside).all(-1)  # no <pad> inside the sequence
         end_state = sL.gather(1, lengths[:, None]).squeeze(1)
         ok = padded_ok & lift.is_final(end_state)
         # the sequence must stop at its first final state
         fin_before = lift.is_final(sL[:, :L].clamp(min=-1)) & inside
         ok = ok & ~fin_before.any(-1)
+        return step, ok
+
+    def _log_prob(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        step, ok = self._teacher_forced(z, x)
+        total = step.sum(-1)
         return torch.where(ok, total, torch.full_like(total, float("-inf")))
+
+    def _token_log_probs(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self._teacher_forced(z, x)[0]
+
+
+class MarginalizedRule(TokenRule):
+    """The next-token rule of (3.30) for :class:`LMState`: state ``[n, 2]`` = (domain state, lifting state)."""
+
+    def __init__(self, decoder: MarginalizedDecoder, x: torch.Tensor, D: Automaton, lift: Automaton):
+        super().__init__(lift, len(decoder.projection.vocab))
+        self.decoder, self.x, self.D, self.lift = decoder, x, D, lift
+
+    def start(self, n: int, device) -> torch.Tensor:
+        return torch.stack([self.D.start_states(n, device), self.lift.start_states(n, device)], -1)
+
+    def log_probs(self, logits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return self.decoder.step_log_probs(logits.float(), s[:, 0], s[:, 1], self.x, self.D, self.lift)
+
+    def step(self, s: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.D.step(s[:, 0], tok), self.lift.step(s[:, 1], tok)], -1)
+
+    def is_final(self, s: torch.Tensor) -> torch.Tensor:
+        return self.lift.is_final(s[:, 1])
+
+    def num_emitted(self, s: torch.Tensor) -> torch.Tensor:
+        return self.lift.num_emitted(s[:, 1])
 
 
 class Identity(MarginalizedDecoder):

@@ -18,11 +18,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import pyro
 import pyro.poutine as poutine
 import torch
 
 from ppl_thought.errors import NotInImageError, PPLThoughtError
+from ppl_thought.inference.particles import sample_particles
 from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
 
 
@@ -108,43 +108,7 @@ def _summarise(log_w: torch.Tensor, log_normal: bool, what: str) -> dict[str, An
     return out
 
 
-# ---------------------------------------------------------------------------------------------- traces
-def _max_plate_nesting(model, guide, args, kwargs) -> int:
-    """Deepest plate used by model or guide (one trace of each, outside any particle plate)."""
-    depth = 0
-    with poutine.block():
-        gtr = poutine.trace(guide).get_trace(*args, **kwargs)
-        mtr = poutine.trace(poutine.replay(model, trace=gtr)).get_trace(*args, **kwargs)
-    for tr in (gtr, mtr):
-        for site in tr.nodes.values():
-            if site["type"] == "sample":
-                for f in site["cond_indep_stack"]:
-                    if f.vectorized and f.dim is not None:
-                        depth = max(depth, -f.dim)
-    return depth
-
-
-def _per_particle(lp: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    """Sum a site's log-prob over every dimension except the particle dimension ``dim`` -> ``[n]``."""
-    lp = torch.as_tensor(lp)
-    if lp.ndim >= -dim and lp.shape[dim] == n:
-        return lp.movedim(dim, 0).reshape(n, -1).sum(-1)
-    if lp.ndim >= -dim and lp.shape[dim] == 1:
-        return lp.movedim(dim, 0).reshape(1, -1).sum(-1).expand(n)
-    return lp.sum().expand(n)
-
-
-def _trace_log_weight(tr, n: int, dim: int, observed_only: bool | None = None) -> torch.Tensor:
-    total = torch.zeros(n)
-    for site in tr.nodes.values():
-        if site["type"] != "sample":
-            continue
-        if observed_only is not None and bool(site["is_observed"]) != observed_only:
-            continue
-        total = total + _per_particle(site["log_prob"], n, dim).to(total.dtype).cpu()
-    return total
-
-
+# ---------------------------------------------------------------------------------------------- results
 def _not_in_image_result(message: str, n: int, engine: str, observed: dict) -> Result:
     warnings.warn(message, stacklevel=3)
     log_w = torch.full((n,), float("-inf"))
@@ -210,26 +174,12 @@ class Importance:
 
     # ------------------------------------------------------------------ paths
     def _traced(self, model, guide, args, kwargs):
-        """Generic path: guide and model under one vectorised particle plate; replay the model on the guide."""
-        n = self.num_particles
-        depth = self.max_plate_nesting
-        if depth is None:
-            depth = _max_plate_nesting(model, guide, args, kwargs)
-        dim = -(depth + 1)
+        """Generic path: guide and model under one vectorised particle plate; replay the model on the guide
+        (:func:`~ppl_thought.inference.particles.sample_particles`, with the site check)."""
         with torch.no_grad(), poutine.block():
-            with pyro.plate("particles", n, dim=dim):
-                gtr = poutine.trace(guide).get_trace(*args, **kwargs)
-            with pyro.plate("particles", n, dim=dim):
-                mtr = poutine.trace(poutine.replay(model, trace=gtr)).get_trace(*args, **kwargs)
-            gtr.compute_log_prob()
-            mtr.compute_log_prob()
-        log_p = _trace_log_weight(mtr, n, dim)
-        log_q = _trace_log_weight(gtr, n, dim, observed_only=False)
-        log_w = torch.where(torch.isneginf(log_p), torch.full_like(log_p, float("-inf")), log_p - log_q)
-        samples = {name: site["value"] for name, site in gtr.nodes.items()
-                   if site["type"] == "sample" and not site["is_observed"]}
-        log_lik = _trace_log_weight(mtr, n, dim, observed_only=True)  # log p(data | latents) per particle
-        return samples, log_w, {"log_p": log_p, "log_q": log_q, "log_likelihood": log_lik}
+            pt = sample_particles(model, guide, self.num_particles, *args,
+                                  max_plate_nesting=self.max_plate_nesting, **kwargs)
+        return pt.values, pt.log_w, {"log_p": pt.log_p, "log_q": pt.log_q, "log_likelihood": pt.log_likelihood}
 
     def _fast(self, model, sampler, x):
         """SlowThinking + sampler: z, log Q(z | x) in one decoding loop; log P(z) by one teacher-forced pass."""
@@ -256,8 +206,8 @@ class Importance:
         plain (3.7), overestimated by chi2(Q_*(.|x) || Q(.|x)) / n in relative terms (3.8).
         ``shared=True`` (Remark 3.5): Z_i = the prefix of W_i in the lifting of x (Lemma 2.1), with
         Q(Z_i | x) = int Q(Z_i s | xy) ds the product of the sampler's token probabilities over
-        Z_i; positively correlated p and q reduce the bias. Needs ``sampler.dist(x)`` (an
-        :class:`LMSequence`) or ``sampler.step_log_probs(z, x)`` for the token probabilities.
+        Z_i; positively correlated p and q reduce the bias. Needs the sampler's token probabilities:
+        ``sampler.token_log_probs(z, x)`` (every library guide) or ``sampler.dist(x)`` (an LMSequence).
 
         Returns a Result whose ``log_marginal`` is the estimate, with ``stats["log_p_xy"]`` and
         ``stats["log_p_x"]``.
@@ -325,13 +275,15 @@ def _prefix_len(lifting, w: torch.Tensor) -> torch.Tensor:
 
 
 def _sampler_step_log_probs(sampler, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if hasattr(sampler, "step_log_probs"):
-        return sampler.step_log_probs(z, x)
-    if hasattr(sampler, "dist"):
-        dist = sampler.dist(x)
-        return dist.step_log_probs(_pad_to(z, dist.max_len))[0][..., : z.shape[-1]]
+    """log Q(z_i | z_<i, x) ``[n, L]`` (every library guide has ``token_log_probs``)."""
+    if hasattr(sampler, "token_log_probs"):
+        return sampler.token_log_probs(z, x)
+    for name in ("dist", "seq"):
+        if callable(getattr(sampler, name, None)):
+            dist = getattr(sampler, name)(x)
+            return dist.step_log_probs(_pad_to(z, dist.max_len))[0][..., : z.shape[-1]]
     raise TypeError("the shared-sample estimator of Remark 3.5 needs the sampler's token probabilities: give it "
-                    "step_log_probs(z, x) or dist(x) -> LMSequence; or use shared=False")
+                    "token_log_probs(z, x) -> [n, L] or dist(x) -> LMSequence; or use shared=False")
 
 
 __all__ = ["Importance", "ZeroWeightsError", "log_marginal_stderr", "log_normal_estimate", "pareto_khat"]

@@ -1,39 +1,29 @@
-"""Sequential Monte Carlo over observed segments (Lemma 2.1), with adaptive resampling and twists.
+"""Sequential Monte Carlo over the steps of any program (Lemma 2.1 for slow-thinking models), with
+adaptive resampling and twists written in the program (``pt.twist``).
 
 A latent z in the lifting of x decomposes uniquely as z = z^(1) ... z^(|x|) with z^(t) in
-Phi_{x<t}(z^(<t), x_t) (Lemma 2.1); the lifting automaton's ``emitted`` counts mark where
-segment t ends (the first prefix that determines x_t). Particles are drawn from the
-proposal Q (the guide, decoded under the lifting of x) one segment at a time; segment t of
-particle i gets the incremental weight
-
-    w_t^i = P(z^(t) | z^(<t)) / Q(z^(t) | z^(<t), x) * psi_t(z^(<=t)) / psi_{t-1}(z^(<t))
-
-with psi_0 = psi_|x| = 1 (the last segment removes the last twist). When the ESS falls
-under ``ess_threshold * n`` the particles are resampled (multinomial, stratified, systematic
-or residual: each unbiased in the offspring counts), so Z-hat = prod_t (1/n) sum_i W_{t-1}^i w_t^i
-is an unbiased estimate of p(x) = (Proj # P)^{<=|x|}(x) (2.22).
-
-Lockstep decoding of ragged segments: segments of different particles have different token
-counts while a batched KV cache advances one token for every row. Here every particle
-decodes token by token; a particle that reached the end of segment t *waits* (its row is
-inactive: it feeds a dummy token with ``valid=False``, which changes neither its context nor
-its logits) until every particle has reached the boundary, and only then are weights
-updated and particles resampled (the KV cache gathered with ``cache.reorder``). LMs whose
-``forward`` has no ``valid`` argument are run without a cache on right-padded contexts
-(exact, quadratic in length); see :mod:`ppl_thought.inference._stepper`.
+Phi_{x<t}(z^(<t), x_t) (Lemma 2.1): :class:`~ppl_thought.models.SlowThinking` is a
+:class:`~ppl_thought.program.Program` whose step t samples segment z^(t) (site ``f"z_{t}"``) and
+checks x_t. Any other program works the same way: the engine only sees the sites of each step.
+The particles of a step decode their segments in one lockstep loop
+(:class:`~ppl_thought.distributions.lm_state.LMState`: a particle that ended its segment waits,
+feeding nothing), and only then are weights updated and particles resampled (KV caches gathered
+with ``cache.reorder``). The one-step runner and the site check live in
+:mod:`ppl_thought.inference.particles`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+import pyro.poutine as poutine
 import torch
 
-from ppl_thought.distributions.lm_sequence import PAD_ID, LMSequence
-from ppl_thought.errors import NotInImageError
-from ppl_thought.inference._stepper import Stepper, context_rows, masked_log_softmax
+from ppl_thought.distributions.lm_state import LMState
+from ppl_thought.errors import NotInImageError, ProgramError
+from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.importance import ZeroWeightsError, _not_in_image_result, log_marginal_stderr
+from ppl_thought.inference.particles import require_program, run_step
 from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
+from ppl_thought.program import as_done, freeze_finished, reorder_state
 
 RESAMPLING = ("multinomial", "stratified", "systematic", "residual")
 
@@ -65,45 +55,40 @@ def resample(weights: torch.Tensor, method: str = "systematic", generator: torch
     return torch.searchsorted(cdf, u).clamp(max=n - 1)
 
 
-def _guide_dist(guide, x: torch.Tensor) -> LMSequence:
-    if isinstance(guide, LMSequence):
-        return guide
-    for name in ("dist", "seq", "sequence", "distribution"):
-        if hasattr(guide, name):
-            d = getattr(guide, name)(x)
-            if isinstance(d, LMSequence):
-                return d
-    raise TypeError(
-        "SMC needs the proposal as an LMSequence decoded under the lifting of x: pass an LMSequence, "
-        "pt.guides.Causal / pt.guides.Explanatory, or a guide with dist(x) -> LMSequence (the marginalising "
-        f"samplers Identity / Predictive are not step-wise LMSequences yet; got {type(guide).__name__})"
-    )
-
-
 class SMC:
-    """Segment-wise SMC for slow-thinking models (Lemma 2.1), unbiased estimate of (2.22).
+    """Sequential Monte Carlo over the steps of any :class:`~ppl_thought.program.Program` (SMCFilter's
+    protocol, batched), unbiased estimate of p(data) ((2.22) for a slow-thinking model).
+
+    At step t every particle runs the guide's step (or, with ``guide=None``, the model's own sample
+    statements: bootstrap SMC), then the model's step replayed on the guide's values, and gets the
+    incremental weight
+
+        w_t^i = p(sites of step t) / q(latent sites of step t) * psi_t^i / psi_{t-1}^i,
+
+    where psi_t is the potential the model set with ``pt.twist`` (1 when it set none); a particle that
+    finishes divides its last potential out, so Z-hat = prod_t (1/n) sum_i W_{t-1}^i w_t^i is unbiased
+    for the untwisted program whatever psi is. For a slow-thinking model a step is one segment of
+    the lifting (Lemma 2.1). When the ESS falls under ``ess_threshold * n`` the particles are
+    resampled (multinomial, stratified, systematic or residual: each unbiased in the offspring
+    counts) and every entry of the programs' ``state`` is reordered (KV caches by ``reorder``).
 
     Args:
         num_particles: n.
-        ess_threshold: resample after segment t (t < |x|) when ESS / n falls under it (0: never,
-            1: always).
+        ess_threshold: resample when ESS / n falls under it (0: never, 1: always).
         resampling: ``"systematic"`` (default), ``"stratified"``, ``"multinomial"`` or ``"residual"``.
-        twist: optional potential on prefixes, ``twist(tokens [n, L], t) -> log psi_t [n]`` evaluated
-            at the end of segment t < |x| (``tokens`` right-padded latent prefixes), e.g. a process
-            verifier. Weights are multiplied by psi_t / psi_{t-1}; the last segment divides by
-            psi_{|x|-1}, so Z-hat stays unbiased for p(x) whatever the twist (it only moves variance).
-        generator: a ``torch.Generator`` for sampling and resampling.
+        generator: a ``torch.Generator`` for resampling.
+        max_steps: a bound on the number of steps for programs without ``max_steps``.
 
-    ``run(model, guide, x) -> Result``: ``samples["z"] [n, L]``, final ``log_weights``,
-    ``log_marginal`` (log Z-hat), ``ancestry [|x|, n]`` (ancestor of each particle after segment
-    t; the identity where no resampling happened), ``stats["ess"]`` per segment and
-    ``stats["resampled"]``. ``model`` is a :class:`~ppl_thought.models.SlowThinking`; ``guide``
-    an LMSequence or an object with ``dist(x) -> LMSequence`` (Q decoded under the lifting of x).
+    ``run(model, guide, *args, **kwargs) -> Result``: ``samples`` (every latent site, particles leading,
+    plus ``model.outputs(state)``, e.g. ``"z"`` for SlowThinking), final ``log_weights``,
+    ``log_marginal`` (log Z-hat), ``ancestry [steps, n]``, ``stats["ess"]`` per step,
+    ``stats["resampled"]``, ``stats["token_steps"]`` / ``["particle_steps"]`` (lockstep decoding steps).
+    ``guide`` is a Program with the same steps, a sampler with ``dist(x) -> LMSequence`` decoded under
+    the lifting (wrapped step-wise), or ``None``.
     """
 
     def __init__(self, num_particles: int, ess_threshold: float = 0.5, resampling: str = "systematic",
-                 twist: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, max_steps: int = 10_000):
         if int(num_particles) < 1:
             raise ValueError(f"num_particles must be >= 1, got {num_particles}")
         if resampling not in RESAMPLING:
@@ -113,105 +98,117 @@ class SMC:
         self.num_particles = int(num_particles)
         self.ess_threshold = float(ess_threshold)
         self.resampling = resampling
-        self.twist = twist
         self.generator = generator
+        self.max_steps = int(max_steps)
 
-    def run(self, model, guide, x) -> Result:
-        """Run SMC over the |x| segments of the lifting of x; see the class docstring."""
-        n = self.num_particles
-        xt = model.x_ids(x)
-        T = len(xt)
+    def run(self, model, guide, *args, **kwargs) -> Result:
+        """Run SMC over the steps of ``model``; see the class docstring."""
+        require_program(model, "model")
+        guide = as_step_guide(guide)
+        require_program(guide, "guide")
         try:
-            lift = model.projection.lifting(xt)
+            with torch.no_grad(), poutine.block():
+                return self._run(model, guide, args, kwargs)
         except NotInImageError as e:
-            return _not_in_image_result(f"log p(x) = -inf: {e}", n, "SMC", {"x": x})
-        with torch.no_grad():
-            return self._run(model, guide, xt, lift, T, n)
+            return _not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles, "SMC",
+                                        {"args": args, "kwargs": kwargs})
 
-    def _run(self, model, guide, xt, lift, T, n) -> Result:
-        qd = _guide_dist(guide, xt)
-        pd = model.z_dist(T)
-        L = pd.max_len
-        gen = self.generator
-        q = Stepper(qd.lm, qd.lm_kwargs).start(context_rows(qd.prompt, None, n))
-        p = Stepper(pd.lm, pd.lm_kwargs).start(context_rows(pd.prompt, None, n))
-        q_auto = qd.constraint.start_states(n) if qd.constraint is not None else torch.zeros(n, dtype=torch.long)
-        p_auto = pd.constraint.start_states(n)
-        l_auto = lift.start_states(n)
-        tokens = torch.full((n, L), PAD_ID, dtype=torch.long)
-        lengths = torch.zeros(n, dtype=torch.long)
-        rows = torch.arange(n)
-        lw = torch.zeros(n)
-        prev_psi = torch.zeros(n)
+    def _run(self, model, guide, args, kwargs) -> Result:
+        n = self.num_particles
+        depth = max(int(getattr(model, "max_plate_nesting", 0) or 0),
+                    int(getattr(guide, "max_plate_nesting", 0) or 0) if guide is not None else 0)
+        dim = -(depth + 1)
+        bound = model.max_steps if getattr(model, "max_steps", None) is not None else self.max_steps
+        sm: dict = {}
+        sg: dict = {}
+        name = type(model).__name__
+        out = run_step(lambda: model.init(sm, *args, **kwargs),
+                       (lambda: guide.init(sg, *args, **kwargs)) if guide is not None else None, n, dim, "in init")
+        lw = out.log_w.clone()
+        dev = lw.device
+        values: dict[str, list] = {}
+        seen: dict[str, str] = {}
+        self._record(values, seen, out.values, "init")
+        finished = torch.zeros(n, dtype=torch.bool, device=dev)
+        prev_psi = torch.zeros(n, device=dev)
         ancestry, ess_hist, resampled = [], [], []
-        token_steps = 0
-        for t in range(1, T + 1):
-            seg = torch.zeros(n)
-            while True:
-                at_boundary = lift.is_final(l_auto) if t == T else lift.num_emitted(l_auto) >= t
-                active = ~at_boundary
-                if not bool(active.any()):
-                    break
-                if bool((active & (lengths >= L)).any()):
-                    raise RuntimeError(f"a particle exceeded the model's z length {L} inside segment {t}")
-                lq_all = masked_log_softmax(q.logits, qd._mask(q_auto))
-                dead = torch.isneginf(lq_all).all(-1) & active
-                if bool(dead.any()):
-                    raise ValueError(f"{int(dead.sum())} particles have no admissible token of positive "
-                                     "probability under the proposal")
-                probs = torch.where(active[:, None], lq_all.exp(), torch.zeros_like(lq_all))
-                probs[~active, PAD_ID] = 1.0
-                tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-                lq = lq_all.gather(-1, tok[:, None]).squeeze(-1)
-                lp = masked_log_softmax(p.logits, pd._mask(p_auto)).gather(-1, tok[:, None]).squeeze(-1)
-                step = torch.where(torch.isneginf(lp), lp, lp - lq)
-                seg = seg + torch.where(active, step, torch.zeros_like(step))
-                if qd.constraint is not None:
-                    q_auto = torch.where(active, qd.constraint.step(q_auto, tok), q_auto)
-                p_auto = torch.where(active, pd.constraint.step(p_auto, tok), p_auto)
-                l_auto = torch.where(active, lift.step(l_auto, tok), l_auto)
-                tokens[rows[active], lengths[active]] = tok[active]
-                lengths = lengths + active.long()
-                q.feed(tok, active)
-                p.feed(tok, active)
-                token_steps += 1
-            inc = seg
-            if self.twist is not None:
-                psi = torch.as_tensor(self.twist(tokens, t), dtype=lw.dtype) if t < T else torch.zeros(n)
-                inc = inc + torch.where(torch.isneginf(inc), inc, psi - prev_psi)
+        token_steps = out.token_steps
+        t = 0
+        while True:
+            if t >= bound:
+                raise ProgramError(f"{name} did not finish within max_steps={bound} steps (return a bool tensor "
+                                   "[num_particles] from step to mark finished particles)")
+            before = dict(sm) if bool(finished.any()) else None
+            out = run_step(lambda t=t: model.step(sm, t, *args, **kwargs),
+                           (lambda t=t: guide.step(sg, t, *args, **kwargs)) if guide is not None else None,
+                           n, dim, f"in step {t}")
+            if before is not None:
+                freeze_finished(before, sm, finished)
+            self._record(values, seen, out.values, f"step {t}")
+            token_steps += out.token_steps
+            done = as_done(out.done, n, dev)
+            inc = torch.where(finished, torch.zeros_like(out.log_w), out.log_w.to(dev))
+            now_done = finished | done if done is not None else finished
+            if out.log_psi is not None or bool(prev_psi.ne(0).any()):
+                psi = prev_psi if out.log_psi is None else torch.as_tensor(out.log_psi, device=dev).float().expand(n)
+                psi = torch.where(now_done, torch.zeros_like(psi), psi)
+                delta = torch.where(torch.isneginf(prev_psi), torch.zeros_like(psi), psi - prev_psi)
+                inc = torch.where(torch.isneginf(inc), inc, inc + delta)
                 prev_psi = psi
             lw = lw + inc
+            finished = now_done
             if torch.isnan(lw).any():
-                raise ValueError(f"NaN weights after segment {t} (a twist returned NaN or +inf?)")
+                raise ValueError(f"NaN weights after step {t} of {name} (a twist or log-probability is NaN or +inf)")
             if torch.isneginf(torch.logsumexp(lw, 0)):
                 raise ZeroWeightsError(
-                    f"SMC: all {n} particle weights are zero (log weight -inf) after segment {t} of {T}: the "
-                    "proposal only produced latent segments the prior (or the twist) gives probability 0"
-                )
+                    f"SMC: all {n} particle weights are zero (log weight -inf) after step {t} of {name}: the "
+                    "proposal only produced values the model (or a twist) gives probability 0")
             ess = effective_sample_size(lw)
             ess_hist.append(float(ess))
-            if t < T and float(ess) < self.ess_threshold * n:
-                idx = resample(torch.softmax(lw, 0), self.resampling, gen)
-                carry = log_mean_exp(lw)
-                lw = carry.expand(n).clone()
-                tokens, lengths = tokens[idx], lengths[idx]
-                q_auto, p_auto, l_auto, prev_psi = q_auto[idx], p_auto[idx], l_auto[idx], prev_psi[idx]
-                q.reorder(idx)
-                p.reorder(idx)
+            all_done = bool(finished.all())
+            if not all_done and float(ess) < self.ess_threshold * n:
+                idx = resample(torch.softmax(lw, 0), self.resampling, self.generator).to(dev)
+                lw = log_mean_exp(lw).expand(n).clone()
+                reorder_state(sm, idx, n)
+                reorder_state(sg, idx, n)
+                for entries in values.values():
+                    for j, (v, d) in enumerate(entries):
+                        if d is not None:
+                            entries[j] = (v.index_select(d, idx.to(v.device)), d)
+                finished, prev_psi = finished[idx], prev_psi[idx]
                 ancestry.append(idx)
                 resampled.append(True)
             else:
-                ancestry.append(torch.arange(n))
+                ancestry.append(torch.arange(n, device=dev))
                 resampled.append(False)
-        log_z = log_mean_exp(lw)
+            t += 1
+            if all_done:
+                break
+        samples = {k: (v.movedim(d, 0) if d is not None else v) for k, [(v, d)] in values.items()}
+        samples.update(model.outputs(sm, *args, **kwargs))
         return Result(
-            samples={"z": tokens}, log_weights=lw, log_marginal=log_z,
+            samples=samples, log_weights=lw, log_marginal=log_mean_exp(lw),
             log_marginal_stderr=log_marginal_stderr(lw) if not any(resampled) else None,
-            ancestry=torch.stack(ancestry) if ancestry else torch.zeros(0, n, dtype=torch.long),
-            stats={"ess": ess_hist, "resampled": resampled, "token_steps": token_steps,
-                   "particle_steps": token_steps * n, "mode": p.mode},
-            observed={"x": xt}, engine="SMC",
+            ancestry=torch.stack(ancestry), observed={"args": args, "kwargs": kwargs}, engine="SMC",
+            stats={"ess": ess_hist, "resampled": resampled, "steps": t, "token_steps": token_steps,
+                   "particle_steps": token_steps * n, "mode": _decoding_mode(sm)},
         )
+
+    @staticmethod
+    def _record(values: dict, seen: dict, new: dict, where: str) -> None:
+        for k, vd in new.items():
+            if k in seen:
+                raise ProgramError(f"site {k!r} is sampled in {seen[k]} and again in {where}: site names must be "
+                                   "unique across the steps of a program, e.g. pyro.sample(f'z_{t}', ...)")
+            seen[k] = where
+            values[k] = [vd]
+
+
+def _decoding_mode(state: dict) -> str | None:
+    for v in state.values():
+        if isinstance(v, LMState):
+            return "valid" if v.context is None else "recompute"
+    return None
 
 
 __all__ = ["SMC", "resample", "RESAMPLING"]

@@ -5,6 +5,11 @@ the latent site ``z ~ LMSequence(prior, constraint=projection.domain(|x|))`` dra
 prefix from the masked prior P_f (Def 2.8) until it determines |x| observable tokens, and the
 observed site ``x ~ Proj(z)`` is a delta. Its marginal likelihood is (2.22) and its posterior
 over z is Q_* of (2.24); both are available exactly by enumeration for small models.
+
+It is also a :class:`~ppl_thought.program.Program` (SMC's view): step t samples the segment
+z^(t) of Lemma 2.1 at site ``f"z_{t}"`` (P_f masked to the domain, Def 2.8, until x_{t+1} is
+determined) and checks that it emits x_t (factor ``f"x_{t}"``: 0 or -inf). The product of the
+step laws is the law of ``"z"``, so both views have the same joint.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import pyro
 import torch
 
 from ppl_thought.distributions.lm_sequence import PAD_ID, LMSequence
+from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.distributions.projected import ProjectionDelta
-from ppl_thought.errors import NotInImageError, TooLargeToEnumerateError
+from ppl_thought.errors import NotInImageError, ProgramError, TooLargeToEnumerateError
+from ppl_thought.program import Program, Shared, particles
 from ppl_thought.projections.base import Projection, as_id_array
 
 
@@ -56,7 +63,7 @@ class EnumeratedPosterior:
         return {tuple(int(t) for t in row if t != PAD_ID): float(p) for row, p in zip(self.support, self.probs)}
 
 
-class SlowThinking:
+class SlowThinking(Program):
     """The Pyro model of Proj # P_f with latent site ``"z"`` and observed site ``"x"``.
 
     Args:
@@ -96,6 +103,56 @@ class SlowThinking:
         return pyro.sample("x", ProjectionDelta(self.projection, z, n), obs=xt)
 
     model = __call__
+
+    # ------------------------------------------------------------------ the step-wise program (SMC)
+    def _cached(self, key, make):
+        cache = self.__dict__.setdefault("_step_cache", {})
+        if len(cache) > 256:
+            cache.clear()
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    def init(self, state: dict, x=None, length: int | None = None) -> None:
+        """State for the steps: the prior's :class:`LMState` under Dom(Proj) and the lifting state of x."""
+        if x is None:
+            raise ProgramError("the step-wise SlowThinking program needs the observation x (SMC conditions on it)")
+        xt = self.x_ids(x)
+        T = len(xt)
+        lift = self._cached(("lift", tuple(xt.tolist())), lambda: self.projection.lifting(xt))
+        rule = self._cached(("rule", T), lambda: TokenRule(self.projection.domain(T), len(self.vocab)))
+        n = particles()
+        pyro.module("prior", self.prior)
+        st = LMState.start(self.prior, n, rule=rule, max_len=int(rule.constraint.max_len))
+        state["z"] = st
+        state["lift"] = lift.start_states(n, st.device)
+        state["num_observed"] = T
+        state["lifting"] = Shared(lift)
+
+    def step(self, state: dict, t: int, x=None, length: int | None = None):
+        """Segment z^(t) (Lemma 2.1) from the masked prior, then the check that it emits x_t."""
+        T = state["num_observed"]
+        st = state["z"]
+        last = t + 1 >= T
+        seg = pyro.sample(f"z_{t}", st.segment(until_emitted=None if last else t + 1))
+        st.extend(seg)
+        lift = state["lifting"].value
+        s = state["lift"]
+        for j in range(seg.shape[-1]):
+            tok = seg[:, j]
+            s = torch.where(tok != PAD_ID, lift.step(s, tok), s)
+        state["lift"] = s
+        ok = lift.is_final(s) if last else lift.num_emitted(s) >= t + 1
+        pyro.factor(f"x_{t}", torch.where(ok, torch.zeros(ok.shape, device=ok.device),
+                                          torch.full(ok.shape, float("-inf"), device=ok.device)))
+        return torch.ones(st.n, dtype=torch.bool, device=st.device) if last else None
+
+    def outputs(self, state: dict, x=None, length: int | None = None) -> dict:
+        """``{"z": [n, L]}``: the whole latent sequences, padded to the event length of ``"z"``."""
+        st = state["z"]
+        z = torch.full((st.n, st.max_len), PAD_ID, dtype=torch.long, device=st.device)
+        z[:, : st.tokens.shape[1]] = st.tokens[:, : st.max_len]
+        return {"z": z}
 
     # ------------------------------------------------------------------ exact answers
     def enumerate_log_joint(self, x, limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:

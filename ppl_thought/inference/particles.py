@@ -1,0 +1,297 @@
+"""The one particles primitive every engine uses (ARCHITECTURE.md, "Engines").
+
+Particles are a batch dimension: a model and its guide run ONCE for all ``n`` particles under
+``pyro.plate("particles", n, dim=-(max_plate_nesting + 1))``, the model replayed on the guide's
+latent values, and each particle's log weight is read off the two traces,
+
+    log w_i = sum_{model sites} log p_i  -  sum_{guide latent sites} log q_i,
+
+(for a slow-thinking model S_i = log P^{<=|Z_i|}(Z_i) - log Q(Z_i | x) of the estimator (3.2)).
+With ``guide=None`` the model's own sample statements propose (the bootstrap): the latent
+factors cancel and log w_i is the sum over the observed sites and factors.
+
+* :func:`sample_particles` runs whole traces (Importance, the SVI objectives);
+* :func:`run_step` runs one step of a :class:`~ppl_thought.program.Program` and its guide (SMC).
+
+Before weighting, :func:`check_sites` makes sure the guide samples exactly the model's latent
+sites (names and shapes): a guide that misses a latent site lets the model draw it from its
+prior, one that samples a site the model does not have is ignored by the model; both make the
+weights silently wrong, so both are errors that name the site.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyro
+import pyro.poutine as poutine
+import torch
+from pyro.poutine.util import site_is_subsample
+
+from ppl_thought.errors import ProgramError, SiteMismatchError
+from ppl_thought.program import PARTICLES, collect_twists, is_program
+
+__all__ = [
+    "PARTICLES", "Particles", "StepOutput", "check_sites", "find_max_plate_nesting", "latent_sites",
+    "log_ratio", "per_particle", "run_step", "sample_particles",
+]
+
+
+# ---------------------------------------------------------------------------------------------- sites
+def latent_sites(trace) -> dict[str, dict]:
+    """The latent (not observed, not subsample) sample sites of a trace, by name."""
+    return {k: s for k, s in trace.nodes.items()
+            if s["type"] == "sample" and not s["is_observed"] and not site_is_subsample(s)}
+
+
+def _site_shape(site) -> tuple[torch.Size, bool]:
+    fn = site["fn"]
+    ragged = bool(getattr(fn, "ragged_event", False) or getattr(getattr(fn, "base_dist", None), "ragged_event", False))
+    return fn.batch_shape + fn.event_shape, ragged
+
+
+def check_sites(model_trace, guide_trace, where: str = "") -> None:
+    """Raise :class:`SiteMismatchError` unless the guide samples exactly the model's latent sites.
+
+    Names must agree; shapes (batch + event) must agree, except the event width of ragged
+    sequence sites (``Segment``: segments have different lengths).
+    """
+    at = f" {where}" if where else ""
+    m, g = latent_sites(model_trace), latent_sites(guide_trace)
+    # under replay the model's copy of a guide site is marked by the guide's value; a model latent
+    # the guide did not sample was drawn from the model's own prior
+    missing = sorted(k for k in m if k not in g)
+    extra = sorted(k for k in g if k not in model_trace.nodes)
+    observed = sorted(k for k in g if k in model_trace.nodes and model_trace.nodes[k]["is_observed"])
+    if missing:
+        raise SiteMismatchError(
+            f"the guide does not sample the model's latent site(s) {missing}{at}: the model would draw them from "
+            f"its prior and the importance weights would be wrong (guide samples {sorted(g)}, model latents "
+            f"{sorted(m)})")
+    if extra:
+        raise SiteMismatchError(
+            f"the guide samples site(s) {extra}{at} that the model does not have (model latents {sorted(m)}): "
+            "check the site names (one name per step, e.g. f'z_{t}')")
+    if observed:
+        raise SiteMismatchError(f"the guide samples site(s) {observed}{at} that the model observes")
+    for k in g:
+        gshape, gragged = _site_shape(g[k])
+        mshape, mragged = _site_shape(model_trace.nodes[k])
+        if gragged or mragged:
+            nb = len(model_trace.nodes[k]["fn"].batch_shape)
+            if tuple(gshape[:nb]) != tuple(mshape[:nb]):
+                raise SiteMismatchError(f"site {k!r}{at}: the guide's batch shape {tuple(gshape[:nb])} differs "
+                                        f"from the model's {tuple(mshape[:nb])}")
+        elif tuple(gshape) != tuple(mshape):
+            raise SiteMismatchError(f"site {k!r}{at}: the guide samples shape {tuple(gshape)}, the model's "
+                                    f"distribution has shape {tuple(mshape)}")
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def log_ratio(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """log p - log q with -inf (never NaN) where p = 0."""
+    return torch.where(torch.isneginf(log_p), torch.full_like(log_p, float("-inf")), log_p - log_q)
+
+
+def particle_frame_dim(site) -> int | None:
+    for f in site["cond_indep_stack"]:
+        if f.name == PARTICLES:
+            return f.dim
+    return None
+
+
+def per_particle(trace, n: int, which: str = "all", device=None) -> torch.Tensor:
+    """Sum of site log-probs per particle ``[n]`` (``which``: "all", "observed" or "latent").
+
+    A site inside the particle plate is summed over every dim but the plate's; a site outside it
+    (a global) adds its total to every particle. Keeps the graph (for the SVI objectives).
+    """
+    total = None
+    for site in trace.nodes.values():
+        if site["type"] != "sample" or site_is_subsample(site):
+            continue
+        if which == "observed" and not site["is_observed"]:
+            continue
+        if which == "latent" and site["is_observed"]:
+            continue
+        lp = torch.as_tensor(site["log_prob"])
+        dim = particle_frame_dim(site)
+        if dim is not None and lp.ndim >= -dim and lp.shape[dim] in (1, n):
+            lp = torch.movedim(lp, lp.ndim + dim, 0)
+            lp = lp.expand((n,) + lp.shape[1:]).reshape(n, -1).sum(-1)
+        else:
+            lp = lp.sum().expand(n)
+        lp = lp.float() if lp.dtype in (torch.float16, torch.bfloat16) else lp
+        total = lp if total is None else total.to(lp.device) + lp
+    if total is None:
+        total = torch.zeros(n, device=device)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- plates
+def find_max_plate_nesting(model, guide, args: tuple = (), kwargs: dict | None = None) -> int:
+    """The plates model and guide use themselves (the particle plate goes left of them).
+
+    A program (or any object) declaring ``max_plate_nesting`` is believed; otherwise model and guide
+    are traced once, outside any particle plate.
+    """
+    kwargs = kwargs or {}
+    declared = [getattr(f, "max_plate_nesting", None) for f in (model, guide) if f is not None]
+    if declared and all(d is not None for d in declared):
+        return int(max(declared))
+    depth = 0
+    with torch.no_grad(), poutine.block():
+        tr = []
+        if guide is not None:
+            gtr = poutine.trace(guide).get_trace(*args, **kwargs)
+            tr.append(gtr)
+            tr.append(poutine.trace(poutine.replay(model, trace=gtr)).get_trace(*args, **kwargs))
+        else:
+            tr.append(poutine.trace(model).get_trace(*args, **kwargs))
+    for t in tr:
+        for site in t.nodes.values():
+            if site["type"] == "sample":
+                for f in site["cond_indep_stack"]:
+                    if f.vectorized and f.dim is not None:
+                        depth = max(depth, -f.dim)
+    return depth
+
+
+def _in_plate(fn: Callable, n: int, dim: int) -> Callable:
+    def wrapped(*args, **kwargs):
+        with pyro.plate(PARTICLES, n, dim=dim):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+# ---------------------------------------------------------------------------------------------- whole traces
+@dataclass
+class Particles:
+    """One batch of particles from whole traces: ``log_p``, ``log_q`` ``[n]`` (with their graphs when
+    run under grad), ``log_likelihood`` (observed sites only), latent ``values`` and the traces."""
+
+    log_p: torch.Tensor
+    log_q: torch.Tensor
+    values: dict[str, torch.Tensor]
+    model_trace: Any = None
+    guide_trace: Any = None
+    params: list[torch.Tensor] = field(default_factory=list)  # parameters of the model only (theta)
+    log_likelihood: torch.Tensor | None = None
+
+    @property
+    def log_w(self) -> torch.Tensor:
+        """Log importance weights log p(z, x) - log Q(z | x), detached; -inf where p = 0."""
+        return log_ratio(self.log_p.detach(), self.log_q.detach())
+
+    @property
+    def n(self) -> int:
+        return int(self.log_p.shape[0])
+
+
+def _param_tensor(v: torch.Tensor) -> torch.Tensor:
+    u = getattr(v, "unconstrained", None)
+    return u() if callable(u) else v
+
+
+def sample_particles(model: Callable, guide: Callable | None, n: int, *args, max_plate_nesting: int | None = None,
+                     **kwargs) -> Particles:
+    """Run ``guide`` once for ``n`` particles under the particle plate, replay ``model`` on it and weigh.
+
+    ``guide=None``: the model proposes its own latents (bootstrap; log q = its latent log-probs).
+    Raises :class:`SiteMismatchError` when the guide's latent sites are not exactly the model's.
+    """
+    depth = find_max_plate_nesting(model, guide, args, kwargs) if max_plate_nesting is None else max_plate_nesting
+    dim = -(int(depth) + 1)
+    try:
+        if guide is not None:
+            gtr = poutine.trace(_in_plate(guide, n, dim)).get_trace(*args, **kwargs)
+            mtr = poutine.trace(poutine.replay(_in_plate(model, n, dim), trace=gtr)).get_trace(*args, **kwargs)
+        else:
+            mtr = poutine.trace(_in_plate(model, n, dim)).get_trace(*args, **kwargs)
+            gtr = None
+    except RuntimeError as e:
+        raise _duplicate_site_error(e) from None
+    if gtr is not None:
+        check_sites(mtr, gtr)
+        gtr.compute_log_prob()
+    mtr.compute_log_prob()
+    log_p = per_particle(mtr, n)
+    log_q = per_particle(gtr, n, "latent") if gtr is not None else per_particle(mtr, n, "latent")
+    log_lik = per_particle(mtr, n, "observed")
+    source = gtr if gtr is not None else mtr
+    values = {k: s["value"] for k, s in latent_sites(source).items()}
+    guide_params = set()
+    if gtr is not None:
+        guide_params = {id(_param_tensor(s["value"])) for s in gtr.nodes.values() if s["type"] == "param"}
+    params = [_param_tensor(s["value"]) for s in mtr.nodes.values()
+              if s["type"] == "param" and id(_param_tensor(s["value"])) not in guide_params]
+    return Particles(log_p, log_q.to(log_p.device), values, mtr, gtr, params, log_lik.to(log_p.device))
+
+
+def _duplicate_site_error(e: RuntimeError) -> Exception:
+    msg = str(e)
+    if "Multiple" in msg and "sites named" in msg:
+        return ProgramError(f"{msg}. Site names must be unique per step of a program: name them by the step, "
+                            "e.g. pyro.sample(f'z_{t}', ...)")
+    return e
+
+
+# ---------------------------------------------------------------------------------------------- one step
+@dataclass
+class StepOutput:
+    """What one step of a program (and its guide) gives the engine."""
+
+    log_w: torch.Tensor  # [n] incremental log weight (before twists)
+    log_psi: torch.Tensor | None  # [n] potential set by pt.twist in the model's step, or None
+    done: Any  # the model step's return value
+    values: dict[str, tuple[torch.Tensor, int]]  # latent values and the position of their particle dim
+    token_steps: int  # lockstep token steps of the sequence sites (for throughput figures)
+
+
+def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, where: str) -> StepOutput:
+    """Run one step: ``guide_fn()`` (if any) under the particle plate, then ``model_fn()`` replayed on it.
+
+    ``model_fn`` / ``guide_fn`` are closures over the program's state, ``t`` and the data.
+    """
+    try:
+        gtr = None
+        if guide_fn is not None:
+            gt = poutine.trace(_in_plate(guide_fn, n, dim))
+            gt()
+            gtr = gt.trace
+        fn = _in_plate(model_fn, n, dim)
+        mt = poutine.trace(poutine.replay(fn, trace=gtr) if gtr is not None else fn)
+        with collect_twists() as tw:
+            done = mt()
+        mtr = mt.trace
+    except RuntimeError as e:
+        raise _duplicate_site_error(e) from None
+    if gtr is not None:
+        check_sites(mtr, gtr, where)
+        gtr.compute_log_prob()
+    mtr.compute_log_prob()
+    source = gtr if gtr is not None else mtr
+    if gtr is not None:
+        log_w = log_ratio(per_particle(mtr, n), per_particle(gtr, n, "latent"))
+    else:
+        log_w = per_particle(mtr, n, "observed")
+    values, token_steps = {}, 0
+    for k, s in latent_sites(source).items():
+        v = s["value"]
+        ev = len(s["fn"].event_shape)
+        values[k] = (v, v.ndim - ev + dim if particle_frame_dim(s) is not None else None)
+        if getattr(s["fn"], "ragged_event", False):
+            token_steps += int(v.shape[-1]) if v.ndim > len(s["fn"].batch_shape) else 1
+    psi = tw.log_psi
+    return StepOutput(log_w, psi, done, values, token_steps)
+
+
+def require_program(obj, role: str) -> None:
+    """SMC needs steps: a clear error for a plain function."""
+    if obj is not None and not is_program(obj):
+        raise ProgramError(
+            f"SMC steps through a program, but the {role} {type(obj).__name__} is a plain Pyro function (no "
+            "init/step): write it as a pt.Program (init(self, state, ...), step(self, state, t, ...)); "
+            "pt.infer.Importance and SVI take plain Pyro functions")
