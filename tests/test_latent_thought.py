@@ -77,7 +77,7 @@ def test_pyro_model_sites_and_trace_elbo_agree():
     guide = ltm.fit_local(x, num_steps=3)
     torch.manual_seed(1)
     elbo_pyro = -pyro.infer.Trace_ELBO(num_particles=400, vectorize_particles=True,
-                                       max_plate_nesting=1).loss(ltm.model, guide, x)
+                                       ).loss(ltm.model, guide, x)
     ours = ltm.elbo(x, guide, num_samples=400, detach_guide=True).sum().item()
     assert elbo_pyro == pytest.approx(ours, abs=0.5)
     pyro.clear_param_store()

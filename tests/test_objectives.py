@@ -7,6 +7,7 @@ import pytest
 import torch
 from _training_fixtures import X, exact_nll, exact_reverse_kl, problem
 
+from ppl_thought.errors import SiteMismatchError
 from ppl_thought.inference import (
     GRPO,
     SFT,
@@ -186,7 +187,7 @@ def test_bad_input_errors():
 
     def empty_guide(x):
         pass
-    with pytest.raises(ValueError, match="no latent"):
+    with pytest.raises(SiteMismatchError, match="does not sample the model.s latent site"):
         OneSampler(2).loss(model, empty_guide, X)
     # zero weights give +inf loss and zero gradient, never NaN
     log_p = torch.full((3,), float("-inf"), requires_grad=True)

@@ -23,18 +23,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import pyro
 import pyro.poutine as poutine
 import torch
 from pyro.infer import ELBO
-from pyro.poutine.util import site_is_subsample
 
+from ppl_thought.inference.particles import (
+    PARTICLES,
+    Particles,
+    find_max_plate_nesting,
+    per_particle,
+    sample_particles,
+)
 from ppl_thought.inference.result import effective_sample_size, log_mean_exp
-
-PARTICLES = "particles"
 
 __all__ = [
     "GRPO",
@@ -54,32 +56,6 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------- helpers
-@dataclass
-class Particles:
-    """One batch of particles: ``log_p``, ``log_q`` ``[n]`` (with their graphs), values and traces."""
-
-    log_p: torch.Tensor
-    log_q: torch.Tensor
-    values: dict[str, torch.Tensor]
-    model_trace: Any = None
-    guide_trace: Any = None
-    params: list[torch.Tensor] = field(default_factory=list)  # parameters of the model only (theta)
-
-    @property
-    def log_w(self) -> torch.Tensor:
-        """Log importance weights log p(z, x) - log Q(z | x), detached; -inf where p = 0."""
-        return _log_ratio(self.log_p.detach(), self.log_q.detach())
-
-    @property
-    def n(self) -> int:
-        return int(self.log_p.shape[0])
-
-
-def _log_ratio(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """log p - log q with -inf (never NaN) where p = 0."""
-    return torch.where(torch.isneginf(log_p), torch.full_like(log_p, float("-inf")), log_p - log_q)
-
-
 def _normalized(log_w: torch.Tensor) -> torch.Tensor:
     """Self-normalised weights softmax(log_w); all zero (never NaN) when every weight is zero."""
     lse = torch.logsumexp(log_w, 0)
@@ -103,16 +79,6 @@ def _finite_rewards(r: torch.Tensor, what: str) -> torch.Tensor:
             "is supported on the lifting of x, or pass invalid_reward= to replace such rewards"
         )
     return r
-
-
-def _latents(trace) -> set[str]:
-    return {k for k, s in trace.nodes.items()
-            if s["type"] == "sample" and not s["is_observed"] and not site_is_subsample(s)}
-
-
-def _param_tensor(v: torch.Tensor) -> torch.Tensor:
-    u = getattr(v, "unconstrained", None)
-    return u() if callable(u) else v
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -171,14 +137,16 @@ class ParticleObjective(ELBO):
     min_particles = 1
     needs_grad_for_value = False
 
-    def __init__(self, num_particles: int = 8, max_plate_nesting: int = 0):
+    def __init__(self, num_particles: int = 8, max_plate_nesting: int | None = None):
         if not isinstance(num_particles, int) or num_particles < self.min_particles:
             raise ValueError(f"{type(self).__name__} needs num_particles >= {self.min_particles} (an int), "
                              f"got {num_particles!r}")
-        if max_plate_nesting < 0:
+        if max_plate_nesting is not None and max_plate_nesting < 0:
             raise ValueError(f"max_plate_nesting must be >= 0, got {max_plate_nesting}")
         # Pyro's ELBO adds one to max_plate_nesting when it vectorises itself; we place the plate ourselves.
-        super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting,
+        self._given_nesting = max_plate_nesting is not None
+        self._found_nesting: dict = {}
+        super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting or 0,
                          vectorize_particles=False)
         self.vectorize_particles = True
         self.last_stats: dict[str, float] = {}
@@ -187,58 +155,35 @@ class ParticleObjective(ELBO):
     def _get_trace(self, model, guide, args, kwargs):  # pragma: no cover - not used
         raise NotImplementedError("ParticleObjective builds its traces in .particles()")
 
-    @property
-    def particle_dim(self) -> int:
-        return -int(self.max_plate_nesting) - 1
-
-    def _in_plate(self, fn: Callable, n: int) -> Callable:
+    def _in_plate(self, fn: Callable, n: int, depth: int) -> Callable:
         def wrapped(*args, **kwargs):
-            with pyro.plate(PARTICLES, n, dim=self.particle_dim):
+            with pyro.plate(PARTICLES, n, dim=-depth - 1):
                 return fn(*args, **kwargs)
         return wrapped
 
     def _per_particle(self, trace, n: int) -> torch.Tensor:
-        total = torch.zeros(n)
-        for site in trace.nodes.values():
-            if site["type"] != "sample" or site_is_subsample(site):
-                continue
-            lp = site["log_prob"]
-            inside = any(f.name == PARTICLES for f in site["cond_indep_stack"])
-            if inside and lp.ndim >= -self.particle_dim:
-                lp = torch.movedim(lp, lp.ndim + self.particle_dim, 0)
-                lp = lp.expand((n,) + lp.shape[1:]).reshape(n, -1).sum(-1)
-            else:
-                lp = lp.sum().expand(n)
-            total = total.to(lp.dtype) + lp
-        return total
+        return per_particle(trace, n)
 
     def particles(self, model: Callable, guide: Callable, *args, num_particles: int | None = None,
                   **kwargs) -> Particles:
-        """Sample n particles from ``guide`` in one batched call and score them under ``model``."""
+        """Sample n particles from ``guide`` in one batched call and score them under ``model``
+        (:func:`~ppl_thought.inference.particles.sample_particles`, with the site check)."""
         n = int(num_particles or self.num_particles)
-        guide_trace = poutine.trace(self._in_plate(guide, n)).get_trace(*args, **kwargs)
-        model_trace = poutine.trace(poutine.replay(self._in_plate(model, n), trace=guide_trace)).get_trace(
-            *args, **kwargs)
-        guide_trace.compute_log_prob()
-        model_trace.compute_log_prob()
-        guide_latents, model_latents = _latents(guide_trace), _latents(model_trace)
-        if not guide_latents:
-            raise ValueError("the guide has no latent sample site: nothing to propose for the model")
-        missing = model_latents - guide_latents
-        if missing:
-            raise ValueError(f"model latent sites {sorted(missing)} are not proposed by the guide "
-                             f"(guide sites: {sorted(guide_latents)})")
-        log_p = self._per_particle(model_trace, n)
-        log_q = self._per_particle(guide_trace, n)
-        guide_params = {id(_param_tensor(s["value"])) for s in guide_trace.nodes.values() if s["type"] == "param"}
-        params = []
-        for s in model_trace.nodes.values():
-            if s["type"] == "param":
-                p = _param_tensor(s["value"])
-                if id(p) not in guide_params:
-                    params.append(p)
-        values = {k: guide_trace.nodes[k]["value"] for k in guide_latents}
-        return Particles(log_p, log_q, values, model_trace, guide_trace, params)
+        if guide is None:
+            raise ValueError("the objectives need a guide that proposes the model's latent sites")
+        depth = self.plate_nesting(model, guide, args, kwargs)
+        return sample_particles(model, guide, n, *args, max_plate_nesting=depth, **kwargs)
+
+    def plate_nesting(self, model, guide, args: tuple = (), kwargs: dict | None = None) -> int:
+        """``max_plate_nesting`` as given, else as declared by model and guide (every library model and
+        guide declares it), else found by tracing them once (cached per model and guide)."""
+        if self._given_nesting:
+            return int(self.max_plate_nesting)
+        key = (id(model), id(guide))
+        if key not in self._found_nesting:
+            with torch.no_grad():
+                self._found_nesting[key] = find_max_plate_nesting(model, guide, args, kwargs or {})
+        return self._found_nesting[key]
 
     # ------------------------------------------------------------------ the estimator
     def from_particles(self, pt: Particles, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,7 +245,7 @@ class TwoSampler(ParticleObjective):
     The value returned is -log p_n from the inference sampler. Both samplers draw n particles.
     """
 
-    def __init__(self, train_guide: Callable, num_particles: int = 8, max_plate_nesting: int = 0):
+    def __init__(self, train_guide: Callable, num_particles: int = 8, max_plate_nesting: int | None = None):
         if not callable(train_guide):
             raise TypeError(f"TwoSampler needs a callable train_guide (the sampler Q^boxminus), got {train_guide!r}")
         super().__init__(num_particles, max_plate_nesting)
@@ -329,7 +274,7 @@ class SFT(ParticleObjective):
     probability 0 raise a ValueError (they cannot be fitted).
     """
 
-    def __init__(self, num_particles: int = 1, site: str = "z", max_plate_nesting: int = 0):
+    def __init__(self, num_particles: int = 1, site: str = "z", max_plate_nesting: int | None = None):
         super().__init__(num_particles, max_plate_nesting)
         self.site = site
 
@@ -346,7 +291,8 @@ class SFT(ParticleObjective):
                 seq = seq[None]
             if seq.ndim != 2 or seq.shape[0] == 0:
                 raise ValueError(f"SFT sequences must be [B, L] with B >= 1, got shape {tuple(seq.shape)}")
-            conditioned = poutine.condition(self._in_plate(model, seq.shape[0]), data={self.site: seq})
+            depth = self.plate_nesting(model, None, args, kwargs)
+            conditioned = poutine.condition(self._in_plate(model, seq.shape[0], depth), data={self.site: seq})
             tr = poutine.trace(conditioned).get_trace(*args, **kwargs)
             if self.site not in tr.nodes:
                 raise ValueError(f"the model has no site {self.site!r} to fit the sequences to")
@@ -376,7 +322,7 @@ class R1Zero(ParticleObjective):
     The value returned is -(1/n) sum_i R_i.
     """
 
-    def __init__(self, num_particles: int = 1, baseline: bool = False, max_plate_nesting: int = 0):
+    def __init__(self, num_particles: int = 1, baseline: bool = False, max_plate_nesting: int | None = None):
         self.min_particles = 2 if baseline else 1
         super().__init__(num_particles, max_plate_nesting)
         self.baseline = baseline
@@ -406,7 +352,8 @@ class SamplerPolicyGradient(ParticleObjective):
 
     min_particles = 2
 
-    def __init__(self, num_particles: int = 8, invalid_reward: float | None = None, max_plate_nesting: int = 0):
+    def __init__(self, num_particles: int = 8, invalid_reward: float | None = None,
+                 max_plate_nesting: int | None = None):
         super().__init__(num_particles, max_plate_nesting)
         self.invalid_reward = invalid_reward
 
@@ -439,7 +386,7 @@ class Inquisitive(SamplerPolicyGradient):
     needs_grad_for_value = True
 
     def __init__(self, num_particles: int = 8, norm_floor: float = 1e-12, invalid_reward: float | None = None,
-                 max_plate_nesting: int = 0):
+                 max_plate_nesting: int | None = None):
         super().__init__(num_particles, invalid_reward, max_plate_nesting)
         self.norm_floor = norm_floor
 
@@ -477,7 +424,7 @@ class SeparatePolicy(ParticleObjective):
     needs_grad_for_value = True
 
     def __init__(self, reward: Callable[..., torch.Tensor], num_particles: int = 8, site: str = "z",
-                 train_sampler: bool = True, floor: float = 1e-12, max_plate_nesting: int = 0):
+                 train_sampler: bool = True, floor: float = 1e-12, max_plate_nesting: int | None = None):
         if not callable(reward):
             raise TypeError(f"SeparatePolicy needs a callable reward(z, *args), got {reward!r}")
         super().__init__(num_particles, max_plate_nesting)
@@ -526,7 +473,7 @@ class GRPO(ParticleObjective):
     min_particles = 2
 
     def __init__(self, reward: Callable[..., torch.Tensor], num_particles: int = 8, clip_eps: float | None = 0.2,
-                 advantage: str = "group", eps: float = 1e-6, site: str = "z", max_plate_nesting: int = 0):
+                 advantage: str = "group", eps: float = 1e-6, site: str = "z", max_plate_nesting: int | None = None):
         if not callable(reward):
             raise TypeError(f"GRPO needs a callable reward(z, *args), got {reward!r}")
         if advantage not in ("group", "ratio"):

@@ -142,7 +142,9 @@ def find_max_plate_nesting(model, guide, args: tuple = (), kwargs: dict | None =
     if declared and all(d is not None for d in declared):
         return int(max(declared))
     depth = 0
-    with torch.no_grad(), poutine.block():
+    # a look-ahead trace must not move the random streams (runs stay reproducible, checkpoints resume)
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda), torch.no_grad(), poutine.block():
         tr = []
         if guide is not None:
             gtr = poutine.trace(guide).get_trace(*args, **kwargs)

@@ -80,6 +80,7 @@ def slow_lr_schedule(step: int, total: int, lr: float = 4e-4, lr_min: float = 4e
 
 
 class LocalGaussianGuide:
+    max_plate_nesting = 1  # the "sequences" plate
     """The local variational posterior of Eq. 5: q(z | x_i) = N(mu_i, diag(exp(log_var_i))), one per sequence.
 
     ``loc`` and ``log_var`` are leaf tensors ``[B, n_layers, n_z, d_latent]`` (not in Pyro's param store:
@@ -283,6 +284,9 @@ class LatentThought(nn.Module):
     def conditioned_model(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The same program without ``pyro.module``: the decoder is a fixed function (posterior inference)."""
         return self._program(tokens, mask, register=False)
+
+    model.max_plate_nesting = 1  # the "sequences" plate: engines and objectives read it
+    conditioned_model.max_plate_nesting = 1
 
     # -- variational Bayes (Eq. 5) -----------------------------------------------------------------------
 
