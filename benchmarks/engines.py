@@ -1,4 +1,6 @@
-"""Engine benchmarks: ours vs pyro.infer.Importance, sampling vs bare forward, SMC throughput.
+"""Engine benchmarks: ours vs pyro.infer.Importance, sampling vs bare forward, SMC throughput on
+SlowThinking (Tabular and Transformer priors) and on a user-written ``pt.Program`` with the same
+Transformer prior, particles and steps (generic must not mean slow).
 
     python benchmarks/engines.py [--quick] [--json FILE]
 
@@ -15,7 +17,9 @@ import pyro
 import pyro.infer
 import torch
 
+import ppl_thought as pt
 from ppl_thought.distributions import LMSequence
+from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.inference import SMC, Importance
 from ppl_thought.lm import Tabular, Transformer
 from ppl_thought.models import SlowThinking
@@ -39,6 +43,33 @@ class CausalSampler:
 
     def __call__(self, x):
         return pyro.sample("z", self.dist(x))
+
+
+class UserPauseProgram(pt.Program):
+    """What a user writes for "think before each token": one segment of the prior per observed token,
+    then a check that the segment emitted that token (a factor). Same law as SlowThinking."""
+
+    def __init__(self, lm, projection):
+        self.lm, self.projection = lm, projection
+
+    def init(self, state, x):
+        n, T = pt.particles(), len(x)
+        domain = self.projection.domain(T)
+        state["z"] = LMState.start(self.lm, n, rule=TokenRule(domain, self.lm.vocab_size), max_len=domain.max_len)
+        state["lifting"] = pt.Shared(self.projection.lifting(x))
+        state["s"] = state["lifting"].value.start_states(n)
+
+    def step(self, state, t, x):
+        last = t + 1 == len(x)
+        seg = pyro.sample(f"z_{t}", state["z"].segment(until_emitted=None if last else t + 1))
+        state["z"].extend(seg)
+        lift, s = state["lifting"].value, state["s"]
+        for j in range(seg.shape[1]):
+            s = torch.where(seg[:, j] > 0, lift.step(s, seg[:, j]), s)
+        state["s"] = s
+        ok = lift.is_final(s) if last else lift.num_emitted(s) > t
+        pyro.factor(f"x_{t}", torch.where(ok, 0.0, float("-inf")))
+        return ok | True if last else None
 
 
 def timed(fn, reps):
@@ -115,6 +146,19 @@ def main() -> None:
         t = timed(run, reps)
         out[f"smc_{name}_particle_steps_per_s"] = res["r"].stats["particle_steps"] / t
         out[f"smc_{name}_mode"] = res["r"].stats["mode"]
+
+    # the same SMC on a user Program: same Transformer prior, proposal, particles and steps
+    user = UserPauseProgram(prior, proj)
+    xt = model.x_ids(x)
+    ures = {}
+
+    def run_user():
+        ures["r"] = SMC(n).run(user, guide, xt)
+
+    t_user = timed(run_user, reps)
+    out["smc_program_transformer_particle_steps_per_s"] = ures["r"].stats["particle_steps"] / t_user
+    out["smc_program_vs_slow_thinking_transformer"] = (out["smc_program_transformer_particle_steps_per_s"]
+                                                       / out["smc_transformer_particle_steps_per_s"])
     print(json.dumps(out, indent=2))
     if args.json:
         with open(args.json, "w") as f:

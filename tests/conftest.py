@@ -6,3 +6,12 @@ import torch
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", category=FutureWarning, module="arviz")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="statistical tests with their full seed sets (default: a smaller seed set)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: statistical test whose full seed set runs with --slow")

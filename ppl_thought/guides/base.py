@@ -177,9 +177,10 @@ class Sampler(Program, ABC):
     def step(self, state: dict, t: int, x=None, *args, **kwargs):
         """Segment t of the lifting (Lemma 2.1): until x_{t+1} is determined; the last one until the end."""
         q = state["q"]
-        seg = pyro.sample(f"{self.site}_{t}", q.segment(until_emitted=segment_end(t, state["num_observed"])))
+        T = state["num_observed"]
+        seg = pyro.sample(f"{self.site}_{t}", q.segment(until_emitted=segment_end(t, T)))
         q.extend(seg)
-        return None
+        return torch.ones(seg.shape[0], dtype=torch.bool, device=seg.device) if t + 1 >= T else None
 
 
 def segment_end(t: int, num_observed: int) -> int | None:

@@ -118,7 +118,6 @@ class SMC:
         depth = max(int(getattr(model, "max_plate_nesting", 0) or 0),
                     int(getattr(guide, "max_plate_nesting", 0) or 0) if guide is not None else 0)
         dim = -(depth + 1)
-        bound = model.max_steps if getattr(model, "max_steps", None) is not None else self.max_steps
         sm: dict = {}
         sg: dict = {}
         name = type(model).__name__
@@ -126,6 +125,8 @@ class SMC:
                        (lambda: guide.init(sg, *args, **kwargs)) if guide is not None else None, n, dim, "in init")
         lw = out.log_w.clone()
         dev = lw.device
+        # read after init: a program may set its number of steps from the data there
+        bound = model.max_steps if getattr(model, "max_steps", None) is not None else self.max_steps
         values: dict[str, list] = {}
         seen: dict[str, str] = {}
         self._record(values, seen, out.values, "init")
