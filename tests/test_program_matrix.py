@@ -155,7 +155,7 @@ CELLS = [(m, g) for m in ("pause", "sparse", "query_response") for g in SLOW_GUI
 def build(model_kind: str, guide_kind: str):
     if model_kind == "user":
         model, x = user_program()
-        guide = PlanThinkGuide(tab(8, order=2), None) if guide_kind == "user_guide" else None
+        guide = PlanThinkGuide(tab(8, order=2, scale=0.4), None) if guide_kind == "user_guide" else None
         return model, guide, x, user_exact_log_prob(model, x)
     model, x = slow_thinking(model_kind)
     return model, slow_thinking_guide(guide_kind, model), x, float(model.exact_log_prob(x))
@@ -178,7 +178,8 @@ def estimates(engine: str, model, guide, x, seeds_, n: int = 64):
 def check_unbiased(log_z: torch.Tensor, exact: float, ses: torch.Tensor, what: str) -> None:
     ratio = torch.exp(log_z - exact)
     se = float(ratio.std()) / math.sqrt(len(ratio))
-    assert abs(float(ratio.mean()) - 1) <= 3 * se + 1e-6, f"{what}: mean Z-hat/Z = {float(ratio.mean()):.4f} +- {se:.4f}"
+    assert abs(float(ratio.mean()) - 1) <= 3 * se + 1e-6, \
+        f"{what}: mean Z-hat/Z = {float(ratio.mean()):.4f} +- {se:.4f}"
     if len(ses):  # one run against its own delta-method SE (the first seed)
         assert abs(float(log_z[0]) - exact) <= 3 * float(ses[0]) + 1e-4, \
             f"{what}: log Z-hat {float(log_z[0]):.4f} vs exact {exact:.4f} (SE {float(ses[0]):.4f})"
@@ -216,7 +217,7 @@ def test_a_wrong_weight_fails_the_bound(request):
     model, x = user_program()
     exact = user_exact_log_prob(model, x)
     for engine in ("Importance", "SMC"):
-        log_z, ses = estimates(engine, model, DropsOneProposalTerm(tab(8, order=2), None), x, seeds(request))
+        log_z, ses = estimates(engine, model, DropsOneProposalTerm(tab(8, order=2, scale=0.4), None), x, seeds(request))
         with pytest.raises(AssertionError):
             check_unbiased(log_z, exact, ses, "wrong weight")
 
@@ -238,9 +239,9 @@ def test_site_check_names_the_missing_and_the_extra_site():
 
     for engine in (pt.infer.Importance(8), pt.infer.SMC(8)):
         with pytest.raises(pt.errors.SiteMismatchError, match="thought_0"):
-            engine.run(model, MissesThought(tab(8, order=2), None), x)
+            engine.run(model, MissesThought(tab(8, order=2, scale=0.4), None), x)
         with pytest.raises(pt.errors.SiteMismatchError, match="thinking_0"):
-            engine.run(model, Renamed(tab(8, order=2), None), x)
+            engine.run(model, Renamed(tab(8, order=2, scale=0.4), None), x)
 
 
 def test_program_errors_are_clear():
