@@ -1,16 +1,19 @@
-"""HMM (Def 2.2): forward algorithm (3.1) vs brute force, sampling, Theorem 2.3's slow-thinking form."""
+"""HMM (Def 2.2): forward algorithm (3.1) vs brute force, sampling, Theorem 2.3, the Pyro program."""
 
 from __future__ import annotations
 
 import itertools
 import math
 
+import pyro
+import pyro.poutine as poutine
 import pytest
 import torch
 from scipy.stats import chi2
 
 from ppl_thought.errors import MalformedSequenceError, TooLargeToEnumerateError, UnknownTokenError
 from ppl_thought.models.hmm import HMM
+from ppl_thought.program import Program, reorder_state
 
 
 def random_hmm(S: int, K: int, seed: int, sparsity: float = 0.4) -> HMM:
@@ -266,3 +269,232 @@ def test_as_slow_thinking_model_exact_log_prob():
     for x in all_sequences(2, 3):
         got, want = float(model.exact_log_prob(ids[x])), float(hmm.log_prob(x))
         assert (math.isinf(got) and math.isinf(want)) or math.isclose(got, want, rel_tol=1e-5), (x, got, want)
+
+
+# ---------------------------------------------------------------------- the Pyro program (Def 2.2)
+def _site_stack(tr, prefix: str, T: int, n: int) -> torch.Tensor:
+    """The values of sites ``prefix_0 .. prefix_{T-1}`` as ``[n, T]``."""
+    return torch.stack([tr.nodes[f"{prefix}_{t}"]["value"].reshape(n) for t in range(T)], dim=-1)
+
+
+def _per_particle(tr, n: int, observed: bool | None = None) -> torch.Tensor:
+    """Sum of the site log-probs of each particle, float64 ``[n]`` (any particle dim)."""
+    tr.compute_log_prob()
+    total = torch.zeros(n, dtype=torch.float64)
+    for site in tr.nodes.values():
+        if site["type"] == "sample" and (observed is None or site["is_observed"] == observed):
+            lp = site["log_prob"]
+            assert not torch.isnan(lp).any(), site["name"]
+            total = total + lp.reshape(n).double()
+    return total
+
+
+def _is_log_weights(model, guide, x, n: int, seed: int, dim: int = -1) -> torch.Tensor:
+    """Importance sampling with Pyro's own machinery: guide under a particle plate, model replayed on it.
+
+    ``guide=None``: the model's own prior proposes (bootstrap), the weight is the likelihood.
+    """
+    pyro.set_rng_seed(seed)
+    with torch.no_grad():
+        if guide is None:
+            with pyro.plate("particles", n, dim=dim):
+                mtr = poutine.trace(model).get_trace(x)
+            return _per_particle(mtr, n, observed=True)
+        with pyro.plate("particles", n, dim=dim):
+            gtr = poutine.trace(guide).get_trace(x)
+        with pyro.plate("particles", n, dim=dim):
+            mtr = poutine.trace(poutine.replay(model, trace=gtr)).get_trace(x)
+        assert {k for k, s in gtr.nodes.items() if s["type"] == "sample"} == {f"z_{t}" for t in range(len(x))}
+        log_q = _per_particle(gtr, n)
+        assert torch.isfinite(log_q).all()
+        return _per_particle(mtr, n) - log_q
+
+
+def _estimate(log_w: torch.Tensor) -> tuple[float, float]:
+    """(log Zhat, its delta-method SE sd(w) / (sqrt(n) mean(w)))."""
+    n = log_w.shape[0]
+    w = (log_w - log_w.max()).exp()
+    return float(torch.logsumexp(log_w, 0) - math.log(n)), float(w.std() / (math.sqrt(n) * w.mean()))
+
+
+def _guide(hmm: HMM, kind: str):
+    return {"bootstrap": None, "filtering": hmm.filtering_guide(), "posterior": hmm.posterior_guide()}[kind]
+
+
+def _sticky_hmm() -> HMM:
+    A = torch.tensor([[0.8, 0.15, 0.05], [0.1, 0.8, 0.1], [0.0, 0.2, 0.8]])
+    B = torch.tensor([[0.7, 0.3, 0.0], [0.1, 0.7, 0.2], [0.1, 0.1, 0.8]])
+    return HMM(A, B, torch.tensor([0.6, 0.4, 0.0]))
+
+
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_program_trace_is_the_joint_law(dim):
+    hmm = random_hmm(3, 3, 21, sparsity=0.3)
+    assert isinstance(hmm, Program) and hmm.max_plate_nesting == 0
+    T, n = 6, 64
+    x = hmm.sample(1, T, generator=torch.Generator().manual_seed(0))[1][0]
+    pyro.set_rng_seed(0)
+    with pyro.plate("particles", n, dim=dim):
+        tracer = poutine.trace(hmm)
+        state = tracer(x)
+    tr = tracer.trace
+    shape = (n,) + (1,) * (-dim - 1)
+    names = [k for k, s in tr.nodes.items() if s["type"] == "sample"]
+    assert names == [f"{v}_{t}" for t in range(T) for v in ("z", "x")]
+    assert all(tr.nodes[k]["value"].shape == shape for k in names)
+    assert all(tr.nodes[f"x_{t}"]["is_observed"] and not tr.nodes[f"z_{t}"]["is_observed"] for t in range(T))
+    assert hmm.max_steps == T
+    z = _site_stack(tr, "z", T, n)
+    assert torch.equal(state["z"].reshape(n), z[:, -1])
+    torch.testing.assert_close(_per_particle(tr, n), hmm.log_joint(z, x.expand(n, T)), rtol=1e-12, atol=1e-12)
+    # generation: x sites are sampled, and the joint is still log_joint
+    with pyro.plate("particles", n, dim=dim):
+        tr = poutine.trace(hmm).get_trace(length=T)
+    assert not any(tr.nodes[f"x_{t}"]["is_observed"] for t in range(T))
+    z, xs = _site_stack(tr, "z", T, n), _site_stack(tr, "x", T, n)
+    torch.testing.assert_close(_per_particle(tr, n), hmm.log_joint(z, xs), rtol=1e-12, atol=1e-12)
+
+
+def test_program_outside_a_plate_and_errors():
+    hmm = random_hmm(3, 2, 22)
+    x = torch.tensor([0, 1, 1, 0])
+    pyro.set_rng_seed(1)
+    tr = poutine.trace(hmm).get_trace(x)
+    assert all(s["value"].shape == () for s in tr.nodes.values() if s["type"] == "sample")
+    z = _site_stack(tr, "z", 4, 1)[0]
+    torch.testing.assert_close(tr.log_prob_sum(), hmm.log_joint(z, x))
+    assert poutine.trace(hmm).get_trace([0, 1]).nodes["x_1"]["value"].item() == 1  # lists work
+    # pyro's sequential Importance (no particle plate) with the posterior guide: every weight is log p(x)
+    imp = pyro.infer.Importance(hmm, hmm.posterior_guide(), num_samples=20).run(x)
+    torch.testing.assert_close(torch.stack(imp.log_weights).double(), hmm.log_prob(x).expand(20))
+    # T = 0: one empty step, no sites
+    assert not [s for s in poutine.trace(hmm).get_trace(length=0).nodes.values() if s["type"] == "sample"]
+    with pytest.raises(ValueError, match="length="):
+        hmm()
+    with pytest.raises(ValueError, match="length=3"):
+        hmm(x, length=3)
+    with pytest.raises(MalformedSequenceError):
+        hmm(x[None].expand(2, 4))
+    with pytest.raises(UnknownTokenError):
+        hmm(torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="call it with x"):
+        hmm.filtering_guide()(length=3)
+
+
+def test_backward_messages_give_the_forward_probability():
+    hmm = random_hmm(3, 3, 2, sparsity=0.6)
+    x = all_sequences(3, 4)
+    beta = hmm.backward(x)  # [N, T, S]
+    assert beta.shape == (81, 4, 3) and not torch.isnan(beta).any()
+    lp = torch.logsumexp(hmm.log_lam + hmm.log_B.T[x[:, 0]] + beta[:, 0], -1)
+    fwd = hmm.log_prob(x)
+    assert torch.equal(torch.isneginf(lp), torch.isneginf(fwd)) and torch.isneginf(fwd).any()
+    ok = torch.isfinite(fwd)
+    torch.testing.assert_close(lp[ok], fwd[ok], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_posterior_guide_is_zero_variance(dim):
+    for seed in (0, 1, 2):
+        hmm = random_hmm(4, 3, seed, sparsity=0.4)
+        x = hmm.sample(1, 7, generator=torch.Generator().manual_seed(seed))[1][0]
+        log_w = _is_log_weights(hmm, hmm.posterior_guide(), x, 256, seed, dim=dim)
+        torch.testing.assert_close(log_w, hmm.log_prob(x).expand(256), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["bootstrap", "filtering"])
+def test_importance_estimate_is_unbiased(kind):
+    hmm = _sticky_hmm()
+    x = torch.tensor([0, 0, 1, 1, 2, 2, 1, 0])
+    log_z = float(hmm.log_prob(x))
+    est, se = _estimate(_is_log_weights(hmm, _guide(hmm, kind), x, 4000, seed=0))
+    assert abs(est - log_z) < 3 * se, (est, log_z, se)
+    # Zhat / Z over 20 seeds: mean within 3 standard errors of 1
+    ratios = torch.tensor([math.exp(_estimate(_is_log_weights(hmm, _guide(hmm, kind), x, 100, seed=s))[0] - log_z)
+                           for s in range(20)])
+    assert abs(float(ratios.mean()) - 1) < 3 * float(ratios.std()) / math.sqrt(20), ratios
+
+
+def test_wrong_estimators_fail_the_bound():
+    """The bound has power: the wrong A, or dropping the emission factor, is caught."""
+    hmm = _sticky_hmm()
+    x = torch.tensor([0, 0, 1, 1, 2, 2, 1, 0])
+    log_z = float(hmm.log_prob(x))
+    wrong_A = HMM(hmm.A.roll(1, dims=1), hmm.B, hmm.lam)  # right B and lam, wrong transitions
+    est, se = _estimate(_is_log_weights(wrong_A, None, x, 4000, seed=0))
+    assert abs(est - log_z) > 3 * se, (est, log_z, se)
+    no_emission = poutine.block(hmm, hide_fn=lambda site: site["is_observed"])
+    est, se = _estimate(_is_log_weights(no_emission, hmm.filtering_guide(), x, 4000, seed=0))
+    assert abs(est - log_z) > 3 * se + 1, (est, log_z, se)
+
+
+def _mini_smc(model: HMM, guide, x, n: int, seed: int) -> float:
+    """Step-wise SMC over the Program protocol (multinomial resampling every step): log Zhat."""
+    pyro.set_rng_seed(seed)
+    ms: dict = {}
+    gs: dict = {}
+    model.init(ms, x)
+    if guide is not None:
+        guide.init(gs, x)
+    log_z, t = 0.0, 0
+    with torch.no_grad():
+        while True:
+            assert t < model.max_steps
+            with pyro.plate("particles", n):
+                gtr = poutine.trace(guide.step).get_trace(gs, t, x) if guide is not None else None
+                tracer = poutine.trace(poutine.replay(model.step, trace=gtr) if guide is not None else model.step)
+                done = tracer(ms, t, x)
+            log_w = _per_particle(tracer.trace, n, observed=True if guide is None else None)
+            if guide is not None:
+                log_w = log_w - _per_particle(gtr, n)
+            inc = float(torch.logsumexp(log_w, 0)) - math.log(n)
+            log_z += inc
+            if done is not None and bool(done.all()) or inc == float("-inf"):
+                return log_z
+            idx = torch.multinomial(torch.softmax(log_w, 0), n, replacement=True)
+            reorder_state(ms, idx, n)
+            reorder_state(gs, idx, n)
+            t += 1
+
+
+@pytest.mark.parametrize("kind", ["bootstrap", "filtering", "posterior"])
+def test_stepwise_smc_over_the_program_is_unbiased(kind):
+    hmm = _sticky_hmm()
+    x = torch.tensor([0, 0, 1, 1, 2, 2, 1, 0])
+    log_z = float(hmm.log_prob(x))
+    ratios = torch.tensor([math.exp(_mini_smc(hmm, _guide(hmm, kind), x, 50, seed=s) - log_z) for s in range(20)])
+    assert abs(float(ratios.mean()) - 1) < 3 * float(ratios.std()) / math.sqrt(20) + 1e-9, ratios
+
+
+def test_predictive_generates_from_the_hmm():
+    hmm = random_hmm(3, 3, 5, sparsity=0.3)
+    N, T = 4000, 5
+    pyro.set_rng_seed(0)
+    samples = pyro.infer.Predictive(hmm, num_samples=N, parallel=True)(length=T)
+    assert set(samples) == {f"{v}_{t}" for t in range(T) for v in ("z", "x")}
+    assert all(v.shape == (N,) and v.dtype == torch.long for v in samples.values())
+    for t, law in ((0, hmm.lam @ hmm.B), (1, hmm.lam @ hmm.A @ hmm.B)):
+        freq = torch.bincount(samples[f"x_{t}"], minlength=3).double() / N
+        assert (freq - law).abs().max() < 4 * math.sqrt(0.25 / N), (t, freq, law)
+    z, x = (torch.stack([samples[f"{v}_{t}"] for t in range(T)], -1) for v in ("z", "x"))
+    assert torch.isfinite(hmm.log_joint(z, x)).all()  # only possible paths are generated
+    seq = pyro.infer.Predictive(hmm, num_samples=5)(length=T)  # sequential: one plain run per sample
+    assert all(v.shape == (5,) for v in seq.values())
+
+
+def test_zero_entries_give_neg_inf_not_nan():
+    hmm = _sticky_hmm()  # A[2, 0] = 0, B[0, 2] = 0, lam[2] = 0
+    x = torch.tensor([0, 2, 1])
+    for z, finite in (([0, 1, 1], True), ([2, 1, 1], False), ([0, 0, 1], False), ([1, 2, 0], False)):
+        data = {f"z_{t}": torch.tensor(v) for t, v in enumerate(z)}
+        tr = poutine.trace(poutine.condition(hmm, data=data)).get_trace(x)
+        lp = _per_particle(tr, 1)[0]
+        assert not torch.isnan(lp) and bool(torch.isfinite(lp)) == finite
+        torch.testing.assert_close(lp, hmm.log_joint(torch.tensor(z), x))
+    # an impossible x: every proposal gives weights -inf, never NaN, and the guides still sample
+    det = HMM(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.eye(2), torch.tensor([1.0, 0.0]))
+    bad = torch.tensor([0, 0, 1, 0])
+    assert torch.isneginf(det.log_prob(bad))
+    for kind in ("bootstrap", "filtering", "posterior"):
+        log_w = _is_log_weights(det, _guide(det, kind), bad, 16, seed=0)
+        assert torch.isneginf(log_w).all(), kind

@@ -19,6 +19,15 @@ the latent model is the Markov chain of the pairs,
 ``P((x', z') | (x, z)) = A[z, z'] B[z', x']`` and ``P((x, z) | <bos>) = lam[z] B[z, x]``.
 :meth:`HMM.as_slow_thinking_parts` builds it as an exact :class:`~ppl_thought.lm.tabular.Tabular`
 bigram LM.
+
+The HMM is also a Pyro program and a :class:`~ppl_thought.program.Program` (Def 2.2 step by step):
+``hmm(x)`` observes ``x [T]``, ``hmm(length=T)`` generates. Step ``t`` samples the hidden site
+``f"z_{t}" ~ Categorical(lam if t == 0 else A[z_{t-1}])`` and the emission
+``f"x_{t}" ~ Categorical(B[z_t])`` (observed when x is given); site log-probs are float64 and
+``-inf`` (never NaN) where A, B or lam has a zero. :meth:`HMM.posterior_guide` (backward
+algorithm: the exact ``P(z_t | z_{t-1}, x)``, zero-variance importance weights) and
+:meth:`HMM.filtering_guide` (the locally optimal SMC proposal ``P(z_t | z_{t-1}, x_t)``) are
+programs with the same sites ``z_t``; ``guide=None`` (the prior) is the bootstrap proposal.
 """
 
 from __future__ import annotations
@@ -28,9 +37,13 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+import pyro
+import pyro.distributions as dist
 import torch
+from pyro.poutine.runtime import _PYRO_STACK
 
 from ppl_thought.errors import MalformedSequenceError, TooLargeToEnumerateError, UnknownTokenError
+from ppl_thought.program import PARTICLES, Program, particles, run_whole
 
 if TYPE_CHECKING:  # pragma: no cover
     from ppl_thought.lm.tabular import Tabular
@@ -85,7 +98,31 @@ def _safe_log(p: torch.Tensor) -> torch.Tensor:
     return torch.where(p > 0, p.clamp_min(torch.finfo(p.dtype).tiny).log(), torch.full_like(p, _NEG_INF))
 
 
-class HMM:
+def _particle_batch_shape() -> tuple[int, ...]:
+    """The batch shape of one value per particle, right-aligned with the particle plate's dim.
+
+    ``(n,)`` under ``pyro.plate("particles", n, dim=-1)``, ``(n, 1)`` at ``dim=-2``, ...; ``()``
+    outside a (vectorised) particle plate.
+    """
+    for frame in reversed(_PYRO_STACK):
+        if getattr(frame, "name", None) == PARTICLES and getattr(frame, "dim", None) is not None:
+            return (int(frame.size),) + (1,) * (-int(frame.dim) - 1)
+    return ()
+
+
+def _all_done() -> torch.Tensor:
+    """Finished flags ``[n]`` for every particle (the last step)."""
+    return torch.ones(particles(), dtype=torch.bool)
+
+
+def _prior_logits(hmm: HMM, state: dict, t: int) -> torch.Tensor:
+    """Logits of ``P(Z_t | Z_{t-1})``: ``log lam`` expanded to the particles at t = 0, else ``log A[z_{t-1}]``."""
+    if t == 0:
+        return hmm.log_lam.expand(_particle_batch_shape() + (hmm.num_states,))
+    return hmm.log_A[state["z"]]
+
+
+class HMM(Program):
     """A hidden Markov model ``(A, B, lam)`` (Def 2.2).
 
     Args:
@@ -100,7 +137,20 @@ class HMM:
     Observation sequences ``x`` are LongTensors of indices in ``[0, |Sigma|)``, either one
     sequence ``[T]`` or a batch ``[N, T]``; results then have no batch dimension or ``[N]``.
     All computations run in float64 on the CPU.
+
+    As a Pyro program (:class:`~ppl_thought.program.Program`, max_plate_nesting 0):
+    ``hmm(x=None, length=None)`` runs :meth:`init` and every :meth:`step` in one trace and
+    returns the final state. Sites per step ``t = 0 .. T-1``: ``f"z_{t}"`` (hidden state,
+    LongTensor) and ``f"x_{t}"`` (emission; observed ``x[t]`` when x is given), both with batch
+    shape ``[n]`` under ``pyro.plate("particles", n)`` (``[n, 1, ..]`` when that plate sits at a
+    dim left of -1; the batch of any other enclosing plate, e.g. ``Predictive(parallel=True)``,
+    likewise) and batch shape ``()`` outside every plate. ``state["z"]`` holds the current hidden
+    state with the site's shape. The sum of the site log-probs of one particle is
+    :meth:`log_joint` of its path; every site log-prob is float64, ``-inf`` on zero entries of
+    A, B or lam (never NaN).
     """
+
+    max_plate_nesting = 0
 
     def __init__(
         self,
@@ -360,6 +410,94 @@ class HMM:
         x = torch.multinomial(self.B[z.reshape(-1)], 1, generator=generator).reshape(N, T)
         return z, x
 
+    # ------------------------------------------------------------------ backward algorithm
+    def backward(self, x) -> torch.Tensor:
+        """Backward messages ``log beta_t(z) = log P(x_{t+1} .. x_{T-1} | Z_t = z)``: ``[(N,) T, |Omega|]``.
+
+        The right-to-left twin of the forward algorithm (3.1), in log space:
+        ``beta_{T-1} = 1``, ``beta_t(z) = sum_{z'} A[z, z'] B[z', x_{t+1}] beta_{t+1}(z')``, so
+        ``P(x) = sum_z lam[z] B[z, x_0] beta_0(z)``. ``-inf`` (never NaN) where the rest of x
+        cannot follow ``Z_t = z``. ``O(N T |Omega|^2)``.
+        """
+        xb, single = self._check_x(x)
+        N, T = xb.shape
+        out = torch.zeros(N, T, self.num_states, dtype=DTYPE)
+        log_B_T = self.log_B.T  # [K, S]
+        for t in range(T - 2, -1, -1):
+            nxt = log_B_T[xb[:, t + 1]] + out[:, t + 1]  # [N, S']: log B[z', x_{t+1}] + log beta_{t+1}(z')
+            out[:, t] = torch.logsumexp(self.log_A[None] + nxt[:, None, :], dim=-1)
+        return out[0] if single else out
+
+    # ------------------------------------------------------------------ the Pyro program (Def 2.2)
+    def _program_length(self, x, length: int | None) -> int:
+        """T from ``x [T]`` or ``length`` (checked; x must be one sequence)."""
+        if x is None:
+            if length is None:
+                raise ValueError("give the observations x, or length= to generate")
+            if int(length) < 0:
+                raise ValueError(f"length must be >= 0, got {length}")
+            return int(length)
+        xb, single = self._check_x(x)
+        if not single:
+            raise MalformedSequenceError(
+                f"the HMM program observes one sequence x [T], got shape {tuple(xb.shape)}; "
+                "batch sequences with an outer loop or use log_prob for exact batched answers")
+        T = xb.shape[1]
+        if length is not None and int(length) != T:
+            raise ValueError(f"length={length} but x has {T} observations")
+        return T
+
+    def __call__(self, x=None, length: int | None = None) -> dict:
+        """Run the HMM as one Pyro trace: ``hmm(x)`` observes ``x [T]``, ``hmm(length=T)`` generates.
+
+        Sites ``z_0 .. z_{T-1}`` and ``x_0 .. x_{T-1}`` (see the class docstring for shapes);
+        returns the final state ``{"z": Z_{T-1}}``.
+        """
+        return run_whole(self, x=x, length=length)
+
+    def init(self, state: dict, x=None, length: int | None = None) -> None:
+        """Check x / length and set ``max_steps = T`` (``1`` for T = 0: one empty step); samples nothing.
+
+        ``max_steps`` is per call (T depends on x), so read it after ``init``, as
+        :func:`~ppl_thought.program.run_whole` does.
+        """
+        self.max_steps = max(1, self._program_length(x, length))
+
+    def step(self, state: dict, t: int, x=None, length: int | None = None) -> torch.Tensor | None:
+        """Step t of Def 2.2: ``z_t ~ lam`` (t = 0) or ``A[z_{t-1}]``, then ``x_t ~ B[z_t]`` (observed if x given).
+
+        Returns all-True finished flags ``[n]`` at ``t = T - 1`` (immediately, sampling nothing,
+        when T = 0), else None.
+        """
+        T = len(x) if x is not None else int(length)
+        if t >= T:
+            return _all_done()
+        z = pyro.sample(f"z_{t}", dist.Categorical(logits=_prior_logits(self, state, t)))
+        state["z"] = z
+        emit = dist.Categorical(logits=self.log_B[z])
+        obs = None
+        if x is not None:
+            obs = torch.as_tensor(x[t]).to("cpu", torch.long).expand(emit.batch_shape)
+        pyro.sample(f"x_{t}", emit, obs=obs)
+        return _all_done() if t == T - 1 else None
+
+    def posterior_guide(self) -> HMMGuide:
+        """The exact posterior as a step-wise guide: ``z_t ~ P(z_t | z_{t-1}, x_0 .. x_{T-1})``.
+
+        By the backward algorithm, ``P(z_t | z_{t-1}, x) ∝ A[z_{t-1}, z_t] B[z_t, x_t] beta_t(z_t)``
+        (``lam`` instead of ``A[z_{t-1}]`` at t = 0), so every importance weight p(z, x) / q(z)
+        equals ``P(x)`` (the forward algorithm's (3.1)): the zero-variance proposal.
+        """
+        return HMMGuide(self, backward=True)
+
+    def filtering_guide(self) -> HMMGuide:
+        """The locally optimal SMC proposal ``z_t ~ P(z_t | z_{t-1}, x_t) ∝ A[z_{t-1}, z_t] B[z_t, x_t]``.
+
+        It looks at the current observation only (no backward messages); the incremental SMC
+        weight is then ``P(x_t | z_{t-1}) = sum_z A[z_{t-1}, z] B[z, x_t]``.
+        """
+        return HMMGuide(self, backward=False)
+
     # ------------------------------------------------------------------ Theorem 2.3
     def as_slow_thinking_parts(
         self,
@@ -430,3 +568,65 @@ class HMM:
         """
         names = self.observable_tokens if observable_tokens is None else list(observable_tokens)
         return torch.tensor([projection.vocab.id(a) for a in names], dtype=torch.long)
+
+
+class HMMGuide(Program):
+    """A step-wise guide for :class:`HMM` sampling exactly the sites ``z_0 .. z_{T-1}`` (no x sites).
+
+    ``backward=True``: ``q(z_t | z_{t-1}) = P(z_t | z_{t-1}, x)`` (:meth:`HMM.posterior_guide`);
+    ``backward=False``: ``q(z_t | z_{t-1}) = P(z_t | z_{t-1}, x_t)`` (:meth:`HMM.filtering_guide`).
+    Called as ``guide(x)`` with the model's arguments (x is required). Where no hidden state
+    can explain the observations from ``z_{t-1}`` on (the conditional is undefined: P(x) = 0 or
+    a path the posterior never reaches), it falls back to the prior row ``A[z_{t-1}]`` (``lam``),
+    so nothing is NaN and the model's weight is ``-inf`` there. Sites and shapes as the model's
+    ``z_t``; log-probs float64.
+    """
+
+    max_plate_nesting = 0
+
+    def __init__(self, hmm: HMM, backward: bool):
+        self.hmm = hmm
+        self.backward = bool(backward)
+        self._key: torch.Tensor | None = None
+        self._score: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"HMMGuide({self.hmm!r}, {'posterior' if self.backward else 'filtering'})"
+
+    def __call__(self, x=None, length: int | None = None) -> dict:
+        """Run the guide as one Pyro trace (sites ``z_0 .. z_{T-1}``); returns the final state."""
+        return run_whole(self, x=x, length=length)
+
+    def _scores(self, x) -> torch.Tensor:
+        """``log B[:, x_t] (+ log beta_t)`` for each t: ``[T, |Omega|]`` (cached for the current x)."""
+        if x is None:
+            raise ValueError(f"{self!r} proposes hidden states given the observations: call it with x")
+        xt = torch.as_tensor(x)
+        if self._key is not None and self._key.shape == xt.shape and torch.equal(self._key, xt.to("cpu")):
+            return self._score
+        T = self.hmm._program_length(x, None)
+        xb = self.hmm._check_x(x)[0][0]
+        score = self.hmm.log_B.T[xb] if T else torch.zeros(0, self.hmm.num_states, dtype=DTYPE)
+        if self.backward and T:
+            score = score + self.hmm.backward(xb)
+        self._key, self._score = xt.detach().to("cpu").clone(), score
+        return score
+
+    def init(self, state: dict, x=None, length: int | None = None) -> None:
+        """Compute the per-step scores for x (backward messages for the posterior) and set ``max_steps = T``."""
+        self.max_steps = max(1, self.hmm._program_length(x, length))
+        self._scores(x)
+
+    def step(self, state: dict, t: int, x=None, length: int | None = None) -> torch.Tensor | None:
+        """Sample ``z_t`` from the proposal given ``state["z"] = z_{t-1}``; all-True flags at t = T - 1."""
+        score = self._scores(x)
+        T = score.shape[0]
+        if t >= T:
+            return _all_done()
+        prior = _prior_logits(self.hmm, state, t)
+        logits = prior + score[t]
+        dead = torch.isneginf(logits).all(-1, keepdim=True)  # nothing explains x from here: use the prior
+        logits = torch.where(dead, prior, logits)
+        z = pyro.sample(f"z_{t}", dist.Categorical(logits=logits))
+        state["z"] = z
+        return _all_done() if t == T - 1 else None
