@@ -96,3 +96,42 @@ class ExactPosterior:
     def __call__(self, x):
         p = self.post(x)
         return pyro.sample("z", Enumerated(p.support, p.log_probs))
+
+
+# ------------------------------------------------------------------ priors under which thinking matters
+def thinking_prior(seed: int = 0, boost: float = 4.0, favour_a: float = 1.5) -> Tabular:
+    """An order-4 Tabular over VOCAB (3 tokens of context) under which a thought changes what comes next.
+
+    Random N(0, 1) logits, plus: after a thought ending in y in {a, b} and one observable o, the next token
+    is the observable y (``+boost``, thinking again ``-boost``); thoughts tend to start with ``aa``
+    (``+favour_a``). So the next observable after x depends on the thought before x's last token, and
+    decoding answers depend on how the prompt's latent Z0 is weighted (unlike under a bigram prior, where
+    P(. | [Z0]) is the same for every lifting Z0 of x).
+    """
+    g = torch.Generator().manual_seed(seed)
+    V = len(VOCAB)
+    a, b, think, end = VOCAB.id("a"), VOCAB.id("b"), VOCAB.think_id, VOCAB.end_think_id
+    logits = torch.randn((V,) * 4, generator=g)
+    for y in (a, b):
+        for o in (a, b, VOCAB.eos_id):
+            logits[y, end, o, y] += boost
+            logits[y, end, o, think] -= boost
+    logits[:, :, think, a] += favour_a
+    logits[:, think, a, a] += favour_a
+    return Tabular(4, V, logits, trainable=False)
+
+
+def thinking_model(seed: int = 0, c: int = 2) -> SlowThinking:
+    """PauseToThink(c) over VOCAB with :func:`thinking_prior`."""
+    return SlowThinking(thinking_prior(seed), PauseToThink(VOCAB, max_thought_len=c))
+
+
+def contrary_lm(seed: int = 1, favour_b: float = 1.5) -> Tabular:
+    """A random bigram that prefers ``b`` in thoughts: as a LiftingSampler for :func:`thinking_model` it
+    puts its mass on thoughts the posterior Q_* finds unlikely (but has the same support)."""
+    g = torch.Generator().manual_seed(seed)
+    V = len(VOCAB)
+    logits = torch.randn((V, V), generator=g)
+    logits[VOCAB.think_id, VOCAB.id("b")] += favour_b
+    logits[VOCAB.id("b"), VOCAB.id("b")] += favour_b
+    return Tabular(2, V, logits, trainable=False)
