@@ -149,10 +149,22 @@ def user_exact_log_prob(model, x) -> float:
 # ---------------------------------------------------------------------------------------------- the matrix
 SLOW_GUIDES = ["identity", "predictive", "causal", "explanatory", "posterior", "inquisitive", "bootstrap"]
 CELLS = [(m, g) for m in ("pause", "sparse", "query_response") for g in SLOW_GUIDES] + \
+        [("hmm", g) for g in ("posterior", "filtering", "bootstrap")] + \
         [("user", "user_guide"), ("user", "bootstrap")]
 
 
+def hmm():
+    """A 3-state HMM over 2 observations (Def 2.2) with a zero transition; exact p(x) by the forward algorithm."""
+    A_ = torch.tensor([[0.7, 0.3, 0.0], [0.1, 0.6, 0.3], [0.4, 0.2, 0.4]])
+    B_ = torch.tensor([[0.9, 0.1], [0.3, 0.7], [0.5, 0.5]])
+    return pt.models.HMM(A_, B_, torch.tensor([0.5, 0.3, 0.2])), torch.tensor([0, 1, 1, 0, 1])
+
+
 def build(model_kind: str, guide_kind: str):
+    if model_kind == "hmm":
+        model, x = hmm()
+        guide = {"posterior": model.posterior_guide(), "filtering": model.filtering_guide()}.get(guide_kind)
+        return model, guide, x, float(model.log_prob(x))
     if model_kind == "user":
         model, x = user_program()
         guide = PlanThinkGuide(tab(8, order=2, scale=0.4), None) if guide_kind == "user_guide" else None
@@ -193,11 +205,13 @@ def check_unbiased(log_z: torch.Tensor, exact: float, ses: torch.Tensor, what: s
 @pytest.mark.parametrize(("model_kind", "guide_kind"), CELLS, ids=[f"{m}-{g}" for m, g in CELLS])
 def test_matrix(request, model_kind, guide_kind, engine):
     model, guide, x, exact = build(model_kind, guide_kind)
-    n = 1024 if guide is None else 64  # the bootstrap proposes from the prior: most particles miss x
+    n = 1024 if guide is None and model_kind != "hmm" else 64  # a bootstrap from the prior mostly misses x
     log_z, ses = estimates(engine, model, guide, x, seeds(request), n=n)
     assert torch.isfinite(log_z).all()
     check_unbiased(log_z, exact, ses, f"{model_kind} x {guide_kind} x {engine}")
-    if guide_kind in ("posterior",):  # the zero-variance proposal: Z-hat = Z exactly
+    if guide_kind == "posterior" and (model_kind != "hmm" or engine == "Importance"):
+        # the zero-variance proposal: Z-hat = Z exactly (the HMM's step-wise posterior guide is exact
+        # only for whole traces: its per-step weights beta_{t-1} / beta_t vary until the last step)
         assert torch.allclose(log_z, torch.full_like(log_z, exact), atol=1e-4)
 
 

@@ -13,7 +13,8 @@ f(x_{<=i}), and passing the returned cache back continues the same rows at posit
 Ragged rows (``valid`` bool ``[B, T]``): a token with ``valid=False`` is a placeholder. No later query
 attends to it, it does not advance its row's RoPE position, and its own logits are unspecified, so
 each row computes exactly what it would on its valid tokens alone (SMC particles waiting at a segment
-boundary, ``inference/_stepper.py``). The cache then keeps a per-row key-validity mask and per-row
+boundary, :class:`~ppl_thought.distributions.lm_state.LMState`). The cache then keeps a per-row
+key-validity mask and per-row
 positions; attention uses an explicit boolean mask. Not supported with a sliding window.
 
 Sliding window (``window=k``): position i attends to positions i-k+1 .. i in every layer, so the
