@@ -344,6 +344,24 @@ def test_program_view_explanatory_guide():
                       vocab=v).log_prob(gtr.nodes["thought"]["value"])
     assert torch.allclose(gtr.nodes["thought"]["log_prob"], want, atol=1e-5)
 
+    # pyro.infer.Predictive with the explanatory guide: thoughts from the guide, the answer it explains
+    out = pyro.infer.Predictive(cot, guide=guide, num_samples=3)(q, answer=answer)
+    assert out["thought"].shape == (3, 32, 4) and (out["answer"] == answer).all()
+    with pytest.raises(ValueError, match="observed answer"):
+        pyro.infer.Predictive(cot, guide=guide, num_samples=2)(q)
+
+
+def test_predictive_works_with_every_guide_family():
+    """pyro.infer.Predictive(model, guide=...) draws z from every library guide and x = Proj(z) from the model."""
+    proj, x = cases()["pause"]
+    model = model_for(proj)
+    lm = tab(len(proj.vocab), 31, order=3)
+    for guide in (Identity(model), Predictive(lm, proj), Causal(lm, proj), Explanatory(lm, proj), Posterior(model),
+                  Inquisitive(model)):
+        out = pyro.infer.Predictive(model, guide=guide, num_samples=4)(x)
+        assert (out["x"] == model.x_ids(x)).all(), type(guide).__name__
+        assert torch.isfinite(guide.log_prob(out["z"], x)).all(), type(guide).__name__
+
 
 def test_chi2_kl_diagnostics():
     p = torch.tensor([0.5, 0.3, 0.2]).log()

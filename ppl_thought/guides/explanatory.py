@@ -255,9 +255,13 @@ def explanatory_guide(
         return torch.as_tensor(t, dtype=torch.long)
 
     def guide(*args, **kwargs):
-        ans = _ids(_arg(args, kwargs, observed))
-        if ans is None:
-            raise ValueError("explanatory_guide: the observed answer is None; an explanatory guide reads it")
+        raw = _arg(args, kwargs, observed)
+        if raw is None:
+            raise ValueError(
+                f"explanatory_guide: the observed answer (argument {observed!r}) is None, but an explanatory guide "
+                "reads it (Def 3.9). Pass it, e.g. pyro.infer.Predictive(model, guide=guide, ...)(question, answer); "
+                "to generate answers use Predictive(model) without this guide")
+        ans = _ids(raw)
         parts = [ans, torch.tensor([EXPLAIN_ID] + tag, dtype=torch.long)]
         if context is not None:
             parts.append(_ids(_arg(args, kwargs, context)))
