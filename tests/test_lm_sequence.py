@@ -9,7 +9,7 @@ import pyro.distributions as pdist
 import pytest
 import torch
 
-from ppl_thought.distributions import LMSequence, concat
+from ppl_thought.distributions import LMSequence, LMState, concat, register_lm
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.tabular import Tabular
 from ppl_thought.projections.automaton import AutomatonBuilder
@@ -212,3 +212,45 @@ def test_unbatched_value_broadcasts_over_batched_prompts():
     assert lp.shape == (2,)
     for i, p in enumerate([[A, B], [B]]):
         assert torch.allclose(LMSequence(lm, prompt=p, stop="c", max_len=2, vocab=VOCAB).log_prob(z), lp[i])
+
+
+# ---------------------------------------------------------------------------------------------- registration
+def test_an_lm_in_a_user_program_is_trained_by_svi_without_pyro_module():
+    pyro.clear_param_store()
+    lm, aut = bigram(11), small_language()
+    before = lm.logits.detach().clone()
+    target = torch.tensor([A, B, B, A])  # a rare word of the language
+
+    def model():
+        pyro.sample("z", LMSequence(lm, constraint=aut), obs=target)
+
+    def guide():
+        pass
+
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.1}), pyro.infer.Trace_ELBO())
+    losses = [svi.step() for _ in range(30)]
+    assert not torch.equal(lm.logits.detach(), before)
+    assert losses[-1] < losses[0] - 1.0
+    # every call reads the parameters again (param sites), not only the first one
+    tr = pyro.poutine.trace(model).get_trace()
+    assert "lm_Tabular$$$logits" in tr.nodes and tr.nodes["lm_Tabular$$$logits"]["type"] == "param"
+    pyro.clear_param_store()
+
+
+def test_registration_names():
+    pyro.clear_param_store()
+    lm1, lm2, aut = bigram(12), bigram(13), small_language()
+    assert LMSequence(lm1, constraint=aut).lm_name == "lm_Tabular"
+    assert LMSequence(lm2, constraint=aut).lm_name == "lm_Tabular_1"  # a different LM: another name
+    assert LMSequence(lm1, constraint=aut).lm_name == "lm_Tabular"  # the same LM: the same name
+    assert register_lm(lm2) == "lm_Tabular_1"
+    assert sorted(pyro.get_param_store().keys()) == ["lm_Tabular$$$logits", "lm_Tabular_1$$$logits"]
+    frozen = Tabular(2, V, torch.zeros(V, V), trainable=False)
+    assert LMSequence(frozen, constraint=aut).lm_name is None and register_lm(frozen) is None
+    lm3 = bigram(14)
+    pyro.module("prior", lm3)  # the user's own registration is kept
+    assert LMSequence(lm3, constraint=aut).lm_name == "prior"
+    assert LMSequence(bigram(15), constraint=aut, name="q").lm_name == "q"
+    assert LMState.start(bigram(16), 2, max_len=2, name="q2") is not None
+    assert len(pyro.get_param_store().keys()) == 5 and "q2$$$logits" in pyro.get_param_store().keys()
+    pyro.clear_param_store()

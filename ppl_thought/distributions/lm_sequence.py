@@ -1,21 +1,27 @@
 """Pyro distributions over token sequences given an autoregressive LM (ARCHITECTURE.md, "Sequence sites").
 
 :class:`LMSequence` is the site every slow-thinking program is made of. It draws a batch of
-sequences in one KV-cached decoding loop (particles are the batch) with the automaton mask
-applied to the logits before the softmax (Def 2.8), and scores sequences with one
+sequences through the one decoding loop, :class:`~ppl_thought.distributions.lm_state.LMState`
+(``LMSequence.start(n).segment()``: one KV-cached lockstep loop, particles are the batch), with the
+automaton mask applied to the logits before the softmax (Def 2.8), and scores sequences with one
 teacher-forced pass: log P(z) = sum_i log softmax(f~(z_<i))_{z_i}, the prefix probability
 P^{<=|z|}(z) of (2.13)/(2.22) under the masked parametrization.
+
+A trainable LM is registered with Pyro when the distribution is built (:func:`register_lm`), so that
+SVI trains it without a ``pyro.module`` call in the user's program.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+import pyro
 import torch
 from pyro.distributions import TorchDistribution
+from pyro.params.param_store import module_from_param_with_module_name, param_with_module_name
 from torch.distributions import constraints
 
+from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import match_rows
 from ppl_thought.projections.automaton import Automaton
@@ -62,33 +68,48 @@ def concat(*parts: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
     return trim_padding(torch.gather(cat, -1, order), pad_id)
 
 
-@dataclass
-class DecodeState:
-    """Where a batch of partial sequences stands (the segment protocol: init / extend / reorder).
+def register_lm(lm: torch.nn.Module, name: str | None = None) -> str | None:
+    """Register a trainable LM with Pyro's param store, as ``pyro.module(name, lm)`` would; return its name.
 
-    ``tokens`` ``[n, t]`` right-padded; ``lengths`` ``[n]``; ``auto`` automaton states ``[n]``;
-    ``done`` rows that reached a stop token, a final state or ``max_len``; ``log_prob`` the
-    masked log-probability of each row so far; ``logits`` the next-token logits; ``cache``
-    the LM cache (``None`` on the slow ragged-prompt path).
+    What a user program would write before using ``lm`` in a model or guide: inside a Pyro call the
+    parameters become ``param`` sites of the trace, so that SVI trains them. Parameters already in the
+    param store (found by identity, e.g. registered by a ``pyro.module`` of the user's, of the LM or of a
+    module holding it) are used under the names they have there, so the same LM is never registered
+    twice. Otherwise the LM is registered as ``name``, by default ``f"lm_{type(lm).__name__}"`` with a
+    suffix ``_1``, ``_2``, ... when a different module holds that name. An LM without parameters that
+    require gradients (frozen) is not registered: ``None``.
     """
+    params = dict(lm.named_parameters()) if isinstance(lm, torch.nn.Module) else {}
+    trainable = {k: p for k, p in params.items() if p.requires_grad}
+    if not trainable:
+        return None
+    store = pyro.get_param_store()
+    mine = {id(p): k for k, p in trainable.items()}
+    known: dict[str, str] = {}  # LM parameter name -> its name in the store
+    for key, value in store._params.items():
+        if id(value) in mine:
+            known.setdefault(mine[id(value)], key)
+    if len(known) == len(trainable):  # registered already: read them again, under their names
+        for k, p in trainable.items():
+            pyro.param(known[k], p)
+        return module_from_param_with_module_name(next(iter(known.values())))
+    if name is None:
+        base, i = f"lm_{type(lm).__name__}", 0
+        name = base
+        while _held_by_another(store, name, mine):
+            i += 1
+            name = f"{base}_{i}"
+    if not known:
+        pyro.module(name, lm)
+        return name
+    for k, p in trainable.items():  # some registered (a shared part): the rest under ``name``
+        pyro.param(known.get(k, param_with_module_name(name, k)), p)
+    return name
 
-    tokens: torch.Tensor
-    lengths: torch.Tensor
-    auto: torch.Tensor
-    done: torch.Tensor
-    log_prob: torch.Tensor
-    logits: torch.Tensor
-    cache: object
-    context: torch.Tensor | None = None  # full inputs, ragged path only
 
-    def reorder(self, index: torch.Tensor) -> DecodeState:
-        """Gather rows (resampling): every per-row tensor and the KV cache by ``index``."""
-        return DecodeState(
-            self.tokens[index], self.lengths[index], self.auto[index], self.done[index],
-            self.log_prob[index], self.logits[index],
-            self.cache.reorder(index) if self.cache is not None else None,
-            self.context[index] if self.context is not None else None,
-        )
+def _held_by_another(store, name: str, mine: dict) -> bool:
+    prefix = param_with_module_name(name, "")
+    return any(key.startswith(prefix) and id(value) not in mine for key, value in store._params.items())
 
 
 class LMSequence(TorchDistribution):
@@ -106,11 +127,18 @@ class LMSequence(TorchDistribution):
             complete outcome (its probability is that of the prefix).
         vocab: needed for text prompts and stop strings.
         lm_kwargs: extra keyword arguments of ``lm.forward`` (e.g. ``latents`` for cross-attention).
+        name: the name a trainable ``lm`` is registered under with ``pyro.module`` (:func:`register_lm`;
+            by default the name its parameters have in the param store, else one derived from its type).
+            Frozen LMs are not registered.
 
     ``<pad>`` and ``<bos>`` are never generated. Values are LongTensors ``[*batch, max_len]``.
     ``log_prob`` is ``-inf`` (never NaN) for sequences outside the constraint, incomplete
     sequences and sequences continuing past their end; malformed input (ids outside the
     vocabulary, padding in the middle, too long) raises an error naming the problem.
+
+    Sampling runs the one decoding loop: :meth:`start` gives the :class:`LMState` of ``n`` rows and its
+    segment that ends with the sequence is sampled. Rows are laid out ``sample_shape + batch_shape``
+    (flattened); a batched prompt is expanded to ``batch_shape`` and repeated over the sample shape.
     """
 
     arg_constraints: dict = {}
@@ -128,6 +156,8 @@ class LMSequence(TorchDistribution):
         batch_shape: torch.Size | tuple = (),
         lm_kwargs: dict | None = None,
         validate_args: bool | None = None,
+        *,
+        name: str | None = None,
     ):
         self.lm = lm
         self.vocab = vocab
@@ -155,7 +185,8 @@ class LMSequence(TorchDistribution):
             batch_shape = torch.broadcast_shapes(batch_shape, self.prompt.shape[:-1])
         super().__init__(batch_shape, torch.Size([self.max_len]), validate_args=validate_args)
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._allowed: dict[str, torch.Tensor] = {}  # device -> admissible-token table
+        self.rule = TokenRule(constraint, self.vocab_size)  # the masked softmax of Def 2.8
+        self.lm_name = register_lm(lm, name)
 
     # ------------------------------------------------------------------ set-up helpers
     def _stop_ids(self, stop) -> torch.Tensor:
@@ -197,20 +228,7 @@ class LMSequence(TorchDistribution):
 
         One gather from a cached ``[S + 1, V]`` table (the last row is the dead state).
         """
-        key = str(auto.device)
-        table = self._allowed.get(key)
-        if table is None:
-            if self.constraint is None:
-                table = torch.ones(1, self.vocab_size, dtype=torch.bool, device=auto.device)
-            else:
-                table = self.constraint.torch_table(auto.device) >= 0
-            table = table.clone()
-            table[:, PAD_ID] = False
-            table[:, BOS_ID] = False
-            self._allowed[key] = table
-        if self.constraint is None:
-            return table.expand(auto.shape[0], -1)
-        return table[auto]
+        return self.rule.allowed(auto)
 
     def _ends(self, tok: torch.Tensor, auto: torch.Tensor) -> torch.Tensor:
         if len(self.stop_ids):
@@ -221,146 +239,43 @@ class LMSequence(TorchDistribution):
             ends = ends | self.constraint.is_final(auto)
         return ends
 
-    # ------------------------------------------------------------------ segment protocol
-    def _rows_prompt(self, n: int, device) -> torch.Tensor:
-        """Per-row prompts ``[n, P]`` right-padded (for batched prompts)."""
-        p = self.prompt.to(device)
-        return p.reshape(-1, p.shape[-1]).repeat_interleave(n // max(1, p.reshape(-1, p.shape[-1]).shape[0]), 0)
-
-    def init(self, n: int) -> DecodeState:
-        """Encode ``<bos> + prompt`` once and share it among ``n`` rows (``cache.expand``)."""
-        device = self._device()
-        auto0 = (
-            self.constraint.start_states(n, device) if self.constraint is not None
-            else torch.zeros(n, dtype=torch.long, device=device)
-        )
-        empty = torch.zeros(n, 0, dtype=torch.long, device=device)
-        zeros = torch.zeros(n, dtype=torch.long, device=device)
-        done = torch.zeros(n, dtype=torch.bool, device=device)
-        if self.constraint is not None:
-            done = self.constraint.is_final(auto0)
-        if self.max_len == 0:
-            done = torch.ones_like(done)
-        lp = torch.zeros(n, device=device)
-        if self.prompt.ndim <= 1:
-            ctx = torch.cat([torch.tensor([BOS_ID], device=device), self.prompt.to(device)])[None]
-            logits, cache = self.lm(ctx, **self.lm_kwargs_for(1))
-            return DecodeState(empty, zeros, auto0, done, lp, logits[:, -1].expand(n, -1), cache.expand(n))
-        # ragged prompts: rows may have prompts of different lengths; recompute without a cache
-        rows = self._rows_prompt(n, device)
-        if rows.shape[0] != n:
+    # ------------------------------------------------------------------ the decoding loop
+    def _prompt_rows(self, batch: torch.Size, n: int) -> torch.Tensor:
+        """Per-row prompts ``[n, P]`` right-padded: the batched prompt expanded to ``batch`` and repeated
+        over the leading (sample) rows; row ``i`` of the ``n`` has prompt ``i % batch.numel()``."""
+        p = self.prompt.to(self._device())
+        rows = p.expand(batch + p.shape[-1:]).reshape(-1, p.shape[-1])
+        if rows.shape[0] == 0 or n % rows.shape[0]:
             raise MalformedSequenceError(f"{rows.shape[0]} prompts for {n} rows")
-        ctx = concat(torch.full((n, 1), BOS_ID, device=device), rows)
-        plen = (ctx != PAD_ID).sum(-1)
-        if (plen == plen[0]).all():
-            logits, cache = self.lm(ctx, **self.lm_kwargs_for(n))
-            return DecodeState(empty, zeros, auto0, done, lp, logits[:, -1], cache)
-        logits, _ = self.lm(ctx, **self.lm_kwargs_for(n))
-        last = logits[torch.arange(n, device=device), plen - 1]
-        return DecodeState(empty, zeros, auto0, done, lp, last, None, ctx)
+        return rows.repeat(n // rows.shape[0], 1)
+
+    def start(self, n: int | None = None) -> LMState:
+        """The :class:`LMState` of ``n`` rows (default: the batch) at the start of the sequence: ``<bos> +
+        prompt`` encoded (a shared prompt once, its cache expanded), under this distribution's constraint,
+        stop tokens, ``max_len`` and ``lm_kwargs``. ``start(n).segment()`` is this distribution, sampled."""
+        n = self.batch_shape.numel() if n is None else int(n)
+        prompt = self._prompt_rows(self.batch_shape, n) if self.prompt.ndim > 1 else self.prompt
+        return LMState._encode(self.lm, n, prompt, self.rule, self.max_len, self.stop_ids, self.lm_kwargs,
+                               self._device())
 
     def lm_kwargs_for(self, n: int) -> dict:
         """LM keyword arguments with batched tensors (e.g. latents) matched to ``n`` rows."""
         return match_rows(self.lm_kwargs, n)
 
-    def extend(self, state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> DecodeState:
-        """Append one token per row (``tokens [n]``; ignored for finished rows), scoring it.
-
-        The step log-probability log softmax(f~)_{token} of Def 2.8 is added to ``log_prob``;
-        tokens outside the mask give ``-inf``. ``mask`` is ``self._mask(state.auto)`` if the caller
-        has it already. When every row is finished after this token, the LM is not run again.
-        """
-        n = tokens.shape[0]
-        active = ~state.done
-        mask = self._mask(state.auto) if mask is None else mask
-        masked = state.logits.masked_fill(~mask, float("-inf"))
-        lse = torch.logsumexp(masked, -1)
-        tok_logit = masked.gather(-1, tokens[:, None]).squeeze(-1)
-        step_lp = torch.where(torch.isneginf(tok_logit), torch.full_like(lse, float("-inf")), tok_logit - lse)
-        tok = torch.where(active, tokens, torch.full_like(tokens, PAD_ID))
-        new_auto = state.auto
-        if self.constraint is not None:
-            new_auto = torch.where(active, self.constraint.step(state.auto, tok), state.auto)
-        lp = state.log_prob + torch.where(active, step_lp, torch.zeros_like(step_lp))
-        lengths = state.lengths + active.long()
-        toks = torch.cat([state.tokens, tok[:, None]], dim=1)
-        done = state.done | (active & self._ends(tok, new_auto)) | (lengths >= self.max_len)
-        if bool(done.all()):  # nothing will read the next logits
-            return DecodeState(toks, lengths, new_auto, done, lp, state.logits, state.cache, state.context)
-        if state.cache is not None:
-            feed = torch.where(active, tok, torch.full_like(tok, BOS_ID))  # finished rows feed a dummy
-            nxt, cache = self.lm(feed[:, None], cache=state.cache, **self.lm_kwargs_for(n))
-            return DecodeState(toks, lengths, new_auto, done, lp, nxt[:, -1], cache)
-        ctx = concat(state.context, tok[:, None])
-        full, _ = self.lm(ctx, **self.lm_kwargs_for(n))
-        plen = (ctx != PAD_ID).sum(-1)
-        nxt = full[torch.arange(n, device=ctx.device), plen - 1]
-        return DecodeState(toks, lengths, new_auto, done, lp, nxt, None, ctx)
-
-    def reorder(self, state: DecodeState, index: torch.Tensor) -> DecodeState:
-        return state.reorder(index)
-
-    def draw(self, state: DecodeState, generator: torch.Generator | None = None,
-             mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Sample one next token per row from the masked softmax (Def 2.8)."""
-        mask = self._mask(state.auto) if mask is None else mask
-        masked = state.logits.float().masked_fill(~mask, float("-inf"))
-        dead = torch.isneginf(masked).all(-1) & ~state.done
-        if dead.any():
-            raise ValueError(
-                f"{int(dead.sum())} rows have no admissible token of positive probability: the LM gives "
-                "probability 0 to every token the constraint allows"
-            )
-        masked = torch.where(state.done[:, None], torch.zeros_like(masked), masked)
-        probs = torch.softmax(masked, -1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-    def decode(self, n: int, state: DecodeState | None = None,
-               generator: torch.Generator | None = None) -> DecodeState:
-        """Sample tokens for every unfinished row until each ends (stop token, final state, max_len).
-
-        Finished rows are written out and dropped from the batch (their KV cache rows too) once
-        a quarter of the batch has finished, so late steps only pay for live rows. The returned
-        state has every row finished and no cache.
-        """
-        state = self.init(n) if state is None else state
-        n = state.done.shape[0]
-        device = state.done.device
-        rows = torch.arange(n, device=device)
-        out_tok = torch.full((n, self.max_len), PAD_ID, dtype=torch.long, device=device)
-        out_len = torch.zeros(n, dtype=torch.long, device=device)
-        out_auto = state.auto.clone()
-        out_lp = torch.zeros(n, dtype=state.log_prob.dtype, device=device)
-
-        def flush(st: DecodeState, which: torch.Tensor) -> None:
-            idx = rows[which]
-            out_tok[idx, : st.tokens.shape[1]] = st.tokens[which]
-            out_len[idx], out_auto[idx], out_lp[idx] = st.lengths[which], st.auto[which], st.log_prob[which]
-
-        with torch.no_grad():
-            while not bool(state.done.all()):
-                if state.cache is not None and float(state.done.float().mean()) > 0.25:
-                    flush(state, state.done)
-                    keep = (~state.done).nonzero().squeeze(-1)
-                    state, rows = state.reorder(keep), rows[keep]
-                mask = self._mask(state.auto)
-                state = self.extend(state, self.draw(state, generator, mask), mask)
-            flush(state, torch.ones_like(state.done))
-        return DecodeState(out_tok[:, : int(out_len.max()) if n else 0], out_len, out_auto,
-                           torch.ones(n, dtype=torch.bool, device=device), out_lp, state.logits[:0], None)
-
     # ------------------------------------------------------------------ Distribution API
     def sample_with_log_prob(self, sample_shape=(), generator: torch.Generator | None = None):
-        """Draw sequences and their log-probabilities in one batched decoding loop."""
+        """Draw sequences and their log-probabilities in one batched decoding loop: the segment of
+        :meth:`start` that ends with the sequence (stop token, final state or ``max_len``), right-padded
+        to ``max_len``."""
         shape = torch.Size(sample_shape) + self.batch_shape
-        n = int(torch.Size(shape).numel())
-        with torch.no_grad():
-            state = self.decode(n, generator=generator)
-        z = torch.full((n, self.max_len), PAD_ID, dtype=torch.long, device=state.tokens.device)
-        z[:, : state.tokens.shape[1]] = state.tokens
-        z = z.reshape(shape + (self.max_len,))
-        lp = state.log_prob.reshape(shape)
-        return z, lp
+        n = shape.numel()
+        device = self._device()
+        z = torch.full((n, self.max_len), PAD_ID, dtype=torch.long, device=device)
+        lp = torch.zeros(n, device=device)
+        if n:
+            value, lp = self.start(n).segment().sample_with_log_prob(generator)
+            z[:, : value.shape[1]] = value
+        return z.reshape(shape + (self.max_len,)), lp.reshape(shape)
 
     def sample(self, sample_shape=()) -> torch.Tensor:
         z, lp = self.sample_with_log_prob(sample_shape)
@@ -387,7 +302,7 @@ class LMSequence(TorchDistribution):
             logits, _ = self.lm(inputs, **self.lm_kwargs_for(n))
             logits = logits[:, ctx.shape[0] - 1 :]
         else:
-            rows = self._rows_prompt(n, device)
+            rows = self._prompt_rows(batch, n)
             ctx = concat(torch.full((n, 1), BOS_ID, device=device), rows)
             plen = (ctx != PAD_ID).sum(-1)
             inputs = concat(ctx, flat[:, :-1])

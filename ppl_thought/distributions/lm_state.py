@@ -106,7 +106,8 @@ class LMState:
     change it in place (and return it).
 
     Build one with :meth:`LMSequence.start` (``LMSequence(lm, prompt, constraint, ...).start(n)``) or
-    :meth:`LMState.start`.
+    :meth:`LMState.start`. The next-token logits and the LM cache of a row that has ended (``done``) are
+    unspecified: nothing reads them again.
     """
 
     def __init__(self, lm, rule: TokenRule, max_len: int, stop_ids: torch.Tensor, lm_kwargs: dict | None,
@@ -114,7 +115,7 @@ class LMState:
         self.lm = lm
         self.rule = rule
         self.max_len = int(max_len)
-        self.stop_ids = stop_ids
+        self.stop_ids = stop_ids.to(logits.device)
         self.lm_kwargs = dict(lm_kwargs or {})
         self.logits = logits  # [n, V]: next-token logits
         self.cache = cache  # LM cache (valid mode) or None (recompute mode: ``context`` holds the inputs)
@@ -126,14 +127,28 @@ class LMState:
         self.lengths = torch.zeros(n, dtype=torch.long, device=dev)
         self.log_prob = torch.zeros(n, device=dev)
         self.done = rule.is_final(rule_state) | (self.max_len == 0)
-        self._pending: Segment | None = None
+        self._version = 0  # bumped by every change: segments made before a change are stale
+        self._segments: list[Segment] = []  # segments of the current version, newest last
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def start(cls, lm, n: int, prompt: torch.Tensor | None = None, rule: TokenRule | None = None,
               max_len: int = 1 << 30, stop_ids: torch.Tensor | None = None, lm_kwargs: dict | None = None,
-              device=None) -> LMState:
-        """Encode ``<bos> + prompt`` (1-D, shared: encoded once and expanded; or ``[n, P]`` right-padded)."""
+              device=None, name: str | None = None) -> LMState:
+        """Encode ``<bos> + prompt`` (1-D, shared: encoded once and expanded; or ``[n, P]`` right-padded;
+        ``[r, P]`` with r dividing n gives each prompt to n / r consecutive rows).
+
+        A trainable ``lm`` is registered with ``pyro.module`` (:func:`~ppl_thought.distributions.register_lm`;
+        ``name`` or a name derived from its type) unless its parameters are in the param store already
+        under another name, which is then used.
+        """
+        from ppl_thought.distributions.lm_sequence import register_lm  # lm_sequence imports this module
+
+        register_lm(lm, name)
+        return cls._encode(lm, n, prompt, rule, max_len, stop_ids, lm_kwargs, device)
+
+    @classmethod
+    def _encode(cls, lm, n: int, prompt, rule, max_len, stop_ids, lm_kwargs, device) -> LMState:
         device = device if device is not None else _device(lm)
         rule = rule if rule is not None else TokenRule(None, lm.vocab_size)
         stop_ids = stop_ids if stop_ids is not None else torch.zeros(0, dtype=torch.long)
@@ -171,35 +186,45 @@ class LMState:
     def device(self) -> torch.device:
         return self.logits.device
 
+    @property
+    def mode(self) -> str:
+        """``"valid"`` (KV cache, ragged rows through ``valid`` masks) or ``"recompute"`` (contexts rerun)."""
+        return "valid" if self.context is None else "recompute"
+
     def __repr__(self) -> str:
-        return (f"LMState(n={self.n}, lm={type(self.lm).__name__}, max_len={self.max_len}, "
-                f"mode={'valid' if self.context is None else 'recompute'})")
+        return f"LMState(n={self.n}, lm={type(self.lm).__name__}, max_len={self.max_len}, mode={self.mode})"
 
     # ------------------------------------------------------------------ distributions over what comes next
     def segment(self, until_emitted: int | torch.Tensor | None = None, stop=None, max_tokens: int | None = None,
                 name_hint: str = "") -> Segment:
         """The next segment of every row: tokens until (first of) the constraint has emitted
-        ``until_emitted`` observables, a stop token (``stop`` ids, or the state's own stop ids), a final
-        state of the constraint, ``max_tokens`` tokens, or ``max_len``. Rows already ended give an empty
-        segment (log-probability 0)."""
+        ``until_emitted`` observables, a stop token (``stop`` ids, or else the state's own stop ids), a
+        final state of the constraint, ``max_tokens`` tokens, or ``max_len``. The state's own stop ids
+        always end the sequence, hence the segment. Rows already ended give an empty segment
+        (log-probability 0)."""
         seg = Segment(self, until_emitted, stop, max_tokens)
-        self._pending = seg
+        self._segments.append(seg)
         return seg
 
     def next_token(self) -> Segment:
         """The next token of every row (event shape ``()``; ``<pad>`` for ended rows)."""
         seg = Segment(self, None, None, 1, scalar=True)
-        self._pending = seg
+        self._segments.append(seg)
         return seg
 
     # ------------------------------------------------------------------ changing the state
     def extend(self, value: torch.Tensor) -> LMState:
-        """Append a segment ``[n, S]`` (or one token ``[n]``) to every row, in place; returns self."""
-        seg = self._pending
-        if seg is None or seg.base_version is not self._version_key():
-            seg = Segment(self, None, None, None)
-        post = seg._advance(value)
-        self._adopt(post)
+        """Append a segment ``[n, S]`` (or one token ``[n]``) to every row, in place; returns self.
+
+        The value is scored under the segment of this state that sampled or scored it (by identity),
+        else under the newest segment made since the last change; without one, under an open segment
+        (no end required, tokens after the end of a sequence score -inf). The forward pass that
+        segment already ran is reused.
+        """
+        seg = next((s for s in reversed(self._segments) if s._knows(value)), None)
+        if seg is None:
+            seg = self._segments[-1] if self._segments else Segment(self, open_end=True)
+        self._adopt(seg._advance(value))
         return self
 
     def reorder(self, index: torch.Tensor) -> LMState:
@@ -210,41 +235,45 @@ class LMState:
         self.context = self.context[index] if self.context is not None else None
         self.s, self.tokens, self.lengths = self.s[index], self.tokens[index], self.lengths[index]
         self.log_prob, self.done = self.log_prob[index], self.done[index]
-        self._pending = None
+        self._changed()
         return self
 
-    def _version_key(self):
-        return self.cache if self.cache is not None else self.context
+    def _changed(self) -> None:
+        self._version += 1
+        self._segments = []
 
     def _adopt(self, post: dict) -> None:
-        for k, v in post.items():
-            if not k.startswith("_"):
-                setattr(self, k, v)
-        self._pending = None
+        for k in _STATE_KEYS:
+            setattr(self, k, post[k])
+        self._changed()
 
     def snapshot(self) -> dict:
-        return {k: getattr(self, k) for k in ("logits", "cache", "context", "s", "tokens", "lengths", "log_prob",
-                                              "done")}
+        return {k: getattr(self, k) for k in _STATE_KEYS}
 
     # ------------------------------------------------------------------ feeding the LM
-    def _feed(self, snap: dict, toks: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, object, object]:
-        """Feed ``toks [n, S]`` (only where ``valid``); return (logits after each position [n, S, V], cache,
-        context)."""
+    def _feed(self, cache, context, toks: torch.Tensor, valid: torch.Tensor | None, kw: dict | None = None):
+        """Feed ``toks [n, S]`` (only where ``valid``; ``None``: everywhere) after ``cache`` (valid mode) or
+        ``context`` (recompute mode); return (logits after each position [n, S, V], cache, context)."""
         n, S = toks.shape
-        kw = match_rows(self.lm_kwargs, n)
-        if snap["context"] is None:
-            feed = torch.where(valid, toks, torch.full_like(toks, BOS_ID))
-            if bool(valid.all()):
-                logits, cache = self.lm(feed, cache=snap["cache"], **kw)
+        kw = match_rows(self.lm_kwargs, n) if kw is None else kw
+        if context is None:
+            if valid is None:
+                logits, cache = self.lm(toks, cache=cache, **kw)
             else:
-                logits, cache = self.lm(feed, cache=snap["cache"], valid=valid, **kw)
+                feed = torch.where(valid, toks, torch.full_like(toks, BOS_ID))
+                logits, cache = self.lm(feed, cache=cache, valid=valid, **kw)
             return logits, cache, None
-        ctx = _left_pack(torch.cat([snap["context"], torch.where(valid, toks, torch.zeros_like(toks))], 1))
-        plen0 = (snap["context"] != PAD_ID).sum(-1)
+        if valid is None:
+            valid = torch.ones_like(toks, dtype=torch.bool)
+        ctx = _left_pack(torch.cat([context, torch.where(valid, toks, torch.zeros_like(toks))], 1))
+        plen0 = (context != PAD_ID).sum(-1)
         full, _ = self.lm(ctx, **kw)
         pos = (plen0 - 1)[:, None] + torch.cumsum(valid.long(), 1)
         logits = full.gather(1, pos.clamp(min=0)[..., None].expand(n, S, full.shape[-1]))
         return logits, None, ctx
+
+
+_STATE_KEYS = ("logits", "cache", "context", "s", "tokens", "lengths", "log_prob", "done")
 
 
 class Segment(TorchDistribution):
@@ -253,7 +282,9 @@ class Segment(TorchDistribution):
     Values are ``[n, S]`` right-padded token arrays (``[n]`` for ``next_token``); the width S is that
     of the value (segments are ragged: ``ragged_event = True`` tells the engines' site check not to
     compare the width). ``log_prob`` is the sum of the masked step log-probabilities of Def 2.8 over
-    the segment; ``-inf`` where the segment breaks the constraint or does not end where it must.
+    the segment, log softmax(f~(z_<i))_{z_i} summed as in (2.13); ``-inf`` where the segment breaks the
+    constraint or does not end where it must. Malformed values (not integer, wrong shape, ids outside
+    the vocabulary, ``<pad>`` inside a row) raise :class:`MalformedSequenceError`.
     """
 
     arg_constraints: dict = {}
@@ -261,16 +292,21 @@ class Segment(TorchDistribution):
     has_rsample = False
     ragged_event = True
 
+    #: the sampling loop goes on with the live rows only (the KV cache gathered with ``cache.reorder``)
+    #: once more than this fraction of the rows it steps have ended their sequence
+    drop_fraction: float = 0.25
+
     def __init__(self, lm_state: LMState, until_emitted=None, stop=None, max_tokens: int | None = None,
-                 scalar: bool = False, validate_args=None):
+                 scalar: bool = False, open_end: bool = False, validate_args=None):
         self.base = lm_state
         self.snap = lm_state.snapshot()
-        self.base_version = lm_state._version_key()
+        self.base_version = lm_state._version
         self.until_emitted = until_emitted
         self.stop_ids = (lm_state.stop_ids if stop is None else _as_ids(stop)).to(lm_state.device)
         self.max_tokens = max_tokens
         self.scalar = scalar
-        self._memo: list[tuple[torch.Tensor, dict, bool]] = []  # (value, post-state, with grad)
+        self.open_end = open_end
+        self._memo: list[tuple[torch.Tensor, dict, bool]] = []  # (value, post-state with _step_lp, with grad)
         width = 1 if scalar else (max_tokens if max_tokens is not None else max(lm_state.max_len, 1))
         event = () if scalar else (width,)
         super().__init__(torch.Size([lm_state.n]), torch.Size(event), validate_args=False)
@@ -284,23 +320,32 @@ class Segment(TorchDistribution):
         return self
 
     # ------------------------------------------------------------------ where a segment ends
-    def _ends(self, tok: torch.Tensor, s: torch.Tensor, count: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        rule = self.base.rule
-        ends = rule.is_final(s) | (lengths >= self.base.max_len)
-        if len(self.stop_ids):
-            ends = ends | torch.isin(tok, self.stop_ids)
-        if self.until_emitted is not None:
-            ends = ends | (rule.num_emitted(s) >= torch.as_tensor(self.until_emitted, device=s.device))
+    def _until(self) -> torch.Tensor | None:
+        if self.until_emitted is None:
+            return None
+        return torch.as_tensor(self.until_emitted, device=self.base.device)
+
+    def _ends(self, tok, s, count, lengths, until) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the segment ends, the sequence ends) after token ``tok`` led to rule state ``s``."""
+        base, rule = self.base, self.base.rule
+        seq = rule.is_final(s) | (lengths >= base.max_len)
+        if len(base.stop_ids):
+            seq = seq | torch.isin(tok, base.stop_ids)
+        seg = seq
+        if len(self.stop_ids) and self.stop_ids is not base.stop_ids:
+            seg = seg | torch.isin(tok, self.stop_ids)
+        if until is not None:
+            seg = seg | (rule.num_emitted(s) >= until)
         if self.max_tokens is not None:
-            ends = ends | (count >= self.max_tokens)
-        return ends
+            seg = seg | (count >= self.max_tokens)
+        return seg, seq
 
     def _start_active(self) -> torch.Tensor:
         snap = self.snap
         active = ~snap["done"]
-        if self.until_emitted is not None:
-            active = active & (self.base.rule.num_emitted(snap["s"])
-                               < torch.as_tensor(self.until_emitted, device=snap["s"].device))
+        until = self._until()
+        if until is not None:
+            active = active & (self.base.rule.num_emitted(snap["s"]) < until)
         return active
 
     # ------------------------------------------------------------------ sampling: the decoding loop
@@ -310,94 +355,200 @@ class Segment(TorchDistribution):
         return self.sample_with_log_prob()[0]
 
     def sample_with_log_prob(self, generator: torch.Generator | None = None):
-        base, snap = self.base, dict(self.snap)
-        rule = base.rule
-        n = base.n
-        dev = base.device
-        active = self._start_active()
-        logits, cache, context, s = snap["logits"], snap["cache"], snap["context"], snap["s"]
-        lengths, count = snap["lengths"].clone(), torch.zeros(n, dtype=torch.long, device=dev)
-        lp = torch.zeros(n, device=dev)
-        cols: list[torch.Tensor] = []
-        done = snap["done"]
+        """Sample the segment of every row in one lockstep loop, one LM step per token; return
+        (value, log-probability ``[n]``).
+
+        Rows whose segment has ended wait (fed with ``valid=False``) so that their cache and next-token
+        logits are those after their segment. Rows whose sequence has ended are fed a dummy token as
+        valid (their cache is never read again, and an all-valid batch takes the LM's dense path); once
+        more than :attr:`drop_fraction` of the stepped rows have ended their sequence, the loop goes on
+        with the other rows only (``cache.reorder``), and the results are scattered back. Then the
+        post-state's cache is gathered back to ``n`` rows only when it is used (``extend``).
+        """
+        base, snap = self.base, self.snap
+        n, dev = base.n, base.device
+        valid_mode = snap["context"] is None
         with torch.no_grad():
-            while bool(active.any()):
-                logq = rule.log_probs(logits, s)
-                dead = torch.isneginf(logq).all(-1) & active
-                if bool(dead.any()):
-                    raise ValueError(f"{int(dead.sum())} rows have no admissible token of positive probability: "
-                                     "the LM gives probability 0 to every token the constraint allows")
-                probs = torch.where(active[:, None], logq.exp(), torch.zeros_like(logq))
-                probs[:, PAD_ID] = torch.where(active, probs[:, PAD_ID], torch.ones_like(probs[:, PAD_ID]))
-                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-                tok = torch.where(active, tok, torch.full_like(tok, PAD_ID))
-                lp = lp + torch.where(active, logq.gather(-1, tok[:, None]).squeeze(-1), torch.zeros_like(lp))
-                s = torch.where(_col(active, s), rule.step(s, tok), s)
-                lengths = lengths + active.long()
-                count = count + active.long()
-                cols.append(tok)
-                ended = active & self._ends(tok, s, count, lengths)
-                done = done | (active & (rule.is_final(s) | (lengths >= base.max_len)))
-                if len(base.stop_ids):
-                    done = done | (ended & torch.isin(tok, base.stop_ids.to(dev)))
-                still = active & ~ended
-                if bool(still.any()) or True:
-                    # feed the token so the next logits (and the post-state) are ready
-                    fl, cache, context = base._feed({"cache": cache, "context": context}, tok[:, None], active[:, None])
-                    logits = torch.where(active[:, None], fl[:, -1], logits)
-                active = still
-        value = torch.stack(cols, 1) if cols else torch.zeros(n, 0, dtype=torch.long, device=dev)
-        post = {"logits": logits, "cache": cache, "context": context, "s": s,
-                "tokens": _append(snap["tokens"], snap["lengths"], value), "lengths": lengths,
-                "log_prob": snap["log_prob"] + lp, "done": done}
-        out = value[:, 0] if self.scalar else value
+            active = self._start_active()
+            value = torch.zeros(n, 0, dtype=torch.long, device=dev)
+            post = {**snap, "_step_lp": torch.zeros(n, device=dev)}
+            if n and bool(active.any()):
+                value, post = self._decode(active, generator, valid_mode)
+        out = value[:, 0] if self.scalar and value.shape[1] else value
         if self.scalar and value.shape[1] == 0:
             out = torch.zeros(n, dtype=torch.long, device=dev)
-        post["_step_lp"] = lp
         self._memo.append((out, post, False))
-        return out, lp
+        return out, post["_step_lp"]
+
+    def _decode(self, active, generator, valid_mode):
+        base, snap = self.base, self.snap
+        rule, n, dev = base.rule, base.n, base.device
+        pad_row = torch.zeros(1, base.lm.vocab_size, device=dev)
+        pad_row[0, PAD_ID] = 1.0
+        # the live rows (all of them until some are dropped) and their per-row quantities
+        rows = None  # indices of the live rows among the n, None while all are live
+        logits, cache, context, s = snap["logits"], snap["cache"], snap["context"], snap["s"]
+        lengths, done = snap["lengths"], snap["done"]
+        count = torch.zeros(n, dtype=torch.long, device=dev)
+        lp = torch.zeros(n, device=dev)
+        until = self._until()
+        kw = match_rows(base.lm_kwargs, n)
+        full: dict[str, torch.Tensor] = {}  # per-row results of every row, written when rows are dropped
+        blocks: list[tuple[torch.Tensor | None, list[torch.Tensor]]] = []  # (rows, token columns)
+        cols: list[torch.Tensor] = []
+
+        def write_back() -> None:
+            live = {"logits": logits, "s": s, "lengths": lengths, "done": done, "lp": lp}
+            for k, v in live.items():
+                if rows is None:
+                    full[k] = v.clone()
+                else:
+                    full[k][rows] = v.to(full[k].dtype)
+
+        while True:
+            logq = rule.log_probs(logits, s)
+            dead = torch.isneginf(logq).all(-1) & active
+            probs = torch.where((~active | dead)[:, None], pad_row, logq.exp())
+            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # <pad> where not active
+            lp = lp + torch.where(active, logq.gather(-1, tok[:, None]).squeeze(-1), torch.zeros_like(lp))
+            s = torch.where(_col(active, s), rule.step(s, tok), s)
+            lengths = lengths + active.long()
+            count = count + active.long()
+            cols.append(tok)
+            seg_end, seq_end = self._ends(tok, s, count, lengths, until)
+            done = done | (active & seq_end)
+            still = active & ~seg_end
+            need = active & ~done  # rows whose logits after this token will be read
+            feed_all = (active | done).all() if valid_mode else need.all()
+            # the one host sync of the step
+            is_dead, any_need, any_still, n_done, all_valid = torch.stack(
+                [dead.any(), need.any(), still.any(), done.sum(), feed_all]).tolist()
+            if is_dead:
+                raise ValueError(f"{int(dead.sum())} rows have no admissible token of positive probability: "
+                                 "the LM gives probability 0 to every token the constraint allows")
+            m = done.shape[0]
+            if any_still and n_done > self.drop_fraction * m:
+                # go on with the rows whose sequence goes on (waiting rows included)
+                write_back()
+                blocks.append((rows, cols))
+                cols = []
+                keep = (~done).nonzero().squeeze(-1)
+                rows = keep if rows is None else rows[keep]
+                logits, s, lengths, done, lp = logits[keep], s[keep], lengths[keep], done[keep], lp[keep]
+                count, active, still, need, tok = count[keep], active[keep], still[keep], need[keep], tok[keep]
+                if until is not None and until.ndim:
+                    until = until[keep]
+                cache = cache.reorder(keep) if cache is not None else None
+                if context is not None:
+                    context = context[keep]
+                    context = context[:, : int((context != PAD_ID).sum(-1).max())]
+                kw = {k: (v[keep] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == m else v)
+                      for k, v in kw.items()}
+                all_valid = bool(active.all())  # no row left has ended its sequence
+            if any_need:
+                # the next logits of the rows that go on (also the post-state, for rows whose segment ended)
+                if valid_mode:
+                    feed = torch.where(active, tok, torch.full_like(tok, BOS_ID))
+                    valid = None if all_valid else active | done
+                else:
+                    feed, valid = tok, (None if all_valid else need)
+                fl, cache, context = base._feed(cache, context, feed[:, None],
+                                                None if valid is None else valid[:, None], kw)
+                logits = torch.where(need[:, None], fl[:, -1].to(logits.dtype), logits)
+            if not any_still:
+                break
+            active = still
+        blocks.append((rows, cols))
+        value = torch.zeros(n, sum(len(c) for _, c in blocks), dtype=torch.long, device=dev)
+        at = 0
+        for r, c in blocks:
+            if c:
+                block = torch.stack(c, 1)
+                if r is None:
+                    value[:, at:at + len(c)] = block
+                else:
+                    value[r, at:at + len(c)] = block
+                at += len(c)
+        post = {"cache": cache, "context": context, "tokens": _append(snap["tokens"], snap["lengths"], value)}
+        if rows is None:
+            post.update(logits=logits, s=s, lengths=lengths, done=done, _step_lp=lp)
+        else:
+            write_back()
+            post.update(logits=full["logits"], s=full["s"], lengths=full["lengths"], done=full["done"],
+                        _step_lp=full["lp"])
+            src = torch.zeros(n, dtype=torch.long, device=dev)  # ended rows: any live row's cache
+            src[rows] = torch.arange(len(rows), device=dev)
+            post["_src"] = src
+        post["log_prob"] = snap["log_prob"] + post["_step_lp"]
+        return value, post
 
     # ------------------------------------------------------------------ scoring: one teacher-forced pass
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        return self._advance(value)["_step_lp"]
+        """The segment's log-probability ``[n]``: the masked step log-probabilities (Def 2.8) summed (2.13)."""
+        post = self._lookup(value)[1]
+        return (post if post is not None else self._advance(value))["_step_lp"]
+
+    def _knows(self, value) -> bool:
+        return self.base_version == self.base._version and any(v is value for v, _, _ in self._memo)
 
     def _advance(self, value: torch.Tensor) -> dict:
-        """The state after appending ``value`` (memoised by identity) with ``_step_lp`` its log-probability
-        (recomputed with a graph when the LM is trained and the memo has none)."""
-        grad = _needs_grad(self.base.lm)
-        for v, post, g in self._memo:
-            if v is value and (g or not grad):
-                return post
-        post = self._teacher_force(value)
-        self._memo.append((value, post, grad))
+        """The state after appending ``value`` (memoised by identity) with ``_step_lp`` its log-probability."""
+        i, post = self._lookup(value)
+        if post is None:
+            post = self._teacher_force(value)
+            self._memo.append((value, post, _needs_grad(self.base.lm)))
+        elif "_src" in post:  # rows were dropped while sampling: gather the cache back to n rows
+            post = _gathered(post)
+            self._memo[i] = (value, post, self._memo[i][2])
         return post
 
-    def _teacher_force(self, value: torch.Tensor) -> dict:
-        base, snap = self.base, self.snap
-        rule = base.rule
+    def _lookup(self, value) -> tuple[int, dict | None]:
+        """The memoised post-state of ``value`` (by identity; one computed with gradients if they are needed)."""
+        grad = _needs_grad(self.base.lm)
+        for i, (v, post, g) in enumerate(self._memo):
+            if v is value and (g or not grad):
+                return i, post
+        return -1, None
+
+    def _check(self, value) -> torch.Tensor:
+        base = self.base
         v = torch.as_tensor(value, device=base.device)
         if v.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise MalformedSequenceError(f"segments must hold integer token ids, got dtype {v.dtype}")
         v = v.long()
-        if self.scalar or v.ndim == 1:
-            v = v.reshape(-1, 1)
+        if v.ndim == 1 and v.shape[0] == base.n:  # one token per row
+            v = v[:, None]
+        elif self.scalar:
+            raise MalformedSequenceError(f"a next token for {base.n} rows must be [{base.n}], got {tuple(v.shape)}")
         if v.ndim != 2 or v.shape[0] != base.n:
-            raise MalformedSequenceError(f"a segment for {base.n} rows must be [{base.n}, S], got {tuple(value.shape)}")
+            raise MalformedSequenceError(f"a segment for {base.n} rows must be [{base.n}, S], got {tuple(v.shape)}")
         if v.numel() and (v.min() < 0 or v.max() >= base.lm.vocab_size):
             raise MalformedSequenceError(f"segment ids outside the vocabulary [0, {base.lm.vocab_size})")
+        present = v != PAD_ID
+        if v.shape[1] and (present[:, 1:] & ~present[:, :-1]).any():
+            raise MalformedSequenceError("padding inside a segment: <pad> must only fill the end of a row")
+        return v
+
+    def _teacher_force(self, value: torch.Tensor) -> dict:
+        base, snap = self.base, self.snap
+        rule = base.rule
+        v = self._check(value)
         n, S = v.shape
         dev = base.device
         present = v != PAD_ID
         seg_len = present.sum(-1)
-        contiguous = (torch.cumsum(present.long(), 1) == torch.arange(1, S + 1, device=dev)) | ~present
-        ok = contiguous.all(-1) & ~(snap["done"] & (seg_len > 0))
+        until = self._until()
+        start_active = self._start_active()
         # step the rule along the segment: states before each token, vectorised over rows
         s = snap["s"]
         states = []
-        lengths = snap["lengths"].clone()
+        lengths = snap["lengths"]
         count = torch.zeros(n, dtype=torch.long, device=dev)
-        ended = ~self._start_active()
-        ok = ok & ~(ended & (seg_len > 0))
+        ended = ~start_active  # the segment has ended (or the sequence, for an open segment)
+        ok = ~(ended & (seg_len > 0))
+        if not self.open_end:
+            ok = ok & ~(start_active & (seg_len == 0))
+        done = snap["done"]
         for j in range(S):
             tok = v[:, j]
             inside = present[:, j]
@@ -406,14 +557,16 @@ class Segment(TorchDistribution):
             s = torch.where(_col(inside, s), rule.step(s, tok), s)
             lengths = lengths + inside.long()
             count = count + inside.long()
-            ended = ended | (inside & self._ends(tok, s, count, lengths))
-        must_end = self._start_active() & (seg_len > 0)
-        ok = ok & (ended | ~must_end) & ~(self._start_active() & (seg_len == 0))
+            seg_end, seq_end = self._ends(tok, s, count, lengths, until)
+            done = done | (inside & seq_end)
+            ended = ended | (inside & (seq_end if self.open_end else seg_end))
+        if not self.open_end:
+            ok = ok & (ended | ~(start_active & (seg_len > 0)))  # a segment must reach its end
         if S == 0:
             step_lp = torch.zeros(n, device=dev)
             logits_after, cache, context = snap["logits"], snap["cache"], snap["context"]
         else:
-            out, cache, context = base._feed(snap, v, present)
+            out, cache, context = base._feed(snap["cache"], snap["context"], v, present)
             prev = torch.cat([snap["logits"][:, None].to(out.dtype), out[:, :-1]], 1)  # logits before each token
             st = torch.stack(states, 1)
             logq = rule.log_probs(prev.reshape(n * S, -1), st.reshape((n * S,) + st.shape[2:])).reshape(n, S, -1)
@@ -423,16 +576,24 @@ class Segment(TorchDistribution):
             after = out[torch.arange(n, device=dev), last]
             logits_after = torch.where((seg_len > 0)[:, None], after, snap["logits"].to(after.dtype))
         step_lp = torch.where(ok, step_lp, torch.full_like(step_lp, float("-inf")))
-        done = snap["done"] | rule.is_final(s) | (lengths >= base.max_len)
-        if len(base.stop_ids) and S:
-            last_tok = v.gather(1, (seg_len - 1).clamp(min=0)[:, None]).squeeze(1)
-            done = done | ((seg_len > 0) & torch.isin(last_tok, base.stop_ids.to(dev)))
         return {"logits": logits_after, "cache": cache, "context": context, "s": s,
                 "tokens": _append(snap["tokens"], snap["lengths"], v), "lengths": lengths,
                 "log_prob": snap["log_prob"] + step_lp, "done": done, "_step_lp": step_lp}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _gathered(post: dict) -> dict:
+    """A post-state sampled on fewer rows made whole: the cache (or contexts) gathered back to every row
+    (rows that ended their sequence get another row's: nothing reads them)."""
+    post = dict(post)
+    src = post.pop("_src")
+    if post["cache"] is not None:
+        post["cache"] = post["cache"].reorder(src)
+    if post["context"] is not None:
+        post["context"] = post["context"][src]
+    return post
+
+
 def _col(mask: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return mask.reshape((-1,) + (1,) * (s.ndim - 1))
 

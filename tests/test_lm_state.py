@@ -1,0 +1,248 @@
+"""LMState / Segment: the one decoding loop (segment sampling vs teacher-forced scoring, Def 2.8, (2.13))."""
+
+import pytest
+import torch
+from scipy.stats import chi2
+from torch import nn
+
+from ppl_thought.distributions import LMSequence, LMState, Segment, TokenRule, concat
+from ppl_thought.distributions.lm_state import masked_log_softmax
+from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.lm import Tabular, Transformer
+from ppl_thought.projections import PauseToThink
+from ppl_thought.vocab import Vocab
+
+VOCAB = Vocab(["a", "b"])
+V = len(VOCAB)
+PROJ = PauseToThink(VOCAB, max_thought_len=2)
+EOS, THINK, END_THINK = VOCAB.eos_id, VOCAB.think_id, VOCAB.end_think_id
+A, B = VOCAB.encode(["a", "b"])
+
+
+class Recompute(nn.Module):
+    """An LM without ``valid`` in ``forward`` that ignores the cache and reruns its input (recompute mode)."""
+
+    valid_mask_supported = False
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+        self.vocab_size = lm.vocab_size
+
+    def forward(self, tokens, cache=None):
+        return self.lm(tokens)[0], None
+
+
+def make_lm(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind.startswith("tabular"):
+        lm = Tabular(2, V, torch.randn(V, V) * 1.5, trainable=False)
+    else:
+        lm = Transformer(V, d_model=16, n_layers=2, n_heads=2, max_len=64).eval()
+        for p in lm.parameters():
+            p.requires_grad_(False)
+    return Recompute(lm) if kind.endswith("recompute") else lm
+
+
+KINDS = ["tabular", "tabular-recompute", "transformer", "transformer-recompute"]
+
+
+def padded(tokens: torch.Tensor, width: int) -> torch.Tensor:
+    out = torch.zeros(tokens.shape[0], width, dtype=torch.long)
+    out[:, : tokens.shape[1]] = tokens
+    return out
+
+
+@pytest.mark.parametrize("drop", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_segments_sample_and_score_alike_and_sum_to_the_sequence(kind, drop, monkeypatch):
+    """Sampled segment log-probs = teacher-forced ones; their sum = LMSequence.log_prob of the concatenation.
+
+    ``<eos>`` is a stop token, so rows end at different segments; ``drop`` makes the loop drop ended rows
+    at once (the KV cache gathered to the live rows), then ``extend`` gathers it back."""
+    monkeypatch.setattr(Segment, "drop_fraction", 0.0 if drop else 1.0)
+    lm, T, n = make_lm(kind), 4, 48
+    D = PROJ.domain(T)
+    assert LMState.start(lm, 2).mode == ("recompute" if kind.endswith("recompute") else "valid")
+    stop = torch.tensor([EOS])
+    st = LMState.start(lm, n, rule=TokenRule(D, V), max_len=D.max_len, stop_ids=stop)
+    shadow = LMState.start(lm, n, rule=TokenRule(D, V), max_len=D.max_len, stop_ids=stop)  # teacher-forced only
+    gen = torch.Generator().manual_seed(1)
+    total = torch.zeros(n)
+    for t in range(T):
+        seg = st.segment(until_emitted=t + 1)
+        v, lp = seg.sample_with_log_prob(gen)
+        assert seg.log_prob(v) is lp or torch.equal(seg.log_prob(v), lp)  # memoised by identity
+        tf = shadow.segment(until_emitted=t + 1).log_prob(v.clone())
+        assert torch.allclose(lp, tf, atol=1e-5)
+        assert torch.isfinite(lp).all()
+        total += lp
+        st.extend(v)
+        shadow.extend(v.clone())
+        live = ~st.done
+        assert torch.equal(st.done, shadow.done) and torch.equal(st.tokens, shadow.tokens)
+        assert torch.allclose(st.logits[live].float(), shadow.logits[live].float(), atol=1e-5)
+    assert st.done.all() and (st.tokens == EOS).any()
+    seq = LMSequence(lm, constraint=D, stop=EOS)
+    ref = seq.log_prob(padded(st.tokens, D.max_len))
+    assert torch.allclose(total, ref, atol=1e-4) and torch.allclose(st.log_prob, ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_whole_sequence_segment_is_lmsequence(kind):
+    lm, D = make_lm(kind, 1), PROJ.domain(3)
+    d = LMSequence(lm, prompt=[A, B], constraint=D, stop=EOS)
+    z, lp = d.sample_with_log_prob((40,))
+    assert z.shape == (40, D.max_len)
+    assert torch.allclose(lp, d.log_prob(z.clone()), atol=1e-5)
+    st = d.start(40)
+    v, lp2 = st.segment().sample_with_log_prob()
+    assert torch.allclose(lp2, d.log_prob(padded(v, D.max_len)), atol=1e-5)
+    st.extend(v)
+    assert st.done.all()
+
+
+@pytest.mark.parametrize("kind", ["tabular", "transformer", "transformer-recompute"])
+def test_reorder_after_extend_is_building_from_reordered_rows(kind):
+    lm, D, n = make_lm(kind, 2), PROJ.domain(3), 8
+    rule = TokenRule(D, V)
+    st = LMState.start(lm, n, prompt=[B], rule=rule, max_len=D.max_len)
+    v, _ = st.segment(until_emitted=1).sample_with_log_prob(torch.Generator().manual_seed(3))
+    st.extend(v)
+    idx = torch.tensor([3, 3, 0, 7, 1, 1, 6, 2])
+    st.reorder(idx)
+    ref = LMState.start(lm, n, prompt=[B], rule=rule, max_len=D.max_len).extend(v[idx].clone())
+    for k in ("tokens", "lengths", "s", "done"):
+        assert torch.equal(getattr(st, k), getattr(ref, k)), k
+    assert torch.allclose(st.log_prob, ref.log_prob, atol=1e-5)
+    assert torch.allclose(st.logits.float(), ref.logits.float(), atol=1e-5)
+    # the next segment scores alike on both, sampled on one and teacher-forced on the other
+    w, lw = st.segment(until_emitted=2).sample_with_log_prob(torch.Generator().manual_seed(4))
+    assert torch.allclose(lw, ref.segment(until_emitted=2).log_prob(w.clone()), atol=1e-5)
+
+
+def test_next_token_frequencies_match_the_masked_softmax():
+    lm, D, n = make_lm("transformer", 5), PROJ.domain(2), 20000
+    rule = TokenRule(D, V)
+    st = LMState.start(lm, n, prompt=[A, B, A], rule=rule, max_len=D.max_len)
+    st.extend(torch.full((n,), THINK))  # inside a thought: ordinary tokens only, no </s> yet
+    torch.manual_seed(6)
+    tok = st.next_token().sample()
+    assert tok.shape == (n,)
+    p = masked_log_softmax(st.logits[:1], rule.allowed(st.s[:1]))[0].exp().double()
+    counts = torch.bincount(tok, minlength=V).double()
+    assert (counts[p == 0] == 0).all()
+    support = p > 0
+    assert int(support.sum()) == 2  # a and b
+    stat = float(((counts[support] - n * p[support]) ** 2 / (n * p[support])).sum())
+    assert stat < chi2.ppf(0.999, int(support.sum()) - 1)
+
+
+@pytest.mark.parametrize("kind", ["tabular", "tabular-recompute"])
+def test_malformed_values_raise(kind):
+    lm, D, n = make_lm(kind), PROJ.domain(2), 3
+    st = LMState.start(lm, n, rule=TokenRule(D, V), max_len=D.max_len)
+    seg = st.segment(until_emitted=1)
+    with pytest.raises(MalformedSequenceError, match="outside the vocabulary"):
+        seg.log_prob(torch.tensor([[A], [99], [B]]))
+    with pytest.raises(MalformedSequenceError, match="outside the vocabulary"):
+        seg.log_prob(torch.tensor([[A], [-1], [B]]))
+    with pytest.raises(MalformedSequenceError, match=r"\[3, S\]"):
+        seg.log_prob(torch.tensor([[A], [B]]))
+    with pytest.raises(MalformedSequenceError, match=r"\[3, S\]"):
+        seg.log_prob(torch.zeros(3, 1, 1, dtype=torch.long))
+    with pytest.raises(MalformedSequenceError, match="padding inside"):
+        seg.log_prob(torch.tensor([[THINK, 0, A], [A, 0, 0], [B, 0, 0]]))
+    with pytest.raises(MalformedSequenceError, match="integer"):
+        seg.log_prob(torch.zeros(3, 1))
+    with pytest.raises(MalformedSequenceError, match=r"\[3\]"):
+        st.next_token().log_prob(torch.tensor([[A, B]] * 3))
+    with pytest.raises(MalformedSequenceError, match="padding inside"):  # no segment: an open one
+        LMState.start(lm, n, max_len=4).extend(torch.tensor([[0, A], [A, 0], [B, 0]]))
+
+
+def test_segments_that_do_not_end_where_they_must_are_minus_inf():
+    lm, D = make_lm("tabular"), PROJ.domain(2)
+    st = LMState.start(lm, 5, rule=TokenRule(D, V), max_len=D.max_len)
+    seg = st.segment(until_emitted=1)
+    lp = seg.log_prob(torch.tensor([
+        [A, 0, 0, 0, 0],  # ends after one observable: fine
+        [THINK, A, END_THINK, B, 0],  # a thought, then the observable: fine
+        [THINK, A, END_THINK, 0, 0],  # stops before the observable
+        [A, B, 0, 0, 0],  # goes on past the end of the segment
+        [0, 0, 0, 0, 0],  # an active row with an empty segment
+    ]))
+    assert torch.isfinite(lp[:2]).all() and torch.isneginf(lp[2:]).all() and not torch.isnan(lp).any()
+    # the token after a whole sequence, and a thought token where only observables are admissible
+    st.extend(torch.tensor([[A, B]] * 5))
+    assert st.done.all()
+    lp = st.segment(until_emitted=3).log_prob(torch.tensor([[A]] * 4 + [[0]]))
+    assert torch.isneginf(lp[:4]).all() and lp[4] == 0
+
+
+def test_the_state_stop_token_ends_the_segment_whatever_its_stop():
+    """A row that samples a stop token of the state has ended its sequence, also in a segment with
+    another ``stop``: nothing follows it, and a value that goes on is -inf."""
+    lm, n = make_lm("tabular", 7), 400
+    st = LMState.start(lm, n, max_len=6, stop_ids=torch.tensor([EOS]))
+    seg = st.segment(stop=[B])
+    v, lp = seg.sample_with_log_prob(torch.Generator().manual_seed(0))
+    is_eos = v == EOS
+    assert is_eos.any()
+    after = torch.cumsum(is_eos.long(), 1) - is_eos.long() > 0  # positions after an <eos>
+    assert (v[after] == 0).all()
+    st.extend(v)
+    assert torch.equal(st.done, is_eos.any(1) | (st.lengths >= 6))
+    lp = LMState.start(lm, 2, max_len=6, stop_ids=torch.tensor([EOS])).segment(stop=[B]).log_prob(
+        torch.tensor([[EOS, A, B], [A, A, B]]))
+    assert torch.isneginf(lp[0]) and torch.isfinite(lp[1])
+
+
+def test_minus_inf_history_does_not_make_nan():
+    """A row whose earlier tokens had probability 0 keeps -inf; the next segment's log-prob is its own."""
+    logits = torch.randn(V, V)
+    logits[:, B] = float("-inf")  # the LM never emits b
+    lm = Tabular(2, V, logits, trainable=False)
+    st = LMState.start(lm, 3, max_len=8).extend(torch.tensor([[A], [B], [A]]))  # no segment: an open one
+    assert torch.isfinite(st.log_prob[[0, 2]]).all() and torch.isneginf(st.log_prob[1])
+    seg = st.segment(max_tokens=2)
+    v, lp = seg.sample_with_log_prob()
+    assert torch.isfinite(lp).all() and torch.isfinite(seg.log_prob(v)).all()
+    st.extend(v)
+    assert not torch.isnan(st.log_prob).any() and torch.isneginf(st.log_prob[1])
+
+
+def test_open_extend_scores_a_prefix_like_step_log_probs():
+    lm, D = make_lm("transformer", 8), PROJ.domain(3)
+    d = LMSequence(lm, constraint=D)
+    z = torch.tensor([[THINK, A, END_THINK, B, A, 0, 0], [A, THINK, B, B, END_THINK, A, 0]])
+    steps, _ = d.step_log_probs(padded(z, D.max_len))
+    st = d.start(2)
+    st.extend(z[:, :4])  # cut anywhere: no end is required
+    assert torch.allclose(st.log_prob, steps[:, :4].sum(-1), atol=1e-5)
+    st.extend(z[:, 4:])
+    assert torch.allclose(st.log_prob, steps.sum(-1), atol=1e-5)
+
+
+def test_extend_uses_the_segment_that_made_the_value():
+    lm, D = make_lm("tabular", 9), PROJ.domain(3)
+    st = LMState.start(lm, 16, rule=TokenRule(D, V), max_len=D.max_len)
+    seg = st.segment(until_emitted=1)
+    v = seg.sample()
+    st.next_token()  # a later distribution of the same state must not score v
+    lp = seg.log_prob(v)
+    st.extend(v)
+    assert torch.allclose(st.log_prob, lp) and torch.isfinite(lp).all()
+
+
+def test_batched_prompts_with_a_sample_shape_keep_their_rows():
+    lm = make_lm("tabular", 10)
+    prompts = torch.tensor([[A, B], [B, 0]])
+    d = LMSequence(lm, prompt=prompts, stop=EOS, max_len=3)
+    z, lp = d.sample_with_log_prob((5,))
+    assert z.shape == (5, 2, 3) and lp.shape == (5, 2)
+    for b, p in enumerate([[A, B], [B]]):
+        ref = LMSequence(lm, prompt=p, stop=EOS, max_len=3).log_prob(z[:, b].clone())
+        assert torch.allclose(lp[:, b], ref, atol=1e-5)
+    assert torch.allclose(d.log_prob(z.clone()), lp, atol=1e-5)
+    assert concat(prompts, z[0]).shape[0] == 2
