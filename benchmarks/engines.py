@@ -69,7 +69,7 @@ class UserPauseProgram(pt.Program):
         state["s"] = s
         ok = lift.is_final(s) if last else lift.num_emitted(s) > t
         pyro.factor(f"x_{t}", torch.where(ok, 0.0, float("-inf")))
-        return ok | True if last else None
+        return torch.ones_like(ok) if last else None
 
 
 def timed(fn, reps):

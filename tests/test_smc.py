@@ -77,10 +77,16 @@ def test_result_structure_and_samples_in_lifting():
 
 
 def test_large_n_close_to_exact():
+    """Pooled over 6 seeds of n = 2000, Z-hat is within 3 standard errors of Z (sd of one log Z-hat ~ 0.11)."""
     model = pause_model(4)
-    torch.manual_seed(1)
-    res = SMC(2000).run(model, explanatory(model), X)
-    assert float(res.log_marginal) == pytest.approx(float(model.exact_log_prob(X)), abs=0.1)
+    exact = float(model.exact_log_prob(X))
+    out = []
+    for seed in range(6):
+        torch.manual_seed(seed)
+        out.append(float(SMC(2000).run(model, explanatory(model), X).log_marginal))
+    ratio = torch.exp(torch.tensor(out, dtype=torch.float64) - exact)
+    se = float(ratio.std()) / math.sqrt(len(ratio))
+    assert abs(float(ratio.mean()) - 1) < 3 * se + 0.01
 
 
 def test_resampling_schemes_offspring_means():

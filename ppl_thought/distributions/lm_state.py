@@ -64,19 +64,28 @@ class TokenRule:
     def __init__(self, constraint, vocab_size: int):
         self.constraint = constraint
         self.vocab_size = int(vocab_size)
-        self._tables: dict[str, torch.Tensor] = {}
+        self._tables: dict[tuple, torch.Tensor] = {}
 
-    def allowed(self, s: torch.Tensor) -> torch.Tensor:
-        key = str(s.device)
+    def _table(self, what: str, device) -> torch.Tensor:
+        """Per-device tables over automaton states (the last row is the dead state): ``allowed`` [S+1, V],
+        ``bias`` (0 / -inf) [S+1, V]."""
+        key = (what, str(device))
         table = self._tables.get(key)
         if table is None:
             if self.constraint is None:
-                table = torch.ones(1, self.vocab_size, dtype=torch.bool, device=s.device)
+                allowed = torch.ones(1, self.vocab_size, dtype=torch.bool, device=device)
             else:
-                table = (self.constraint.torch_table(s.device) >= 0).clone()
-            table[:, PAD_ID] = False
-            table[:, BOS_ID] = False
-            self._tables[key] = table
+                allowed = (self.constraint.torch_table(device) >= 0).clone()
+            allowed[:, PAD_ID] = False
+            allowed[:, BOS_ID] = False
+            self._tables[("allowed", str(device))] = allowed
+            zero = torch.zeros((), device=device)
+            self._tables[("bias", str(device))] = torch.where(allowed, zero, zero - float("inf"))
+            table = self._tables[key]
+        return table
+
+    def allowed(self, s: torch.Tensor) -> torch.Tensor:
+        table = self._table("allowed", s.device)
         return table.expand(s.shape[0], -1) if self.constraint is None else table[s]
 
     def start(self, n: int, device) -> torch.Tensor:
@@ -85,7 +94,12 @@ class TokenRule:
         return self.constraint.start_states(n, device)
 
     def log_probs(self, logits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return masked_log_softmax(logits, self.allowed(s))
+        """log softmax of the logits plus the state's 0 / -inf bias (Def 2.8), float32; a row with no
+        admissible token is all -inf (never NaN)."""
+        bias = self._table("bias", s.device)
+        x = logits.float() + (bias if self.constraint is None else bias[s])
+        out = x - torch.logsumexp(x, -1, keepdim=True)  # (faster than log_softmax for small vocabularies on CPU)
+        return out.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 
     def step(self, s: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         return s if self.constraint is None else self.constraint.step(s, tok)
@@ -99,6 +113,27 @@ class TokenRule:
         if self.constraint is None:
             raise MalformedSequenceError("until_emitted needs a constraint automaton that counts observables")
         return self.constraint.num_emitted(s)
+
+    def end_tables(self, until: int | None, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Bool tables over states (last row: dead): (a segment that must reach ``until`` observables
+        ends here, the sequence ends here). ``None`` for rules whose state is not one automaton state
+        (subclasses): the engine then asks ``is_final`` / ``num_emitted``."""
+        if type(self).is_final is not TokenRule.is_final or type(self).num_emitted is not TokenRule.num_emitted:
+            return None
+        key = ("ends", until, str(device))
+        tabs = self._tables.get(key)
+        if tabs is None:
+            if self.constraint is None:
+                final = torch.zeros(1, dtype=torch.bool, device=device)
+                if until is not None:
+                    return None
+                seg = final
+            else:
+                final = self.constraint._torch("final", device)
+                seg = final if until is None else final | (self.constraint._torch("emitted", device) >= until)
+            tabs = (seg, final)
+            self._tables[key] = tabs
+        return tabs
 
 
 class LMState:
@@ -304,6 +339,7 @@ class Segment(TorchDistribution):
         self.until_emitted = until_emitted
         self.stop_ids = (lm_state.stop_ids if stop is None else _as_ids(stop)).to(lm_state.device)
         self.max_tokens = max_tokens
+        self._end_tables = None  # per-state end tables of the rule for this segment (False: not available)
         self.scalar = scalar
         self.open_end = open_end
         self._memo: list[tuple[torch.Tensor, dict, bool]] = []  # (value, post-state with _step_lp, with grad)
@@ -328,14 +364,23 @@ class Segment(TorchDistribution):
     def _ends(self, tok, s, count, lengths, until) -> tuple[torch.Tensor, torch.Tensor]:
         """(the segment ends, the sequence ends) after token ``tok`` led to rule state ``s``."""
         base, rule = self.base, self.base.rule
-        seq = rule.is_final(s) | (lengths >= base.max_len)
+        tabs = self._end_tables
+        if tabs is None:
+            scalar = until is None or until.ndim == 0
+            tabs = rule.end_tables(None if until is None else int(until), s.device) if scalar else None
+            self._end_tables = tabs if tabs is not None else False
+        if tabs:
+            idx = s if rule.constraint is not None else torch.zeros_like(s)
+            seq_state, seg_state = tabs[1][idx], tabs[0][idx]  # any shape of s: [n] or [n, S]
+        else:
+            seq_state = rule.is_final(s)
+            seg_state = seq_state if until is None else seq_state | (rule.num_emitted(s) >= until)
+        seq = seq_state | (lengths >= base.max_len)
         if len(base.stop_ids):
             seq = seq | torch.isin(tok, base.stop_ids)
-        seg = seq
+        seg = seq | seg_state
         if len(self.stop_ids) and self.stop_ids is not base.stop_ids:
             seg = seg | torch.isin(tok, self.stop_ids)
-        if until is not None:
-            seg = seg | (rule.num_emitted(s) >= until)
         if self.max_tokens is not None:
             seg = seg | (count >= self.max_tokens)
         return seg, seq
@@ -410,10 +455,11 @@ class Segment(TorchDistribution):
             dead = torch.isneginf(logq).all(-1) & active
             probs = torch.where((~active | dead)[:, None], pad_row, logq.exp())
             tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # <pad> where not active
-            lp = lp + torch.where(active, logq.gather(-1, tok[:, None]).squeeze(-1), torch.zeros_like(lp))
+            lp = lp + logq.gather(-1, tok[:, None]).squeeze(-1).masked_fill_(~active, 0.0)
             s = torch.where(_col(active, s), rule.step(s, tok), s)
             lengths = lengths + active.long()
-            count = count + active.long()
+            if self.max_tokens is not None:
+                count = count + active.long()
             cols.append(tok)
             seg_end, seq_end = self._ends(tok, s, count, lengths, until)
             done = done | (active & seq_end)
@@ -549,7 +595,27 @@ class Segment(TorchDistribution):
         if not self.open_end:
             ok = ok & ~(start_active & (seg_len == 0))
         done = snap["done"]
-        for j in range(S):
+        tabs = self._end_tables
+        if tabs is None:
+            scalar = until is None or until.ndim == 0
+            tabs = rule.end_tables(None if until is None else int(until), dev) if scalar else None
+            self._end_tables = tabs if tabs is not None else False
+        if tabs and S:
+            # table rules: step the states along the segment, then every end test at once on [n, S]
+            for j in range(S):
+                states.append(s)
+                s = torch.where(present[:, j], rule.step(s, v[:, j]), s)
+            after = torch.stack(states[1:] + [s], 1)
+            cum = torch.cumsum(present.long(), 1)
+            seg_end, seq_end = self._ends(v, after, cum, lengths[:, None] + cum, until)
+            seg_end, seq_end = seg_end & present, seq_end & present
+            lengths = lengths + seg_len
+            done = done | seq_end.any(-1)
+            end_at = seq_end if self.open_end else seg_end
+            before = (torch.cumsum(end_at.long(), 1) - end_at.long()) > 0  # an end before this token
+            ok = ok & ~(present & (before | ended[:, None])).any(-1)
+            ended = ended | end_at.any(-1)
+        for j in range(0 if tabs else S):
             tok = v[:, j]
             inside = present[:, j]
             ok = ok & ~(inside & ended)  # a token after the segment's end
@@ -626,7 +692,14 @@ def _append(tokens: torch.Tensor, lengths: torch.Tensor, seg: torch.Tensor) -> t
         return tokens
     if tokens.shape[1] == 0:
         return seg
-    return _left_pack(torch.cat([tokens, seg], 1))
+    n, S = seg.shape
+    width = tokens.shape[1] + S
+    out = torch.zeros(n, width + 1, dtype=tokens.dtype, device=tokens.device)
+    out[:, : tokens.shape[1]] = tokens
+    pos = lengths[:, None] + torch.arange(S, device=seg.device)[None]
+    out.scatter_(1, torch.where(seg != PAD_ID, pos, torch.full_like(pos, width)), seg)  # pads go to a spare column
+    used = int((lengths + (seg != PAD_ID).sum(-1)).max())  # one host sync per segment
+    return out[:, :used]
 
 
 Potential = Callable[[torch.Tensor], torch.Tensor]
