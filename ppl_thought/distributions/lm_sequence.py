@@ -23,7 +23,7 @@ from torch.distributions import constraints
 
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
-from ppl_thought.lm.base import match_rows
+from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.vocab import Vocab
 
@@ -218,10 +218,7 @@ class LMSequence(TorchDistribution):
         return new
 
     def _device(self) -> torch.device:
-        p = next(iter(self.lm.parameters()), None)
-        if p is None:
-            p = next(iter(self.lm.buffers()), None)
-        return p.device if p is not None else torch.device("cpu")
+        return lm_device(self.lm)
 
     def _mask(self, auto: torch.Tensor) -> torch.Tensor:
         """Admissible next tokens ``[n, V]``: the constraint's mask (2.26), never <pad>/<bos>.

@@ -28,7 +28,7 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
 from ppl_thought.errors import MalformedSequenceError
-from ppl_thought.lm.base import match_rows
+from ppl_thought.lm.base import lm_device, match_rows
 
 PAD_ID, BOS_ID = 0, 1
 
@@ -184,7 +184,7 @@ class LMState:
 
     @classmethod
     def _encode(cls, lm, n: int, prompt, rule, max_len, stop_ids, lm_kwargs, device) -> LMState:
-        device = device if device is not None else _device(lm)
+        device = device if device is not None else lm_device(lm)
         rule = rule if rule is not None else TokenRule(None, lm.vocab_size)
         stop_ids = stop_ids if stop_ids is not None else torch.zeros(0, dtype=torch.long)
         prompt = torch.zeros(0, dtype=torch.long) if prompt is None else torch.as_tensor(prompt, dtype=torch.long)
@@ -662,12 +662,6 @@ def _gathered(post: dict) -> dict:
 
 def _col(mask: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return mask.reshape((-1,) + (1,) * (s.ndim - 1))
-
-
-def _device(lm) -> torch.device:
-    for t in list(lm.parameters())[:1] + list(lm.buffers())[:1]:
-        return t.device
-    return torch.device("cpu")
 
 
 def _needs_grad(lm) -> bool:

@@ -29,6 +29,7 @@ import torch
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import NotDisentangledError
 from ppl_thought.guides.base import PAD_ID, Sampler
+from ppl_thought.lm.base import lm_device
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.product import Product
@@ -36,11 +37,7 @@ from ppl_thought.projections.product import Product
 BOS_ID = 1
 
 
-def lm_device(lm: torch.nn.Module) -> torch.device:
-    """The device of an LM's first parameter or buffer (CPU if it has none)."""
-    for t in list(lm.parameters())[:1] + list(lm.buffers())[:1]:
-        return t.device
-    return torch.device("cpu")
+
 
 
 def emission_substitution(projection: Projection) -> np.ndarray:

@@ -34,6 +34,7 @@ import torch
 
 from ppl_thought.distributions.lm_state import PAD_ID, LMState, TokenRule
 from ppl_thought.errors import NotInImageError
+from ppl_thought.lm.base import lm_device
 from ppl_thought.models.slow_thinking import pad_sequences
 
 METHODS = ("direct", "streaming", "resampling", "unbiased", "exact", "best_of_k")
@@ -61,9 +62,7 @@ def _log_weights(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- LMState helpers
 def _device(model) -> torch.device:
-    for t in list(model.prior.parameters())[:1] + list(model.prior.buffers())[:1]:
-        return t.device
-    return torch.device("cpu")
+    return lm_device(model.prior)
 
 
 def _start(model, z0: torch.Tensor, num_observed, total: int) -> tuple[LMState, torch.Tensor]:

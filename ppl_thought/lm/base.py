@@ -36,6 +36,13 @@ def step(lm: torch.nn.Module, tokens: torch.Tensor, cache=None, **kwargs):
     return logits[:, -1], cache
 
 
+def lm_device(lm: torch.nn.Module) -> torch.device:
+    """The device of an LM's first parameter or buffer (CPU if it has none): where its inputs are made."""
+    for t in list(lm.parameters())[:1] + list(lm.buffers())[:1]:
+        return t.device
+    return torch.device("cpu")
+
+
 def match_rows(kwargs: dict, n: int) -> dict:
     """LM keyword arguments with batched tensors (e.g. ``latents``) repeated to ``n`` rows.
 
