@@ -14,7 +14,7 @@ exactly (by running the program on every one of them as particles) and printed n
 * a guide Program (the same steps with its own LM) trained by SVI, then used by Importance and SMC;
 * a verifier of the thoughts as ``pyro.factor`` (part of the model: another posterior and another Z)
   and as ``pt.twist`` (a potential that SMC adds and removes: the same Z);
-* ArviZ ``InferenceData`` of each run (ESS, Pareto k, the posterior over thoughts read back from it).
+* ArviZ ``InferenceData`` of each run (its ESS, and the posterior over thoughts read back from it).
 
 The LMs are 4-gram tables built in-process (no downloads); everything runs on one CPU thread.
 
@@ -243,7 +243,8 @@ def train_guide(model, guide, swaps, answer, steps: int, particles: int, lr: flo
 
 
 # ---------------------------------------------------------------------------------------------- main
-def run(quick: bool = False, seed: int = 0, progress: bool = True) -> dict:
+def run(quick: bool = False, seed: int = 0, progress: bool = True) -> tuple[dict, dict]:
+    """Every engine on the example; returns (the numbers, as JSON can hold them; each engine's estimates)."""
     torch.manual_seed(seed)
     pyro.set_rng_seed(seed)
     pyro.clear_param_store()
@@ -294,7 +295,8 @@ def run(quick: bool = False, seed: int = 0, progress: bool = True) -> dict:
         target = "factor" if "factor" in name else "plain"
         ex_post = post_factor if target == "factor" else post_plain
         out["results"][name] = {"log_z": e["log_z"], "se": e["se"], "exact": out["exact"][target],
-                                "ess_fraction": e["ess_fraction"], "khat": e["khat"], "resampled": e["resampled"],
+                                "ess_fraction": e["ess_fraction"], "resampled": e["resampled"],
+                                "khat": e["khat"] if math.isfinite(e["khat"]) else None,
                                 "tv_to_exact": total_variation(e["posterior"], ex_post)}
     top = sorted(post_plain, key=post_plain.get, reverse=True)[:5]
     out["top_thoughts"] = {"thoughts": top, "exact": [post_plain[k] for k in top]}
@@ -329,6 +331,8 @@ def report(out: dict) -> None:
               f"{r['resampled']:9.1f} {r['tv_to_exact']:6.3f}")
     print("ESS/n: mean importance ESS of the final weights (from the ArviZ attrs); resampled: resampling steps "
           "per run;\nTV: total variation between the estimated and the exact posterior over thought sequences.")
+    print("SMC rows that never resampled repeat the IS rows: with no evidence before the answer the weights stay "
+          "equal,\nso SMC does not resample and, on the same seeds, is importance sampling.")
     print("factor: the verifier is part of the model (another Z, another posterior); twist: SMC steers by it and "
           "divides it out (the Z of the plain program)\n")
     s = out["svi"]
