@@ -183,6 +183,12 @@ class Sampler(Program, ABC):
         return torch.ones(seg.shape[0], dtype=torch.bool, device=seg.device) if t + 1 >= T else None
 
 
+def num_observed(lifting: Automaton) -> int:
+    """|x| read off the lifting automaton of x: the observables its final states have emitted (0 if none)."""
+    final = lifting.emitted[lifting.final]
+    return int(final.max()) if len(final) else 0
+
+
 def segment_end(t: int, num_observed: int) -> int | None:
     """``until_emitted`` of step t: segment t ends once t + 1 observables are determined; the last
     segment ends at a final state of the automaton (None)."""
@@ -207,8 +213,7 @@ class SequenceGuide(Program):
         auto = seq.constraint
         state["q"] = LMState.start(seq.lm, particles(), prompt=seq.prompt, rule=TokenRule(auto, seq.vocab_size),
                                    max_len=seq.max_len, stop_ids=seq.stop_ids, lm_kwargs=seq.lm_kwargs)
-        final = auto.emitted[auto.final]
-        state["num_observed"] = int(final.max()) if len(final) else 0
+        state["num_observed"] = num_observed(auto)
 
     step = Sampler.step
 

@@ -12,7 +12,7 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
 from ppl_thought.errors import NotInImageError
-from ppl_thought.guides.base import PAD_ID, Sampler
+from ppl_thought.guides.base import PAD_ID, Sampler, num_observed
 
 
 class _TableSampler(Sampler):
@@ -157,7 +157,7 @@ class TableState:
         self.support, self.log_q = support, log_q
         K, L = support.shape
         self.lengths_k = (support != PAD_ID).sum(-1)
-        T = int(lift.emitted[lift.final].max()) if lift.final.any() else 0
+        T = num_observed(lift)
         s = lift.start_states(K)
         emitted = torch.empty(K, L + 1, dtype=torch.long)
         emitted[:, 0] = lift.num_emitted(s)

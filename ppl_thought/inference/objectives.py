@@ -161,9 +161,6 @@ class ParticleObjective(ELBO):
                 return fn(*args, **kwargs)
         return wrapped
 
-    def _per_particle(self, trace, n: int) -> torch.Tensor:
-        return per_particle(trace, n)
-
     def particles(self, model: Callable, guide: Callable, *args, num_particles: int | None = None,
                   **kwargs) -> Particles:
         """Sample n particles from ``guide`` in one batched call and score them under ``model``
@@ -297,7 +294,7 @@ class SFT(ParticleObjective):
             if self.site not in tr.nodes:
                 raise ValueError(f"the model has no site {self.site!r} to fit the sequences to")
             tr.compute_log_prob()
-            log_p = self._per_particle(tr, seq.shape[0])
+            log_p = per_particle(tr, seq.shape[0])
             if not torch.isfinite(log_p).all():
                 bad = (~torch.isfinite(log_p)).nonzero().flatten()[:5].tolist()
                 raise ValueError(f"SFT sequences {bad} have probability 0 under the model (outside its support, "
