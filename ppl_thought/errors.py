@@ -41,3 +41,7 @@ class ProgramError(PPLThoughtError, ValueError):
 
 class SiteMismatchError(PPLThoughtError, ValueError):
     """A guide does not sample exactly the model's latent sites (a name or a shape differs)."""
+
+
+class ZeroWeightsError(PPLThoughtError, ValueError):
+    """Every importance weight is zero (log weight -inf): the estimate of p(x) would be 0."""

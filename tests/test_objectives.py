@@ -62,10 +62,13 @@ def test_one_sampler_gradient_converges_to_exact():
 
 
 def test_sampler_policy_gradient_is_unbiased_for_reverse_kl():
+    """Per-coordinate z-test of the mean gradient over 400 seeds. Some coordinates are driven by rare
+    tokens (heavy tails): with 100 seeds their sample SE is too small and an unbiased estimator can
+    show z = 13; at 400 seeds the largest z is about 2.4."""
     prior, q, model, guide = problem()
     gstar = _grad(q, lambda: exact_reverse_kl(model, guide).backward())
     obj, gs = SamplerPolicyGradient(4), []
-    for s in range(100):
+    for s in range(400):
         torch.manual_seed(s)
         gs.append(_grad(q, lambda: obj.loss_and_grads(model, guide, X)))
         assert prior.logits.grad is None or prior.logits.grad.abs().sum() == 0  # P is detached
@@ -105,13 +108,26 @@ def test_svi_engine_result():
 
 
 def test_two_sampler_gradient_and_reduction():
+    """(3.19): the two-sampler gradient is consistent. Over 16 seeds the relative mean squared error
+    falls like 1/n (measured: 0.26 at n=125, 0.02 at n=2000) and is below 0.05 at n=2000; an estimator
+    30% off (0.7 g) keeps an error of at least 0.09 and fails the same bound."""
     prior, q, model, guide = problem()
     from _training_fixtures import CausalGuide, tabular
     train_guide = CausalGuide(tabular(5), name="train_sampler")
     gstar = _grad(prior, lambda: exact_nll(model).backward())
-    torch.manual_seed(0)
-    g = _grad(prior, lambda: TwoSampler(train_guide, 2000).loss_and_grads(model, guide, X))
-    assert (g - gstar).norm() < 0.15 * gstar.norm()
+    mse, mse_wrong = {}, 0.0
+    for n in (125, 2000):
+        errs = []
+        for s in range(16):
+            torch.manual_seed(s)
+            g = _grad(prior, lambda n=n: TwoSampler(train_guide, n).loss_and_grads(model, guide, X))
+            errs.append(float(((g - gstar).norm() / gstar.norm()) ** 2))
+            if n == 2000:
+                mse_wrong += float(((0.7 * g - gstar).norm() / gstar.norm()) ** 2) / 16
+        mse[n] = sum(errs) / len(errs)
+    assert mse[2000] < mse[125] / 4
+    assert mse[2000] < 0.05
+    assert mse_wrong > 0.05
     with pytest.raises(TypeError):
         TwoSampler("not a guide")
 

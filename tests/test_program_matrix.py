@@ -33,7 +33,7 @@ V = len(VOCAB)
 A, B, STOP = VOCAB.id("a"), VOCAB.id("b"), VOCAB.id("</s>")
 
 
-def seeds(request, fast: int = 12, slow: int = 60) -> range:
+def seeds(request, fast: int = 48, slow: int = 240) -> range:
     return range(slow if request.config.getoption("--slow") else fast)
 
 
@@ -178,12 +178,16 @@ def estimates(engine: str, model, guide, x, seeds_, n: int = 64):
     for seed in seeds_:
         torch.manual_seed(seed)
         pyro.set_rng_seed(seed)
-        if engine == "Importance":
-            r = pt.infer.Importance(n).run(model, guide, x)
-            ses.append(float(r.log_marginal_stderr))
-        else:
-            r = pt.infer.SMC(n, ess_threshold=0.5).run(model, guide, x)
-        out.append(float(r.log_marginal))
+        try:
+            if engine == "Importance":
+                r = pt.infer.Importance(n).run(model, guide, x)
+                ses.append(float(r.log_marginal_stderr))
+            else:
+                r = pt.infer.SMC(n, ess_threshold=0.5).run(model, guide, x)
+            out.append(float(r.log_marginal))
+        except pt.errors.ZeroWeightsError:  # no particle hit x: Z-hat = 0, a legitimate draw of the estimator
+            out.append(float("-inf"))
+            ses.append(float("inf")) if engine == "Importance" else None
     return torch.tensor(out, dtype=torch.float64), torch.tensor(ses, dtype=torch.float64)
 
 
@@ -207,7 +211,7 @@ def test_matrix(request, model_kind, guide_kind, engine):
     model, guide, x, exact = build(model_kind, guide_kind)
     n = 1024 if guide is None and model_kind != "hmm" else 64  # a bootstrap from the prior mostly misses x
     log_z, ses = estimates(engine, model, guide, x, seeds(request), n=n)
-    assert torch.isfinite(log_z).all()
+    assert not torch.isnan(log_z).any() and torch.isfinite(log_z).float().mean() > 0.9  # Z-hat = 0 is rare
     check_unbiased(log_z, exact, ses, f"{model_kind} x {guide_kind} x {engine}")
     if guide_kind == "posterior" and (model_kind != "hmm" or engine == "Importance"):
         # the zero-variance proposal: Z-hat = Z exactly (the HMM's step-wise posterior guide is exact

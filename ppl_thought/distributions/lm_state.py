@@ -98,8 +98,9 @@ class TokenRule:
         admissible token is all -inf (never NaN)."""
         bias = self._table("bias", s.device)
         x = logits.float() + (bias if self.constraint is None else bias[s])
-        out = x - torch.logsumexp(x, -1, keepdim=True)  # (faster than log_softmax for small vocabularies on CPU)
-        return out.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        # (faster than log_softmax for small vocabularies on CPU); an all -inf row has normaliser -inf:
+        # clamped to the lowest float it leaves the row -inf instead of NaN
+        return x - torch.logsumexp(x, -1, keepdim=True).clamp(min=_LOWEST)
 
     def step(self, s: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         return s if self.constraint is None else self.constraint.step(s, tok)
@@ -423,6 +424,7 @@ class Segment(TorchDistribution):
         if self.scalar and value.shape[1] == 0:
             out = torch.zeros(n, dtype=torch.long, device=dev)
         self._memo.append((out, post, False))
+        out._pt_sampled_vocab = base.lm.vocab_size  # well formed by construction (see _check)
         return out, post["_step_lp"]
 
     def _decode(self, active, generator, valid_mode):
@@ -454,7 +456,7 @@ class Segment(TorchDistribution):
             logq = rule.log_probs(logits, s)
             dead = torch.isneginf(logq).all(-1) & active
             probs = torch.where((~active | dead)[:, None], pad_row, logq.exp())
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # <pad> where not active
+            tok = sample_categorical(probs, generator)  # <pad> where not active
             lp = lp + logq.gather(-1, tok[:, None]).squeeze(-1).masked_fill_(~active, 0.0)
             s = torch.where(_col(active, s), rule.step(s, tok), s)
             lengths = lengths + active.long()
@@ -558,6 +560,10 @@ class Segment(TorchDistribution):
 
     def _check(self, value) -> torch.Tensor:
         base = self.base
+        sampled_vocab = getattr(value, "_pt_sampled_vocab", None)
+        if sampled_vocab is not None and sampled_vocab <= base.lm.vocab_size and value.ndim == 2 \
+                and value.shape[0] == base.n:
+            return value  # a segment a Segment sampled: ids in range, no <pad> inside a row
         v = torch.as_tensor(value, device=base.device)
         if v.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise MalformedSequenceError(f"segments must hold integer token ids, got dtype {v.dtype}")
@@ -648,6 +654,22 @@ class Segment(TorchDistribution):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+_LOWEST = torch.finfo(torch.float32).min
+
+
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of ``probs [n, V]`` (unnormalised, non-negative, every row with positive mass) by
+    inversion: the first index whose cumulative mass exceeds u * total, u ~ U[0, 1). An index of mass 0
+    is never drawn (its cumulative mass equals the previous one), and u * total is kept below the total,
+    so the draw is in range. One uniform per row: a few times cheaper than ``torch.multinomial`` on CPU
+    for small vocabularies, and one pass over the row for large ones."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return (cdf <= u).sum(-1)
+
+
 def _gathered(post: dict) -> dict:
     """A post-state sampled on fewer rows made whole: the cache (or contexts) gathered back to every row
     (rows that ended their sequence get another row's: nothing reads them)."""

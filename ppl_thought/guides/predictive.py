@@ -26,7 +26,7 @@ import numpy as np
 import pyro
 import torch
 
-from ppl_thought.distributions.lm_state import LMState, TokenRule
+from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
 from ppl_thought.errors import NotDisentangledError
 from ppl_thought.guides.base import PAD_ID, Sampler
 from ppl_thought.lm.base import lm_device
@@ -164,7 +164,7 @@ class MarginalizedDecoder(Sampler):
                     break
                 logq = self.step_log_probs(logits.float(), sD, sL, x, D, lift)
                 probs = torch.where(done[:, None], torch.ones_like(logq), logq.exp())
-                tok = torch.multinomial(probs, 1).squeeze(-1)
+                tok = sample_categorical(probs)
                 active = ~done
                 lp = lp + torch.where(active, logq.gather(-1, tok[:, None]).squeeze(-1), torch.zeros_like(lp))
                 tok = torch.where(active, tok, torch.full_like(tok, PAD_ID))

@@ -21,13 +21,9 @@ from typing import Any
 import pyro.poutine as poutine
 import torch
 
-from ppl_thought.errors import NotInImageError, PPLThoughtError
+from ppl_thought.errors import NotInImageError, ZeroWeightsError
 from ppl_thought.inference.particles import sample_particles
 from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
-
-
-class ZeroWeightsError(PPLThoughtError, ValueError):
-    """Every importance weight is zero (log weight -inf): the estimate of p(x) would be 0."""
 
 
 # ---------------------------------------------------------------------------------------------- statistics

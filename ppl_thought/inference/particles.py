@@ -28,6 +28,7 @@ from typing import Any
 import pyro
 import pyro.poutine as poutine
 import torch
+from pyro.distributions.util import scale_and_mask
 from pyro.poutine.util import site_is_subsample
 
 from ppl_thought.errors import ProgramError, SiteMismatchError
@@ -102,6 +103,18 @@ def particle_frame_dim(site) -> int | None:
     return None
 
 
+def site_log_prob(site) -> torch.Tensor:
+    """The site's scaled and masked log-probability, computed once (as ``Trace.compute_log_prob`` stores
+    it, without its per-site sums and warnings: the engines check the weights themselves)."""
+    lp = site.get("log_prob")
+    if lp is None:
+        lp = site["fn"].log_prob(site["value"], *site["args"], **site["kwargs"])
+        site["unscaled_log_prob"] = lp
+        lp = scale_and_mask(lp, site["scale"], site["mask"])
+        site["log_prob"] = lp
+    return lp
+
+
 def per_particle(trace, n: int, which: str = "all", device=None) -> torch.Tensor:
     """Sum of site log-probs per particle ``[n]`` (``which``: "all", "observed" or "latent").
 
@@ -116,9 +129,11 @@ def per_particle(trace, n: int, which: str = "all", device=None) -> torch.Tensor
             continue
         if which == "latent" and site["is_observed"]:
             continue
-        lp = torch.as_tensor(site["log_prob"])
+        lp = torch.as_tensor(site_log_prob(site))
         dim = particle_frame_dim(site)
-        if dim is not None and lp.ndim >= -dim and lp.shape[dim] in (1, n):
+        if dim is not None and lp.ndim == -dim and lp.shape[0] == n:  # the particle dim leftmost
+            lp = lp if lp.ndim == 1 else lp.reshape(n, -1).sum(-1)
+        elif dim is not None and lp.ndim >= -dim and lp.shape[dim] in (1, n):
             lp = torch.movedim(lp, lp.ndim + dim, 0)
             lp = lp.expand((n,) + lp.shape[1:]).reshape(n, -1).sum(-1)
         else:
@@ -161,9 +176,14 @@ def find_max_plate_nesting(model, guide, args: tuple = (), kwargs: dict | None =
     return depth
 
 
-def _in_plate(fn: Callable, n: int, dim: int) -> Callable:
+def particle_plate(n: int, dim: int) -> pyro.plate:
+    """The particle plate; one instance may be entered at every step of a run (Pyro plates are reusable)."""
+    return pyro.plate(PARTICLES, n, dim=dim)
+
+
+def _in_plate(fn: Callable, n: int, dim: int, plate: pyro.plate | None = None) -> Callable:
     def wrapped(*args, **kwargs):
-        with pyro.plate(PARTICLES, n, dim=dim):
+        with plate if plate is not None else particle_plate(n, dim):
             return fn(*args, **kwargs)
     return wrapped
 
@@ -252,18 +272,21 @@ class StepOutput:
     token_steps: int  # lockstep token steps of the sequence sites (for throughput figures)
 
 
-def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, where: str) -> StepOutput:
+def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, where: str,
+             plate: pyro.plate | None = None) -> StepOutput:
     """Run one step: ``guide_fn()`` (if any) under the particle plate, then ``model_fn()`` replayed on it.
 
-    ``model_fn`` / ``guide_fn`` are closures over the program's state, ``t`` and the data.
+    ``model_fn`` / ``guide_fn`` are closures over the program's state, ``t`` and the data; ``plate``
+    (:func:`particle_plate`) is made once per run by the engine. The incremental weight is the step's
+    model log-probability minus the guide's (per particle), -inf where the model's is.
     """
     try:
         gtr = None
         if guide_fn is not None:
-            gt = poutine.trace(_in_plate(guide_fn, n, dim))
+            gt = poutine.trace(_in_plate(guide_fn, n, dim, plate))
             gt()
             gtr = gt.trace
-        fn = _in_plate(model_fn, n, dim)
+        fn = _in_plate(model_fn, n, dim, plate)
         mt = poutine.trace(poutine.replay(fn, trace=gtr) if gtr is not None else fn)
         with collect_twists() as tw:
             done = mt()
@@ -272,8 +295,6 @@ def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, wh
         raise _duplicate_site_error(e) from None
     if gtr is not None:
         check_sites(mtr, gtr, where)
-        gtr.compute_log_prob()
-    mtr.compute_log_prob()
     source = gtr if gtr is not None else mtr
     if gtr is not None:
         log_w = log_ratio(per_particle(mtr, n), per_particle(gtr, n, "latent"))

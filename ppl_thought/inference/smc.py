@@ -18,10 +18,10 @@ import pyro.poutine as poutine
 import torch
 
 from ppl_thought.distributions.lm_state import LMState
-from ppl_thought.errors import NotInImageError, ProgramError
+from ppl_thought.errors import NotInImageError, ProgramError, ZeroWeightsError
 from ppl_thought.guides.base import as_step_guide
-from ppl_thought.inference.importance import ZeroWeightsError, _not_in_image_result, log_marginal_stderr
-from ppl_thought.inference.particles import require_program, run_step
+from ppl_thought.inference.importance import _not_in_image_result, log_marginal_stderr
+from ppl_thought.inference.particles import particle_plate, require_program, run_step
 from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
 from ppl_thought.program import as_done, freeze_finished, reorder_state
 
@@ -118,11 +118,13 @@ class SMC:
         depth = max(int(getattr(model, "max_plate_nesting", 0) or 0),
                     int(getattr(guide, "max_plate_nesting", 0) or 0) if guide is not None else 0)
         dim = -(depth + 1)
+        plate = particle_plate(n, dim)
         sm: dict = {}
         sg: dict = {}
         name = type(model).__name__
         out = run_step(lambda: model.init(sm, *args, **kwargs),
-                       (lambda: guide.init(sg, *args, **kwargs)) if guide is not None else None, n, dim, "in init")
+                       (lambda: guide.init(sg, *args, **kwargs)) if guide is not None else None, n, dim, "in init",
+                       plate)
         lw = out.log_w.clone()
         dev = lw.device
         # read after init: a program may set its number of steps from the data there
@@ -131,6 +133,7 @@ class SMC:
         seen: dict[str, str] = {}
         self._record(values, seen, out.values, "init")
         finished = torch.zeros(n, dtype=torch.bool, device=dev)
+        any_finished = twisted = False  # host copies, updated at the one sync of each step
         prev_psi = torch.zeros(n, device=dev)
         ancestry, ess_hist, resampled = [], [], []
         token_steps = out.token_steps
@@ -139,10 +142,10 @@ class SMC:
             if t >= bound:
                 raise ProgramError(f"{name} did not finish within max_steps={bound} steps (return a bool tensor "
                                    "[num_particles] from step to mark finished particles)")
-            before = dict(sm) if bool(finished.any()) else None
+            before = dict(sm) if any_finished else None
             out = run_step(lambda t=t: model.step(sm, t, *args, **kwargs),
                            (lambda t=t: guide.step(sg, t, *args, **kwargs)) if guide is not None else None,
-                           n, dim, f"in step {t}")
+                           n, dim, f"in step {t}", plate)
             if before is not None:
                 freeze_finished(before, sm, finished)
             self._record(values, seen, out.values, f"step {t}")
@@ -150,7 +153,8 @@ class SMC:
             done = as_done(out.done, n, dev)
             inc = torch.where(finished, torch.zeros_like(out.log_w), out.log_w.to(dev))
             now_done = finished | done if done is not None else finished
-            if out.log_psi is not None or bool(prev_psi.ne(0).any()):
+            twisted = twisted or out.log_psi is not None
+            if twisted:  # the twist telescopes (pt.twist): add psi_t - psi_{t-1}; 0 once a particle is done
                 psi = prev_psi if out.log_psi is None else torch.as_tensor(out.log_psi, device=dev).float().expand(n)
                 psi = torch.where(now_done, torch.zeros_like(psi), psi)
                 delta = torch.where(torch.isneginf(prev_psi), torch.zeros_like(psi), psi - prev_psi)
@@ -158,16 +162,20 @@ class SMC:
                 prev_psi = psi
             lw = lw + inc
             finished = now_done
-            if torch.isnan(lw).any():
+            ess = effective_sample_size(lw)
+            # the one host sync of the step
+            has_nan, all_zero, ess_f, all_done, any_finished = torch.stack(
+                [torch.isnan(lw).any().float(), torch.isneginf(lw).all().float(), ess.float(),
+                 finished.all().float(), finished.any().float()]).tolist()
+            if has_nan:
                 raise ValueError(f"NaN weights after step {t} of {name} (a twist or log-probability is NaN or +inf)")
-            if torch.isneginf(torch.logsumexp(lw, 0)):
+            if all_zero:
                 raise ZeroWeightsError(
                     f"SMC: all {n} particle weights are zero (log weight -inf) after step {t} of {name}: the "
                     "proposal only produced values the model (or a twist) gives probability 0")
-            ess = effective_sample_size(lw)
-            ess_hist.append(float(ess))
-            all_done = bool(finished.all())
-            if not all_done and float(ess) < self.ess_threshold * n:
+            ess_hist.append(ess_f)
+            all_done, any_finished = all_done > 0, any_finished > 0
+            if not all_done and ess_f < self.ess_threshold * n:
                 idx = resample(torch.softmax(lw, 0), self.resampling, self.generator).to(dev)
                 lw = log_mean_exp(lw).expand(n).clone()
                 reorder_state(sm, idx, n)

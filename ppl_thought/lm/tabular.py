@@ -66,7 +66,7 @@ class Tabular(nn.Module):
             raise MalformedSequenceError(
                 f"tokens must be a LongTensor [B, T], got {tuple(tokens.shape)} {tokens.dtype}"
             )
-        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+        if tokens.numel() and not _in_range(tokens, self.vocab_size):
             raise UnknownTokenError(f"token ids must lie in [0, {self.vocab_size})")
 
     def forward(self, tokens: torch.Tensor, cache: TabularCache | None = None,
@@ -117,3 +117,8 @@ class Tabular(nn.Module):
             else:
                 out.append(self.logits.expand(B, self.vocab_size))
         return torch.stack(out, 1), TabularCache(ctx, length + T)
+
+
+def _in_range(tokens: torch.Tensor, vocab_size: int) -> bool:
+    lo, hi = torch.aminmax(tokens)
+    return bool((lo >= 0) & (hi < vocab_size))  # one host sync
