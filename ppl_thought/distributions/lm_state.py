@@ -105,6 +105,14 @@ class TokenRule:
     def step(self, s: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         return s if self.constraint is None else self.constraint.step(s, tok)
 
+    def advance(self, s: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        """:meth:`step`, except that rows reading ``<pad>`` keep their state (right-padded batches)."""
+        if self.constraint is None:
+            return s
+        if type(self).step is TokenRule.step and hasattr(self.constraint, "advance"):
+            return self.constraint.advance(s, tok)
+        return torch.where(_col(tok != PAD_ID, s), self.step(s, tok), s)
+
     def is_final(self, s: torch.Tensor) -> torch.Tensor:
         if self.constraint is None:
             return torch.zeros(s.shape[0], dtype=torch.bool, device=s.device)
@@ -339,6 +347,10 @@ class Segment(TorchDistribution):
         self.base_version = lm_state._version
         self.until_emitted = until_emitted
         self.stop_ids = (lm_state.stop_ids if stop is None else _as_ids(stop)).to(lm_state.device)
+        # host-side facts the per-token loop reads (no tensor work per token)
+        self._until_t = None if until_emitted is None else torch.as_tensor(until_emitted, device=lm_state.device)
+        self._base_stops = lm_state.stop_ids.numel() > 0
+        self._own_stops = self.stop_ids.numel() > 0 and self.stop_ids is not lm_state.stop_ids
         self.max_tokens = max_tokens
         self._end_tables = None  # per-state end tables of the rule for this segment (False: not available)
         self.scalar = scalar
@@ -358,12 +370,11 @@ class Segment(TorchDistribution):
 
     # ------------------------------------------------------------------ where a segment ends
     def _until(self) -> torch.Tensor | None:
-        if self.until_emitted is None:
-            return None
-        return torch.as_tensor(self.until_emitted, device=self.base.device)
+        return self._until_t
 
-    def _ends(self, tok, s, count, lengths, until) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the segment ends, the sequence ends) after token ``tok`` led to rule state ``s``."""
+    def _ends(self, tok, s, count, lengths, until, len_bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the segment ends, the sequence ends) after token ``tok`` led to rule state ``s``; ``len_bound``
+        (host int, optional) bounds ``lengths``: below ``max_len`` the length test is skipped."""
         base, rule = self.base, self.base.rule
         tabs = self._end_tables
         if tabs is None:
@@ -376,11 +387,11 @@ class Segment(TorchDistribution):
         else:
             seq_state = rule.is_final(s)
             seg_state = seq_state if until is None else seq_state | (rule.num_emitted(s) >= until)
-        seq = seq_state | (lengths >= base.max_len)
-        if len(base.stop_ids):
+        seq = seq_state if len_bound is not None and len_bound < base.max_len else seq_state | (lengths >= base.max_len)
+        if self._base_stops:
             seq = seq | torch.isin(tok, base.stop_ids)
         seg = seq | seg_state
-        if len(self.stop_ids) and self.stop_ids is not base.stop_ids:
+        if self._own_stops:
             seg = seg | torch.isin(tok, self.stop_ids)
         if self.max_tokens is not None:
             seg = seg | (count >= self.max_tokens)
@@ -430,7 +441,8 @@ class Segment(TorchDistribution):
     def _decode(self, active, generator, valid_mode):
         base, snap = self.base, self.snap
         rule, n, dev = base.rule, base.n, base.device
-        pad_row = torch.zeros(1, base.lm.vocab_size, device=dev)
+        V = base.lm.vocab_size
+        pad_row = torch.zeros(1, V, device=dev)
         pad_row[0, PAD_ID] = 1.0
         # the live rows (all of them until some are dropped) and their per-row quantities
         rows = None  # indices of the live rows among the n, None while all are live
@@ -440,6 +452,7 @@ class Segment(TorchDistribution):
         lp = torch.zeros(n, device=dev)
         until = self._until()
         kw = match_rows(base.lm_kwargs, n)
+        len_bound = int(lengths.max())  # host bound on the lengths (one sync per segment)
         full: dict[str, torch.Tensor] = {}  # per-row results of every row, written when rows are dropped
         blocks: list[tuple[torch.Tensor | None, list[torch.Tensor]]] = []  # (rows, token columns)
         cols: list[torch.Tensor] = []
@@ -454,23 +467,25 @@ class Segment(TorchDistribution):
 
         while True:
             logq = rule.log_probs(logits, s)
-            dead = torch.isneginf(logq).all(-1) & active
-            probs = torch.where((~active | dead)[:, None], pad_row, logq.exp())
+            probs = torch.where(active[:, None], logq.exp(), pad_row)
             tok = sample_categorical(probs, generator)  # <pad> where not active
+            dead = tok == V  # an active row with no admissible token of positive probability
+            tok = tok.clamp_(max=V - 1)
             lp = lp + logq.gather(-1, tok[:, None]).squeeze(-1).masked_fill_(~active, 0.0)
-            s = torch.where(_col(active, s), rule.step(s, tok), s)
+            s = rule.advance(s, tok)  # inactive rows drew <pad>
             lengths = lengths + active.long()
             if self.max_tokens is not None:
                 count = count + active.long()
             cols.append(tok)
-            seg_end, seq_end = self._ends(tok, s, count, lengths, until)
+            len_bound += 1
+            seg_end, seq_end = self._ends(tok, s, count, lengths, until, len_bound)
             done = done | (active & seq_end)
             still = active & ~seg_end
             need = active & ~done  # rows whose logits after this token will be read
             feed_all = (active | done).all() if valid_mode else need.all()
             # the one host sync of the step
-            is_dead, any_need, any_still, n_done, all_valid = torch.stack(
-                [dead.any(), need.any(), still.any(), done.sum(), feed_all]).tolist()
+            is_dead, any_need, any_still, n_done, all_valid, all_need = torch.stack(
+                [dead.any(), need.any(), still.any(), done.sum(), feed_all, need.all()]).tolist()
             if is_dead:
                 raise ValueError(f"{int(dead.sum())} rows have no admissible token of positive probability: "
                                  "the LM gives probability 0 to every token the constraint allows")
@@ -493,7 +508,11 @@ class Segment(TorchDistribution):
                 kw = {k: (v[keep] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == m else v)
                       for k, v in kw.items()}
                 all_valid = bool(active.all())  # no row left has ended its sequence
-            if any_need:
+                all_need = bool(need.all())
+            if all_need:  # every row goes on: feed its token as it is, take every row's logits
+                fl, cache, context = base._feed(cache, context, tok[:, None], None, kw)
+                logits = fl[:, -1].to(logits.dtype)
+            elif any_need:
                 # the next logits of the rows that go on (also the post-state, for rows whose segment ended)
                 if valid_mode:
                     feed = torch.where(active, tok, torch.full_like(tok, BOS_ID))
@@ -610,10 +629,10 @@ class Segment(TorchDistribution):
             # table rules: step the states along the segment, then every end test at once on [n, S]
             for j in range(S):
                 states.append(s)
-                s = torch.where(present[:, j], rule.step(s, v[:, j]), s)
+                s = rule.advance(s, v[:, j])
             after = torch.stack(states[1:] + [s], 1)
             cum = torch.cumsum(present.long(), 1)
-            seg_end, seq_end = self._ends(v, after, cum, lengths[:, None] + cum, until)
+            seg_end, seq_end = self._ends(v, after, cum, lengths[:, None] + cum, until, int(lengths.max()) + S)
             seg_end, seq_end = seg_end & present, seq_end & present
             lengths = lengths + seg_len
             done = done | seq_end.any(-1)
@@ -658,11 +677,12 @@ _LOWEST = torch.finfo(torch.float32).min
 
 
 def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per row of ``probs [n, V]`` (unnormalised, non-negative, every row with positive mass) by
-    inversion: the first index whose cumulative mass exceeds u * total, u ~ U[0, 1). An index of mass 0
-    is never drawn (its cumulative mass equals the previous one), and u * total is kept below the total,
-    so the draw is in range. One uniform per row: a few times cheaper than ``torch.multinomial`` on CPU
-    for small vocabularies, and one pass over the row for large ones."""
+    """One draw per row of ``probs [n, V]`` (unnormalised, non-negative) by inversion: the first index
+    whose cumulative mass exceeds u * total, u ~ U[0, 1). An index of mass 0 is never drawn (its
+    cumulative mass equals the previous one), and u * total is kept below the total, so a row with
+    positive mass draws in range; a row of zero mass draws V (callers test for it). One uniform per
+    row: a few times cheaper than ``torch.multinomial`` on CPU for small vocabularies, and one pass over
+    the row for large ones."""
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * total

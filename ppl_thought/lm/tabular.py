@@ -79,7 +79,7 @@ class Tabular(nn.Module):
         lockstep).
         """
         self._check(tokens)
-        if valid is not None and not bool(valid.all()):
+        if valid is not None:
             return self._forward_valid(tokens, cache, valid)
         B, T = tokens.shape
         k = self.order - 1
@@ -108,6 +108,10 @@ class Tabular(nn.Module):
             length = 0
         else:
             ctx, length = cache.context, cache.length
+        if k > 0 and T == 1:  # one token per row (decoding): no loop, no stack
+            shifted = torch.cat([ctx[:, 1:], tokens.long()], dim=1) if k > 1 else tokens.long()
+            ctx = torch.where(valid, shifted, ctx)
+            return self.logits[tuple(ctx.unbind(-1))][:, None], TabularCache(ctx, length + 1)
         out = []
         for i in range(T):
             if k > 0:

@@ -119,7 +119,7 @@ class SlowThinking(Program):
             raise ProgramError("the step-wise SlowThinking program needs the observation x (SMC conditions on it)")
         xt = self.x_ids(x)
         T = len(xt)
-        lift = self._cached(("lift", tuple(xt.tolist())), lambda: self.projection.lifting(xt))
+        lift = self.projection.lifting(xt)  # cached by the projection
         rule = self._cached(("rule", T), lambda: TokenRule(self.projection.domain(T), len(self.vocab)))
         n = particles()
         pyro.module("prior", self.prior)
@@ -139,12 +139,10 @@ class SlowThinking(Program):
         lift = state["lifting"].value
         s = state["lift"]
         for j in range(seg.shape[-1]):
-            tok = seg[:, j]
-            s = torch.where(tok != PAD_ID, lift.step(s, tok), s)
+            s = lift.advance(s, seg[:, j])
         state["lift"] = s
         ok = lift.is_final(s) if last else lift.num_emitted(s) >= t + 1
-        pyro.factor(f"x_{t}", torch.where(ok, torch.zeros(ok.shape, device=ok.device),
-                                          torch.full(ok.shape, float("-inf"), device=ok.device)))
+        pyro.factor(f"x_{t}", ok.float().log())  # 0 / -inf
         return torch.ones(st.n, dtype=torch.bool, device=st.device) if last else None
 
     def outputs(self, state: dict, x=None, length: int | None = None) -> dict:

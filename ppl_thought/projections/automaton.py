@@ -85,6 +85,11 @@ class Automaton:
             return self.torch_table(states.device)[states, tokens]
         return self._table[np.asarray(states), np.asarray(tokens)]
 
+    def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """:meth:`step` on tensors, except that ``<pad>`` (id 0, never admissible) keeps the state: one
+        gather steps a right-padded batch."""
+        return self._torch("advance", states.device)[states, tokens]
+
     def mask(self, states):
         """bool ``[..., V]``: admissible next tokens for a batch of states (dead -> all False)."""
         if isinstance(states, torch.Tensor):
@@ -113,16 +118,27 @@ class Automaton:
         return self._torch("table", device)
 
     def _torch(self, what: str, device) -> torch.Tensor:
+        t = self._torch_cache.get((what, device))  # a torch.device from a tensor: the common case
+        if t is not None:
+            return t
         key = (what, str(torch.device(device) if device is not None else "cpu"))
         t = self._torch_cache.get(key)
         if t is None:
-            src = {
-                "table": self._table,
-                "final": np.concatenate([self.final, [False]]),
-                "emitted": np.concatenate([self.emitted, [-1]]),
-            }[what]
+            if what == "advance":
+                src = self._table.copy()
+                if (src[:-1, 0] >= 0).any():
+                    raise ValueError("this automaton reads id 0 as a token: <pad> cannot keep the state")
+                src[:-1, 0] = np.arange(src.shape[0] - 1)  # <pad> keeps a live state; the dead row stays dead
+            else:
+                src = {
+                    "table": self._table,
+                    "final": np.concatenate([self.final, [False]]),
+                    "emitted": np.concatenate([self.emitted, [-1]]),
+                }[what]
             t = torch.as_tensor(src, device=device)
             self._torch_cache[key] = t
+        if isinstance(device, torch.device):
+            self._torch_cache[(what, device)] = t
         return t
 
     # ------------------------------------------------------------------ single strings

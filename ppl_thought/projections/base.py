@@ -99,8 +99,16 @@ class Projection(ABC):
                 f"observation x contains non-observable tokens {toks}; the observable vocabulary Sigma of "
                 f"{type(self).__name__} is {sigma}{more}"
             )
-        self._check_image(xa)
-        return self._lifting(xa)
+        key = xa.tobytes()
+        cache = self.__dict__.setdefault("_lifting_cache", {})
+        auto = cache.get(key)
+        if auto is None:
+            self._check_image(xa)
+            auto = self._lifting(xa)
+            if len(cache) >= 512:  # liftings are immutable: keep the recent ones (and their device tables)
+                cache.clear()
+            cache[key] = auto
+        return auto
 
     def _check_image(self, x: np.ndarray) -> None:  # noqa: B027 (optional hook)
         """Raise NotInImageError if x is not a prefix of any sequence in the image of Proj."""
