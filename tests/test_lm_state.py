@@ -246,3 +246,37 @@ def test_batched_prompts_with_a_sample_shape_keep_their_rows():
         assert torch.allclose(lp[:, b], ref, atol=1e-5)
     assert torch.allclose(d.log_prob(z.clone()), lp, atol=1e-5)
     assert concat(prompts, z[0]).shape[0] == 2
+
+
+def test_sample_categorical_is_exact_and_never_draws_mass_zero():
+    """Inversion sampling: frequencies match the probabilities (chi-square), an index of mass 0 is
+    never drawn, unnormalised rows are fine, and a row of zero mass draws V (the caller's dead-row test).
+    A sampler that ignored the cumulative mass (uniform over the support) fails the same chi-square."""
+    from ppl_thought.distributions.lm_state import sample_categorical
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.0, 0.1, 0.0, 0.6, 0.3, 0.0])
+    N = 100_000
+    draws = sample_categorical((3.0 * p).expand(N, -1), g)  # unnormalised
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[p == 0].sum() == 0
+    expected = N * p[p > 0].double()
+    stat = float(((counts[p > 0] - expected) ** 2 / expected).sum())
+    assert stat < chi2.ppf(0.999, 2)
+    uniform = N / 3 * torch.ones(3, dtype=torch.float64)
+    assert float(((uniform - expected) ** 2 / expected).sum()) > chi2.ppf(0.999, 2)
+    tiny = torch.tensor([[0.0, 0.0, 0.0, 1e-30]]).expand(1000, -1)
+    assert sample_categorical(tiny, g).eq(3).all()
+    assert sample_categorical(torch.zeros(2, 5), g).eq(5).all()
+
+
+def test_automaton_advance_keeps_the_state_on_pad():
+    vocab = Vocab(["a", "b"])
+    auto = PauseToThink(vocab, max_thought_len=1).lifting("ab")
+    V = len(vocab)
+    s = torch.arange(-1, auto.num_states).repeat_interleave(V)
+    tok = torch.arange(V).repeat(auto.num_states + 1)
+    adv, step = auto.advance(s, tok), auto.step(s, tok)
+    pad = tok == 0
+    assert torch.equal(adv[~pad], step[~pad])
+    assert torch.equal(adv[pad], s[pad])  # a live state stays, the dead state (-1) stays dead

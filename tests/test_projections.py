@@ -510,3 +510,15 @@ def test_builder_still_works_with_projection_automata():
     b.edge(s0, np.array([A, B]), s1)
     a = b.build(s0, 1)
     assert a.enumerate() == [(A,), (B,)]
+
+
+def test_lifting_is_cached_per_observation_and_still_checked():
+    from ppl_thought.errors import NotInImageError
+    from ppl_thought.projections import PauseToThink
+    from ppl_thought.vocab import Vocab
+
+    proj = PauseToThink(Vocab(["a", "b"]), max_thought_len=1)
+    a1, a2, b = proj.lifting("ab"), proj.lifting("ab"), proj.lifting("ba")
+    assert a1 is a2 and b is not a1
+    with pytest.raises(NotInImageError):
+        proj.lifting(["<s>"])
