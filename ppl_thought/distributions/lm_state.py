@@ -680,13 +680,15 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = 
     """One draw per row of ``probs [n, V]`` (unnormalised, non-negative) by inversion: the first index
     whose cumulative mass exceeds u * total, u ~ U[0, 1). An index of mass 0 is never drawn (its
     cumulative mass equals the previous one), and u * total is kept below the total, so a row with
-    positive mass draws in range; a row of zero mass draws V (callers test for it). One uniform per
+    positive mass draws in range; a row of zero mass draws V (callers test for it); float64 rows are
+    drawn in float64. One uniform per
     row: a few times cheaper than ``torch.multinomial`` on CPU for small vocabularies, and one pass over
     the row for large ones."""
     cdf = probs.cumsum(-1)
-    total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * total
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    # u * total' with total' = total (1 - 2^-22) < total after rounding, and u < 1: u * total' <= total'
+    # (a relative 2^-22 of the last index's mass is given to the earlier ones)
+    below = cdf[:, -1:] * (1.0 - 2.0 ** -22)
+    u = torch.rand(below.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * below
     return (cdf <= u).sum(-1)
 
 

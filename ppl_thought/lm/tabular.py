@@ -112,6 +112,11 @@ class Tabular(nn.Module):
             shifted = torch.cat([ctx[:, 1:], tokens.long()], dim=1) if k > 1 else tokens.long()
             ctx = torch.where(valid, shifted, ctx)
             return self.logits[tuple(ctx.unbind(-1))][:, None], TabularCache(ctx, length + 1)
+        if k == 1:  # bigram: the context at i is the last valid token up to i (one cummax, no loop)
+            pos = torch.arange(T, device=tokens.device).expand(B, T)
+            last = torch.where(valid, pos, torch.full_like(pos, -1)).cummax(1).values
+            prev = torch.where(last >= 0, tokens.long().gather(1, last.clamp(min=0)), ctx)
+            return self.logits[prev], TabularCache(prev[:, -1:], length + T)
         out = []
         for i in range(T):
             if k > 0:
