@@ -39,7 +39,8 @@ from ppl_thought.errors import ProgramError
 
 PARTICLES = "particles"
 
-__all__ = ["PARTICLES", "Program", "Shared", "as_done", "particles", "reorder_state", "twist", "freeze_finished"]
+__all__ = ["PARTICLES", "PARTICLE_PLATES", "Program", "Shared", "as_done", "freeze_finished", "particle_frame",
+           "particles", "reorder_state", "twist"]
 
 
 # ---------------------------------------------------------------------------------------------- twists
@@ -82,12 +83,24 @@ def twist(log_psi) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- plates
-def particles() -> int:
-    """The number of particles of the enclosing particle plate (``pyro.plate("particles", n)``), else 1."""
+#: plates that batch whole runs of a program: ours, and those of pyro's vectorised ELBOs / Importance
+#: (``vectorize_particles=True``) and ``Predictive(parallel=True)``
+PARTICLE_PLATES = (PARTICLES, "num_particles_vectorized", "_num_predictive_samples")
+
+
+def particle_frame():
+    """The innermost enclosing particle plate (:data:`PARTICLE_PLATES`), or None."""
     for frame in reversed(_PYRO_STACK):
-        if getattr(frame, "name", None) == PARTICLES and hasattr(frame, "size"):
-            return int(frame.size)
-    return 1
+        if getattr(frame, "name", None) in PARTICLE_PLATES and hasattr(frame, "size"):
+            return frame
+    return None
+
+
+def particles() -> int:
+    """The number of particles of the enclosing particle plate (``pyro.plate("particles", n)``, or the
+    plate of a vectorised Pyro ELBO / ``Predictive(parallel=True)``), else 1."""
+    frame = particle_frame()
+    return 1 if frame is None else int(frame.size)
 
 
 def as_done(done, n: int, device=None) -> torch.Tensor | None:
@@ -231,10 +244,10 @@ def _masked(finished: torch.Tensor | None):
 
 def _plate_mask(active: torch.Tensor) -> torch.Tensor:
     """The per-particle mask shaped for the particle plate's dim (right-aligned batch dims)."""
-    for frame in reversed(_PYRO_STACK):
-        if getattr(frame, "name", None) == PARTICLES and getattr(frame, "dim", None) is not None:
-            return active.reshape((-1,) + (1,) * (-frame.dim - 1))
-    return active
+    frame = particle_frame()
+    if frame is None or getattr(frame, "dim", None) is None:
+        return active
+    return active.reshape((-1,) + (1,) * (-frame.dim - 1))
 
 
 def sample_site_names(trace) -> list[str]:

@@ -280,3 +280,11 @@ def test_automaton_advance_keeps_the_state_on_pad():
     pad = tok == 0
     assert torch.equal(adv[~pad], step[~pad])
     assert torch.equal(adv[pad], s[pad])  # a live state stays, the dead state (-1) stays dead
+
+
+def test_stop_given_as_a_string_names_the_fix():
+    lm = Tabular(2, 6, torch.zeros(6, 6), trainable=False)
+    st = LMState.start(lm, 3, max_len=4)
+    with pytest.raises(MalformedSequenceError, match=r"vocab.id\('</s>'\)"):
+        st.segment(stop="</s>")
+    assert st.segment(stop=torch.tensor([4])).stop_ids.tolist() == [4]

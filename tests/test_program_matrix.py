@@ -290,3 +290,17 @@ def test_program_errors_are_clear():
         pt.infer.SMC(4).run(Endless(None, None), None, x)
     with pytest.raises(pt.errors.ProgramError, match="pt.Program"):
         pt.infer.SMC(4).run(lambda x: None, None, x)
+
+
+def test_programs_run_under_pyros_own_vectorised_plates():
+    """pt.particles() sees the plate of Pyro's vectorised ELBO (``vectorize_particles=True``): a program
+    batches its LM states over it (before, it made one row and the plate broadcast failed), and the
+    ELBO's estimate is finite and below the exact log p(x) (Jensen)."""
+    model, x = user_program()
+    guide = PlanThinkGuide(tab(8, order=2, scale=0.4), None)
+    exact = user_exact_log_prob(model, x)
+    pyro.set_rng_seed(0)
+    elbo = pyro.infer.Trace_ELBO(num_particles=256, vectorize_particles=True,
+                                 max_plate_nesting=model.max_plate_nesting)
+    bound = -elbo.loss(model, guide, x)
+    assert math.isfinite(bound) and bound < exact

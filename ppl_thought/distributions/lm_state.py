@@ -713,7 +713,14 @@ def _needs_grad(lm) -> bool:
 
 
 def _as_ids(stop) -> torch.Tensor:
-    items = [stop] if isinstance(stop, int) else list(stop)
+    if isinstance(stop, torch.Tensor):
+        items = stop.reshape(-1).tolist()
+    else:
+        items = [stop] if isinstance(stop, (int, str)) else list(stop)
+    bad = [s for s in items if isinstance(s, str) or isinstance(s, float)]
+    if bad:
+        raise MalformedSequenceError(f"stop takes token ids, got {bad!r}: an LMState knows ids, not strings; "
+                                     f"use vocab.id({bad[0]!r})")
     return torch.tensor([int(s) for s in items], dtype=torch.long)
 
 

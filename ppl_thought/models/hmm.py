@@ -40,10 +40,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.poutine.runtime import _PYRO_STACK
 
 from ppl_thought.errors import MalformedSequenceError, TooLargeToEnumerateError, UnknownTokenError
-from ppl_thought.program import PARTICLES, Program, particles, run_whole
+from ppl_thought.program import Program, particle_frame, particles, run_whole
 
 if TYPE_CHECKING:  # pragma: no cover
     from ppl_thought.lm.tabular import Tabular
@@ -104,10 +103,10 @@ def _particle_batch_shape() -> tuple[int, ...]:
     ``(n,)`` under ``pyro.plate("particles", n, dim=-1)``, ``(n, 1)`` at ``dim=-2``, ...; ``()``
     outside a (vectorised) particle plate.
     """
-    for frame in reversed(_PYRO_STACK):
-        if getattr(frame, "name", None) == PARTICLES and getattr(frame, "dim", None) is not None:
-            return (int(frame.size),) + (1,) * (-int(frame.dim) - 1)
-    return ()
+    frame = particle_frame()
+    if frame is None or getattr(frame, "dim", None) is None:
+        return ()
+    return (int(frame.size),) + (1,) * (-int(frame.dim) - 1)
 
 
 def _all_done() -> torch.Tensor:
