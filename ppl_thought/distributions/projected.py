@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from pyro.distributions import TorchDistribution
@@ -46,7 +48,7 @@ class ProjectionDelta(TorchDistribution):
         x = torch.as_tensor(x)
         if x.shape[-1] != self.num_observed:
             raise ValueError(f"observed x has length {x.shape[-1]}, the model was built for {self.num_observed}")
-        xs = x.reshape(-1, x.shape[-1])
+        xs = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (also for the empty observation)
         if not (xs == xs[:1]).all():
             return self._log_prob_rows(x)
         try:
@@ -54,19 +56,16 @@ class ProjectionDelta(TorchDistribution):
         except NotInImageError:
             return torch.full(torch.broadcast_shapes(x.shape[:-1], self.batch_shape), float("-inf"))
         z = self.z
-        table = lift.torch_table(z.device)
         s = torch.full(z.shape[:-1], lift.start, dtype=torch.long, device=z.device)
         for i in range(z.shape[-1]):
-            tok = z[..., i]
-            s = torch.where(tok == PAD_ID, s, table[s, tok])
-        ok = lift.is_final(s)
-        lp = torch.where(ok, torch.zeros(ok.shape), torch.full(ok.shape, float("-inf")))
+            s = lift.advance(s, z[..., i])  # <pad> keeps the state
+        lp = lift.is_final(s).float().log()  # 0 / -inf
         return lp.expand(torch.broadcast_shapes(x.shape[:-1], self.batch_shape))
 
     def _log_prob_rows(self, x: torch.Tensor) -> torch.Tensor:
         shape = torch.broadcast_shapes(x.shape[:-1], self.batch_shape)
-        xs = x.expand(shape + x.shape[-1:]).reshape(-1, x.shape[-1])
-        zs = self.z.expand(shape + self.z.shape[-1:]).reshape(-1, self.z.shape[-1])
+        xs = x.expand(shape + x.shape[-1:]).reshape(math.prod(shape), x.shape[-1])
+        zs = self.z.expand(shape + self.z.shape[-1:]).reshape(math.prod(shape), self.z.shape[-1])
         out = torch.empty(xs.shape[0])
         for i in range(xs.shape[0]):
             out[i] = ProjectionDelta(self.projection, zs[i : i + 1], self.num_observed).log_prob(xs[i])[0]
