@@ -45,3 +45,7 @@ class SiteMismatchError(PPLThoughtError, ValueError):
 
 class ZeroWeightsError(PPLThoughtError, ValueError):
     """Every importance weight is zero (log weight -inf): the estimate of p(x) would be 0."""
+
+
+class VocabularyError(PPLThoughtError, ValueError):
+    """A vocabulary that cannot be built: an empty, duplicate or whitespace-containing token or special."""

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ppl_thought.errors import UnknownTokenError
+from ppl_thought.errors import UnknownTokenError, VocabularyError
 
 PAD, BOS, EOS, THINK, END_THINK, EXPLAIN = "<pad>", "<bos>", "<eos>", "<s>", "</s>", "<explain>"
 RESERVED: tuple[str, ...] = (PAD, BOS, EOS, THINK, END_THINK, EXPLAIN)
@@ -32,18 +32,25 @@ class Vocab:
 
     def __init__(self, tokens: Iterable[str], specials: Sequence[str] = DEFAULT):
         tokens = list(tokens)
+        specials = list(specials)
+        for sp in specials:
+            if not isinstance(sp, str) or not sp or any(c.isspace() for c in sp):
+                raise VocabularyError(f"special token {sp!r} must be a non-empty string without whitespace")
+        dup = sorted({sp for sp in specials if specials.count(sp) > 1})
+        if dup:
+            raise VocabularyError(f"special token(s) {dup} appear more than once")
         extra = [s for s in specials if s not in RESERVED]
         names = list(RESERVED) + extra
         seen: set[str] = set(names)
         for t in tokens:
             if not isinstance(t, str) or not t or any(c.isspace() for c in t):
-                raise ValueError(f"vocabulary token {t!r} must be a non-empty string without whitespace")
+                raise VocabularyError(f"vocabulary token {t!r} must be a non-empty string without whitespace")
             if t in seen:
-                raise ValueError(f"vocabulary token {t!r} appears twice (or clashes with a special)")
+                raise VocabularyError(f"vocabulary token {t!r} appears twice (or clashes with a special)")
             seen.add(t)
             names.append(t)
         if not tokens:
-            raise ValueError("a vocabulary needs at least one ordinary token")
+            raise VocabularyError("a vocabulary needs at least one ordinary token")
         self._tokens: list[str] = names
         self._ids: dict[str, int] = {t: i for i, t in enumerate(names)}
         self.specials: tuple[str, ...] = tuple(RESERVED) + tuple(extra)

@@ -4,9 +4,11 @@ import math
 
 import pyro
 import pyro.distributions as dist
+import pytest
 import torch
 
 import ppl_thought as pt
+from ppl_thought.errors import PPLThoughtError
 
 VOCAB = pt.Vocab(["a", "b"])
 
@@ -57,3 +59,21 @@ def test_the_empty_observation_has_its_exact_log_prob():
     exact = float(model.exact_log_prob(""))
     for engine in (pt.infer.Importance(16), pt.infer.SMC(16)):
         assert math.isclose(float(engine.run(model, None, "").log_marginal), exact, abs_tol=1e-6)
+
+
+def test_vocab_refuses_bad_specials_with_a_library_error():
+    """(defect 11) duplicate and whitespace-containing specials were accepted."""
+    for specials in (["<x>", "<x>"], ["<a b>"], [""]):
+        with pytest.raises(PPLThoughtError, match="special"):
+            pt.Vocab(["a"], specials=specials)
+    with pytest.raises(PPLThoughtError, match="twice"):
+        pt.Vocab(["a", "a"])
+
+
+def test_tabular_refuses_nan_and_plus_inf_logits():
+    """(defect 6) +inf logits were accepted (softmax of +inf is NaN)."""
+    for bad in (float("nan"), float("inf")):
+        logits = torch.zeros(len(VOCAB), len(VOCAB))
+        logits[2, 3] = bad
+        with pytest.raises(PPLThoughtError, match=r"NaN or \+inf"):
+            pt.lm.Tabular(2, len(VOCAB), logits)

@@ -50,8 +50,9 @@ class Tabular(nn.Module):
         if tuple(logits.shape) != shape:
             raise ValueError(f"Tabular(order={order}, vocab_size={vocab_size}) needs logits of shape {shape}, "
                              f"got {tuple(logits.shape)}")
-        if torch.isnan(logits).any():
-            raise ValueError("Tabular logits contain NaN")
+        if torch.isnan(logits).any() or torch.isposinf(logits).any():
+            raise MalformedSequenceError("Tabular logits contain NaN or +inf (a logit may be -inf: a forbidden "
+                                         "transition; +inf has no probability)")
         if torch.isneginf(logits).all(dim=-1).any():
             raise ValueError("some context of the Tabular logits has every next token at -inf")
         self.order = order
