@@ -49,3 +49,8 @@ class ZeroWeightsError(PPLThoughtError, ValueError):
 
 class VocabularyError(PPLThoughtError, ValueError):
     """A vocabulary that cannot be built: an empty, duplicate or whitespace-containing token or special."""
+
+
+class CheckpointError(PPLThoughtError, ValueError):
+    """A checkpoint or saved result that cannot be loaded: bad or incomplete config, a tensors file that
+    is missing, outside the folder, or does not match its SHA-256."""

@@ -2,13 +2,16 @@
 
 A checkpoint is a directory::
 
-    model.safetensors   the state dict; tensors that alias one another (tied weights) are stored once
-                        and the other names are listed in the metadata entry "ppl_thought.aliases"
-    config.json         {"format", "config", "extra", "tensors": {"file", "sha256"}}
+    model.<sha>.safetensors   the state dict; tensors that alias one another (tied weights) are stored
+                              once and the other names are listed in the metadata entry
+                              "ppl_thought.aliases"; <sha> is the first 16 hex digits of its SHA-256
+    config.json               {"format", "config", "extra", "tensors": {"file", "sha256"}}
 
 Each file is written to a temporary file in the same directory, fsynced and moved into place with
-``os.replace``, so a reader sees the old file or the new one, never a torn one. The tensors are written
-first and the config records their SHA-256, so a crash between the two writes is detected at load time.
+``os.replace``. The tensors go first, under a name of their own; ``config.json`` is the commit point: it
+names the tensors file it belongs to, so overwriting a checkpoint leaves either the old pair or the new
+one, whenever the writer is killed. Tensors files no config names are removed after the commit.
+Loading checks the config (a plain file name inside the folder, every key present) and the SHA-256.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -25,8 +29,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ppl_thought.errors import CheckpointError
+
 FORMAT = "ppl_thought.checkpoint/1"
-TENSORS_FILE = "model.safetensors"
+TENSORS_STEM = "model"  # tensors files: model.<sha256[:16]>.safetensors (older checkpoints: model.safetensors)
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+\.safetensors")
 CONFIG_FILE = "config.json"
 _ALIASES_KEY = "ppl_thought.aliases"
 
@@ -46,10 +53,23 @@ def save_checkpoint(path: str | Path, module: torch.nn.Module | Mapping[str, tor
     path.mkdir(parents=True, exist_ok=True)
 
     metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
-    _atomic_write(path / TENSORS_FILE, lambda tmp: save_file(tensors, tmp, metadata=metadata))
-    header["tensors"] = {"file": TENSORS_FILE, "sha256": _sha256(path / TENSORS_FILE)}
+    tmp = path / f".{TENSORS_STEM}.{secrets.token_hex(8)}.tmp"
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        _fsync_file(tmp)
+        digest = _sha256(tmp)
+        name = f"{TENSORS_STEM}.{digest[:16]}.safetensors"
+        os.replace(tmp, path / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path)
+    header["tensors"] = {"file": name, "sha256": digest}
     text = json.dumps(header, indent=2, sort_keys=True) + "\n"
-    _atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    _atomic_write(path / CONFIG_FILE, lambda t: Path(t).write_text(text, encoding="utf-8"))  # the commit
+    for stale in path.glob(f"{TENSORS_STEM}*.safetensors"):
+        if stale.name != name:
+            stale.unlink(missing_ok=True)
     return path
 
 
@@ -60,14 +80,12 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tup
     directory holds no checkpoint of this format or the tensors file does not match the config.
     """
     path = Path(path)
-    if not (path / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"no checkpoint at {path} (missing {CONFIG_FILE})")
-    header = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise ValueError(f"{path / CONFIG_FILE} is not a {FORMAT} checkpoint")
+    header = _read_header(path)
     tensors_file = path / header["tensors"]["file"]
+    if not tensors_file.is_file():
+        raise CheckpointError(f"{path / CONFIG_FILE} names {tensors_file.name}, which is missing")
     if _sha256(tensors_file) != header["tensors"]["sha256"]:
-        raise ValueError(f"{tensors_file} does not match {path / CONFIG_FILE} (interrupted or mixed write?)")
+        raise CheckpointError(f"{tensors_file} does not match {path / CONFIG_FILE} (interrupted or mixed write?)")
 
     state = load_file(tensors_file, device=str(device))
     with safe_open(tensors_file, framework="pt") as f:
@@ -75,6 +93,32 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tup
     for name, target in aliases.items():
         state[name] = state[target]
     return state, header["config"], header["extra"]
+
+
+def _read_header(path: Path) -> dict:
+    """The checked ``config.json`` of a checkpoint directory (clear errors, never a bare KeyError)."""
+    cfg = path / CONFIG_FILE
+    if not cfg.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path} (missing {CONFIG_FILE})")
+    try:
+        header = json.loads(cfg.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{cfg} is not valid JSON: {e}") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise CheckpointError(f"{cfg} is not a {FORMAT} checkpoint")
+    missing = [k for k in ("config", "extra", "tensors") if k not in header]
+    tensors = header.get("tensors")
+    if not missing and isinstance(tensors, dict):
+        missing = [f"tensors.{k}" for k in ("file", "sha256") if not isinstance(tensors.get(k), str)]
+    elif not missing:
+        missing = ["tensors"]
+    if missing:
+        raise CheckpointError(f"{cfg} lacks {', '.join(missing)}")
+    name = tensors["file"]
+    if not _SAFE_NAME.fullmatch(name) or name in (".", ".."):
+        raise CheckpointError(f"{cfg} names the tensors file {name!r}: it must be a plain file name in the "
+                              "checkpoint folder ending in .safetensors")
+    return header
 
 
 def _unshared(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -99,16 +143,20 @@ def _unshared(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     return tensors, aliases
 
 
+def _fsync_file(file: Path) -> None:
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(target: Path, write: Callable[[str], object]) -> None:
     """``write(tmp)`` into a temporary file next to ``target``, fsync it, then ``os.replace`` it in."""
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
     try:
         write(str(tmp))
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_file(tmp)
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -211,6 +259,6 @@ def load_result(path: str | Path):
 
     state, config, _ = load_checkpoint(path)
     if config.get("kind") != RESULT_FORMAT:
-        raise ValueError(f"{path} holds a checkpoint, not a saved Result ({RESULT_FORMAT})")
+        raise CheckpointError(f"{path} holds a checkpoint, not a saved Result ({RESULT_FORMAT})")
     fields = _decode_tree(config["tree"], state)
     return Result(engine=config.get("engine", ""), **fields)

@@ -77,3 +77,74 @@ def test_tabular_refuses_nan_and_plus_inf_logits():
         logits[2, 3] = bad
         with pytest.raises(PPLThoughtError, match=r"NaN or \+inf"):
             pt.lm.Tabular(2, len(VOCAB), logits)
+
+
+_WRITER = """
+import sys, torch
+from ppl_thought import io
+path, kind = sys.argv[1], sys.argv[2]
+print("ready", flush=True)
+i = 0
+while True:
+    i += 1
+    tensors = {"w": torch.full((256, 256), float(i)), "b": torch.arange(1000.0) + i}
+    if kind == "result":
+        from ppl_thought.inference.result import Result
+        io.save_result(path, Result(samples={"z": tensors["w"]}, log_weights=tensors["b"],
+                                    log_marginal=torch.tensor(float(i))))
+    else:
+        io.save_checkpoint(path, tensors, {"i": i})
+"""
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "result"])
+def test_killed_while_overwriting_the_folder_still_loads(tmp_path, request, kind):
+    """(defect 1) SIGKILL at random moments while a writer overwrites one folder in a loop: every time,
+    the folder loads (the old pair or the new one; config.json is the commit point). Before, the tensors
+    were replaced before the config, and a kill in between left a folder whose SHA check failed."""
+    import random
+    import subprocess
+    import sys
+    import time
+
+    from ppl_thought import io
+
+    path = tmp_path / "ck"
+    kills = 25 if request.config.getoption("--slow") else 4
+    rng = random.Random(0)
+    for _ in range(kills):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), kind], stdout=subprocess.PIPE)
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(rng.uniform(0.2, 0.6))
+        proc.kill()
+        proc.wait()
+        if kind == "result":
+            io.load_result(path)
+        else:
+            state, config, _ = io.load_checkpoint(path)
+            assert float(state["w"][0, 0]) == config["i"]  # the tensors of this config, not a mix
+        assert len(list(path.glob("model*.safetensors"))) <= 2  # at most one stale file left by a kill
+
+
+def test_checkpoint_configs_that_point_outside_or_lack_keys_get_a_clear_error(tmp_path):
+    """(defect 10) a config naming ../file, missing keys or bad JSON gave KeyError / JSONDecodeError."""
+    import json
+
+    from ppl_thought import io
+    from ppl_thought.errors import CheckpointError
+
+    path = io.save_checkpoint(tmp_path / "ck", {"w": torch.ones(2)}, {"a": 1})
+    cfg = path / "config.json"
+    header = json.loads(cfg.read_text())
+    cases = {
+        "plain file name": {**header, "tensors": {**header["tensors"], "file": "../x.safetensors"}},
+        "lacks tensors": {k: v for k, v in header.items() if k != "tensors"},
+        "lacks tensors.sha256": {**header, "tensors": {"file": header["tensors"]["file"]}},
+    }
+    for message, bad in cases.items():
+        cfg.write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=message):
+            io.load_checkpoint(path)
+    cfg.write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        io.load_checkpoint(path)

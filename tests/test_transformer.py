@@ -461,10 +461,12 @@ def test_checkpoint_files_are_safetensors_and_json_without_temp_files(tmp_path):
     model = make_model()
     path = model.save(tmp_path / "ckpt")
     model.save(path)  # overwrite in place
-    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors"]
     header = json.loads((path / "config.json").read_text())
+    tensors = header["tensors"]["file"]
+    assert sorted(os.listdir(path)) == sorted(["config.json", tensors])  # the old tensors file is gone
+    assert tensors.startswith("model.") and tensors.endswith(".safetensors")
     assert header["config"]["vocab_size"] == V
-    with safe_open(path / "model.safetensors", framework="pt") as f:
+    with safe_open(path / tensors, framework="pt") as f:
         assert "embed.weight" in f.keys() and "lm_head.weight" not in f.keys()  # tied: stored once
         assert json.loads(f.metadata()["ppl_thought.aliases"]) == {"lm_head.weight": "embed.weight"}
 
@@ -492,7 +494,9 @@ def test_load_detects_tensors_that_do_not_match_the_config(tmp_path):
     a, b = make_model(seed=0), make_model(seed=1)
     a.save(tmp_path / "a")
     b.save(tmp_path / "b")
-    os.replace(tmp_path / "b" / "model.safetensors", tmp_path / "a" / "model.safetensors")
+    name_a = json.loads((tmp_path / "a" / "config.json").read_text())["tensors"]["file"]
+    name_b = json.loads((tmp_path / "b" / "config.json").read_text())["tensors"]["file"]
+    os.replace(tmp_path / "b" / name_b, tmp_path / "a" / name_a)
     with pytest.raises(ValueError, match="does not match"):
         Transformer.load(tmp_path / "a")
     with pytest.raises(FileNotFoundError):
