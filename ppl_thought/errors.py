@@ -54,3 +54,7 @@ class VocabularyError(PPLThoughtError, ValueError):
 class CheckpointError(PPLThoughtError, ValueError):
     """A checkpoint or saved result that cannot be loaded: bad or incomplete config, a tensors file that
     is missing, outside the folder, or does not match its SHA-256."""
+
+
+class DiagnosticError(PPLThoughtError, ValueError):
+    """A diagnostic asked of inputs it cannot measure (NaN log-probabilities, mismatched shapes)."""

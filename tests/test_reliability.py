@@ -148,3 +148,18 @@ def test_checkpoint_configs_that_point_outside_or_lack_keys_get_a_clear_error(tm
     cfg.write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         io.load_checkpoint(path)
+
+
+def test_divergences_refuse_nan_log_probabilities():
+    """(defect 8) chi2 of NaN log-probabilities returned 0.0."""
+    from ppl_thought.diagnostics import chi2, kl
+    from ppl_thought.errors import DiagnosticError
+
+    lp = torch.tensor([-0.5, -1.0]).log_softmax(0)
+    for bad in (torch.tensor([float("nan"), -0.1]), torch.tensor([float("inf"), -0.1])):
+        for f in (chi2, kl):
+            with pytest.raises(DiagnosticError, match="NaN or"):
+                f(lp, bad)
+            with pytest.raises(DiagnosticError, match="NaN or"):
+                f(bad, lp)
+    assert chi2(lp, lp) == 0.0 and kl(lp, lp) == 0.0

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ppl_thought.errors import DiagnosticError
+
 
 def _log_vectors(p, q, model=None, x=None) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(p, "log_prob") and hasattr(q, "log_prob") and not isinstance(p, torch.Tensor):
@@ -24,10 +26,15 @@ def _log_vectors(p, q, model=None, x=None) -> tuple[torch.Tensor, torch.Tensor]:
             raise ValueError("chi2/kl of two samplers needs model= and x= (the lifting of x is enumerated)")
         support, _ = model.enumerate_log_joint(x)
         with torch.no_grad():
-            return p.log_prob(support, x).double(), q.log_prob(support, x).double()
-    lp, lq = torch.as_tensor(p, dtype=torch.float64), torch.as_tensor(q, dtype=torch.float64)
+            lp, lq = p.log_prob(support, x).double(), q.log_prob(support, x).double()
+    else:
+        lp, lq = torch.as_tensor(p, dtype=torch.float64), torch.as_tensor(q, dtype=torch.float64)
     if lp.shape != lq.shape:
-        raise ValueError(f"log-probability vectors differ in shape: {tuple(lp.shape)} vs {tuple(lq.shape)}")
+        raise DiagnosticError(f"log-probability vectors differ in shape: {tuple(lp.shape)} vs {tuple(lq.shape)}")
+    for name, v in (("p", lp), ("q", lq)):
+        if torch.isnan(v).any() or torch.isposinf(v).any():
+            raise DiagnosticError(f"the log-probabilities of {name} contain NaN or +inf: a divergence of them "
+                                  "would be meaningless")
     return lp, lq
 
 
