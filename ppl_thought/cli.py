@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
+import tempfile
+
+
+def _version() -> str:
+    from ppl_thought import __version__
+
+    return __version__
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -21,16 +28,48 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _writable(folder: str, what: str) -> str | None:
+    """None if ``folder`` can be created and written, else the reason (checked before a long run)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return f"cannot write the {what} {folder!r}: {e.strerror or e}"
+    return None
+
+
 def _demo(args: argparse.Namespace) -> int:
-    from ppl_thought.demo import _json_default, run_demo
+    checks = [_writable(args.out, "output folder")]
+    if args.json:
+        checks.append(_writable(os.path.dirname(os.path.abspath(args.json)), "folder of --json"))
+    problems = [c for c in checks if c]
+    if problems:
+        print(f"ppl-thought demo: {problems[0]}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from ppl_thought.demo import json_default, run_demo
+    from ppl_thought.io import atomic_write_json
 
     results = run_demo(out=args.out, quick=args.quick, seed=args.seed, n=args.n, parts=tuple(args.parts),
                        seeds=args.seeds)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2, default=_json_default)
+        atomic_write_json(args.json, results, default=json_default)
         print(f"wrote {args.json}")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _diagnose(args: argparse.Namespace) -> int:
@@ -50,18 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ppl-thought",
         description="Language models with latent thoughts as probabilistic programs (Pyro / NumPyro).",
     )
+    p.add_argument("--version", action="version", version=f"ppl_thought {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser("info", help="versions of ppl_thought and its backends")
     info.set_defaults(func=_info)
     demo = sub.add_parser("demo", help="the main job: run the library's showcase and write results")
     demo.add_argument("--quick", action="store_true", help="a shorter run (under five minutes on 2 cores)")
-    demo.add_argument("--n", type=int, default=8, help="sampling size n of (7.1)/(7.2) (the paper uses 8 and 16)")
+    demo.add_argument("--n", type=_positive_int, default=8,
+                      help="sampling size n of (7.1)/(7.2) (the paper uses 8 and 16)")
     demo.add_argument("--parts", nargs="+", default=["sec7", "a5"], choices=["sec7", "a5"],
                       help="which parts to run (Section 7 and/or A5)")
     demo.add_argument("--out", default="out/demo", help="output folder for JSON and plots")
     demo.add_argument("--json", default=None, help="also write the results JSON to this file")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--seeds", type=int, default=None,
+    demo.add_argument("--threads", type=_positive_int, default=None,
+                      help="torch CPU threads (default: torch's choice)")
+    demo.add_argument("--seeds", type=_positive_int, default=None,
                       help="Section 7 replicates (seeds --seed, --seed + 1, ...); default 3, or 1 with --quick")
     demo.set_defaults(func=_demo)
     diag = sub.add_parser("diagnose", help="summary table and plots for a saved result (netcdf or save_result dir)")

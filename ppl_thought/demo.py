@@ -28,10 +28,10 @@ cross-entropy by the forward algorithm (3.1), on held-out sequences longer than 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import platform
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -45,6 +45,7 @@ from ppl_thought.data.query_response import PermutationChoiceTask, permutation_c
 from ppl_thought.guides.explanatory import gate_mlp
 from ppl_thought.inference.result import log_mean_exp
 from ppl_thought.inference.trainer import clip_joint_, cosine_lr
+from ppl_thought.io import atomic_write, atomic_write_json
 from ppl_thought.lm import Transformer
 from ppl_thought.projections import Product, QueryResponse
 
@@ -783,20 +784,20 @@ def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
                 res = Result(samples={"thought": torch.as_tensor(th[0])}, log_weights=lw0,
                              log_marginal=log_mean_exp(lw0, 0), engine=f"Importance (7.1), {m} sampler")
                 p = os.path.join(out, f"sec7_{m}_example0.nc")
-                to_inference_data(res).to_netcdf(p)
+                atomic_write(p, to_inference_data(res).to_netcdf)
                 written.append(p)
             with warnings.catch_warnings():  # chain = held-out example: many chains, n draws each, by design
                 warnings.simplefilter("ignore", UserWarning)
                 idata = az.from_dict(posterior={"thought": th}, sample_stats={"log_weight": lw},
                                      observed_data={"test_loss_per_token": s7["per_example"][m]})
             p = os.path.join(out, f"sec7_{m}_particles.nc")
-            idata.to_netcdf(p)
+            atomic_write(p, idata.to_netcdf)
             written.append(p)
     a5 = arrays.get("a5")
     if a5:
         idata = az.from_dict(observed_data={"plain_excess": a5["plain_excess"], "latent_excess": a5["latent_excess"]})
         p = os.path.join(out, "a5_excess.nc")
-        idata.to_netcdf(p)
+        atomic_write(p, idata.to_netcdf)
         written.append(p)
     return written
 
@@ -870,18 +871,24 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
         arrays["a5"] = results["a5"].pop("_arrays")
     results["seconds"] = round(time.time() - t0, 1)
     _print(results)
-    files = _plots(results, out) + _arviz(results, arrays, out)
-    results["files"] = files
+    os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "results.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2, default=_json_default)
-    os.replace(tmp, path)
+    atomic_write_json(path, results, default=json_default)  # the numbers first: a plot failure cannot lose them
+    files = []
+    for name, make in (("plots", lambda: _plots(results, out)), ("ArviZ files", lambda: _arviz(results, arrays, out))):
+        try:
+            files += make()
+        except Exception as e:  # noqa: BLE001 - report, keep the numbers, go on
+            print(f"warning: writing the {name} failed ({type(e).__name__}: {e}); {path} holds the results",
+                  file=sys.stderr)
+            results.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {e}")
+    results["files"] = files
+    atomic_write_json(path, results, default=json_default)
     print(f"\nwrote {path} and {len(files)} plot/ArviZ files in {results['seconds']} s")
     return results
 
 
-def _json_default(o):
+def json_default(o):
     if isinstance(o, (np.floating, np.integer)):
         return o.item()
     if isinstance(o, np.ndarray):

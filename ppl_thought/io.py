@@ -66,7 +66,7 @@ def save_checkpoint(path: str | Path, module: torch.nn.Module | Mapping[str, tor
     _fsync_directory(path)
     header["tensors"] = {"file": name, "sha256": digest}
     text = json.dumps(header, indent=2, sort_keys=True) + "\n"
-    _atomic_write(path / CONFIG_FILE, lambda t: Path(t).write_text(text, encoding="utf-8"))  # the commit
+    atomic_write(path / CONFIG_FILE, lambda t: Path(t).write_text(text, encoding="utf-8"))  # the commit
     for stale in path.glob(f"{TENSORS_STEM}*.safetensors"):
         if stale.name != name:
             stale.unlink(missing_ok=True)
@@ -151,9 +151,11 @@ def _fsync_file(file: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(target: Path, write: Callable[[str], object]) -> None:
-    """``write(tmp)`` into a temporary file next to ``target``, fsync it, then ``os.replace`` it in."""
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
+def atomic_write(target: str | Path, write: Callable[[str], object]) -> Path:
+    """``write(tmp)`` into a temporary file next to ``target`` (same suffix, for writers that choose a format
+    by it), fsync it, then ``os.replace`` it in: readers see the old file or the new one, never a torn one."""
+    target = Path(target)
+    tmp = target.with_name(f".{target.stem}.{secrets.token_hex(8)}.tmp{target.suffix}")
     try:
         write(str(tmp))
         _fsync_file(tmp)
@@ -162,6 +164,13 @@ def _atomic_write(target: Path, write: Callable[[str], object]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_directory(target.parent)
+    return target
+
+
+def atomic_write_json(target: str | Path, obj, default=None) -> Path:
+    """``obj`` as indented JSON at ``target``, atomically (:func:`atomic_write`)."""
+    text = json.dumps(obj, indent=2, default=default) + "\n"
+    return atomic_write(target, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def _fsync_directory(directory: Path) -> None:

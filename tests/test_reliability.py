@@ -163,3 +163,41 @@ def test_divergences_refuse_nan_log_probabilities():
             with pytest.raises(DiagnosticError, match="NaN or"):
                 f(bad, lp)
     assert chi2(lp, lp) == 0.0 and kl(lp, lp) == 0.0
+
+
+def test_cli_argument_errors_are_messages_not_tracebacks(tmp_path, capsys):
+    """(defect 9) bad arguments to the main job: a usage message and exit status 2, never a traceback;
+    an unwritable output folder is found before the run, not after it."""
+    from ppl_thought.cli import main
+
+    for argv in (["demo", "--n", "0"], ["demo", "--seeds", "-1"], ["demo", "--n", "many"], ["demo", "--threads", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "ppl-thought demo: error" in err
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert main(["demo", "--out", str(blocker / "out")]) == 2
+    assert "cannot write the output folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and pt.__version__ in capsys.readouterr().out
+
+
+def test_the_demo_keeps_its_numbers_when_plotting_fails(tmp_path, monkeypatch):
+    """(defect 9) results.json was written after the plots: a plotting failure lost the numbers."""
+    import json
+
+    from ppl_thought import demo
+
+    def no_plots(results, out):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(demo, "_plots", no_plots)
+    monkeypatch.setattr(demo, "run_a5", lambda cfg, seed, progress: {"excess": 0.5, "_arrays": {}})
+    monkeypatch.setattr(demo, "_print", lambda results: None)
+    res = demo.run_demo(out=str(tmp_path), quick=True, parts=("a5",), progress=False)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["a5"]["excess"] == 0.5 and "plots: RuntimeError: no display" in saved["errors"]
+    assert res["errors"] == saved["errors"]
