@@ -58,3 +58,7 @@ class CheckpointError(PPLThoughtError, ValueError):
 
 class DiagnosticError(PPLThoughtError, ValueError):
     """A diagnostic asked of inputs it cannot measure (NaN log-probabilities, mismatched shapes)."""
+
+
+class NumericalError(PPLThoughtError, ValueError):
+    """A model produced NaN where a probability was due (NaN parameters or logits): never returned silently."""

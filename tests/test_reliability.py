@@ -201,3 +201,24 @@ def test_the_demo_keeps_its_numbers_when_plotting_fails(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["a5"]["excess"] == 0.5 and "plots: RuntimeError: no display" in saved["errors"]
     assert res["errors"] == saved["errors"]
+
+
+def test_nan_parameters_raise_instead_of_returning_nan():
+    """(defect 6) NaN parameters gave NaN exact_log_prob / LMSequence.log_prob without complaint."""
+    from ppl_thought.errors import NumericalError
+
+    torch.manual_seed(0)
+    lm = pt.lm.Transformer(len(VOCAB), d_model=16, n_layers=1, n_heads=2)
+    model = _model(lm)
+    seq = pt.dist.LMSequence(lm, constraint=model.projection.domain(2), max_len=4)
+    z, _ = seq.sample_with_log_prob((4,))
+    with torch.no_grad():
+        lm.norm.weight[0] = float("nan")  # every position reads it
+    with pytest.raises(NumericalError, match="norm.weight"):
+        seq.log_prob(z)
+    with pytest.raises(NumericalError):
+        seq.sample_with_log_prob((4,))
+    with pytest.raises(NumericalError):
+        model.exact_log_prob("ab")
+    with pytest.raises(NumericalError):
+        pt.infer.SMC(8).run(model, None, "ab")

@@ -21,7 +21,7 @@ from pyro.distributions import TorchDistribution
 from pyro.params.param_store import module_from_param_with_module_name, param_with_module_name
 from torch.distributions import constraints
 
-from ppl_thought.distributions.lm_state import LMState, TokenRule
+from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.projections.automaton import Automaton
@@ -335,6 +335,7 @@ class LMSequence(TorchDistribution):
         """Masked step log-probabilities of right-padded rows ``z [n, L]`` given logits ``[n, L, V]``, summed."""
         steps, complete = self._steps(z, logits)
         lp = steps.sum(-1)
+        check_no_nan(lp, self.lm)
         return torch.where(complete, lp, torch.full_like(lp, float("-inf")))
 
     def step_log_probs(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

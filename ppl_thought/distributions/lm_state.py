@@ -27,7 +27,7 @@ import torch
 from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import MalformedSequenceError, NumericalError
 from ppl_thought.lm.base import lm_device, match_rows
 
 PAD_ID, BOS_ID = 0, 1
@@ -546,6 +546,7 @@ class Segment(TorchDistribution):
             src = torch.zeros(n, dtype=torch.long, device=dev)  # ended rows: any live row's cache
             src[rows] = torch.arange(len(rows), device=dev)
             post["_src"] = src
+        check_no_nan(post["_step_lp"], base.lm)
         post["log_prob"] = snap["log_prob"] + post["_step_lp"]
         return value, post
 
@@ -666,6 +667,7 @@ class Segment(TorchDistribution):
             last = (seg_len - 1).clamp(min=0)
             after = out[torch.arange(n, device=dev), last]
             logits_after = torch.where((seg_len > 0)[:, None], after, snap["logits"].to(after.dtype))
+        check_no_nan(step_lp, base.lm)
         step_lp = torch.where(ok, step_lp, torch.full_like(step_lp, float("-inf")))
         return {"logits": logits_after, "cache": cache, "context": context, "s": s,
                 "tokens": _append(snap["tokens"], snap["lengths"], v), "lengths": lengths,
@@ -674,6 +676,15 @@ class Segment(TorchDistribution):
 
 # ---------------------------------------------------------------------------------------------- helpers
 _LOWEST = torch.finfo(torch.float32).min
+
+
+def check_no_nan(log_prob: torch.Tensor, lm) -> None:
+    """Raise :class:`NumericalError` if a log-probability the LM gave is NaN (one host sync per segment)."""
+    if bool(torch.isnan(log_prob.detach()).any()):
+        bad = [n for n, p in lm.named_parameters() if not torch.isfinite(p.detach()).all()] \
+            if isinstance(lm, torch.nn.Module) else []
+        where = f": non-finite parameters {bad[:5]}" if bad else " (NaN logits)"
+        raise NumericalError(f"{type(lm).__name__} gave NaN log-probabilities{where}")
 
 
 def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
