@@ -222,3 +222,24 @@ def test_nan_parameters_raise_instead_of_returning_nan():
         model.exact_log_prob("ab")
     with pytest.raises(NumericalError):
         pt.infer.SMC(8).run(model, None, "ab")
+
+
+def test_a_guide_on_another_vocabulary_or_projection_is_refused():
+    """(defect 5) a guide built on another Vocab or projection ran and returned meaningless numbers."""
+    from ppl_thought.errors import SiteMismatchError
+
+    model = _model()
+    lm = pt.lm.Tabular(2, len(VOCAB), torch.zeros(len(VOCAB), len(VOCAB)), trainable=False)
+    other_vocab = pt.Vocab(["b", "a"])
+    cases = {
+        "vocabulary": pt.projections.PauseToThink(other_vocab, max_thought_len=1),
+        "max_thought_len": pt.projections.PauseToThink(VOCAB, max_thought_len=2),
+        "projection": pt.projections.SparseThoughts(VOCAB, thought_len=1, positions=[0]),
+    }
+    for message, proj in cases.items():
+        guide = pt.guides.Causal(lm, proj)
+        for engine in (pt.infer.Importance(8), pt.infer.SMC(8)):
+            with pytest.raises(SiteMismatchError, match=message):
+                engine.run(model, guide, "ab")
+    same = pt.projections.PauseToThink(VOCAB, max_thought_len=1)  # equal, though another object: fine
+    assert torch.isfinite(pt.infer.Importance(64).run(model, pt.guides.Causal(lm, same), "ab").log_marginal)

@@ -22,7 +22,7 @@ import pyro.poutine as poutine
 import torch
 
 from ppl_thought.errors import NotInImageError, ZeroWeightsError
-from ppl_thought.inference.particles import sample_particles
+from ppl_thought.inference.particles import check_compatible, sample_particles
 from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
 
 
@@ -148,6 +148,7 @@ class Importance:
         from ppl_thought.models.slow_thinking import SlowThinking
 
         observed = {"args": args, "kwargs": kwargs}
+        check_compatible(model, guide)
         try:
             if self.fast and isinstance(model, SlowThinking) and hasattr(guide, "sample_with_log_prob") \
                     and len(args) == 1 and not kwargs:

@@ -35,7 +35,7 @@ from ppl_thought.errors import ProgramError, SiteMismatchError
 from ppl_thought.program import PARTICLES, collect_twists, is_program
 
 __all__ = [
-    "PARTICLES", "Particles", "StepOutput", "check_sites", "find_max_plate_nesting", "latent_sites",
+    "PARTICLES", "Particles", "StepOutput", "check_compatible", "check_sites", "find_max_plate_nesting", "latent_sites",
     "log_ratio", "per_particle", "run_step", "sample_particles",
 ]
 
@@ -88,6 +88,36 @@ def check_sites(model_trace, guide_trace, where: str = "") -> None:
         elif tuple(gshape) != tuple(mshape):
             raise SiteMismatchError(f"site {k!r}{at}: the guide samples shape {tuple(gshape)}, the model's "
                                     f"distribution has shape {tuple(mshape)}")
+
+
+def check_compatible(model, guide) -> None:
+    """Refuse a guide built on another vocabulary or projection than the model's: its sequences would be
+    read with other token ids or another lifting, and the weights would be meaningless numbers."""
+    if guide is None:
+        return
+    mp, gp = getattr(model, "projection", None), getattr(guide, "projection", None)
+    if mp is None or gp is None or mp is gp:
+        return
+    if type(mp) is not type(gp):
+        raise SiteMismatchError(f"the guide is built on a {type(gp).__name__} projection, the model on a "
+                                f"{type(mp).__name__}: build both on the same projection")
+    mv, gv = getattr(mp, "vocab", None), getattr(gp, "vocab", None)
+    if mv is not None and gv is not None and mv != gv:
+        raise SiteMismatchError(f"the guide's vocabulary ({len(gv)} tokens) is not the model's ({len(mv)} tokens): "
+                                "token ids would mean different tokens; build both on the same Vocab")
+    if vars(mp).keys() == vars(gp).keys():
+        differ = sorted(k for k in vars(mp) if not k.startswith("_") and _differs(vars(mp)[k], vars(gp)[k]))
+        if differ:
+            raise SiteMismatchError(f"the guide's {type(gp).__name__} differs from the model's in {differ}: "
+                                    "the liftings differ; build both on the same projection")
+
+
+def _differs(a, b) -> bool:
+    try:
+        same = a == b
+        return not bool(same.all() if hasattr(same, "all") else same)
+    except Exception:  # noqa: BLE001 - incomparable attributes are not evidence of a difference
+        return False
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -224,6 +254,7 @@ def sample_particles(model: Callable, guide: Callable | None, n: int, *args, max
     ``guide=None``: the model proposes its own latents (bootstrap; log q = its latent log-probs).
     Raises :class:`SiteMismatchError` when the guide's latent sites are not exactly the model's.
     """
+    check_compatible(model, guide)
     depth = find_max_plate_nesting(model, guide, args, kwargs) if max_plate_nesting is None else max_plate_nesting
     dim = -(int(depth) + 1)
     try:

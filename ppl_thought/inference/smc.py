@@ -21,7 +21,7 @@ from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import NotInImageError, ProgramError, ZeroWeightsError
 from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.importance import _not_in_image_result, log_marginal_stderr
-from ppl_thought.inference.particles import particle_plate, require_program, run_step
+from ppl_thought.inference.particles import check_compatible, particle_plate, require_program, run_step
 from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
 from ppl_thought.program import as_done, freeze_finished, reorder_state
 
@@ -104,6 +104,7 @@ class SMC:
     def run(self, model, guide, *args, **kwargs) -> Result:
         """Run SMC over the steps of ``model``; see the class docstring."""
         require_program(model, "model")
+        check_compatible(model, guide)
         guide = as_step_guide(guide)
         require_program(guide, "guide")
         try:
