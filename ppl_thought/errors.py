@@ -45,3 +45,7 @@ class SiteMismatchError(PPLThoughtError, ValueError):
 
 class ZeroWeightsError(PPLThoughtError, ValueError):
     """Every importance weight is zero (log weight -inf): the estimate of p(x) would be 0."""
+
+
+class ConfigError(PPLThoughtError, ValueError):
+    """An engine was configured with an invalid argument (e.g. ``SMC(..., groups=0)``)."""

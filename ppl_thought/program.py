@@ -39,7 +39,8 @@ from ppl_thought.errors import ProgramError
 
 PARTICLES = "particles"
 
-__all__ = ["PARTICLES", "Program", "Shared", "as_done", "particles", "reorder_state", "twist", "freeze_finished"]
+__all__ = ["PARTICLES", "Program", "Shared", "as_done", "particle_groups", "particles", "reorder_state", "twist",
+           "freeze_finished"]
 
 
 # ---------------------------------------------------------------------------------------------- twists
@@ -87,6 +88,20 @@ def particles() -> int:
     for frame in reversed(_PYRO_STACK):
         if getattr(frame, "name", None) == PARTICLES and hasattr(frame, "size"):
             return int(frame.size)
+    return 1
+
+
+def particle_groups() -> int:
+    """The number G of independent particle groups of the enclosing particle plate, else 1.
+
+    Inside ``SMC(n, groups=G)`` the plate has ``G * n`` rows and row ``r`` belongs to group ``r // n``
+    (G independent SMC runs batched into one, e.g. one per observation sequence): a program maps its
+    rows to its data with ``x.repeat_interleave(pt.particles() // pt.particle_groups(), 0)``. Every
+    other engine (and a plain plate) runs one group.
+    """
+    for frame in reversed(_PYRO_STACK):
+        if getattr(frame, "name", None) == PARTICLES and hasattr(frame, "size"):
+            return int(getattr(frame, "groups", 1))
     return 1
 
 
