@@ -11,7 +11,8 @@ A slow-thinking model is the tuple (Sigma, Omega, Proj, P, Q) of the static theo
     pt.models                     # SlowThinking (Proj # P_f), HMM (Def 2.2, Theorem 2.3)
     pt.data                       # synthetic tasks with exact answers (A5 cups-and-ball HMM)
     pt.infer                      # engines: Importance, SMC, SVI, Langevin, decode (Result)
-    pt.Program                    # the step-wise program protocol (init / step), pt.twist, pt.particles
+    pt.Program                    # the step-wise program protocol (init / step), pt.twist, pt.particles,
+                                  # pt.particle_groups
 
 Subpackages are imported on first use, so ``import ppl_thought`` stays light.
 """
@@ -39,7 +40,7 @@ _SUBMODULES = {
     "io": "ppl_thought.io",
 }
 
-_ATTRIBUTES = {name: "ppl_thought.program" for name in ("Program", "Shared", "twist", "particles")}
+_ATTRIBUTES = {name: "ppl_thought.program" for name in ("Program", "Shared", "twist", "particles", "particle_groups")}
 
 __all__ = ["Vocab", "__version__", *_SUBMODULES, *_ATTRIBUTES]
 

@@ -18,8 +18,9 @@ token; the causal gap (7.3) over training.
 Part 2, Theorems 2.1/2.3 on the A5 "cups and ball" HMM (App. E.1): a plain Transformer and a
 latent model Proj # P_f (Product projection, Ex 2.2, with a hidden alphabet; P_f a Transformer of
 the same width and depth over the pair tokens) trained on the same sequences. The latent model is
-trained EM-like: particles from sequential Monte Carlo over the lifting (the causal sampler of
-(3.33), P_f decoded under the lifting automaton, resampling when the ESS drops) and the
+trained EM-like: particles from sequential Monte Carlo over the lifting (the library's
+:class:`~ppl_thought.inference.smc.SMC`, one group per sequence, over :class:`A5Program`: the causal
+sampler of (3.33), P_f decoded under the lifting, resampling when the ESS drops) and the
 self-normalised gradient of (3.17). Its test loss is the SMC estimate of -log (Proj # P_f)(x)
 (an unbiased estimate of the likelihood, Lemma 2.1). Excess losses are measured against the exact
 cross-entropy by the forward algorithm (3.1), on held-out sequences longer than the training ones.
@@ -37,6 +38,8 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
+import pyro
+import pyro.distributions as dist
 import torch
 from tqdm.auto import tqdm
 
@@ -44,9 +47,11 @@ from ppl_thought.data.a5 import OBSERVABLE_TOKENS, a5_hmm
 from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
 from ppl_thought.guides.explanatory import gate_mlp
 from ppl_thought.inference.result import log_mean_exp
+from ppl_thought.inference.smc import SMC
 from ppl_thought.inference.trainer import clip_joint_, cosine_lr
 from ppl_thought.io import atomic_write, atomic_write_json
 from ppl_thought.lm import Transformer
+from ppl_thought.program import Program, particle_groups, particles
 from ppl_thought.projections import Product, QueryResponse
 
 NEG_INF = float("-inf")
@@ -546,6 +551,42 @@ def _mutual_information(thoughts: np.ndarray, choices: np.ndarray) -> float:
 
 
 # ====================================================================== A5
+class A5Program(Program):
+    """Proj # P_f on the A5 HMM as a step-wise program over S observation sequences ``x [S, T]`` at once
+    (``SMC(n, groups=S)``: row r explains sequence r // n, :func:`~ppl_thought.program.particle_groups`).
+
+    Step t is segment t of the lifting of the Product projection (Lemma 2.1, one pair token
+    (x_t, g)): the hidden symbol g is sampled (site ``f"z_{t}"``) from P_f restricted to the candidates
+    (x_t, g) and renormalised (the causal sampler (3.33)), and ``pyro.factor(f"x_{t}", ...)`` adds
+    log sum_g P_f((x_t, g) | z_<t) under the domain-masked P_f (Def 2.8). Run with ``guide=None``
+    (bootstrap) the incremental weight is exactly that factor: the fully-adapted SMC for (2.22).
+    State: the next-token logits ``[rows, V]`` and the KV cache (reordered by the engine).
+    """
+
+    def __init__(self, latent: A5Latent):
+        self.lm, self.pairs, self.domain, self.bos_id = latent.lm, latent.pairs, latent.domain, latent.vocab.bos_id
+
+    def init(self, state: dict, x: torch.Tensor) -> None:
+        """Encode ``<bos>`` for every row."""
+        bos = torch.full((particles(), 1), self.bos_id, dtype=torch.long, device=self.pairs.device)
+        logits, state["cache"] = self.lm(bos)
+        state["logits"] = logits[:, -1]
+
+    def step(self, state: dict, t: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Sample the hidden symbol of x_t, weigh by P_f(x_t | z_<t), feed the pair token."""
+        n = particles() // particle_groups()
+        lp = _masked_log_softmax(state["logits"], self.domain)  # [rows, V]
+        cand = self.pairs[x[:, t]].repeat_interleave(n, 0)  # [rows, |Gamma|]: the lifting of x_t
+        lpc = lp.gather(1, cand)
+        g = pyro.sample(f"z_{t}", dist.Categorical(logits=lpc))
+        pyro.factor(f"x_{t}", torch.logsumexp(lpc, 1))  # log P_f(x_t | z_<t)
+        if t == x.shape[1] - 1:
+            return torch.ones(cand.shape[0], dtype=torch.bool, device=cand.device)
+        logits, state["cache"] = self.lm(cand.gather(1, g[:, None]), state["cache"])
+        state["logits"] = logits[:, -1]
+        return None
+
+
 class A5Latent:
     """Proj # P_f on the A5 HMM: Product projection (Ex 2.2) with hidden alphabet Gamma, P_f a Transformer."""
 
@@ -562,46 +603,25 @@ class A5Latent:
         self.lm = Transformer(len(v), d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                               max_len=max(cfg.test_len, cfg.train_len) + 2)
 
-    def smc(self, x: torch.Tensor, n: int, ess_threshold: float = 0.5, generator=None):
-        """SMC over the lifting of each row of ``x`` [S, T] (Lemma 2.1): proposal = P_f decoded under
-        the lifting (3.33), incremental weight sum_g P_f((x_t, g) | z_<t), resampling (multinomial)
-        when the ESS falls under ``ess_threshold * n``. Returns (paths [S, n, T], final log-weights
-        [S, n], log Z_hat [S]) -- log Z_hat estimates log (Proj # P_f)(x) (2.22)."""
+    def smc(self, x: torch.Tensor, n: int, ess_threshold: float = 0.5,
+            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """SMC over the lifting of each row of ``x`` [S, T] (Lemma 2.1): the library's
+        :class:`~ppl_thought.inference.smc.SMC` with ``groups=S`` (one independent run of ``n`` particles
+        per sequence, batched) over :class:`A5Program`, bootstrap, multinomial resampling when a
+        sequence's ESS falls under ``ess_threshold * n``. The proposal is P_f decoded under the lifting
+        (3.33) and the incremental weight sum_g P_f((x_t, g) | z_<t) (fully adapted). ``generator``
+        drives the resampling; the proposals use torch's global generator. Returns (paths [S, n, T]
+        of pair tokens, final log-weights [S, n], log Z_hat [S]) -- log Z_hat estimates
+        log (Proj # P_f)(x) (2.22); the log-weights carry the running estimate, so
+        log_mean_exp(logw[s]) = log Z_hat[s]."""
         S, T = x.shape
-        rows = S * n
-        bos = torch.full((rows, 1), self.vocab.bos_id, dtype=torch.long)
-        logw = torch.zeros(S, n)
-        logz = torch.zeros(S)
-        paths = torch.zeros(S, n, T, dtype=torch.long)
-        with torch.no_grad():
-            logits, cache = self.lm(bos)
-            for t in range(T):
-                lp = _masked_log_softmax(logits[:, -1], self.domain)  # [rows, V]
-                cand = self.pairs[x[:, t]].repeat_interleave(n, 0)  # [rows, G]
-                lpc = lp.gather(1, cand)
-                inc = torch.logsumexp(lpc, 1)  # log P(x_t | z_<t)
-                gi = torch.multinomial(torch.softmax(lpc, 1).nan_to_num(0.0) + 1e-30, 1, generator=generator)
-                tok = cand.gather(1, gi)
-                paths[:, :, t] = tok.view(S, n)
-                prev = torch.log_softmax(logw, 1)
-                logw = logw + inc.view(S, n)
-                logz = logz + torch.logsumexp(prev + inc.view(S, n), 1)
-                if t < T - 1:
-                    w = torch.softmax(logw, 1)
-                    ess = 1.0 / (w ** 2).sum(1)
-                    resample = ess < ess_threshold * n
-                    index = torch.arange(rows).view(S, n)
-                    if resample.any():
-                        anc = torch.multinomial(w[resample].nan_to_num(0.0) + 1e-30, n, replacement=True,
-                                                generator=generator)
-                        index[resample] = anc + (torch.nonzero(resample).view(-1, 1) * n)
-                        logw = torch.where(resample[:, None], torch.zeros_like(logw), logw)
-                        flat = index.view(-1)
-                        paths = paths.view(rows, T)[flat].view(S, n, T)
-                        cache = cache.reorder(flat)
-                        tok = tok[flat]
-                    logits, cache = self.lm(tok, cache)
-        return paths, logw, logz
+        x = x.to(self.pairs.device)
+        res = SMC(n, ess_threshold=ess_threshold, resampling="multinomial", generator=generator,
+                  groups=S).run(A5Program(self), None, x)
+        g = torch.stack([res.samples[f"z_{t}"] for t in range(T)], 1)  # [S * n, T] hidden symbols
+        cand = self.pairs[x].repeat_interleave(n, 0)  # [S * n, T, |Gamma|]
+        paths = cand.gather(-1, g[..., None]).view(S, n, T)
+        return paths, res.log_weights.view(S, n), res.log_marginal.view(S)
 
     def train_step(self, x: torch.Tensor, opt, params, generator=None) -> float:
         """One EM-like step: SMC particles, then the self-normalised gradient of (3.17):

@@ -62,3 +62,7 @@ class DiagnosticError(PPLThoughtError, ValueError):
 
 class NumericalError(PPLThoughtError, ValueError):
     """A model produced NaN where a probability was due (NaN parameters or logits): never returned silently."""
+
+
+class ConfigError(PPLThoughtError, ValueError):
+    """An engine was configured with an invalid argument (e.g. ``SMC(..., groups=0)``)."""

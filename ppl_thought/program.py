@@ -40,7 +40,7 @@ from ppl_thought.errors import ProgramError
 PARTICLES = "particles"
 
 __all__ = ["PARTICLES", "PARTICLE_PLATES", "Program", "Shared", "as_done", "freeze_finished", "particle_frame",
-           "particles", "reorder_state", "twist"]
+           "particle_groups", "particles", "reorder_state", "twist"]
 
 
 # ---------------------------------------------------------------------------------------------- twists
@@ -101,6 +101,18 @@ def particles() -> int:
     plate of a vectorised Pyro ELBO / ``Predictive(parallel=True)``), else 1."""
     frame = particle_frame()
     return 1 if frame is None else int(frame.size)
+
+
+def particle_groups() -> int:
+    """The number G of independent particle groups of the enclosing particle plate, else 1.
+
+    Inside ``SMC(n, groups=G)`` the plate has ``G * n`` rows and row ``r`` belongs to group ``r // n``
+    (G independent SMC runs batched into one, e.g. one per observation sequence): a program maps its
+    rows to its data with ``x.repeat_interleave(pt.particles() // pt.particle_groups(), 0)``. Every
+    other engine (and a plain plate) runs one group.
+    """
+    frame = particle_frame()
+    return 1 if frame is None else int(getattr(frame, "groups", 1))
 
 
 def as_done(done, n: int, device=None) -> torch.Tensor | None:

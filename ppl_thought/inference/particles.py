@@ -206,9 +206,16 @@ def find_max_plate_nesting(model, guide, args: tuple = (), kwargs: dict | None =
     return depth
 
 
-def particle_plate(n: int, dim: int) -> pyro.plate:
-    """The particle plate; one instance may be entered at every step of a run (Pyro plates are reusable)."""
-    return pyro.plate(PARTICLES, n, dim=dim)
+def particle_plate(n: int, dim: int, groups: int = 1) -> pyro.plate:
+    """The particle plate; one instance may be entered at every step of a run (Pyro plates are reusable).
+
+    ``groups``: the plate's ``n`` rows are ``groups`` blocks of ``n // groups`` particles (grouped SMC);
+    programs read it with :func:`~ppl_thought.program.particle_groups`.
+    """
+    plate = pyro.plate(PARTICLES, n, dim=dim)
+    if groups != 1:
+        plate.groups = int(groups)
+    return plate
 
 
 def _in_plate(fn: Callable, n: int, dim: int, plate: pyro.plate | None = None) -> Callable:

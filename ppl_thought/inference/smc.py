@@ -14,11 +14,13 @@ with ``cache.reorder``). The one-step runner and the site check live in
 
 from __future__ import annotations
 
+import operator
+
 import pyro.poutine as poutine
 import torch
 
 from ppl_thought.distributions.lm_state import LMState
-from ppl_thought.errors import NotInImageError, ProgramError, ZeroWeightsError
+from ppl_thought.errors import ConfigError, NotInImageError, ProgramError, ZeroWeightsError
 from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.importance import _not_in_image_result, log_marginal_stderr
 from ppl_thought.inference.particles import check_compatible, particle_plate, require_program, run_step
@@ -30,7 +32,13 @@ RESAMPLING = ("multinomial", "stratified", "systematic", "residual")
 
 def resample(weights: torch.Tensor, method: str = "systematic", generator: torch.Generator | None = None
              ) -> torch.Tensor:
-    """Ancestor indices ``[n]`` from normalised weights ``[n]`` (each scheme has E[#offspring_i] = n w_i)."""
+    """Ancestor indices ``[n]`` from normalised weights ``[n]`` (each scheme has E[#offspring_i] = n w_i).
+
+    Weights ``[G, n]`` (G groups, one resampling each, batched: one ``searchsorted`` / ``multinomial``
+    for all groups; residual loops over them) give indices ``[G, n]`` into each group's own row.
+    """
+    if weights.ndim == 2:
+        return _resample_groups(weights, method, generator)
     n = weights.shape[0]
     w = weights.double() / weights.double().sum()
     if method == "multinomial":
@@ -50,6 +58,27 @@ def resample(weights: torch.Tensor, method: str = "systematic", generator: torch
         res = n * w - counts
         extra = torch.multinomial(res / res.sum(), rest, replacement=True, generator=generator)
         return torch.cat([base, extra])
+    else:
+        raise ValueError(f"unknown resampling scheme {method!r}; choose one of {RESAMPLING}")
+    return torch.searchsorted(cdf, u).clamp(max=n - 1)
+
+
+def _resample_groups(weights: torch.Tensor, method: str, generator: torch.Generator | None) -> torch.Tensor:
+    """:func:`resample` for every row of ``weights [G, n]`` at once: indices ``[G, n]`` within each row."""
+    G, n = weights.shape
+    w = weights.double()
+    w = w / w.sum(-1, keepdim=True)
+    if method == "multinomial":
+        return torch.multinomial(w, n, replacement=True, generator=generator)
+    if method == "residual":
+        return torch.stack([resample(w[g], method, generator) for g in range(G)])
+    cdf = torch.cumsum(w, -1)
+    cdf[:, -1] = 1.0
+    ar = torch.arange(n, dtype=torch.float64, device=w.device)
+    if method == "stratified":
+        u = (ar + torch.rand(G, n, generator=generator, dtype=torch.float64).to(w.device)) / n
+    elif method == "systematic":
+        u = (ar + torch.rand(G, 1, generator=generator, dtype=torch.float64).to(w.device)) / n
     else:
         raise ValueError(f"unknown resampling scheme {method!r}; choose one of {RESAMPLING}")
     return torch.searchsorted(cdf, u).clamp(max=n - 1)
@@ -78,17 +107,34 @@ class SMC:
         resampling: ``"systematic"`` (default), ``"stratified"``, ``"multinomial"`` or ``"residual"``.
         generator: a ``torch.Generator`` for resampling.
         max_steps: a bound on the number of steps for programs without ``max_steps``.
+        groups: G independent SMC runs of ``num_particles`` particles each, batched into one run of
+            ``G * num_particles`` rows (row r belongs to group ``r // num_particles``; the particle plate
+            has ``G * num_particles`` rows and ``pt.particle_groups()`` is G inside it, so a program maps
+            rows to its observations, e.g. ``x.repeat_interleave(n, 0)`` for x ``[G, ...]``). Weights,
+            ESS and resampling are per group (only the groups whose ESS is under the threshold
+            resample, ancestors from their own group), so each group's Z-hat is exactly the estimate
+            of a separate run on its data.
 
     ``run(model, guide, *args, **kwargs) -> Result``: ``samples`` (every latent site, particles leading,
     plus ``model.outputs(state)``, e.g. ``"z"`` for SlowThinking), final ``log_weights``,
     ``log_marginal`` (log Z-hat), ``ancestry [steps, n]``, ``stats["ess"]`` per step,
     ``stats["resampled"]``, ``stats["token_steps"]`` / ``["particle_steps"]`` (lockstep decoding steps).
     ``guide`` is a Program with the same steps, a sampler with ``dist(x) -> LMSequence`` decoded under
-    the lifting (wrapped step-wise), or ``None``.
+    the lifting (wrapped step-wise), or ``None``. With ``groups=G > 1``: samples keep the ``G * n`` rows
+    leading (``.view(G, n, ...)`` splits them), ``log_weights`` is ``[G, n]`` (so ``Result.ess`` and
+    ``normalized_weights`` are per group), ``log_marginal`` ``[G]``, ``ancestry [steps, G * n]`` (global
+    rows), ``stats["ess"]`` / ``stats["resampled"]`` a list per step of G-lists.
     """
 
     def __init__(self, num_particles: int, ess_threshold: float = 0.5, resampling: str = "systematic",
-                 generator: torch.Generator | None = None, max_steps: int = 10_000):
+                 generator: torch.Generator | None = None, max_steps: int = 10_000, groups: int = 1):
+        try:
+            g = operator.index(groups)
+        except TypeError:
+            g = 0
+        if isinstance(groups, bool) or g < 1:
+            raise ConfigError(f"groups must be a positive int (the number of independent particle groups), "
+                              f"got {groups!r}")
         if int(num_particles) < 1:
             raise ValueError(f"num_particles must be >= 1, got {num_particles}")
         if resampling not in RESAMPLING:
@@ -100,6 +146,7 @@ class SMC:
         self.resampling = resampling
         self.generator = generator
         self.max_steps = int(max_steps)
+        self.groups = int(g)
 
     def run(self, model, guide, *args, **kwargs) -> Result:
         """Run SMC over the steps of ``model``; see the class docstring."""
@@ -111,20 +158,25 @@ class SMC:
             with torch.no_grad(), poutine.block():
                 return self._run(model, guide, args, kwargs)
         except NotInImageError as e:
-            return _not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles, "SMC",
-                                        {"args": args, "kwargs": kwargs})
+            res = _not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles * self.groups, "SMC",
+                                       {"args": args, "kwargs": kwargs})
+            if self.groups > 1:
+                res.log_weights = res.log_weights.view(self.groups, self.num_particles)
+                res.log_marginal = res.log_marginal.expand(self.groups)
+            return res
 
     def _run(self, model, guide, args, kwargs) -> Result:
-        n = self.num_particles
+        n, G = self.num_particles, self.groups
+        N = G * n  # rows: group g holds rows g*n .. g*n + n - 1
         depth = max(int(getattr(model, "max_plate_nesting", 0) or 0),
                     int(getattr(guide, "max_plate_nesting", 0) or 0) if guide is not None else 0)
         dim = -(depth + 1)
-        plate = particle_plate(n, dim)
+        plate = particle_plate(N, dim, G)
         sm: dict = {}
         sg: dict = {}
         name = type(model).__name__
         out = run_step(lambda: model.init(sm, *args, **kwargs),
-                       (lambda: guide.init(sg, *args, **kwargs)) if guide is not None else None, n, dim, "in init",
+                       (lambda: guide.init(sg, *args, **kwargs)) if guide is not None else None, N, dim, "in init",
                        plate)
         lw = out.log_w.clone()
         dev = lw.device
@@ -133,9 +185,9 @@ class SMC:
         values: dict[str, list] = {}
         seen: dict[str, str] = {}
         self._record(values, seen, out.values, "init")
-        finished = torch.zeros(n, dtype=torch.bool, device=dev)
+        finished = torch.zeros(N, dtype=torch.bool, device=dev)
         any_finished = twisted = False  # host copies, updated at the one sync of each step
-        prev_psi = torch.zeros(n, device=dev)
+        prev_psi = torch.zeros(N, device=dev)
         ancestry, ess_hist, resampled = [], [], []
         token_steps = out.token_steps
         t = 0
@@ -146,63 +198,96 @@ class SMC:
             before = dict(sm) if any_finished else None
             out = run_step(lambda t=t: model.step(sm, t, *args, **kwargs),
                            (lambda t=t: guide.step(sg, t, *args, **kwargs)) if guide is not None else None,
-                           n, dim, f"in step {t}", plate)
+                           N, dim, f"in step {t}", plate)
             if before is not None:
                 freeze_finished(before, sm, finished)
             self._record(values, seen, out.values, f"step {t}")
             token_steps += out.token_steps
-            done = as_done(out.done, n, dev)
+            done = as_done(out.done, N, dev)
             inc = torch.where(finished, torch.zeros_like(out.log_w), out.log_w.to(dev))
             now_done = finished | done if done is not None else finished
             twisted = twisted or out.log_psi is not None
             if twisted:  # the twist telescopes (pt.twist): add psi_t - psi_{t-1}; 0 once a particle is done
-                psi = prev_psi if out.log_psi is None else torch.as_tensor(out.log_psi, device=dev).float().expand(n)
+                psi = prev_psi if out.log_psi is None else torch.as_tensor(out.log_psi, device=dev).float().expand(N)
                 psi = torch.where(now_done, torch.zeros_like(psi), psi)
                 delta = torch.where(torch.isneginf(prev_psi), torch.zeros_like(psi), psi - prev_psi)
                 inc = torch.where(torch.isneginf(inc), inc, inc + delta)
                 prev_psi = psi
             lw = lw + inc
             finished = now_done
-            ess = effective_sample_size(lw)
+            lwg = lw.view(G, n)
+            ess = effective_sample_size(lwg)  # [G]
             # the one host sync of the step
-            has_nan, all_zero, ess_f, all_done, any_finished = torch.stack(
-                [torch.isnan(lw).any().float(), torch.isneginf(lw).all().float(), ess.float(),
-                 finished.all().float(), finished.any().float()]).tolist()
+            host = torch.cat([torch.stack([torch.isnan(lw).any().float(), finished.all().float(),
+                                           finished.any().float()]),
+                              torch.isneginf(lwg).all(-1).float(), ess.float()]).tolist()
+            has_nan, all_done, any_finished = host[0] > 0, host[1] > 0, host[2] > 0
+            zero, ess_g = host[3:3 + G], host[3 + G:]
             if has_nan:
                 raise ValueError(f"NaN weights after step {t} of {name} (a twist or log-probability is NaN or +inf)")
-            if all_zero:
-                raise ZeroWeightsError(
-                    f"SMC: all {n} particle weights are zero (log weight -inf) after step {t} of {name}: the "
-                    "proposal only produced values the model (or a twist) gives probability 0")
-            ess_hist.append(ess_f)
-            all_done, any_finished = all_done > 0, any_finished > 0
-            if not all_done and ess_f < self.ess_threshold * n:
-                idx = resample(torch.softmax(lw, 0), self.resampling, self.generator).to(dev)
-                lw = log_mean_exp(lw).expand(n).clone()
-                reorder_state(sm, idx, n)
-                reorder_state(sg, idx, n)
+            if any(zero):
+                raise ZeroWeightsError(self._zero_message(zero, t, name))
+            need = [not all_done and e < self.ess_threshold * n for e in ess_g]
+            if any(need):
+                idx, lw = self._resample(lw, need, dev)
+                reorder_state(sm, idx, N)
+                reorder_state(sg, idx, N)
                 for entries in values.values():
                     for j, (v, d) in enumerate(entries):
                         if d is not None:
                             entries[j] = (v.index_select(d, idx.to(v.device)), d)
                 finished, prev_psi = finished[idx], prev_psi[idx]
                 ancestry.append(idx)
-                resampled.append(True)
             else:
-                ancestry.append(torch.arange(n, device=dev))
-                resampled.append(False)
+                ancestry.append(torch.arange(N, device=dev))
+            ess_hist.append(ess_g[0] if G == 1 else ess_g)
+            resampled.append(need[0] if G == 1 else need)
             t += 1
             if all_done:
                 break
         samples = {k: (v.movedim(d, 0) if d is not None else v) for k, [(v, d)] in values.items()}
         samples.update(model.outputs(sm, *args, **kwargs))
+        lw_out = lw if G == 1 else lw.view(G, n)
+        any_resampled = any(r if G == 1 else any(r) for r in resampled)
         return Result(
-            samples=samples, log_weights=lw, log_marginal=log_mean_exp(lw),
-            log_marginal_stderr=log_marginal_stderr(lw) if not any(resampled) else None,
+            samples=samples, log_weights=lw_out, log_marginal=log_mean_exp(lw_out),
+            log_marginal_stderr=log_marginal_stderr(lw_out) if not any_resampled else None,
             ancestry=torch.stack(ancestry), observed={"args": args, "kwargs": kwargs}, engine="SMC",
             stats={"ess": ess_hist, "resampled": resampled, "steps": t, "token_steps": token_steps,
-                   "particle_steps": token_steps * n, "mode": _decoding_mode(sm)},
+                   "particle_steps": token_steps * N, "mode": _decoding_mode(sm), "groups": G},
         )
+
+    def _resample(self, lw: torch.Tensor, need: list[bool], dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global ancestor indices ``[G * n]`` and the new log weights for the groups in ``need``: each
+        resamples within its own rows (batched over groups) and its weights become its mean weight, so
+        prod_t of the group's mean incremental weights stays its Z-hat; the other groups keep theirs."""
+        n, G = self.num_particles, self.groups
+        if G == 1:
+            idx = resample(torch.softmax(lw, 0), self.resampling, self.generator).to(dev)
+            return idx, log_mean_exp(lw).expand(n).clone()
+        lwg = lw.view(G, n)
+        if all(need):
+            local = resample(torch.softmax(lwg, -1), self.resampling, self.generator).to(dev)
+            idx = local + (torch.arange(G, device=dev) * n)[:, None]
+            return idx.view(-1), log_mean_exp(lwg)[:, None].expand(G, n).reshape(-1).clone()
+        sel = torch.tensor([g for g in range(G) if need[g]], device=dev)
+        local = resample(torch.softmax(lwg[sel], -1), self.resampling, self.generator).to(dev)
+        idx = torch.arange(N := G * n, device=dev).view(G, n).clone()
+        idx[sel] = local + sel[:, None] * n
+        lwg = lwg.clone()
+        lwg[sel] = log_mean_exp(lwg[sel])[:, None].expand(-1, n)
+        return idx.view(N), lwg.view(N)
+
+    def _zero_message(self, zero: list, t: int, name: str) -> str:
+        n = self.num_particles
+        if self.groups == 1:
+            return (f"SMC: all {n} particle weights are zero (log weight -inf) after step {t} of {name}: the "
+                    "proposal only produced values the model (or a twist) gives probability 0")
+        bad = [g for g, z in enumerate(zero) if z]
+        return (f"SMC: all {n} particle weights of group {bad[0]} (rows {bad[0] * n}..{bad[0] * n + n - 1}"
+                + (f"; also groups {bad[1:]}" if len(bad) > 1 else "") + f") of {self.groups} are zero (log "
+                f"weight -inf) after step {t} of {name}: the proposal only produced values the model (or a twist) "
+                "gives probability 0 for that group's data")
 
     @staticmethod
     def _record(values: dict, seen: dict, new: dict, where: str) -> None:
