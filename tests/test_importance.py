@@ -234,3 +234,20 @@ def test_all_zero_weights_raise():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="num_particles"):
         Importance(0)
+
+
+def test_result_repr_is_short_and_summary_lists_sites_and_stats():
+    """repr(result) stays under 1 KB however big the result (it printed 18 KB); summary() has the detail."""
+    from ppl_thought.inference.result import Result
+
+    samples = {f"thought_{t}": torch.zeros(5000, 40, dtype=torch.long) for t in range(30)}
+    r = Result(samples=samples, log_weights=torch.randn(5000), log_marginal=torch.tensor(-3.25),
+               log_marginal_stderr=torch.tensor(0.125), stats={"khat": 0.41, "ess": list(range(30))},
+               engine="SMC")
+    text = repr(r)
+    assert len(text) < 1024 and "SMC" in text and "5000 particles" in text and "-3.25 +- 0.12" in text
+    assert "Pareto k 0.41" in text and "thought_0" in text and "(30 sites)" in text
+    full = r.summary()
+    assert "thought_29: (5000, 40) torch.int64" in full and "stats.ess: 30 values" in full
+    grouped = Result(samples={}, log_weights=torch.zeros(4, 8), log_marginal=torch.zeros(4), engine="SMC")
+    assert "8 particles x 4 groups" in repr(grouped)

@@ -43,6 +43,13 @@ class Result:
     observed: dict[str, Any] = field(default_factory=dict)
     engine: str = ""
 
+    def __repr__(self) -> str:
+        return _result_repr(self)
+
+    def summary(self) -> str:
+        """The one-line report, each site's shape, and the engine's statistics (printable)."""
+        return _result_summary(self)
+
     @property
     def ess(self) -> torch.Tensor | None:
         """Importance ESS of the final weights (``None`` for MCMC results)."""
@@ -55,3 +62,49 @@ class Result:
         if self.log_weights is None:
             return None
         return torch.softmax(self.log_weights, dim=-1)
+
+
+def _short(v: Any, digits: int = 4) -> str:
+    """A number, or a few numbers of a small tensor, for a one-line report."""
+    if v is None:
+        return "-"
+    t = torch.as_tensor(v).detach().float().reshape(-1).cpu()
+    vals = [f"{x:.{digits}g}" for x in t[:4].tolist()]
+    return vals[0] if t.numel() == 1 else "[" + ", ".join(vals) + (", ..." if t.numel() > 4 else "") + "]"
+
+
+def _result_repr(self) -> str:
+    """One line, always short (well under 1 KB): engine, particles, log Z-hat +- SE, ESS, Pareto k, sites."""
+    n = None if self.log_weights is None else int(self.log_weights.shape[-1])
+    parts = [self.engine or "Result"]
+    if n is not None:
+        groups = self.log_weights.shape[:-1].numel() if self.log_weights.ndim > 1 else 1
+        parts.append(f"{n} particles" + (f" x {groups} groups" if groups > 1 else ""))
+    if self.log_marginal is not None:
+        se = "" if self.log_marginal_stderr is None else f" +- {_short(self.log_marginal_stderr, 2)}"
+        parts.append(f"log Z-hat {_short(self.log_marginal)}{se}")
+    if self.log_weights is not None:
+        parts.append(f"ESS {_short(self.ess, 3)}")
+    if "khat" in self.stats:
+        parts.append(f"Pareto k {_short(self.stats['khat'], 2)}")
+    names = list(self.samples)
+    sites = ", ".join(names[:8]) + (f", ... ({len(names)} sites)" if len(names) > 8 else "")
+    return f"<{'; '.join(parts)}; sites: {sites}>"
+
+
+def _result_summary(self) -> str:
+    """A few lines: the one-line report, each site's shape and dtype, and the engine's statistics by name."""
+    lines = [repr(self)]
+    for k, v in self.samples.items():
+        kind = f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+        lines.append(f"  {k}: {kind}")
+    for k, v in self.stats.items():
+        if isinstance(v, torch.Tensor):
+            text = _short(v) if v.numel() <= 4 else f"tensor {tuple(v.shape)}"
+        elif isinstance(v, (list, tuple)):
+            text = f"{len(v)} values" + (f", last {_short(v[-1])}" if v and isinstance(v[-1], (int, float)) else "")
+        else:
+            text = str(v)[:60]
+        lines.append(f"  stats.{k}: {text}")
+    return "\n".join(lines)
+
