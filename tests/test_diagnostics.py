@@ -287,3 +287,23 @@ def test_plots_render_headless(is_result, smc_result, langevin_result, model, tm
     plot_weights(torch.full((8,), float("-inf")), tmp_path / "dead.png")
     for name in ("w", "ess", "gap", "acc", "law", "law2", "dead"):
         assert is_png(tmp_path / f"{name}.png"), name
+
+
+def test_diagnose_reads_files_without_a_posterior(tmp_path, capsys):
+    """`ppl-thought diagnose` on the demo's a5_excess.nc (observed_data only) crashed on `.posterior`."""
+    from ppl_thought.io import atomic_write
+
+    rng = np.random.default_rng(0)
+    idata = az.from_dict(observed_data={"plain_excess": rng.normal(0.7, 0.1, 64),
+                                        "latent_excess": rng.normal(0.2, 0.05, 64)})
+    f = atomic_write(tmp_path / "a5_excess.nc", idata.to_netcdf)
+    assert cli_main(["diagnose", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "no posterior group" in out and "observed_data/plain_excess" in out and "n    64" in out
+    mean = float(re.search(r"latent_excess\s+n\s+64\s+mean (\S+)", out).group(1))
+    assert abs(mean - float(idata.observed_data["latent_excess"].mean())) < 1e-5
+    assert (tmp_path / "a5_excess.values.png").is_file()
+    bad = tmp_path / "not_ours.nc"
+    bad.write_text("hello")
+    assert cli_main(["diagnose", str(bad)]) == 2
+    assert "is not an ArviZ netcdf file" in capsys.readouterr().err

@@ -51,6 +51,8 @@ def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list
     out_dir = Path(out) if out is not None else (path if path.is_dir() else path.parent)
     stem = path.name if path.is_dir() else path.stem
     out_dir.mkdir(parents=True, exist_ok=True)
+    if "posterior" not in idata.groups():
+        return _describe_groups(idata, path, out_dir, stem)
     post = idata.posterior
     attrs = dict(post.attrs)
     lines = [f"{path}: engine {attrs.get('engine', '?')}, {post.sizes.get('chain', 0)} chain(s) x "
@@ -83,6 +85,43 @@ def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list
                 warnings.simplefilter("ignore")
                 table = az.summary(idata, var_names=numeric, kind="all")
             lines.append(table.to_string())
+    lines += [f"  wrote {f}" for f in files]
+    return "\n".join(lines), files
+
+
+def _describe_groups(idata, path: Path, out_dir: Path, stem: str) -> tuple[str, list[Path]]:
+    """A file without a posterior (e.g. the demo's ``a5_excess.nc``: per-sequence values in
+    ``observed_data``): mean +- standard error and range of every numeric variable, and one box plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [f"{path}: no posterior group; groups {', '.join(idata.groups())}"]
+    series = {}
+    for g in idata.groups():
+        ds = getattr(idata, g)
+        for name in ds.data_vars:
+            v = np.asarray(ds[name], dtype=float).reshape(-1) if np.issubdtype(ds[name].dtype, np.number) else None
+            if v is None or v.size == 0:
+                continue
+            finite = v[np.isfinite(v)]
+            se = finite.std(ddof=1) / math.sqrt(finite.size) if finite.size > 1 else float("nan")
+            lines.append(f"  {g}/{name:20s} n {v.size:5d}  mean {_fmt(finite.mean() if finite.size else np.nan)}"
+                         f" +- {_fmt(se)}  range [{_fmt(finite.min() if finite.size else np.nan)}, "
+                         f"{_fmt(finite.max() if finite.size else np.nan)}]")
+            series[f"{g}/{name}"] = finite
+    files: list[Path] = []
+    if series:
+        fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(series), 3.2))
+        ax.boxplot(list(series.values()))
+        ax.set_xticks(range(1, len(series) + 1), [k.split("/")[-1] for k in series], rotation=20)
+        ax.set_title(path.name)
+        fig.tight_layout()
+        f = out_dir / f"{stem}.values.png"
+        fig.savefig(f, dpi=110)
+        plt.close(fig)
+        files.append(f)
     lines += [f"  wrote {f}" for f in files]
     return "\n".join(lines), files
 
