@@ -56,7 +56,9 @@ class Vocab:
         self.specials: tuple[str, ...] = tuple(RESERVED) + tuple(extra)
         self.num_specials = len(self.specials)
         self._max_token_len = max(len(t) for t in names)
-        self._separator = "" if all(len(t) == 1 for t in tokens) else " "
+        # single characters decode without spaces, unless one is "<": then a run of ordinary tokens could
+        # spell a special ("<", "s", ">" -> "<s>") and decode -> encode would not round-trip
+        self._separator = "" if all(len(t) == 1 for t in tokens) and "<" not in tokens else " "
 
     # ----------------------------------------------------------------- ids of the specials
     pad_id = property(lambda self: 0)

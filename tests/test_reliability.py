@@ -243,3 +243,17 @@ def test_a_guide_on_another_vocabulary_or_projection_is_refused():
                 engine.run(model, guide, "ab")
     same = pt.projections.PauseToThink(VOCAB, max_thought_len=1)  # equal, though another object: fine
     assert torch.isfinite(pt.infer.Importance(64).run(model, pt.guides.Causal(lm, same), "ab").log_marginal)
+
+
+def test_vocab_decode_encode_round_trips():
+    """(defect 11) decode -> encode was not the identity when ordinary characters spell a special."""
+    import random
+
+    rng = random.Random(0)
+    alphabets = [list("ab"), list("<s>a"), list("</>se"), ["ab", "a", "b", "<", ">"], ["x", "xy", "y<", ">"]]
+    for tokens in alphabets:
+        v = pt.Vocab(tokens)
+        ids = list(range(v.num_specials, len(v))) + [v.think_id, v.end_think_id, v.eos_id]
+        for _ in range(300):
+            seq = [rng.choice(ids) for _ in range(rng.randint(0, 8))]
+            assert v.encode(v.decode(seq)) == seq, (tokens, seq, v.decode(seq))
