@@ -257,3 +257,20 @@ def test_vocab_decode_encode_round_trips():
         for _ in range(300):
             seq = [rng.choice(ids) for _ in range(rng.randint(0, 8))]
             assert v.encode(v.decode(seq)) == seq, (tokens, seq, v.decode(seq))
+
+
+def test_a_model_is_saved_and_loaded_with_its_vocabulary(tmp_path):
+    """(item 14) the vocabulary was not saved with a model: its ids could not be read back as tokens."""
+    from ppl_thought.errors import VocabularyError
+
+    vocab = pt.Vocab(["a", "b", "<x>"], specials=("<x2>",))
+    torch.manual_seed(0)
+    lm = pt.lm.Transformer(len(vocab), d_model=16, n_layers=1, n_heads=2)
+    path = lm.save(tmp_path / "m", vocab=vocab)
+    back, v2 = pt.lm.Transformer.load(path), pt.lm.Transformer.load_vocab(path)
+    assert v2 == vocab and v2.specials == vocab.specials
+    ids = torch.tensor([[1, 6, 7, 8]])
+    torch.testing.assert_close(back(ids)[0], lm(ids)[0])
+    assert pt.lm.Transformer.load_vocab(lm.save(tmp_path / "plain")) is None
+    with pytest.raises(VocabularyError, match="ids"):
+        lm.save(tmp_path / "bad", vocab=pt.Vocab(["a"]))

@@ -579,24 +579,44 @@ class Transformer(nn.Module):
                 "cross_attention": self.cross_attention, "d_latent": self.d_latent,
                 "rope_base": self.rope_base, "dropout": self.dropout, "tie_embeddings": self.tie_embeddings}
 
-    def save(self, path: str | Path, extra: dict | None = None) -> Path:
-        """Write a checkpoint directory (safetensors + JSON config, atomically; see ``ppl_thought.io``)."""
+    def save(self, path: str | Path, extra: dict | None = None, vocab=None) -> Path:
+        """Write a checkpoint directory (safetensors + JSON config, atomically; see ``ppl_thought.io``).
+
+        ``vocab`` (a :class:`~ppl_thought.vocab.Vocab` of ``vocab_size`` ids) is saved with the model, so
+        that its ids can be read back as tokens: ``Transformer.load_vocab(path)``."""
+        from ppl_thought.errors import VocabularyError
         from ppl_thought.io import save_checkpoint
 
-        return save_checkpoint(path, self, {"class": "Transformer", **self.config()}, extra)
+        config = {"class": "Transformer", **self.config()}
+        if vocab is not None:
+            if len(vocab) != self.vocab_size:
+                raise VocabularyError(f"the vocabulary has {len(vocab)} ids, the model {self.vocab_size}")
+            config["vocab"] = vocab.to_dict()
+        return save_checkpoint(path, self, config, extra)
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> Transformer:
         """Rebuild a model written by ``save`` (no pickle)."""
+        from ppl_thought.errors import CheckpointError
         from ppl_thought.io import load_checkpoint
 
         state, config, _ = load_checkpoint(path, device=device)
         config = dict(config)
+        config.pop("vocab", None)
         if config.pop("class", "Transformer") != "Transformer":
-            raise ValueError(f"{path} is not a Transformer checkpoint")
+            raise CheckpointError(f"{path} is not a Transformer checkpoint")
         model = cls(**config).to(device)
         model.load_state_dict(state)
         return model
+
+    @staticmethod
+    def load_vocab(path: str | Path):
+        """The :class:`~ppl_thought.vocab.Vocab` saved with a model (``save(..., vocab=...)``), or None."""
+        from ppl_thought.io import load_checkpoint
+        from ppl_thought.vocab import Vocab
+
+        _, config, _ = load_checkpoint(path)
+        return Vocab.from_dict(config["vocab"]) if "vocab" in config else None
 
 
 _TOKEN_DTYPES = (torch.int64, torch.int32)
