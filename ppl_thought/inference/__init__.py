@@ -21,3 +21,7 @@ from ppl_thought.inference.svi import SVI as SVI
 from ppl_thought.inference.trainer import Trainer as Trainer
 from ppl_thought.inference.trainer import clip_joint_ as clip_joint_
 from ppl_thought.inference.trainer import cosine_lr as cosine_lr
+from ppl_thought.inference.verifier_sampling import RejectionSampling as RejectionSampling
+from ppl_thought.inference.verifier_sampling import SamplingBudgetError as SamplingBudgetError
+from ppl_thought.inference.verifier_sampling import TokenwiseRejection as TokenwiseRejection
+from ppl_thought.inference.verifier_sampling import UnsatisfiableConstraintError as UnsatisfiableConstraintError

@@ -1,0 +1,195 @@
+"""Constraint sets as automata and the idealised process verifier of Chapter 3 (Def 3.1.3).
+
+The constrained-generation task (Def 3.1.2) is a triple (Sigma, A, O): a vocabulary, a constraint
+set ``A`` and an autoregressive oracle (the LM, Def 3.1.1). Here ``A`` is given by a token
+:class:`~ppl_thought.projections.automaton.Automaton` (strings read without dying and ending in a
+final state) and, optionally, a fixed length ``N`` (the thesis's tasks are sets of strings of one
+length: ``A subset Sigma^D`` in Props 3.1.1-3.1.2, "valid sequences of given length" for Dyck).
+
+* :func:`dyck` builds the automaton of the bounded-depth Dyck language Dyck_{k,D}, equation (2.37).
+* :class:`ProcessVerifier` is the perfect process verifier of Def 3.1.3: ``V(s) = 1`` iff some
+  ``s'`` makes ``s o s'`` a member of ``A`` (of length ``N`` when a length is given). It is decided
+  exactly from the automaton state of the prefix by a reachability table, batched over rows.
+
+The engines that use it (rejection sampling, Def 3.1.4; tokenwise rejection sampling, Def 3.1.5)
+live in :mod:`ppl_thought.inference.verifier_sampling`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ppl_thought.errors import ConfigError, MalformedSequenceError
+from ppl_thought.projections.automaton import DEAD, Automaton
+from ppl_thought.vocab import Vocab
+
+PAD_ID = 0
+
+__all__ = ["dyck", "ProcessVerifier"]
+
+
+def dyck(k: int, D: int, vocab: Vocab, brackets: Sequence[tuple[str, str]] | None = None) -> Automaton:
+    """The automaton of the bounded-depth Dyck language Dyck_{k,D} of equation (2.37).
+
+    Dyck_{k,D} is the set of balanced strings over ``k`` bracket types whose grammar depth (the stack
+    depth after each prefix) never exceeds ``D``. A state is the stack of unmatched open brackets
+    (a tuple of types, at most ``D`` long): reading the open bracket of type t pushes t (inadmissible
+    at depth ``D``), reading the close bracket of type t pops a t (inadmissible unless t is on top).
+    The final state is the empty stack (a complete balanced string); the start state is also the
+    empty stack, so the empty string is accepted. Every other token of the vocabulary (specials
+    included) is inadmissible everywhere. The language is unbounded in length (``max_len=None``):
+    pair it with ``ProcessVerifier(..., length=N)`` for the strings of length ``N``. ``emitted`` is 0
+    (the automaton is a constraint, not a projection's lifting).
+
+    Args:
+        k: number of bracket types (>= 1).
+        D: maximal depth (>= 0; depth 0 accepts only the empty string).
+        vocab: the vocabulary whose ids index the table's columns.
+        brackets: ``k`` pairs (open, close) of tokens of ``vocab``. Default: the ordinary tokens of
+            ``vocab`` in id order, taken two by two (the thesis's convention: tokens 2t-1 and 2t are
+            the open and close bracket of type t); ``vocab`` must then have exactly ``2k`` of them.
+
+    Raises:
+        ConfigError: ``k < 1``, ``D < 0``, the wrong number of brackets, or a token used twice.
+        UnknownTokenError: a bracket that is not in ``vocab``.
+    """
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise ConfigError(f"dyck needs k >= 1 bracket types, got {k!r}")
+    if not isinstance(D, (int, np.integer)) or D < 0:
+        raise ConfigError(f"dyck needs a depth bound D >= 0, got {D!r}")
+    if brackets is None:
+        ordinary = vocab.ordinary_ids
+        if len(ordinary) != 2 * k:
+            raise ConfigError(f"dyck(k={k}) without `brackets` needs a vocabulary of exactly {2 * k} ordinary tokens, "
+                              f"got {len(ordinary)}; pass brackets=[(open, close), ...]")
+        ids = [(int(ordinary[2 * t]), int(ordinary[2 * t + 1])) for t in range(k)]
+    else:
+        if len(brackets) != k:
+            raise ConfigError(f"dyck(k={k}) needs {k} (open, close) pairs, got {len(brackets)}")
+        ids = [(vocab.id(o), vocab.id(c)) for o, c in brackets]
+    flat = [i for pair in ids for i in pair]
+    if len(set(flat)) != len(flat):
+        raise ConfigError(f"dyck brackets must be 2k distinct tokens, got {brackets if brackets else flat}")
+    if any(i < vocab.num_specials for i in flat):
+        raise ConfigError("dyck brackets must be ordinary tokens, not specials such as <pad> or <eos>")
+
+    # states: every stack of length <= D, numbered breadth-first from the empty stack
+    stacks: list[tuple[int, ...]] = [()]
+    index: dict[tuple[int, ...], int] = {(): 0}
+    frontier: list[tuple[int, ...]] = [()]
+    for _ in range(D):
+        nxt = []
+        for st in frontier:
+            for t in range(k):
+                child = st + (t,)
+                index[child] = len(stacks)
+                stacks.append(child)
+                nxt.append(child)
+        frontier = nxt
+    table = np.full((len(stacks), len(vocab)), DEAD, dtype=np.int64)
+    for s, st in enumerate(stacks):
+        for t, (op, cl) in enumerate(ids):
+            if len(st) < D:
+                table[s, op] = index[st + (t,)]
+            if st and st[-1] == t:
+                table[s, cl] = index[st[:-1]]
+    final = np.zeros(len(stacks), dtype=bool)
+    final[0] = True
+    return Automaton(table, final, np.zeros(len(stacks), dtype=np.int64), 0, None, f"Dyck_{{{k},{D}}}")
+
+
+class ProcessVerifier:
+    """The perfect process verifier of Def 3.1.3 for the constraint set of an automaton.
+
+    ``V(s) = 1`` iff there is a completion ``s'`` with ``s o s'`` accepted by ``automaton`` and, when
+    ``length`` is given, ``|s o s'| = length`` (the thesis's tasks have ``A subset Sigma^N``). On a
+    complete string (``|s| = length``) it is the membership test of ``A`` that rejection sampling
+    (Def 3.1.4) uses. Decided exactly: ``reach[r, q]`` says whether a final state can be reached from
+    state ``q`` in exactly ``r`` tokens (any number when ``length`` is ``None``), built by dynamic
+    programming over the table, so a call is one automaton pass and one gather, batched over rows.
+
+    Call it on right-padded prefixes ``[n, L]`` (``<pad>`` = 0, never a token of the constraint) to
+    get bool ``[n]``; or use :meth:`from_states` on automaton states and prefix lengths.
+    """
+
+    def __init__(self, automaton: Automaton, length: int | None = None):
+        if not isinstance(automaton, Automaton):
+            raise ConfigError(f"ProcessVerifier needs an Automaton, got {type(automaton).__name__}")
+        if length is not None and (not isinstance(length, (int, np.integer)) or length < 0):
+            raise ConfigError(f"length must be a non-negative integer or None, got {length!r}")
+        if (automaton.next_state[:, PAD_ID] >= 0).any():
+            raise ConfigError("the constraint automaton reads <pad> (id 0) as a token: padded prefixes are ambiguous")
+        self.automaton = automaton
+        self.length = None if length is None else int(length)
+        ns = automaton.next_state
+        S = automaton.num_states
+        if self.length is None:
+            alive = automaton.final.copy()
+            while True:
+                succ = np.concatenate([alive, [False]])[ns].any(axis=1)  # ns == -1 indexes the False pad
+                new = alive | succ
+                if (new == alive).all():
+                    break
+                alive = new
+            reach = np.concatenate([alive, [False]])[None]  # [1, S + 1]
+        else:
+            reach = np.zeros((self.length + 1, S + 1), dtype=bool)
+            reach[0, :S] = automaton.final
+            for r in range(1, self.length + 1):
+                reach[r, :S] = reach[r - 1][ns].any(axis=1)
+        self._reach = reach
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"ProcessVerifier({self.automaton.name}, length={self.length})"
+
+    def _reach_on(self, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        t = self._cache.get(key)
+        if t is None:
+            t = torch.as_tensor(self._reach, device=device)
+            self._cache[key] = t
+        return t
+
+    def states(self, prefixes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(automaton state ``[n]``, length ``[n]``) of right-padded prefixes ``[n, L]`` (``-1`` once dead)."""
+        prefixes = torch.as_tensor(prefixes)
+        if prefixes.ndim != 2 or prefixes.dtype not in (torch.int64, torch.int32):
+            raise MalformedSequenceError(f"prefixes must be an integer tensor [n, L], got {tuple(prefixes.shape)} "
+                                         f"{prefixes.dtype}")
+        prefixes = prefixes.long()
+        V = self.automaton.vocab_size
+        if prefixes.numel() and (prefixes.min() < 0 or prefixes.max() >= V):
+            raise MalformedSequenceError(f"token ids must lie in [0, {V})")
+        is_tok = prefixes != PAD_ID
+        if prefixes.shape[1] > 1 and (is_tok[:, 1:] & ~is_tok[:, :-1]).any():
+            raise MalformedSequenceError("prefixes must be right-padded: a token after <pad>")
+        s = self.automaton.start_states(prefixes.shape[0], prefixes.device)
+        for i in range(prefixes.shape[1]):  # a loop over positions, batched over rows
+            s = self.automaton.advance(s, prefixes[:, i])
+        return s, is_tok.sum(-1)
+
+    def from_states(self, states: torch.Tensor, lengths: torch.Tensor | int) -> torch.Tensor:
+        """V(s) for prefixes given by their automaton states ``[n]`` and lengths (``[n]`` or an int)."""
+        reach = self._reach_on(states.device)
+        live = states >= 0
+        if self.length is None:
+            return live & reach[0][states]
+        lengths = torch.as_tensor(lengths, device=states.device).expand_as(states)
+        remaining = self.length - lengths
+        ok = live & (remaining >= 0)
+        return ok & reach[remaining.clamp(0, self.length), states]
+
+    def __call__(self, prefixes: torch.Tensor) -> torch.Tensor:
+        """V(s) (Def 3.1.3) for each right-padded row of ``prefixes [n, L]``: bool ``[n]``."""
+        s, lengths = self.states(prefixes)
+        return self.from_states(s, lengths)
+
+    def accepts(self, strings: torch.Tensor) -> torch.Tensor:
+        """Membership in ``A`` of complete right-padded strings ``[n, L]``: accepted and, with a length, of it."""
+        s, lengths = self.states(strings)
+        ok = self.automaton.is_final(s)
+        return ok if self.length is None else ok & (lengths == self.length)
