@@ -66,3 +66,7 @@ class NumericalError(PPLThoughtError, ValueError):
 
 class ConfigError(PPLThoughtError, ValueError):
     """An engine was configured with an invalid argument (e.g. ``SMC(..., groups=0)``)."""
+
+
+class MissingCheckpointError(CheckpointError, FileNotFoundError):
+    """No checkpoint (or saved result) at the given path."""

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ppl_thought.errors import CheckpointError
+from ppl_thought.errors import CheckpointError, MissingCheckpointError
 
 FORMAT = "ppl_thought.checkpoint/1"
 TENSORS_STEM = "model"  # tensors files: model.<sha256[:16]>.safetensors (older checkpoints: model.safetensors)
@@ -99,7 +99,7 @@ def _read_header(path: Path) -> dict:
     """The checked ``config.json`` of a checkpoint directory (clear errors, never a bare KeyError)."""
     cfg = path / CONFIG_FILE
     if not cfg.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path} (missing {CONFIG_FILE})")
+        raise MissingCheckpointError(f"no checkpoint at {path} (missing {CONFIG_FILE})")
     try:
         header = json.loads(cfg.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

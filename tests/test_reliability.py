@@ -274,3 +274,19 @@ def test_a_model_is_saved_and_loaded_with_its_vocabulary(tmp_path):
     assert pt.lm.Transformer.load_vocab(lm.save(tmp_path / "plain")) is None
     with pytest.raises(VocabularyError, match="ids"):
         lm.save(tmp_path / "bad", vocab=pt.Vocab(["a"]))
+
+
+def test_every_bad_input_of_the_robustness_benchmark_gets_a_clear_error():
+    """benchmarks/robustness.py's table of bad inputs, without its kill loop: each answer is a library error
+    that names the problem (the benchmark's JSON reports the same classification)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("robustness", Path(__file__).parent.parent / "benchmarks"
+                                                  / "robustness.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    answers = {name: mod.classify(call, phrase) for name, call, phrase in mod.CASES}
+    bad = {name: a for name, a in answers.items() if a[0] != "clear"}
+    assert not bad, bad
+    assert len(answers) >= 40

@@ -22,7 +22,7 @@ from pyro.params.param_store import module_from_param_with_module_name, param_wi
 from torch.distributions import constraints
 
 from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan
-from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
+from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.vocab import Vocab
@@ -33,7 +33,7 @@ PAD_ID, BOS_ID = 0, 1  # fixed by ppl_thought.vocab
 def _ids(seq, vocab: Vocab | None, what: str) -> torch.Tensor:
     if isinstance(seq, str) or (isinstance(seq, (list, tuple)) and seq and isinstance(seq[0], str)):
         if vocab is None:
-            raise ValueError(f"{what} is given as text; pass vocab= to LMSequence")
+            raise ConfigError(f"{what} is given as text; pass vocab= to LMSequence")
         return torch.tensor(vocab.encode(seq), dtype=torch.long)
     t = torch.as_tensor(seq)
     if t.numel() == 0:
@@ -163,21 +163,21 @@ class LMSequence(TorchDistribution):
         self.vocab = vocab
         self.vocab_size = int(lm.vocab_size)
         if vocab is not None and len(vocab) != self.vocab_size:
-            raise ValueError(f"vocab has {len(vocab)} tokens but the LM has vocab_size {self.vocab_size}")
+            raise ConfigError(f"vocab has {len(vocab)} tokens but the LM has vocab_size {self.vocab_size}")
         self.prompt = _ids(prompt if prompt is not None else [], vocab, "prompt")
         self._check_range(self.prompt, "prompt")
         if constraint is not None and constraint.vocab_size != self.vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"constraint automaton has {constraint.vocab_size} token columns, LM has {self.vocab_size}"
             )
         self.constraint = constraint
         self.stop_ids = self._stop_ids(stop)
         if max_len is None:
             if constraint is None or constraint.max_len is None:
-                raise ValueError("LMSequence needs max_len (the constraint does not bound the length)")
+                raise ConfigError("LMSequence needs max_len (the constraint does not bound the length)")
             max_len = constraint.max_len
         if max_len < 0:
-            raise ValueError(f"max_len must be >= 0, got {max_len}")
+            raise ConfigError(f"max_len must be >= 0, got {max_len}")
         self.max_len = int(max_len)
         self.lm_kwargs = dict(lm_kwargs or {})
         batch_shape = torch.Size(batch_shape)
@@ -197,7 +197,7 @@ class LMSequence(TorchDistribution):
         for s in items:
             if isinstance(s, str):
                 if self.vocab is None:
-                    raise ValueError(f"stop token {s!r} given as text; pass vocab= to LMSequence")
+                    raise ConfigError(f"stop token {s!r} given as text; pass vocab= to LMSequence")
                 out.append(self.vocab.id(s))
             else:
                 out.append(int(s))

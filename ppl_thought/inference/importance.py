@@ -21,7 +21,7 @@ from typing import Any
 import pyro.poutine as poutine
 import torch
 
-from ppl_thought.errors import NotInImageError, ZeroWeightsError
+from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
 from ppl_thought.inference.particles import check_compatible, sample_particles
 from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
 
@@ -83,7 +83,7 @@ def pareto_khat(log_w: torch.Tensor) -> float:
 
 def _summarise(log_w: torch.Tensor, log_normal: bool, what: str) -> dict[str, Any]:
     if torch.isnan(log_w).any():
-        raise ValueError(f"{what}: NaN log weights (a model or guide log-probability is NaN)")
+        raise NumericalError(f"{what}: NaN log weights (a model or guide log-probability is NaN)")
     lse = torch.logsumexp(log_w, -1)
     if torch.isneginf(lse):
         raise ZeroWeightsError(
@@ -136,7 +136,7 @@ class Importance:
     def __init__(self, num_particles: int, log_normal_correction: bool = False, fast: bool = True,
                  max_plate_nesting: int | None = None):
         if int(num_particles) < 1:
-            raise ValueError(f"num_particles must be >= 1, got {num_particles}")
+            raise ConfigError(f"num_particles must be >= 1, got {num_particles}")
         self.num_particles = int(num_particles)
         self.log_normal_correction = bool(log_normal_correction)
         self.fast = bool(fast)
@@ -250,7 +250,7 @@ def _pad_to(z: torch.Tensor, length: int) -> torch.Tensor:
         return z
     if z.shape[-1] > length:
         if (z[..., length:] != 0).any():
-            raise ValueError(f"sampled z of length {z.shape[-1]} exceeds the model's z length {length}")
+            raise SiteMismatchError(f"sampled z of length {z.shape[-1]} exceeds the model's z length {length}")
         return z[..., :length]
     pad = torch.zeros(z.shape[:-1] + (length - z.shape[-1],), dtype=z.dtype, device=z.device)
     return torch.cat([z, pad], -1)
@@ -266,7 +266,7 @@ def _prefix_len(lifting, w: torch.Tensor) -> torch.Tensor:
         s = table[s, w[:, i]]
         k = torch.where((k < 0) & lifting.is_final(s), torch.full_like(k, i + 1), k)
     if (k < 0).any():
-        raise ValueError("a sample of Q(. | xy) has no prefix in the lifting of x: the sampler is not "
+        raise SiteMismatchError("a sample of Q(. | xy) has no prefix in the lifting of x: the sampler is not "
                          "supported on the lifting of xy")
     return k
 

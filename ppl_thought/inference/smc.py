@@ -20,7 +20,7 @@ import pyro.poutine as poutine
 import torch
 
 from ppl_thought.distributions.lm_state import LMState
-from ppl_thought.errors import ConfigError, NotInImageError, ProgramError, ZeroWeightsError
+from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ProgramError, ZeroWeightsError
 from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.importance import _not_in_image_result, log_marginal_stderr
 from ppl_thought.inference.particles import check_compatible, particle_plate, require_program, run_step
@@ -59,7 +59,7 @@ def resample(weights: torch.Tensor, method: str = "systematic", generator: torch
         extra = torch.multinomial(res / res.sum(), rest, replacement=True, generator=generator)
         return torch.cat([base, extra])
     else:
-        raise ValueError(f"unknown resampling scheme {method!r}; choose one of {RESAMPLING}")
+        raise ConfigError(f"unknown resampling scheme {method!r}; choose one of {RESAMPLING}")
     return torch.searchsorted(cdf, u).clamp(max=n - 1)
 
 
@@ -80,7 +80,7 @@ def _resample_groups(weights: torch.Tensor, method: str, generator: torch.Genera
     elif method == "systematic":
         u = (ar + torch.rand(G, 1, generator=generator, dtype=torch.float64).to(w.device)) / n
     else:
-        raise ValueError(f"unknown resampling scheme {method!r}; choose one of {RESAMPLING}")
+        raise ConfigError(f"unknown resampling scheme {method!r}; choose one of {RESAMPLING}")
     return torch.searchsorted(cdf, u).clamp(max=n - 1)
 
 
@@ -136,11 +136,11 @@ class SMC:
             raise ConfigError(f"groups must be a positive int (the number of independent particle groups), "
                               f"got {groups!r}")
         if int(num_particles) < 1:
-            raise ValueError(f"num_particles must be >= 1, got {num_particles}")
+            raise ConfigError(f"num_particles must be >= 1, got {num_particles}")
         if resampling not in RESAMPLING:
-            raise ValueError(f"unknown resampling scheme {resampling!r}; choose one of {RESAMPLING}")
+            raise ConfigError(f"unknown resampling scheme {resampling!r}; choose one of {RESAMPLING}")
         if not 0.0 <= float(ess_threshold) <= 1.0:
-            raise ValueError(f"ess_threshold is a fraction of num_particles in [0, 1], got {ess_threshold}")
+            raise ConfigError(f"ess_threshold is a fraction of num_particles in [0, 1], got {ess_threshold}")
         self.num_particles = int(num_particles)
         self.ess_threshold = float(ess_threshold)
         self.resampling = resampling
@@ -224,7 +224,8 @@ class SMC:
             has_nan, all_done, any_finished = host[0] > 0, host[1] > 0, host[2] > 0
             zero, ess_g = host[3:3 + G], host[3 + G:]
             if has_nan:
-                raise ValueError(f"NaN weights after step {t} of {name} (a twist or log-probability is NaN or +inf)")
+                raise NumericalError(f"NaN weights after step {t} of {name} (a twist or log-probability is "
+                                     "NaN or +inf)")
             if any(zero):
                 raise ZeroWeightsError(self._zero_message(zero, t, name))
             need = [not all_done and e < self.ess_threshold * n for e in ess_g]

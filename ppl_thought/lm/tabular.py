@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
+from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 
 BOS_ID = 1  # ppl_thought.vocab: <bos> always has id 1
 
@@ -42,19 +42,19 @@ class Tabular(nn.Module):
     def __init__(self, order: int, vocab_size: int, logits: torch.Tensor | None = None, trainable: bool = True):
         super().__init__()
         if order < 1:
-            raise ValueError(f"order must be >= 1, got {order}")
+            raise ConfigError(f"order must be >= 1, got {order}")
         shape = (vocab_size,) * order
         if logits is None:
             logits = torch.zeros(shape)
         logits = torch.as_tensor(logits, dtype=torch.get_default_dtype())
         if tuple(logits.shape) != shape:
-            raise ValueError(f"Tabular(order={order}, vocab_size={vocab_size}) needs logits of shape {shape}, "
+            raise ConfigError(f"Tabular(order={order}, vocab_size={vocab_size}) needs logits of shape {shape}, "
                              f"got {tuple(logits.shape)}")
         if torch.isnan(logits).any() or torch.isposinf(logits).any():
             raise MalformedSequenceError("Tabular logits contain NaN or +inf (a logit may be -inf: a forbidden "
                                          "transition; +inf has no probability)")
         if torch.isneginf(logits).all(dim=-1).any():
-            raise ValueError("some context of the Tabular logits has every next token at -inf")
+            raise ConfigError("some context of the Tabular logits has every next token at -inf")
         self.order = order
         self.vocab_size = vocab_size
         if trainable:

@@ -1,0 +1,226 @@
+"""Bad input and killed writers: how the public entry points answer (the reliability issue).
+
+    python benchmarks/robustness.py [--quick] [--json FILE]
+
+Each case feeds one bad input to one public entry point and classifies the answer:
+
+* ``clear``: a :class:`ppl_thought.errors.PPLThoughtError` (or argparse's usage error, exit 2) whose
+  message names the problem (checked by a phrase);
+* ``unclear``: another exception type, or a library error whose message misses the phrase;
+* ``silent``: a value came back (or NaN) where an error was due;
+* ``crash``: an error from deep inside torch / numpy / Python (``RuntimeError``, ``IndexError``,
+  ``KeyError``, ``AttributeError``, ...).
+
+Then a writer overwriting one checkpoint folder (and one saved result) in a loop is killed with SIGKILL at
+random moments; ``unloadable`` counts the folders that could not be loaded afterwards, or whose tensors
+do not belong to their config. Target: 0 silent, 0 crash, 0 unloadable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io as _io
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import pyro
+import torch
+
+import ppl_thought as pt
+from ppl_thought.errors import PPLThoughtError
+
+VOCAB = pt.Vocab(["a", "b"])
+V = len(VOCAB)
+
+
+def _tab():
+    return pt.lm.Tabular(2, V, torch.zeros(V, V), trainable=False)
+
+
+def _tf():
+    torch.manual_seed(0)
+    return pt.lm.Transformer(V, d_model=16, n_layers=1, n_heads=2, max_len=16)
+
+
+def _model():
+    return pt.models.SlowThinking(_tab(), pt.projections.PauseToThink(VOCAB, max_thought_len=1))
+
+
+def _plain_function(x):
+    pyro.sample("z", pyro.distributions.Normal(0.0, 1.0))
+
+
+def _bad_checkpoint(kind: str):
+    d = Path(tempfile.mkdtemp())
+    path = pt.io.save_checkpoint(d / "ck", {"w": torch.ones(2)}, {"a": 1})
+    cfg = path / "config.json"
+    header = json.loads(cfg.read_text())
+    if kind == "json":
+        cfg.write_text("{not json")
+    elif kind == "outside":
+        header["tensors"]["file"] = "../evil.safetensors"
+        cfg.write_text(json.dumps(header))
+    elif kind == "missing":
+        del header["tensors"]
+        cfg.write_text(json.dumps(header))
+    return pt.io.load_checkpoint(path)
+
+
+def _cli(*argv):
+    from ppl_thought.cli import main
+
+    with contextlib.redirect_stderr(_io.StringIO()), contextlib.redirect_stdout(_io.StringIO()):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:
+            code = e.code
+    if code == 2:
+        raise _UsageError("usage error (exit 2)")
+    return code
+
+
+class _UsageError(PPLThoughtError):
+    """argparse's clear usage message, counted as a clear answer."""
+
+
+# (name, call, phrase the message must contain)
+CASES = [
+    ("vocab: no ordinary token", lambda: pt.Vocab([]), "at least one"),
+    ("vocab: duplicate token", lambda: pt.Vocab(["a", "a"]), "twice"),
+    ("vocab: whitespace token", lambda: pt.Vocab(["a b"]), "whitespace"),
+    ("vocab: non-string token", lambda: pt.Vocab([3]), "string"),
+    ("vocab: duplicate special", lambda: pt.Vocab(["a"], specials=["<x>", "<x>"]), "more than once"),
+    ("vocab: unknown token", lambda: VOCAB.id("zz"), "not in the vocabulary"),
+    ("vocab: id out of range", lambda: VOCAB.token(99), "outside"),
+    ("vocab: encode unknown text", lambda: VOCAB.encode("azz"), "cannot tokenize"),
+    ("projection: lifting of a latent token", lambda: pt.projections.PauseToThink(VOCAB, 1).lifting(["<s>"]),
+     "non-observable"),
+    ("tabular: wrong table shape", lambda: pt.lm.Tabular(2, V, torch.zeros(3, 3)), "shape"),
+    ("tabular: NaN logits", lambda: pt.lm.Tabular(2, V, torch.full((V, V), float("nan"))), "NaN"),
+    ("tabular: +inf logits", lambda: pt.lm.Tabular(2, V, torch.full((V, V), float("inf"))), "+inf"),
+    ("tabular: ids out of range", lambda: _tab()(torch.tensor([[1, 99]])), "[0,"),
+    ("tabular: float tokens", lambda: _tab()(torch.tensor([[1.0, 2.0]])), "LongTensor"),
+    ("transformer: ids out of range", lambda: _tf()(torch.tensor([[1, 99]])), "outside"),
+    ("transformer: negative ids", lambda: _tf()(torch.tensor([[1, -3]])), "outside"),
+    ("transformer: float tokens", lambda: _tf()(torch.tensor([[1.0, 2.0]])), "token"),
+    ("transformer: longer than max_len", lambda: _tf()(torch.ones(1, 40, dtype=torch.long)), "max_len"),
+    ("lmsequence: negative max_len", lambda: pt.dist.LMSequence(_tab(), max_len=-1), "max_len"),
+    ("lmsequence: float value", lambda: pt.dist.LMSequence(_tab(), max_len=4).log_prob(torch.ones(4)), "integer"),
+    ("lmsequence: pad inside", lambda: pt.dist.LMSequence(_tab(), max_len=4).log_prob(torch.tensor([6, 0, 7, 0])),
+     "pad"),
+    ("lmsequence: too long", lambda: pt.dist.LMSequence(_tab(), max_len=2).log_prob(torch.tensor([6, 7, 6])),
+     "max_len"),
+    ("lmstate: stop as a string",
+     lambda: pt.dist.LMState.start(_tab(), 2, max_len=4).segment(stop="</s>"), "vocab.id"),
+    ("importance: 0 particles", lambda: pt.infer.Importance(0), "num_particles"),
+    ("smc: 0 particles", lambda: pt.infer.SMC(0), "num_particles"),
+    ("smc: ess_threshold 2", lambda: pt.infer.SMC(4, ess_threshold=2.0), "ess_threshold"),
+    ("smc: unknown resampling", lambda: pt.infer.SMC(4, resampling="foo"), "resampling"),
+    ("smc: groups 0", lambda: pt.infer.SMC(4, groups=0), "groups"),
+    ("smc: a plain function", lambda: pt.infer.SMC(4).run(_plain_function, None, "ab"), "pt.Program"),
+    ("importance: guide on another vocabulary",
+     lambda: pt.infer.Importance(4).run(_model(), pt.guides.Causal(_tab(), pt.projections.PauseToThink(
+         pt.Vocab(["b", "a"]), 1)), "ab"), "vocabulary"),
+    ("importance: observation with an unknown token", lambda: pt.infer.Importance(4).run(_model(), None, "azz"),
+     "cannot tokenize"),
+    ("checkpoint: bad JSON", lambda: _bad_checkpoint("json"), "JSON"),
+    ("checkpoint: tensors outside the folder", lambda: _bad_checkpoint("outside"), "plain file name"),
+    ("checkpoint: missing key", lambda: _bad_checkpoint("missing"), "lacks"),
+    ("checkpoint: no folder", lambda: pt.io.load_checkpoint("/nonexistent/ck"), "no checkpoint"),
+    ("diagnostics: chi2 of NaN", lambda: pt.diagnostics.chi2(torch.tensor([-0.1, float("nan")]),
+                                                             torch.tensor([-0.5, -0.9])), "NaN"),
+    ("diagnostics: chi2 shapes", lambda: pt.diagnostics.chi2(torch.zeros(2), torch.zeros(3)), "shape"),
+    ("cli: demo --n 0", lambda: _cli("demo", "--n", "0"), "usage"),
+    ("cli: demo --seeds x", lambda: _cli("demo", "--seeds", "x"), "usage"),
+    ("cli: unknown command", lambda: _cli("dmeo"), "usage"),
+]
+
+CRASH_TYPES = (RuntimeError, IndexError, KeyError, AttributeError, ZeroDivisionError, AssertionError)
+
+
+def classify(call, phrase: str) -> tuple[str, str]:
+    try:
+        with torch.no_grad():
+            out = call()
+    except PPLThoughtError as e:
+        return ("clear" if phrase.lower() in str(e).lower() else "unclear"), f"{type(e).__name__}: {e}"[:160]
+    except CRASH_TYPES as e:
+        return "crash", f"{type(e).__name__}: {e}"[:160]
+    except Exception as e:  # noqa: BLE001 - other exception types are answers, but not the library's
+        return "unclear", f"{type(e).__name__}: {e}"[:160]
+    if isinstance(out, torch.Tensor) and out.is_floating_point() and torch.isnan(out).any():
+        return "silent", "NaN"
+    return "silent", f"returned {type(out).__name__}"
+
+
+_WRITER = """
+import sys, torch
+from ppl_thought import io
+from ppl_thought.inference.result import Result
+path, kind = sys.argv[1], sys.argv[2]
+print("ready", flush=True)
+i = 0
+while True:
+    i += 1
+    w = torch.full((256, 256), float(i))
+    if kind == "result":
+        io.save_result(path, Result(samples={"z": w}, log_weights=torch.zeros(8), log_marginal=torch.tensor(float(i))))
+    else:
+        io.save_checkpoint(path, {"w": w}, {"i": i})
+"""
+
+
+def kill_loop(kills: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    tried = unloadable = 0
+    with tempfile.TemporaryDirectory() as d:
+        for kind in ("checkpoint", "result"):
+            path = Path(d) / kind
+            for _ in range(kills):
+                proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), kind], stdout=subprocess.PIPE)
+                proc.stdout.readline()
+                time.sleep(rng.uniform(0.2, 0.6))
+                proc.kill()
+                proc.wait()
+                tried += 1
+                try:
+                    if kind == "result":
+                        r = pt.io.load_result(path)
+                        ok = float(r.samples["z"][0, 0]) == float(r.log_marginal)
+                    else:
+                        state, config, _ = pt.io.load_checkpoint(path)
+                        ok = float(state["w"][0, 0]) == config["i"]
+                except Exception:  # noqa: BLE001 - any failure to load counts
+                    ok = False
+                unloadable += not ok
+    return {"tried": tried, "unloadable": unloadable}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = [(name, *classify(call, phrase)) for name, call, phrase in CASES]
+    counts = Counter(kind for _, kind, _ in rows)
+    width = max(len(n) for n, _, _ in rows)
+    for name, kind, msg in rows:
+        print(f"{name:{width}s}  {kind:8s} {msg}")
+    kills = kill_loop(5 if args.quick else 25)
+    out = {"inputs": {"tried": len(rows), **{k: counts.get(k, 0) for k in ("clear", "unclear", "silent", "crash")}},
+           "kills": kills,
+           "cases": {name: {"answer": kind, "message": msg} for name, kind, msg in rows}}
+    print(json.dumps({k: out[k] for k in ("inputs", "kills")}, indent=2))
+    if args.json:
+        pt.io.atomic_write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()
