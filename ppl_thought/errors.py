@@ -70,3 +70,15 @@ class ConfigError(PPLThoughtError, ValueError):
 
 class MissingCheckpointError(CheckpointError, FileNotFoundError):
     """No checkpoint (or saved result) at the given path."""
+
+
+class SamplingBudgetError(PPLThoughtError, RuntimeError):
+    """A verifier-assisted sampler used up its budget (rounds or proposals) before it had every sample."""
+
+
+class UnsatisfiableConstraintError(PPLThoughtError, ValueError):
+    """The process verifier rejects the empty prefix: no string of the constraint set exists (FAIL, Def 3.1.2)."""
+
+
+class DiscreteLatentError(PPLThoughtError, ValueError):
+    """A model handed to a gradient-based sampler has latent sites with discrete support."""

@@ -24,9 +24,7 @@ import torch
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.projections.automaton import DEAD, Automaton
-from ppl_thought.vocab import Vocab
-
-PAD_ID = 0
+from ppl_thought.vocab import PAD_ID, Vocab
 
 __all__ = ["dyck", "ProcessVerifier"]
 

@@ -17,6 +17,8 @@ from ppl_thought.errors import UnknownTokenError, VocabularyError
 PAD, BOS, EOS, THINK, END_THINK, EXPLAIN = "<pad>", "<bos>", "<eos>", "<s>", "</s>", "<explain>"
 RESERVED: tuple[str, ...] = (PAD, BOS, EOS, THINK, END_THINK, EXPLAIN)
 DEFAULT: tuple[str, ...] = RESERVED
+#: the ids of the reserved specials, the same in every Vocab (the one home of these numbers)
+PAD_ID, BOS_ID, EOS_ID, THINK_ID, END_THINK_ID, EXPLAIN_ID = range(len(RESERVED))
 
 
 class Vocab:
@@ -61,12 +63,12 @@ class Vocab:
         self._separator = "" if all(len(t) == 1 for t in tokens) and "<" not in tokens else " "
 
     # ----------------------------------------------------------------- ids of the specials
-    pad_id = property(lambda self: 0)
-    bos_id = property(lambda self: 1)
-    eos_id = property(lambda self: 2)
-    think_id = property(lambda self: 3)  # <s>
-    end_think_id = property(lambda self: 4)  # </s>
-    explain_id = property(lambda self: 5)
+    pad_id = property(lambda self: PAD_ID)
+    bos_id = property(lambda self: BOS_ID)
+    eos_id = property(lambda self: EOS_ID)
+    think_id = property(lambda self: THINK_ID)  # <s>
+    end_think_id = property(lambda self: END_THINK_ID)  # </s>
+    explain_id = property(lambda self: EXPLAIN_ID)
 
     @property
     def ordinary_ids(self) -> np.ndarray:

@@ -22,11 +22,11 @@ from engine_helpers import (
     thinking_model,
 )
 
-from ppl_thought.distributions.lm_sequence import PAD_ID
 from ppl_thought.inference import decode, decoding, next_token_distribution
 from ppl_thought.lm.transformer import Transformer
 from ppl_thought.models import SlowThinking
 from ppl_thought.projections import PauseToThink
+from ppl_thought.vocab import PAD_ID
 
 X = "a"
 WEIGHTS = {

@@ -31,7 +31,7 @@ from ppl_thought.diagnostics import (
     scaling_law,
     to_inference_data,
 )
-from ppl_thought.diagnostics.causal import ZeroWeightError
+from ppl_thought.diagnostics.causal import ZeroWeightsError
 from ppl_thought.diagnostics.inference_data import import_arviz
 from ppl_thought.inference import SMC, Importance, Langevin
 from ppl_thought.io import load_result, save_result
@@ -226,7 +226,7 @@ def test_causal_gap_matches_hand_computation():
     lpy_inf = lpy.clone()
     lpy_inf[0, 2] = float("-inf")  # r = +inf but weight 0: never NaN
     assert math.isfinite(float(causal_gap(lq, lpy_inf, lpr)))
-    with pytest.raises(ZeroWeightError):
+    with pytest.raises(ZeroWeightsError):
         causal_gap(lq, lpy, torch.full_like(lpr, float("-inf")))
 
 

@@ -15,8 +15,8 @@ import pyro.distributions as dist
 import pytest
 import torch
 
+from ppl_thought.errors import DiscreteLatentError
 from ppl_thought.inference import Langevin, LangevinKernel
-from ppl_thought.inference.langevin import DiscreteLatentError
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=FutureWarning, module="arviz")

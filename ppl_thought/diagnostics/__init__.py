@@ -13,7 +13,7 @@ posterior drift, k-token advantage and plots. ArviZ and matplotlib are imported 
 
 from ppl_thought.diagnostics.causal import (
     CausalGapTracker,
-    ZeroWeightError,
+    ZeroWeightsError,
     causal_gap,
     posterior_drift,
     posterior_drift_curve,
@@ -42,7 +42,7 @@ __all__ = [
     "KTokenAdvantage",
     "SamplerReport",
     "ScalingLaw",
-    "ZeroWeightError",
+    "ZeroWeightsError",
     "advantage_bound",
     "causal_gap",
     "chi2",

@@ -26,11 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ppl_thought.errors import PPLThoughtError
-
-
-class ZeroWeightError(PPLThoughtError, ValueError):
-    """Every weight p~_i of (7.3) in a batch element is zero."""
+from ppl_thought.errors import ZeroWeightsError
 
 
 def causal_gap(log_q: torch.Tensor, log_prior_thought: torch.Tensor, log_response: torch.Tensor,
@@ -45,7 +41,7 @@ def causal_gap(log_q: torch.Tensor, log_prior_thought: torch.Tensor, log_respons
 
     Returns a scalar tensor. Thoughts with weight p~_i = 0 (P(Y_i X_r | X) = 0) contribute nothing
     (their possibly infinite r_i is never multiplied by 0, so the result is never NaN); a batch element
-    whose weights are all zero raises :class:`ZeroWeightError`. 1-D inputs are one batch element.
+    whose weights are all zero raises :class:`ZeroWeightsError`. 1-D inputs are one batch element.
     """
     lq, lpy, lpr = (torch.as_tensor(t, dtype=torch.float64) for t in (log_q, log_prior_thought, log_response))
     if lq.ndim == 1:
@@ -60,7 +56,7 @@ def causal_gap(log_q: torch.Tensor, log_prior_thought: torch.Tensor, log_respons
     log_pt = torch.where(torch.isneginf(lpy) | torch.isneginf(lpr), torch.full_like(lq, -torch.inf), lpy + lpr - lq)
     dead = torch.isneginf(log_pt).all(-1)
     if dead.any():
-        raise ZeroWeightError(f"causal_gap: every weight p~_i of (7.3) is zero in batch element(s) "
+        raise ZeroWeightsError(f"causal_gap: every weight p~_i of (7.3) is zero in batch element(s) "
                               f"{dead.nonzero().flatten().tolist()}: P(Y_i X_r | X) = 0 for all sampled thoughts")
     p = torch.softmax(log_pt, -1)
     r = lq - lpy
@@ -132,4 +128,4 @@ def posterior_drift_curve(model, x, limit: int = 20_000) -> list[float]:
     return [posterior_drift(model, x, t, limit=limit) for t in range(1, T)]
 
 
-__all__ = ["CausalGapTracker", "ZeroWeightError", "causal_gap", "posterior_drift", "posterior_drift_curve"]
+__all__ = ["CausalGapTracker", "ZeroWeightsError", "causal_gap", "posterior_drift", "posterior_drift_curve"]

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-PAD_ID = 0
+from ppl_thought.vocab import PAD_ID
 
 
 def import_arviz():

@@ -25,9 +25,7 @@ from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.projections.automaton import Automaton
-from ppl_thought.vocab import Vocab
-
-PAD_ID, BOS_ID = 0, 1  # fixed by ppl_thought.vocab
+from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
 
 
 def _ids(seq, vocab: Vocab | None, what: str) -> torch.Tensor:

@@ -29,8 +29,7 @@ from torch.distributions import constraints
 
 from ppl_thought.errors import MalformedSequenceError, NumericalError
 from ppl_thought.lm.base import lm_device, match_rows
-
-PAD_ID, BOS_ID = 0, 1
+from ppl_thought.vocab import BOS_ID, PAD_ID
 
 __all__ = ["LMState", "Segment", "TokenRule", "supports_valid", "masked_log_softmax"]
 

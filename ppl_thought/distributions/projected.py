@@ -10,8 +10,7 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
 from ppl_thought.errors import NotInImageError
-
-PAD_ID = 0
+from ppl_thought.vocab import PAD_ID
 
 
 class ProjectionDelta(TorchDistribution):

@@ -29,8 +29,7 @@ from ppl_thought.errors import MalformedSequenceError
 from ppl_thought.program import Program, is_program, particles
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection, as_id_array
-
-PAD_ID = 0
+from ppl_thought.vocab import PAD_ID
 
 
 class Sampler(Program, ABC):

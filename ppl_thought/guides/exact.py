@@ -12,7 +12,8 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
 from ppl_thought.errors import NotInImageError
-from ppl_thought.guides.base import PAD_ID, Sampler, num_observed
+from ppl_thought.guides.base import Sampler, num_observed
+from ppl_thought.vocab import PAD_ID
 
 
 class _TableSampler(Sampler):

@@ -24,9 +24,7 @@ from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import UnknownTokenError
 from ppl_thought.guides.base import Sampler
 from ppl_thought.projections.base import Projection
-from ppl_thought.vocab import Vocab
-
-BOS_ID, EXPLAIN_ID = 1, 5
+from ppl_thought.vocab import BOS_ID, EXPLAIN_ID, Vocab
 
 
 class _LMSampler(Sampler):

@@ -28,16 +28,12 @@ import torch
 
 from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
 from ppl_thought.errors import NotDisentangledError
-from ppl_thought.guides.base import PAD_ID, Sampler
+from ppl_thought.guides.base import Sampler
 from ppl_thought.lm.base import lm_device
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.product import Product
-
-BOS_ID = 1
-
-
-
+from ppl_thought.vocab import BOS_ID, PAD_ID
 
 
 def emission_substitution(projection: Projection) -> np.ndarray:

@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ppl_thought.distributions.lm_state import PAD_ID, LMState, TokenRule
+from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import NotInImageError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.models.slow_thinking import pad_sequences
+from ppl_thought.vocab import PAD_ID
 
 METHODS = ("direct", "streaming", "resampling", "unbiased", "exact", "best_of_k")
 

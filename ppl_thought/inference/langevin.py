@@ -60,7 +60,7 @@ from pyro.poutine import block, trace
 from pyro.poutine.subsample_messenger import _Subsample
 from pyro.util import optional
 
-from ppl_thought.errors import PPLThoughtError
+from ppl_thought.errors import DiscreteLatentError
 from ppl_thought.inference.result import Result
 
 __all__ = ["DiscreteLatentError", "Langevin", "LangevinKernel"]
@@ -73,9 +73,6 @@ _MAX_STEP_SIZE = 1e10
 # divergence, as Pyro's HMC does with an energy error above 1000.
 _MAX_LOG_RATIO = 1000.0
 
-
-class DiscreteLatentError(PPLThoughtError, ValueError):
-    """A model handed to a gradient-based sampler has latent sites with discrete support."""
 
 
 def discrete_latent_sites(model: Callable, *args: Any, **kwargs: Any) -> list[str]:

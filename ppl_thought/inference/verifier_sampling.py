@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
-from ppl_thought.errors import ConfigError, PPLThoughtError
+from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError
 from ppl_thought.inference.result import Result
 from ppl_thought.lm.base import lm_device
 from ppl_thought.verifiers import ProcessVerifier
@@ -27,12 +27,6 @@ from ppl_thought.verifiers import ProcessVerifier
 __all__ = ["RejectionSampling", "TokenwiseRejection", "SamplingBudgetError", "UnsatisfiableConstraintError"]
 
 
-class SamplingBudgetError(PPLThoughtError, RuntimeError):
-    """A verifier-assisted sampler used up its budget (rounds or proposals) before it had every sample."""
-
-
-class UnsatisfiableConstraintError(PPLThoughtError, ValueError):
-    """The process verifier rejects the empty prefix: no string of the constraint set exists (FAIL, Def 3.1.2)."""
 
 
 def _check_common(num_samples, max_len, verifier, lm) -> None:

@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
-
-BOS_ID = 1  # ppl_thought.vocab: <bos> always has id 1
+from ppl_thought.vocab import BOS_ID
 
 
 @dataclass

@@ -525,8 +525,9 @@ class HMM(Program):
 
         Names default to the ones given at construction.
         """
-        from ppl_thought.lm.tabular import BOS_ID, Tabular
+        from ppl_thought.lm.tabular import Tabular
         from ppl_thought.projections.product import Product
+        from ppl_thought.vocab import BOS_ID
 
         obs = self._names(observable_tokens, self.num_observations, "x", "observable_tokens") \
             if observable_tokens is not None else list(self.observable_tokens)

@@ -20,12 +20,13 @@ import numpy as np
 import pyro
 import torch
 
-from ppl_thought.distributions.lm_sequence import PAD_ID, LMSequence
+from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.distributions.projected import ProjectionDelta
 from ppl_thought.errors import NotInImageError, ProgramError, TooLargeToEnumerateError
 from ppl_thought.program import Program, Shared, particles
 from ppl_thought.projections.base import Projection, as_id_array
+from ppl_thought.vocab import PAD_ID
 
 
 def pad_sequences(seqs, length: int | None = None, pad_id: int = PAD_ID) -> torch.Tensor:
