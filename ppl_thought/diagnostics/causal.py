@@ -93,11 +93,11 @@ class CausalGapTracker:
 # ---------------------------------------------------------------------------------------------- drift
 def _prefix_marginal(model, x, t0: int, t: int, limit: int) -> dict[tuple[int, ...], float]:
     """Pi_{t0} # Q_*(.|x_{<=t}): the law of the prefix of Z ~ Q_*(.|x_{<=t}) in Proj^{-1}(x_{<=t0})."""
-    from ppl_thought.inference.importance import _prefix_len
+    from ppl_thought.inference.importance import lifted_prefix_length
 
     xt = model.x_ids(x)
     post = model.exact_posterior(xt[:t], limit=limit)
-    k = _prefix_len(model.projection.lifting(xt[:t0]), post.support)
+    k = lifted_prefix_length(model.projection.lifting(xt[:t0]), post.support)
     out: dict[tuple[int, ...], float] = {}
     for row, kk, pr in zip(post.support.tolist(), k.tolist(), post.probs.double().tolist()):
         key = tuple(row[:kk])

@@ -105,7 +105,9 @@ def _summarise(log_w: torch.Tensor, log_normal: bool, what: str) -> dict[str, An
 
 
 # ---------------------------------------------------------------------------------------------- results
-def _not_in_image_result(message: str, n: int, engine: str, observed: dict) -> Result:
+def not_in_image_result(message: str, n: int, engine: str, observed: dict) -> Result:
+    """The result of an engine asked for p(x) of an x outside the image of Proj: log Z-hat = -inf, every
+    weight zero, with a warning (an answer, not an error: p(x) = 0 is exact)."""
     warnings.warn(message, stacklevel=3)
     log_w = torch.full((n,), float("-inf"))
     return Result(samples={}, log_weights=log_w, log_marginal=torch.tensor(float("-inf")),
@@ -156,7 +158,7 @@ class Importance:
             else:
                 samples, log_w, extra = self._traced(model, guide, args, kwargs)
         except NotInImageError as e:
-            return _not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles, "Importance", observed)
+            return not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles, "Importance", observed)
         stats = _summarise(log_w, self.log_normal_correction, "Importance")
         stats.update(extra)
         return Result(
@@ -215,7 +217,7 @@ class Importance:
         try:
             model.projection.lifting(xy)
         except NotInImageError as e:
-            return _not_in_image_result(f"log p(y | x) = -inf: {e}", n, "Importance.conditional", {"x": x, "y": y})
+            return not_in_image_result(f"log p(y | x) = -inf: {e}", n, "Importance.conditional", {"x": x, "y": y})
         dist_xy = model.z_dist(len(xy))
         with torch.no_grad():
             w, lq_w = sampler.sample_with_log_prob(xy, n)
@@ -229,7 +231,7 @@ class Importance:
                 p_steps, complete = dist_xy.step_log_probs(w)
                 lp_w = torch.where(complete, p_steps.sum(-1), torch.full((n,), float("-inf")))
                 log_w_xy = torch.where(torch.isneginf(lp_w), lp_w, lp_w - lq_w)
-                k = _prefix_len(model.projection.lifting(xt), w)
+                k = lifted_prefix_length(model.projection.lifting(xt), w)
                 q_steps = _sampler_step_log_probs(sampler, w, xy)
                 pos = torch.arange(w.shape[-1])[None]
                 inside = pos < k[:, None]
@@ -256,12 +258,15 @@ def _pad_to(z: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([z, pad], -1)
 
 
-def _prefix_len(lifting, w: torch.Tensor) -> torch.Tensor:
-    """Length of the prefix of each row of ``w`` that lies in the lifting (its first final state)."""
+def lifted_prefix_length(lifting, w: torch.Tensor) -> torch.Tensor:
+    """Length ``[n]`` of the shortest prefix of each row of ``w [n, L]`` that the automaton accepts (its first
+    final state): the z of a sample of Q(. | xy) restricted to x (Remark 3.5). Raises
+    :class:`SiteMismatchError` if a row has none."""
     table = lifting.torch_table(w.device)
     n, L = w.shape
     s = lifting.start_states(n, w.device)
-    k = torch.where(lifting.is_final(s), torch.zeros(n, dtype=torch.long), torch.full((n,), -1))
+    k = torch.where(lifting.is_final(s), torch.zeros(n, dtype=torch.long, device=w.device),
+                    torch.full((n,), -1, device=w.device))
     for i in range(L):
         s = table[s, w[:, i]]
         k = torch.where((k < 0) & lifting.is_final(s), torch.full_like(k, i + 1), k)
@@ -283,5 +288,6 @@ def _sampler_step_log_probs(sampler, z: torch.Tensor, x: torch.Tensor) -> torch.
                     "token_log_probs(z, x) -> [n, L] or dist(x) -> LMSequence; or use shared=False")
 
 
-__all__ = ["Importance", "ZeroWeightsError", "log_marginal_stderr", "log_normal_estimate", "pareto_khat"]
+__all__ = ["Importance", "ZeroWeightsError", "lifted_prefix_length", "log_marginal_stderr", "log_normal_estimate",
+           "not_in_image_result", "pareto_khat"]
 

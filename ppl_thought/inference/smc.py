@@ -22,7 +22,7 @@ import torch
 from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ProgramError, ZeroWeightsError
 from ppl_thought.guides.base import as_step_guide
-from ppl_thought.inference.importance import _not_in_image_result, log_marginal_stderr
+from ppl_thought.inference.importance import log_marginal_stderr, not_in_image_result
 from ppl_thought.inference.particles import check_compatible, particle_plate, require_program, run_step
 from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
 from ppl_thought.program import as_done, freeze_finished, reorder_state
@@ -158,7 +158,7 @@ class SMC:
             with torch.no_grad(), poutine.block():
                 return self._run(model, guide, args, kwargs)
         except NotInImageError as e:
-            res = _not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles * self.groups, "SMC",
+            res = not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles * self.groups, "SMC",
                                        {"args": args, "kwargs": kwargs})
             if self.groups > 1:
                 res.log_weights = res.log_weights.view(self.groups, self.num_particles)
