@@ -177,7 +177,7 @@ def text(ids) -> str:
 def posterior_from_idata(idata, steps: int) -> dict[str, float]:
     """The weighted posterior over thought sequences, read from an ArviZ InferenceData."""
     w = torch.softmax(torch.as_tensor(idata.sample_stats["log_weight"].values[0], dtype=torch.float64), 0)
-    texts = [idata.posterior[f"thought_{t}_text"].values[0] for t in range(steps)]
+    texts = [idata.posterior_text[f"thought_{t}_text"].values[0] for t in range(steps)]
     out: dict[str, float] = defaultdict(float)
     for i in range(len(w)):
         out[" | ".join(str(tx[i]) for tx in texts)] += float(w[i])

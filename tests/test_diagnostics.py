@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import numpy as np
 import pyro
@@ -92,7 +93,7 @@ def test_importance_inference_data_groups(is_result, tmp_path):
     z = post["z"].values
     assert np.issubdtype(z.dtype, np.integer) and z.ndim == 3
     np.testing.assert_array_equal(post["z_length"].values, (z != 0).sum(-1))
-    text = post["z_text"].values[0, 0]
+    text = idata.posterior_text["z_text"].values[0, 0]
     assert re.sub(r"<s>.*?</s>", "", text).replace(" ", "") == "ab"  # Proj deletes the thoughts
     lw = idata.sample_stats["log_weight"].values[0]
     np.testing.assert_allclose(lw, is_result.log_weights.double().numpy())
@@ -110,8 +111,27 @@ def test_importance_inference_data_groups(is_result, tmp_path):
     back = az.from_netcdf(str(path))
     np.testing.assert_array_equal(back.posterior["z"].values, z)
     np.testing.assert_array_equal(back.sample_stats["log_weight"].values, idata.sample_stats["log_weight"].values)
-    assert back.posterior["z_text"].values[0, 0] == text
+    assert back.posterior_text["z_text"].values[0, 0] == text
+    assert all(np.issubdtype(v.dtype, np.number) for v in idata.posterior.data_vars.values())
     assert back.sample_stats.attrs["khat"] == pytest.approx(attrs["khat"])
+
+
+def test_arviz_summaries_and_plots_run_on_the_default_conversion(is_result, tmp_path):
+    """With a vocab, the decoded strings used to sit in ``posterior``: az.summary / plot_trace / plot_posterior
+    raised on them. They live in ``posterior_text`` now."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    idata = to_inference_data(is_result, vocab=VOCAB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = az.summary(idata)  # every variable of the posterior
+        assert "mean" in table.columns and "z_length" in table.index
+        az.plot_trace(idata, var_names=["z_length"])
+        az.plot_posterior(idata, var_names=["z_length"])
+    plt.close("all")
 
 
 def test_smc_inference_data_has_ancestry_and_step_ess(smc_result):

@@ -3,9 +3,10 @@
 Weighted results (importance sampling (3.2), SMC) become one chain whose draws are the particles;
 MCMC results (Langevin) keep their chains x draws. Groups:
 
-- ``posterior``: every latent site. Integer sequence sites (``[particles, L]``) stay padded integer
-  arrays (pad id 0) with a length variable ``<site>_length``; with a ``vocab`` the decoded text is the
-  string variable ``<site>_text``.
+- ``posterior``: every latent site, numeric only. Integer sequence sites (``[particles, L]``) stay padded
+  integer arrays (pad id 0) with a length variable ``<site>_length``.
+- ``posterior_text``: with a ``vocab``, the decoded text of each sequence site, ``<site>_text`` (strings
+  live apart so that ``az.summary``, ``az.plot_trace`` and ``az.plot_posterior`` work on ``posterior``).
 - ``sample_stats``: ``log_weight`` (and ``ancestry`` ``[chain, draw, step]`` for SMC; ``log_p``/``log_q``
   where the engine kept them) or, for Langevin, ``accept_prob``, ``step_size``, ``diverging`` and
   ``lp`` (= -potential energy). Its attrs (and the posterior's) record ``log_marginal``,
@@ -89,10 +90,15 @@ def _site_vars(name: str, value: np.ndarray, lead: int, vocab) -> dict[str, tupl
     if np.issubdtype(value.dtype, np.integer) and value.ndim == lead + 1:  # a padded sequence site
         out[name] = (dims + (f"{name}_pos",), value)
         out[f"{name}_length"] = (dims, (value != PAD_ID).sum(-1).astype(np.int64))
-        if vocab is not None:
-            text = np.array([_decode(vocab, r) for r in value.reshape(-1, value.shape[-1])], dtype=object)
-            out[f"{name}_text"] = (dims, text.reshape(value.shape[:lead]).astype(str))
     return out
+
+
+def _text_vars(name: str, value: np.ndarray, lead: int, vocab) -> dict[str, tuple[tuple[str, ...], np.ndarray]]:
+    """``<site>_text``: a padded integer sequence site decoded with ``vocab`` (group ``posterior_text``)."""
+    if vocab is None or not (np.issubdtype(value.dtype, np.integer) and value.ndim == lead + 1):
+        return {}
+    text = np.array([_decode(vocab, r) for r in value.reshape(-1, value.shape[-1])], dtype=object)
+    return {f"{name}_text": (("chain", "draw"), text.reshape(value.shape[:lead]).astype(str))}
 
 
 def _observed_vars(observed: Mapping[str, Any], vocab) -> dict[str, tuple[tuple[str, ...], np.ndarray]]:
@@ -186,8 +192,11 @@ def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | No
             return a
 
     post: dict[str, Any] = {}
+    texts: dict[str, Any] = {}
     for name, value in result.samples.items():
-        post.update(_site_vars(name, shape_draws(value), 2, vocab))
+        drawn = shape_draws(value)
+        post.update(_site_vars(name, drawn, 2, vocab))
+        texts.update(_text_vars(name, drawn, 2, vocab))
     del lead
 
     attrs: dict[str, Any] = {"engine": result.engine or "", "inference_library": "ppl_thought"}
@@ -220,6 +229,8 @@ def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | No
     attrs = _clean_attrs(attrs)
 
     groups: dict[str, Any] = {"posterior": xr.Dataset(post, attrs=attrs)}
+    if texts:  # strings in a group of their own: every ArviZ summary and plot works on the posterior
+        groups["posterior_text"] = xr.Dataset(texts)
     if ss:
         groups["sample_stats"] = xr.Dataset(ss, attrs=attrs)
     obs = _observed_vars(result.observed or {}, vocab)
