@@ -176,8 +176,8 @@ def text(ids) -> str:
 # ---------------------------------------------------------------------------------------------- estimates
 def posterior_from_idata(idata, steps: int) -> dict[str, float]:
     """The weighted posterior over thought sequences, read from an ArviZ InferenceData."""
-    w = torch.softmax(torch.as_tensor(idata.sample_stats["log_weight"].values[0], dtype=torch.float64), 0)
-    texts = [idata.posterior_text[f"thought_{t}_text"].values[0] for t in range(steps)]
+    w = torch.softmax(torch.as_tensor(idata.particles["log_weight"].values[0], dtype=torch.float64), 0)
+    texts = [idata.particles_text[f"thought_{t}_text"].values[0] for t in range(steps)]
     out: dict[str, float] = defaultdict(float)
     for i in range(len(w)):
         out[" | ".join(str(tx[i]) for tx in texts)] += float(w[i])

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ppl_thought.errors import DiagnosticError
 from ppl_thought.vocab import PAD_ID
 
 
@@ -150,7 +151,17 @@ def _clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | None = None):
+def systematic_draws(log_w: np.ndarray, m: int, seed: int = 0) -> np.ndarray:
+    """``m`` particle indices by systematic resampling of normalised ``exp(log_w)``, in particle order
+    (copies of one particle stay adjacent, so ArviZ's autocorrelation sees them)."""
+    w = np.exp(log_w - np.max(log_w)) if np.isfinite(log_w).any() else np.ones_like(log_w)
+    cdf = np.cumsum(w / w.sum())
+    u = (np.arange(m) + np.random.default_rng(seed).random()) / m
+    return np.minimum(np.searchsorted(cdf, u, side="right"), len(w) - 1)
+
+
+def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | None = None,
+                      num_draws: int | None = None, seed: int = 0):
     """Convert an engine ``Result`` to ``arviz.InferenceData`` (see the module docstring for the groups).
 
     Args:
@@ -160,9 +171,16 @@ def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | No
         log_likelihood: optional ``{name: values}`` with particles (or chains x draws) leading, stored in
             the ``log_likelihood`` group (overrides ``result.stats["log_likelihood"]``).
 
-    Weighted results record ``log_marginal`` (3.2), its delta-method standard error ((3.4)), the
-    importance ``ess`` = (sum w)^2 / sum w^2 and the PSIS Pareto ``khat`` in the attrs of
-    ``posterior`` and ``sample_stats``; ``-inf`` log weights stay ``-inf``.
+        num_draws: weighted results: the size of the equal-weight ``posterior`` (default: the number of
+            particles), drawn by systematic resampling with ``seed``.
+
+    Weighted results (IS (3.2), SMC): ``posterior`` holds equal-weight draws (systematic resampling of the
+    particles by their weights), so ArviZ's summaries, ESS and plots describe the weighted posterior,
+    not the proposal; ``sample_stats.particle`` says which particle each draw is. The raw particles and
+    their ``log_weight`` (and ``ancestry``, ``log_p``, ``log_q``) are in the ``particles`` group (text in
+    ``particles_text``). ``log_marginal`` (3.2), its delta-method standard error ((3.4)), the importance
+    ``ess`` = (sum w)^2 / sum w^2 and the PSIS Pareto ``khat`` are attrs of ``posterior``,
+    ``sample_stats`` and ``particles``; ``-inf`` log weights stay ``-inf``.
     """
     import xarray as xr
 
@@ -191,28 +209,45 @@ def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | No
                 raise ValueError(f"an MCMC result's site needs [chains, draws, ...], got shape {a.shape}")
             return a
 
+    draws = None
+    if weighted:
+        m = n if num_draws is None else int(num_draws)
+        if m < 1:
+            raise DiagnosticError(f"num_draws must be >= 1, got {num_draws}")
+        draws = systematic_draws(lw, m, seed) if n else np.zeros(0, dtype=np.int64)
+
+    def at_draws(a: np.ndarray) -> np.ndarray:
+        return a if draws is None else a[:, draws]
+
     post: dict[str, Any] = {}
     texts: dict[str, Any] = {}
+    raw: dict[str, Any] = {}
+    raw_texts: dict[str, Any] = {}
     for name, value in result.samples.items():
         drawn = shape_draws(value)
-        post.update(_site_vars(name, drawn, 2, vocab))
-        texts.update(_text_vars(name, drawn, 2, vocab))
+        post.update(_site_vars(name, at_draws(drawn), 2, vocab))
+        texts.update(_text_vars(name, at_draws(drawn), 2, vocab))
+        if weighted:
+            raw.update(_site_vars(name, drawn, 2, vocab))
+            raw_texts.update(_text_vars(name, drawn, 2, vocab))
     del lead
 
     attrs: dict[str, Any] = {"engine": result.engine or "", "inference_library": "ppl_thought"}
     ss: dict[str, Any] = {}
     if weighted:
-        ss["log_weight"] = (("chain", "draw"), lw[None])
+        ss["particle"] = (("chain", "draw"), draws[None].astype(np.int64))
+        raw["log_weight"] = (("chain", "draw"), lw[None])
         ess = float(result.ess) if n else 0.0
         attrs.update(log_marginal=_scalar(result.log_marginal), log_marginal_stderr=_scalar(result.log_marginal_stderr),
-                     ess=ess, ess_fraction=ess / n if n else 0.0, khat=psis_khat(lw), num_particles=n)
+                     ess=ess, ess_fraction=ess / n if n else 0.0, khat=psis_khat(lw), num_particles=n,
+                     num_draws=len(draws), posterior="systematic resample of the weighted particles")
         for key in ("log_p", "log_q"):
             v = stats.get(key)
             if isinstance(v, torch.Tensor) and v.numel() == n:
-                ss[key] = (("chain", "draw"), _np(v).reshape(1, n))
+                raw[key] = (("chain", "draw"), _np(v).reshape(1, n))
         if result.ancestry is not None and torch.as_tensor(result.ancestry).numel():
             anc = _np(result.ancestry).astype(np.int64)  # [steps, n]
-            ss["ancestry"] = (("chain", "draw", "step"), anc.T[None])
+            raw["ancestry"] = (("chain", "draw", "step"), anc.T[None])
         if "ess" in stats and isinstance(stats["ess"], list | tuple):
             attrs["ess_per_step"] = np.asarray(stats["ess"], dtype=np.float64)
         if "resampled" in stats:
@@ -231,6 +266,10 @@ def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | No
     groups: dict[str, Any] = {"posterior": xr.Dataset(post, attrs=attrs)}
     if texts:  # strings in a group of their own: every ArviZ summary and plot works on the posterior
         groups["posterior_text"] = xr.Dataset(texts)
+    if raw:
+        groups["particles"] = xr.Dataset(raw, attrs=attrs)
+    if raw_texts:
+        groups["particles_text"] = xr.Dataset(raw_texts)
     if ss:
         groups["sample_stats"] = xr.Dataset(ss, attrs=attrs)
     obs = _observed_vars(result.observed or {}, vocab)
@@ -243,7 +282,7 @@ def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | No
     if ll:
         lvars = {}
         for name, v in ll.items():
-            a = shape_draws(v).astype(np.float64)
+            a = at_draws(shape_draws(v).astype(np.float64))  # aligned with the posterior's draws
             lvars[name] = (("chain", "draw") + tuple(f"{name}_dim_{i}" for i in range(a.ndim - 2)), a)
         groups["log_likelihood"] = xr.Dataset(lvars)
     with warnings.catch_warnings():
@@ -257,4 +296,4 @@ def load_inference_data(path) -> Any:
     return az.from_netcdf(str(path))
 
 
-__all__ = ["import_arviz", "load_inference_data", "psis_khat", "to_inference_data"]
+__all__ = ["import_arviz", "load_inference_data", "psis_khat", "systematic_draws", "to_inference_data"]

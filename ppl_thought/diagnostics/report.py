@@ -63,8 +63,9 @@ def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list
             lines.append(f"  {key:22s} {_fmt(attrs[key])}")
     files: list[Path] = []
     ss = getattr(idata, "sample_stats", None)
-    if ss is not None and "log_weight" in ss:
-        lw = np.asarray(ss["log_weight"]).reshape(-1)
+    weights = getattr(idata, "particles", None) if "particles" in idata.groups() else ss  # (older files: sample_stats)
+    if weights is not None and "log_weight" in weights:
+        lw = np.asarray(weights["log_weight"]).reshape(-1)
         f = out_dir / f"{stem}.weights.png"
         plot_weights(lw, f, khat=attrs.get("khat"))
         files.append(f)
