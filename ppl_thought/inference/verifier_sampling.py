@@ -29,11 +29,15 @@ __all__ = ["RejectionSampling", "TokenwiseRejection", "SamplingBudgetError", "Un
 
 
 
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 def _check_common(num_samples, max_len, verifier, lm) -> None:
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise ConfigError(f"num_samples must be a positive integer, got {num_samples!r}")
-    if not isinstance(max_len, int) or max_len < 1:
-        raise ConfigError(f"max_len must be a positive integer, got {max_len!r}")
+    _positive_int("num_samples", num_samples)
+    _positive_int("max_len", max_len)
     if not isinstance(verifier, ProcessVerifier):
         raise ConfigError(f"expected a ProcessVerifier, got {type(verifier).__name__}")
     if verifier.length != max_len:
@@ -65,14 +69,10 @@ class RejectionSampling:
 
     def __init__(self, num_samples: int, max_len: int, batch_size: int | None = None, max_rounds: int = 10_000,
                  site: str = "z"):
-        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-            raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if not isinstance(max_rounds, int) or max_rounds < 1:
-            raise ConfigError(f"max_rounds must be a positive integer, got {max_rounds!r}")
         self.num_samples = num_samples
         self.max_len = max_len
-        self.batch_size = batch_size if batch_size is not None else num_samples
-        self.max_rounds = max_rounds
+        self.batch_size = _positive_int("batch_size", batch_size) if batch_size is not None else num_samples
+        self.max_rounds = _positive_int("max_rounds", max_rounds)
         self.site = site
 
     def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
@@ -147,11 +147,9 @@ class TokenwiseRejection:
     """
 
     def __init__(self, num_samples: int, max_len: int, max_tries: int = 10_000, site: str = "z"):
-        if not isinstance(max_tries, int) or max_tries < 1:
-            raise ConfigError(f"max_tries must be a positive integer, got {max_tries!r}")
         self.num_samples = num_samples
         self.max_len = max_len
-        self.max_tries = max_tries
+        self.max_tries = _positive_int("max_tries", max_tries)
         self.site = site
 
     def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
