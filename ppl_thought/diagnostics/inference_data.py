@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ppl_thought.errors import DiagnosticError
+from ppl_thought.inference.smc import resample
 from ppl_thought.vocab import PAD_ID
 
 
@@ -151,15 +152,6 @@ def _clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def systematic_draws(log_w: np.ndarray, m: int, seed: int = 0) -> np.ndarray:
-    """``m`` particle indices by systematic resampling of normalised ``exp(log_w)``, in particle order
-    (copies of one particle stay adjacent, so ArviZ's autocorrelation sees them)."""
-    w = np.exp(log_w - np.max(log_w)) if np.isfinite(log_w).any() else np.ones_like(log_w)
-    cdf = np.cumsum(w / w.sum())
-    u = (np.arange(m) + np.random.default_rng(seed).random()) / m
-    return np.minimum(np.searchsorted(cdf, u, side="right"), len(w) - 1)
-
-
 def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | None = None,
                       num_draws: int | None = None, seed: int = 0):
     """Convert an engine ``Result`` to ``arviz.InferenceData`` (see the module docstring for the groups).
@@ -214,7 +206,10 @@ def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | No
         m = n if num_draws is None else int(num_draws)
         if m < 1:
             raise DiagnosticError(f"num_draws must be >= 1, got {num_draws}")
-        draws = systematic_draws(lw, m, seed) if n else np.zeros(0, dtype=np.int64)
+        draws = np.zeros(0, dtype=np.int64)
+        if n:  # systematic resampling (the SMC engine's), in particle order: copies of a particle stay adjacent
+            w = torch.softmax(torch.as_tensor(lw), 0) if np.isfinite(lw).any() else torch.ones(n)
+            draws = resample(w, "systematic", torch.Generator().manual_seed(seed), size=m).numpy()
 
     def at_draws(a: np.ndarray) -> np.ndarray:
         return a if draws is None else a[:, draws]
@@ -296,4 +291,4 @@ def load_inference_data(path) -> Any:
     return az.from_netcdf(str(path))
 
 
-__all__ = ["import_arviz", "load_inference_data", "psis_khat", "systematic_draws", "to_inference_data"]
+__all__ = ["import_arviz", "load_inference_data", "psis_khat", "to_inference_data"]

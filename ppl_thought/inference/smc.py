@@ -30,9 +30,10 @@ from ppl_thought.program import as_done, freeze_finished, reorder_state
 RESAMPLING = ("multinomial", "stratified", "systematic", "residual")
 
 
-def resample(weights: torch.Tensor, method: str = "systematic", generator: torch.Generator | None = None
-             ) -> torch.Tensor:
-    """Ancestor indices ``[n]`` from normalised weights ``[n]`` (each scheme has E[#offspring_i] = n w_i).
+def resample(weights: torch.Tensor, method: str = "systematic", generator: torch.Generator | None = None,
+             size: int | None = None) -> torch.Tensor:
+    """Ancestor indices ``[size]`` (default ``n``) from normalised weights ``[n]`` (each scheme has
+    E[#offspring_i] = size * w_i; systematic and stratified indices come out in particle order).
 
     Weights ``[G, n]`` (G groups, one resampling each, batched: one ``searchsorted`` / ``multinomial``
     for all groups; residual loops over them) give indices ``[G, n]`` into each group's own row.
@@ -40,22 +41,23 @@ def resample(weights: torch.Tensor, method: str = "systematic", generator: torch
     if weights.ndim == 2:
         return _resample_groups(weights, method, generator)
     n = weights.shape[0]
+    m = n if size is None else int(size)
     w = weights.double() / weights.double().sum()
     if method == "multinomial":
-        return torch.multinomial(w, n, replacement=True, generator=generator)
+        return torch.multinomial(w, m, replacement=True, generator=generator)
     cdf = torch.cumsum(w, 0)
     cdf[-1] = 1.0
     if method == "stratified":
-        u = (torch.arange(n, dtype=torch.float64) + torch.rand(n, generator=generator, dtype=torch.float64)) / n
+        u = (torch.arange(m, dtype=torch.float64) + torch.rand(m, generator=generator, dtype=torch.float64)) / m
     elif method == "systematic":
-        u = (torch.arange(n, dtype=torch.float64) + torch.rand(1, generator=generator, dtype=torch.float64)) / n
+        u = (torch.arange(m, dtype=torch.float64) + torch.rand(1, generator=generator, dtype=torch.float64)) / m
     elif method == "residual":
-        counts = torch.floor(n * w).long()
-        rest = n - int(counts.sum())
+        counts = torch.floor(m * w).long()
+        rest = m - int(counts.sum())
         base = torch.repeat_interleave(torch.arange(n), counts)
         if rest == 0:
             return base
-        res = n * w - counts
+        res = m * w - counts
         extra = torch.multinomial(res / res.sum(), rest, replacement=True, generator=generator)
         return torch.cat([base, extra])
     else:
