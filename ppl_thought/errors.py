@@ -82,3 +82,8 @@ class UnsatisfiableConstraintError(PPLThoughtError, ValueError):
 
 class DiscreteLatentError(PPLThoughtError, ValueError):
     """A model handed to a gradient-based sampler has latent sites with discrete support."""
+
+
+class MissingDependencyError(ConfigError, ImportError):
+    """An optional dependency is not installed (e.g. ``transformers`` for ``pt.lm.HuggingFace``): the message
+    names the extra to install."""

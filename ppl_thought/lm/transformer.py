@@ -48,6 +48,34 @@ from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
 # ---------------------------------------------------------------------------------------------------------
 
 
+def ragged_rows(cache: KVCache, valid: torch.Tensor | None, B: int, T: int, device):
+    """Positions and attention mask of ``T`` new tokens after ``cache`` when some token (new or cached) is
+    invalid, and the cache's per-row state after them.
+
+    Returns ``(positions [B, T], mask [B, 1, T, n_cached + T], (key_valid [B, n_cached + T], next [B]))``:
+    a token's position is the number of valid tokens of its row before it; the mask (True = attend)
+    allows the causal keys that are valid, plus each query's own key (so an invalid query still attends
+    to something: its output is finite, if meaningless); ``next`` is each row's next position. Shared by
+    :class:`Transformer` and :class:`~ppl_thought.lm.huggingface.HuggingFace`.
+    """
+    n = cache.num_cached
+    if valid is None:
+        valid = torch.ones(B, T, dtype=torch.bool, device=device)
+    old_valid = cache.key_valid
+    if old_valid is None:
+        old_valid = torch.ones(B, n, dtype=torch.bool, device=device)
+    pos0 = cache.positions
+    if pos0 is None:
+        pos0 = torch.full((B,), cache.length, dtype=torch.long, device=device)
+    counts = valid.long().cumsum(1)
+    positions = pos0[:, None] + counts - valid.long()  # [B, T]: valid tokens before this one
+    key_valid = torch.cat([old_valid, valid], dim=1)  # [B, n + T]
+    q = torch.arange(n, n + T, device=device)[:, None]
+    k = torch.arange(n + T, device=device)[None, :]
+    mask = (k <= q) & (key_valid[:, None, :] | (k == q))  # [B, T, n + T]
+    return positions, mask[:, None], (key_valid, pos0 + valid.sum(1))
+
+
 class _Storage:
     """Key/value buffers ``[B, H, capacity, Dh]`` per layer, shared by the caches that read them.
 
@@ -482,29 +510,11 @@ class Transformer(nn.Module):
         return valid
 
     def _ragged_attention(self, cache: KVCache, valid: torch.Tensor | None, B: int, T: int, device):
-        """Mask, RoPE tables and new per-row state when some token (new or cached) is invalid.
-
-        The mask ``[B, 1, T, n_cached + T]`` allows causal keys that are valid, plus each query's own
-        key (so an invalid query still attends to something: its logits are finite, if meaningless).
-        RoPE uses each row's own positions, ``[B, 1, T, Dh/2]`` tables.
-        """
-        n = cache.num_cached
-        if valid is None:
-            valid = torch.ones(B, T, dtype=torch.bool, device=device)
-        old_valid = cache.key_valid
-        if old_valid is None:
-            old_valid = torch.ones(B, n, dtype=torch.bool, device=device)
-        pos0 = cache.positions
-        if pos0 is None:
-            pos0 = torch.full((B,), cache.length, dtype=torch.long, device=device)
-        counts = valid.long().cumsum(1)
-        positions = pos0[:, None] + counts - valid.long()  # [B, T]: valid tokens before this one
+        """Mask, RoPE tables and new per-row state when some token (new or cached) is invalid
+        (:func:`ragged_rows`); RoPE uses each row's own positions, ``[B, 1, T, Dh/2]`` tables."""
+        positions, mask, rows = ragged_rows(cache, valid, B, T, device)
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
-        key_valid = torch.cat([old_valid, valid], dim=1)  # [B, n + T]
-        q = torch.arange(n, n + T, device=device)[:, None]
-        k = torch.arange(n + T, device=device)[None, :]
-        mask = (k <= q) & (key_valid[:, None, :] | (k == q))  # [B, T, n + T]
-        return mask[:, None], False, cos, sin, (key_valid, pos0 + valid.sum(1))
+        return mask, False, cos, sin, rows
 
     def _attention_mask(self, n_cached: int, start: int, T: int, device) -> tuple[torch.Tensor | None, bool]:
         """Boolean mask ``[T, n_cached + T]`` (True = attend), or None with is_causal, or None alone.
