@@ -17,8 +17,12 @@ at 16 / 64 / 256 particles, best of a few runs after a warm-up, one torch thread
 - ``llamppl``: a ``llamppl.Model`` whose ``step`` samples a masked next token the same way, run with
   ``smc_standard`` (null when llamppl is not importable).
 
-The JSON has ``{"n", "ppl_thought", "limit", "fraction", "llamppl", "workload"}`` (+ ``"llamppl_ratio"``
-and per-size details); ``--quick`` takes fewer repeats.
+The JSON has ``{"n", "ppl_thought", "limit", "fraction", "llamppl", "workload"}``; ``workload["extra"]``
+holds the ratio to LLaMPPL, the forward-only rate through the adapter (``adapter_forward``: the same
+loop as ``limit`` with library ids, float32 library logits and the in-place KVCache), the seconds of each
+run and the number of resampling steps. The runs of one particle count are timed in interleaved rounds
+(best of each; one warm-up round), so their ratios are measured under the same load; ``--quick`` takes
+one round instead of three.
 """
 
 from __future__ import annotations
@@ -33,10 +37,10 @@ import pyro
 import torch
 
 import ppl_thought as pt
-from ppl_thought.distributions.lm_state import LMState, TokenRule, masked_log_softmax
+from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.inference import SMC
 from ppl_thought.projections import Automaton, AutomatonBuilder
-from ppl_thought.vocab import EOS_ID, TokenizerVocab
+from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID, TokenizerVocab
 
 WORKLOAD = {"model": "random GPT-2", "n_layer": 2, "n_embd": 128, "n_head": 2, "vocab_size": 512,
             "prompt_tokens": 16, "new_tokens": 32, "mask": "no letter e (a one-state token automaton) + <eos>",
@@ -92,8 +96,10 @@ class Lipogram(pt.Program):
     def __init__(self, lm: torch.nn.Module, constraint: Automaton, max_tokens: int):
         self.lm, self.constraint, self.max_tokens = lm, constraint, int(max_tokens)
         self.rule = TokenRule(constraint, lm.vocab_size)
-        self.prior = TokenRule(None, lm.vocab_size)  # the LM's own law: only <pad>, <bos> excluded
         self.max_steps = self.max_tokens
+        # the LM's own law excludes only <pad> and <bos> (never generated, Section 2.2)
+        self.never = torch.zeros(lm.vocab_size, dtype=torch.bool)
+        self.never[[PAD_ID, BOS_ID]] = True
 
     def init(self, state: dict, prompt: torch.Tensor) -> None:
         state["x"] = LMState.start(self.lm, pt.particles(), prompt=prompt, rule=self.rule, max_len=self.max_tokens,
@@ -101,23 +107,14 @@ class Lipogram(pt.Program):
 
     def step(self, state: dict, t: int, prompt: torch.Tensor):
         x = state["x"]
-        prior = masked_log_softmax(x.logits, self.prior.allowed(x.s))
-        log_z = torch.logsumexp(prior.masked_fill(~self.rule.allowed(x.s), float("-inf")), -1)
+        logits = x.logits.float()
+        never = self.never.to(logits.device)
+        log_z = (torch.logsumexp(logits.masked_fill(~self.rule.allowed(x.s), float("-inf")), -1)
+                 - torch.logsumexp(logits.masked_fill(never, float("-inf")), -1))  # log mass of the admitted
         tok = pyro.sample(f"x_{t}", x.next_token())
         x.extend(tok)
         pyro.factor(f"mass_{t}", log_z)
         return torch.ones_like(x.done) if t + 1 == self.max_tokens else x.done.clone()
-
-
-def timed(fn, reps: int) -> float:
-    """Best of ``reps`` runs after one warm-up (robust to other load on a shared machine)."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def forward_limit(model, prompt_hf: torch.Tensor, n: int, steps: int, seed: int = 0):
@@ -159,6 +156,24 @@ def llamppl_available() -> bool:
     return True
 
 
+def adapter_forward(lm, prompt: torch.Tensor, n: int, steps: int, seed: int = 0):
+    """Forward only through the adapter (library ids in, float32 library logits out, the KVCache appended in
+    place): the model's cost plus the adapter's, without sampling, masking, weights or the engine."""
+    g = torch.Generator().manual_seed(seed)
+    feed = torch.randint(6, lm.vocab_size, (steps, n, 1), generator=g)
+    ctx = torch.cat([torch.tensor([lm.vocab.bos_id]), prompt])[None]
+
+    def run():
+        with torch.no_grad():
+            _, cache = lm(ctx)
+            cache = cache.expand(n)
+            for t in range(steps):
+                logits, cache = lm(feed[t], cache=cache)
+        return logits
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -167,47 +182,110 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else SIZES
-    reps = 1 if args.quick else 3
+    rounds = 1 if args.quick else 3
     steps = WORKLOAD["new_tokens"]
     lm, prompt = build(WORKLOAD["vocab_size"], WORKLOAD["n_layer"], WORKLOAD["n_embd"], WORKLOAD["n_head"])
     constraint = lipogram_automaton(lm.vocab)
     prompt_hf = lm.to_hf(torch.cat([torch.tensor([lm.vocab.bos_id]), prompt]))
-    out: dict = {"n": sizes, "ppl_thought": {}, "limit": {}, "fraction": {}, "llamppl": None,
-                 "workload": {**WORKLOAD, "admitted_tokens": int(constraint.allowed[0].sum()),
-                              "library_vocab": len(lm.vocab), "repeats": reps, "torch": torch.__version__,
-                              "machine": platform.machine()},
-                 "details": {}}
     race = llamppl_race(lm, constraint, prompt) if llamppl_available() else None
-    if race is not None:
-        out["llamppl"], out["llamppl_ratio"] = {}, {}
+    extra: dict = {"llamppl_ratio": {} if race is not None else None, "adapter_forward": {}, "seconds": {},
+                   "ppl_thought_resampling_steps": {}, "ppl_thought_log_marginal": {}}
+    out: dict = {"n": sizes, "ppl_thought": {}, "limit": {}, "fraction": {}, "llamppl": {} if race else None,
+                 "workload": {**WORKLOAD, "admitted_tokens": int(constraint.allowed[0].sum()),
+                              "library_vocab": len(lm.vocab), "rounds": rounds, "torch": torch.__version__,
+                              "transformers": _version("transformers"), "llamppl": _version("llamppl"),
+                              "machine": platform.machine(), "extra": extra}}
     for n in sizes:
-        t_limit = timed(forward_limit(lm.model, prompt_hf, n, steps), reps)
-        run, results = ppl_thought_run(lm, constraint, prompt, n, steps)
-        t_ours = timed(run, reps)
-        res = results[-1]
         key = str(n)
-        out["limit"][key] = n * steps / t_limit
-        out["ppl_thought"][key] = n * steps / t_ours
-        out["fraction"][key] = out["ppl_thought"][key] / out["limit"][key]
-        out["details"][key] = {"ppl_thought_s": t_ours, "limit_s": t_limit,
-                               "resampled": int(sum(bool(r) for r in res.stats["resampled"])),
-                               "log_marginal": float(res.log_marginal), "mode": res.stats.get("mode")}
+        run, results = ppl_thought_run(lm, constraint, prompt, n, steps)
+        runs = {"limit": forward_limit(lm.model, prompt_hf, n, steps), "ppl_thought": run,
+                "adapter_forward": adapter_forward(lm, prompt, n, steps)}
         if race is not None:
-            t_llamppl = timed(lambda n=n: race(n), max(1, reps - 1))
-            out["llamppl"][key] = n * steps / t_llamppl
-            out["llamppl_ratio"][key] = out["ppl_thought"][key] / out["llamppl"][key]
-            out["details"][key]["llamppl_s"] = t_llamppl
-        print(json.dumps({key: {k: out[k][key] for k in ("ppl_thought", "limit", "fraction")}}), flush=True)
+            runs["llamppl"] = lambda n=n: race(n)
+        best = dict.fromkeys(runs, float("inf"))
+        for rnd in range(1 + rounds):  # round 0 warms up; then interleaved rounds, best of each (same load)
+            for name, fn in runs.items():
+                t0 = time.perf_counter()
+                fn()
+                if rnd:
+                    best[name] = min(best[name], time.perf_counter() - t0)
+        rate = {name: n * steps / t for name, t in best.items()}
+        out["limit"][key], out["ppl_thought"][key] = rate["limit"], rate["ppl_thought"]
+        out["fraction"][key] = rate["ppl_thought"] / rate["limit"]
+        extra["adapter_forward"][key] = rate["adapter_forward"]
+        extra["seconds"][key] = best
+        res = results[-1]
+        extra["ppl_thought_resampling_steps"][key] = int(sum(bool(r) for r in res.stats["resampled"]))
+        extra["ppl_thought_log_marginal"][key] = float(res.log_marginal)
+        if race is not None:
+            out["llamppl"][key] = rate["llamppl"]
+            extra["llamppl_ratio"][key] = rate["ppl_thought"] / rate["llamppl"]
+        print(json.dumps({key: {k: round(v, 1) for k, v in rate.items()}}), flush=True)
     print(json.dumps(out, indent=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
 
 
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
 def llamppl_race(lm, constraint, prompt):
-    """``race(n)`` runs LLaMPPL's SMC on the same workload (None when it cannot be set up); see
-    :func:`_llamppl_model`."""
-    return None
+    """``race(n)``: one LLaMPPL SMC run of the same workload with n particles (written from LLaMPPL's
+    documented API: a ``llamppl.Model`` whose ``step`` observes ``mask_dist(mask) == True``, i.e. weights
+    the particle by the LM's mass on the admitted tokens and restricts the next token to them, then
+    samples ``next_token()``; ``smc_standard`` at ESS n/2). The same HF model and tokenizer objects, the
+    same prompt ids (<bos> + 16 tokens), the prompt's KV cached with ``cache_kv``, the backend batching
+    up to n queries at once; every run starts from cleared caches."""
+    import asyncio
+
+    import numpy as np
+    from genlm.backend.llm import AsyncTransformer
+    from llamppl import CachedCausalLM, LMContext, Model, smc_standard
+
+    prompt_hf = lm.to_hf(torch.cat([torch.tensor([lm.vocab.bos_id]), prompt])).tolist()
+    text = lm.tokenizer.decode(prompt_hf)
+    if lm.tokenizer.encode(text) != prompt_hf:
+        raise RuntimeError("the prompt does not re-tokenize to the same ids; pick another prompt")
+    admitted = set(lm.to_hf(torch.as_tensor(constraint.allowed[0].nonzero()[0])).tolist())
+    eos = int(lm.to_hf(torch.tensor(EOS_ID)))
+    steps = WORKLOAD["new_tokens"]
+
+    class Lipogram(Model):
+        def __init__(self, llm, prompt_text):
+            super().__init__()
+            self.context = LMContext(llm, prompt_text)
+            self.mask, self.eos, self.left = admitted, eos, steps
+
+        def immutable_properties(self):
+            return {"mask", "eos"}
+
+        async def step(self):
+            await self.observe(self.context.mask_dist(self.mask), True)  # weight: mass of the mask
+            token = await self.sample(self.context.next_token())
+            self.left -= 1
+            if token.token_id == self.eos or self.left == 0:
+                self.finish()
+
+    llms: dict[int, CachedCausalLM] = {}
+
+    def race(n: int):
+        if n not in llms:
+            llms[n] = CachedCausalLM(AsyncTransformer(lm.model, lm.tokenizer, batch_size=n))
+        llm = llms[n]
+        llm.clear_cache()
+        np.random.seed(0)
+        llm.cache_kv(prompt_hf)
+        with torch.no_grad():
+            return asyncio.run(smc_standard(Lipogram(llm, text), n, ess_threshold=WORKLOAD["ess_threshold"]))
+
+    return race
 
 
 if __name__ == "__main__":

@@ -404,6 +404,24 @@ def test_race_program_estimates_the_lipogram_mass_exactly():
     assert abs(mean - exact) < 0.05, (est, exact)  # about 4 standard errors; without the factor: 1.65 off
 
 
+def test_smc_encodes_the_prompt_once_and_never_re_encodes():
+    """Through the whole SMC run of the race program (resampling at every step), the HF model reads the
+    prompt once (one row) and then one token per live particle per step: resampling gathers caches."""
+    race = load_race()
+    lm = H.byte_level(0)
+    seen = []
+    hook = lm.model.register_forward_pre_hook(lambda mod, args, kw: seen.append(tuple(kw["input_ids"].shape)),
+                                              with_kwargs=True)
+    prompt = torch.tensor(lm.vocab.encode("the quick brown fox"))
+    n, T = 32, 6
+    with torch.no_grad():
+        pyro.set_rng_seed(0)
+        res = SMC(n, ess_threshold=1.0).run(race.Lipogram(lm, race.lipogram_automaton(lm.vocab), T), None, prompt)
+    hook.remove()
+    assert seen[0] == (1, 1 + len(prompt)) and sum(res.stats["resampled"]) >= T - 2
+    assert all(shape[1] == 1 and shape[0] <= n for shape in seen[1:]) and len(seen) <= T
+
+
 def test_svi_step_changes_the_guides_hf_parameters():
     prior = H.small(0)
     model = SlowThinking(prior, PauseToThink(prior.vocab, 1))

@@ -258,6 +258,9 @@ class HuggingFace(nn.Module):
             dtype = self._dtype()
             mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed,
                                                                                         torch.finfo(dtype).min)
+        if self.model.training and getattr(self.model, "is_gradient_checkpointing", False):
+            raise ConfigError("gradient checkpointing runs the model without its cache: call "
+                              "model.gradient_checkpointing_disable() before using it through pt.lm.HuggingFace")
         past = cache.num_cached
         new = cache._append(T, self.max_positions or (1 << 20))
         out = self.model(input_ids=self._hf_input[tokens], past_key_values=_cache_view_class()(new, past),

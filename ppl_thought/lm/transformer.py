@@ -26,7 +26,8 @@ Cross-attention (Latent Thought Models, Sec 2.1): layer l reads a set of latent 
 p(x | z) = prod_n p(x_n | z, x_{<n}) (eq. 1). Gradients flow to the latents.
 
 Speed: under ``torch.no_grad()`` / ``torch.inference_mode()`` the cache preallocates its buffers and
-appends in place (doubling capacity when full; a window cache compacts to its last k-1 entries when
+appends in place (at least doubling capacity, with room for 64 more positions, when full; a gathered
+cache has room for 64 more; a window cache compacts to its last k-1 entries when
 full), and it keeps the projected keys/values of the latents. With gradients enabled it is purely
 functional (``torch.cat``), so autograd never sees an in-place write.
 """
@@ -189,7 +190,9 @@ class KVCache:
     def _gather(self, index: torch.Tensor) -> KVCache:
         old = self._storage
         n = self.num_cached
-        capacity = max(old.capacity - self._start, n)  # keep the room left for appends
+        # keep the room left for appends, and make some where there is none (a prompt's cache expanded to
+        # n particles): memory that is never written costs nothing on CPU, a reallocation copies everything
+        capacity = max(old.capacity - self._start, n + (_ROOM if self.window is None else 0))
         keys, values = [], []
         for buffers, out in ((old.keys, keys), (old.values, values)):
             for buf in buffers:
@@ -224,7 +227,8 @@ class KVCache:
             return new._with_rows(self.key_valid, self.positions)
         # Reallocate (full, branched from, or built with gradients): copy the kept entries to the front
         # of a buffer with room to grow. A window cache keeps <= window-1 entries, so this compacts it.
-        capacity = min(2 * (kept + n), max(capacity_limit, kept + n))
+        room = _ROOM if self.window is None else 0  # a window cache stays within 2 (window - 1) + n
+        capacity = min(max(2 * (kept + n), kept + n + room), max(capacity_limit, kept + n))
         keys, values = [], []
         for buffers, out in ((old.keys, keys), (old.values, values)):
             for buf in buffers:
@@ -630,6 +634,8 @@ class Transformer(nn.Module):
 
 
 _TOKEN_DTYPES = (torch.int64, torch.int32)
+#: positions of spare room a preallocated (non-window) cache buffer gets at least when it is (re)allocated
+_ROOM = 64
 
 
 def _writable(buffer: torch.Tensor) -> bool:
