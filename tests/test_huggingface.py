@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -99,12 +100,35 @@ def test_llama_style_tokenizer_keeps_its_s_for_bos():
     assert v.encode("<s>hi</s>")[0] == BOS_ID and v.encode("<s>hi</s>")[-1] == EOS_ID
 
 
+def test_from_pretrained_reads_a_local_folder(tmp_path):
+    lm = H.byte_level(0)
+    lm.model.save_pretrained(tmp_path)
+    lm.tokenizer.save_pretrained(tmp_path)
+    again = HuggingFace.from_pretrained(str(tmp_path), model_kwargs={"attn_implementation": "sdpa"})
+    assert again.vocab == lm.vocab and len(again.tokenizer) == len(lm.tokenizer)  # markers saved, not re-added
+    x = ids(lm, "hello there")
+    with torch.no_grad():
+        finite_close(again(x)[0], lm(x)[0], 1e-6)  # from_pretrained gives an eval-mode model
+    dist = LMSequence(again, prompt=again.vocab.encode("Once upon"), stop="<eos>", vocab=again.vocab, max_len=5)
+    z, _ = dist.sample_with_log_prob((2,))
+    assert all(isinstance(again.vocab.decode(row), str) for row in z)
+
+
 def test_missing_transformers_is_a_clear_error(monkeypatch):
     tok = H.byte_tokenizer()
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(MissingDependencyError, match=r"ppl-thought\[hf\]"):
         HuggingFace(torch.nn.Linear(1, 1), tok)
     assert issubclass(MissingDependencyError, ImportError)
+    # a fresh interpreter without transformers imports the library and the adapter's module
+    code = ("import sys; sys.modules['transformers'] = None; sys.modules['tokenizers'] = None\n"
+            "import ppl_thought as pt, torch\n"
+            "from ppl_thought.errors import MissingDependencyError\n"
+            "try:\n    pt.lm.HuggingFace(torch.nn.Linear(1, 1), None)\n"
+            "except MissingDependencyError as e:\n    print('ok', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0 and out.stdout.startswith("ok") and "[hf]" in out.stdout, out.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------ forward

@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError, MissingDependencyError, UnknownTokenError
 from ppl_thought.lm.transformer import KVCache, ragged_rows
-from ppl_thought.vocab import BOS_ID, PAD_ID, TokenizerVocab, Vocab
+from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID, TokenizerVocab, Vocab
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 __all__ = ["HuggingFace", "random_gpt2", "train_bpe_tokenizer"]
 
@@ -166,7 +170,7 @@ class HuggingFace(nn.Module):
         device = next(iter(model.parameters())).device
         hf = torch.as_tensor(self.vocab.hf_ids, dtype=torch.long)
         # inputs: library id -> HF id (<pad> is fed as <eos>: its outputs are never read)
-        self.register_buffer("_hf_input", hf.clamp(min=0).masked_fill(hf < 0, int(hf[2])).to(device),
+        self.register_buffer("_hf_input", hf.clamp(min=0).masked_fill(hf < 0, int(hf[EOS_ID])).to(device),
                              persistent=False)
         # outputs: the HF logit of each library id; <pad> and <bos> are set to -inf
         self.register_buffer("_hf_output", hf.clamp(min=0).to(device), persistent=False)
@@ -223,8 +227,11 @@ class HuggingFace(nn.Module):
     def library_logits(self, hf_logits: torch.Tensor) -> torch.Tensor:
         """HF logits ``[..., V_model]`` -> library logits ``[..., len(vocab)]`` float32 (one gather; ``<pad>``
         and ``<bos>`` -inf)."""
-        out = hf_logits.index_select(-1, self._hf_output).float()
-        return out.index_fill_(-1, self._no_logit, float("-inf"))
+        index, none = self._hf_output, self._no_logit
+        if index.device != hf_logits.device:  # a model spread over devices: its logits on the last one
+            index, none = index.to(hf_logits.device), none.to(hf_logits.device)
+        out = hf_logits.index_select(-1, index).float()
+        return out.index_fill_(-1, none, float("-inf"))
 
     # -- forward --------------------------------------------------------------------------------------
 
@@ -333,7 +340,7 @@ def _describe(x) -> str:
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, *, byte_level: bool = True,
-                        alphabet: Iterable[str] | None = None, eos: str = "<|endoftext|>"):
+                        alphabet: Iterable[str] | None = None, eos: str = "<|endoftext|>") -> PreTrainedTokenizerFast:
     """A BPE tokenizer trained in process on ``texts`` (``tokenizers``), as a ``PreTrainedTokenizerFast``
     whose bos and eos token is ``eos`` (GPT-2's convention).
 
