@@ -2,6 +2,7 @@
 
 - ``byte_level()``: a byte-level BPE tokenizer (GPT-2 style, 300 HF ids) and a random 2-layer GPT-2 (d=64).
 - ``small()``: a character BPE over "abc" with 7 ordinary tokens: small enough to enumerate thoughts.
+- ``mistral()``: a random Mistral with a sliding window of 4 (ragged rows unsupported: recompute mode).
 - ``llama()``: a random Llama (RoPE, grouped-query attention) with a Llama-style tokenizer whose bos is
   "<s>" and eos "</s>": the thought markers must not take those strings.
 
@@ -67,3 +68,18 @@ def llama(seed: int = 0) -> HuggingFace:
         model = LlamaForCausalLM(config)
     model.set_attn_implementation("sdpa")
     return HuggingFace(model.eval(), hf_tok)
+
+
+def mistral(seed: int = 0, window: int = 4) -> HuggingFace:
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tok = train_bpe_tokenizer(TEXTS, 300)
+    config = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
+                           max_position_embeddings=128, bos_token_id=None, eos_token_id=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MistralForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    return HuggingFace(model.eval(), tok)

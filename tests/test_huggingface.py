@@ -245,6 +245,30 @@ def test_ragged_rope_model_equals_unpadded_runs():
             finite_close(nxt[r, 0], ref[0, -1])
 
 
+def test_sliding_window_model_decodes_in_recompute_mode():
+    """Sliding-window layers: the cache keeps every key and the model's own (index-based) window mask is
+    exact for dense rows; ragged rows are refused, so LMState re-runs contexts instead (exact, slower)."""
+    lm = H.mistral()
+    assert lm.sliding and not lm.valid_mask_supported
+    x = ids(lm, "hello there the quick brown fox jumps")
+    with torch.no_grad():
+        full, _ = lm(x)
+        cache, parts = None, []
+        for a, b in [(0, 3), (3, 4), (4, 9), (9, x.shape[1])]:
+            out, cache = lm(x[:, a:b], cache=cache)
+            parts.append(out)
+        finite_close(torch.cat(parts, 1), full)
+        finite_close(full, lm.library_logits(lm.model(input_ids=lm.to_hf(x)).logits), 1e-6)
+        with pytest.raises(NotImplementedError, match="sliding"):
+            lm(x[:, :2], valid=torch.tensor([[True, False]]))
+    state = LMState.start(lm, 3, prompt=torch.tensor(lm.vocab.encode("the")), max_len=5,
+                          stop_ids=torch.tensor([EOS_ID]))
+    assert state.mode == "recompute"
+    seg = state.segment(max_tokens=3)
+    v, lp = seg.sample_with_log_prob()
+    assert torch.allclose(seg.log_prob(v), lp, atol=1e-5)
+
+
 def test_caches_are_values(lm):
     """A forward never changes the cache it was given: one prefix continued two ways, then the first way
     again, gives the first answer again (in place appends copy when they would overwrite a sibling)."""
