@@ -22,13 +22,14 @@ holds the ratio to LLaMPPL, the forward-only rate through the adapter (``adapter
 loop as ``limit`` with library ids, float32 library logits and the in-place KVCache), the seconds of each
 run and the number of resampling steps. The runs of one particle count are timed in interleaved rounds
 (best of each; one warm-up round), so their ratios are measured under the same load; ``--quick`` takes
-one round instead of three.
+one round instead of five.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import time
@@ -182,7 +183,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else SIZES
-    rounds = 1 if args.quick else 3
+    rounds = 1 if args.quick else 5
     steps = WORKLOAD["new_tokens"]
     lm, prompt = build(WORKLOAD["vocab_size"], WORKLOAD["n_layer"], WORKLOAD["n_embd"], WORKLOAD["n_head"])
     constraint = lipogram_automaton(lm.vocab)
@@ -194,7 +195,8 @@ def main() -> None:
                  "workload": {**WORKLOAD, "admitted_tokens": int(constraint.allowed[0].sum()),
                               "library_vocab": len(lm.vocab), "rounds": rounds, "torch": torch.__version__,
                               "transformers": _version("transformers"), "llamppl": _version("llamppl"),
-                              "machine": platform.machine(), "extra": extra}}
+                              "machine": platform.machine(), "cpu_count": os.cpu_count(),
+                              "load_average_at_start": os.getloadavg()[0], "extra": extra}}
     for n in sizes:
         key = str(n)
         run, results = ppl_thought_run(lm, constraint, prompt, n, steps)
@@ -221,6 +223,7 @@ def main() -> None:
             out["llamppl"][key] = rate["llamppl"]
             extra["llamppl_ratio"][key] = rate["ppl_thought"] / rate["llamppl"]
         print(json.dumps({key: {k: round(v, 1) for k, v in rate.items()}}), flush=True)
+    out["workload"]["load_average_at_end"] = os.getloadavg()[0]
     print(json.dumps(out, indent=2))
     if args.json:
         with open(args.json, "w") as f:
