@@ -155,8 +155,8 @@ def test_tabular_value_is_the_probability_of_completion():
 
 def test_vgb_is_exact_on_dyck_whatever_the_inner_values():
     """Property (3) of Section 3.3.1: with the exact outcome reward at the leaves, the leaves' stationary law is
-    pi* whatever the values at inner nodes. Checked on Dyck with the exact value function and on Prop 3.1.2's task with arbitrary positive inner values: both pass
-    a chi-square against the restricted law."""
+    pi* whatever the values at inner nodes. Checked on Dyck with the exact value function and on Prop 3.1.2's
+    task with arbitrary positive inner values: both pass a chi-square against the restricted law."""
     lm, ver, A = dyck_task(4)
     torch.manual_seed(1)
     res = VGB(2000, 4, num_steps=30).run(lm, TabularValue(lm, ver))
@@ -238,3 +238,49 @@ def test_verifier_smc_is_properly_weighted(proposal):
     assert abs(zs.mean() - Z) < 3 * se + 1e-12, (zs.mean(), Z, se)
     if proposal == "masked":
         assert se < 0.02 * Z  # the locally optimal proposal: low variance
+
+
+# ---------------------------------------------------------------------------------------------- the Dyck sandbox
+def test_dyck_task_samples_and_completions_are_exact():
+    """DyckTask strings are Dyck_{k,D} prefixes with the requested type law; completions() is every valid
+    completion (checked against brute force over all 4^L strings)."""
+    from ppl_thought.data import DyckTask
+
+    task = DyckTask(k=2, D=2, N=8)
+    z = task.sample(500, (0.9, 0.1), seed=0)
+    full = ProcessVerifier(task.automaton, 8)
+    assert full.accepts(z).all()
+    opens = torch.tensor([o for o, _ in task.pairs])
+    frac0 = float((z == opens[0]).sum() / torch.isin(z, opens).sum())
+    assert abs(frac0 - 0.9) < 0.03
+    prefix = task.sample(1, seed=3, length=3)[0].tolist()
+    got = {tuple(c) for c in task.completions(prefix).tolist()}
+    toks = [t for p in task.pairs for t in p]
+    brute = {c for c in itertools.product(toks, repeat=5) if full.accepts(torch.tensor([prefix + list(c)]))[0]}
+    assert got == brute and got
+
+
+def test_nucleus_keeps_the_smallest_top_set():
+    from ppl_thought.distributions.lm_state import nucleus
+
+    lp = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.97, 0.01, 0.01, 0.01]]))
+    out = nucleus(lp, 0.8).exp()
+    assert torch.allclose(out[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    assert torch.allclose(out[1], torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert torch.equal(nucleus(lp, 1.0), lp)
+
+
+def test_verifier_experiment_runs_on_a_tiny_model():
+    """The experiment's comparison on an untrained tiny model: every method gives the keys, the exact baselines
+    (smc, awrs) and tokenwise never leave Dyck, and plain sampling's TV is the largest."""
+    from ppl_thought.data import DyckTask
+    from ppl_thought.experiments.verifiers import METHODS, compare_methods, train_dyck_lm
+
+    task = DyckTask(k=2, D=2, N=8)
+    lm = train_dyck_lm(task, steps=5, batch=16)
+    prompts = task.sample(1, (0.2, 0.8), length=4, seed=1)
+    table, floor = compare_methods(lm, task, prompts, n=100)
+    assert set(table) == set(METHODS) and 0 <= floor < 1
+    for m in ("tokenwise", "smc", "awrs", "vgb"):
+        assert table[m]["accuracy"] == pytest.approx(1.0), m
+    assert table["sample"]["tv"] >= max(table[m]["tv"] for m in ("smc", "awrs"))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from ppl_thought.distributions.lm_state import masked_log_softmax, sample_categorical
+from ppl_thought.distributions.lm_state import masked_log_softmax, nucleus, sample_categorical
 from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError
 from ppl_thought.inference.result import Result
 from ppl_thought.lm.base import lm_device
@@ -115,7 +115,8 @@ class TokenwiseBacktracking:
     (``s <- s_{1:|s|-B}``, the empty string if |s| < B), spend one unit of quota and redo ``B`` positions
     greedily, each the argmax of O (the lowest id among ties; fewer when |s| would pass D or an ``<eos>``
     is produced). The verifier is not asked about the greedy tokens (lines 9-11), and not at all once the
-    quota is spent (the short-circuit of line 6). With ``quota=0`` this is plain sampling from O.
+    quota is spent (the short-circuit of line 6). With ``quota=0`` this is plain sampling from O; ``top_p < 1``
+    samples line 4 from the nucleus of O instead (Table 3.3 combines both).
 
     A heuristic: even with a perfect process verifier its outputs are neither guaranteed to lie in A (the
     quota may run out) nor distributed as the restricted law; tests compare it with an exact enumeration
@@ -134,7 +135,11 @@ class TokenwiseBacktracking:
     sample (``lm_calls_per_sample``, ``verifier_calls_per_sample``, ``backtracks_per_sample``).
     """
 
-    def __init__(self, num_samples: int, max_len: int, quota: int = 4, stride: int = 4, site: str = "z"):
+    def __init__(self, num_samples: int, max_len: int, quota: int = 4, stride: int = 4, top_p: float = 1.0,
+                 site: str = "z"):
+        if not 0.0 < float(top_p) <= 1.0:
+            raise ConfigError(f"top_p must lie in (0, 1], got {top_p!r}")
+        self.top_p = float(top_p)
         self.num_samples = _count("num_samples", num_samples)
         self.max_len = _count("max_len", max_len)
         self.quota = _count("quota", quota, 0)
@@ -156,7 +161,7 @@ class TokenwiseBacktracking:
             active = torch.nonzero((rows.lengths < D) & ~ended).squeeze(-1)
             if active.numel() == 0:
                 break
-            tok = sample_categorical(rows.log_probs(active).exp(), generator)
+            tok = sample_categorical(nucleus(rows.log_probs(active), self.top_p).exp(), generator)
             rows.push(active, tok)
             lm_calls[active] += 1
             ended[active] = tok == EOS_ID
@@ -345,7 +350,8 @@ class TabularValue:
 
     ``V*`` is what VGB's value oracle approximates (Section 3.3: value functions generalise the counting
     oracles of the Sinclair-Jerrum walk); with it the walk's stationary mass is 2 P(A) at every inner depth and
-    P(A) at the root and at the leaves, so the leaves get 1/(2H) of it. Computed by dynamic programming over (remaining length, automaton state,
+    P(A) at the root and at the leaves, so the leaves get 1/(2H) of it.
+    Computed by dynamic programming over (remaining length, automaton state,
     LM context) for unigram and bigram tables:
 
         V_0(q, c) = 1(q final),    V_r(q, c) = sum_a O(a | c) V_{r-1}(delta(q, a), a)
