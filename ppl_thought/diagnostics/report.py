@@ -86,6 +86,8 @@ def _numeric_vars(ds) -> list[str]:
     for name, v in ds.data_vars.items():
         if not (np.issubdtype(v.dtype, np.number) and {"chain", "draw"} <= set(v.dims)):
             continue
+        if any(str(d).endswith("_pos") for d in v.dims):
+            continue  # a padded token sequence: its values are token ids (its length, <site>_length, is shown)
         per_draw = int(np.prod([v.sizes[d] for d in v.dims if d not in ("chain", "draw")], dtype=np.int64))
         if per_draw <= MAX_VALUES_PER_DRAW and v.sizes["draw"] > 0:
             out.append(name)
@@ -112,7 +114,7 @@ def _texts(ds, title: str) -> list[str]:
         vals = np.asarray(ds[name]).reshape(-1).astype(str)
         if not vals.size:
             continue
-        lines.append(f"  {title} {name}: " + "; ".join(f"{t!r} {c / vals.size:.2f}"
+        lines.append(f"  {title} {name}: " + "; ".join(f"{str(t)!r} {c / vals.size:.2f}"
                                                       for t, c in Counter(vals).most_common(3)))
     return lines
 
@@ -193,7 +195,7 @@ def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list
             lines += _summary_lines(idata, "posterior", names)
         if skipped:
             lines.append(f"  (not in the table: {', '.join(skipped[:6])}{' ...' if len(skipped) > 6 else ''}: "
-                         "too many values per draw or not numeric)")
+                         "token sequences or more than 8 values per draw; az.summary(idata) shows them)")
         if "posterior_text" in groups:
             lines += _texts(idata.posterior_text, "most frequent")
         if names:
