@@ -14,7 +14,9 @@ Per seed, from ``az.summary`` / ``az.ess`` of ``to_inference_data(result)`` (the
 the summary mean's error against the exact posterior mean in units of its MCSE, and the largest
 ``az.ess`` over every variable of ``posterior`` (bulk, tail and mean methods) against the importance
 ESS (sum w)^2 / sum w^2 of the run. The script only calls the public conversion, so it runs unchanged
-on an older checkout (``PYTHONPATH=<checkout>``): that is how the "before" numbers were taken.
+on an older checkout (``PYTHONPATH=<checkout>``): that is how the "before" numbers were taken
+(benchmarks/results/arviz_weighted_before.json, commit 44170bd's conversion: a resample of size n).
+``--num-draws 200`` gives the same layout with the new conversion (the trade-off in docs/diagnostics.md).
 """
 
 from __future__ import annotations
@@ -70,12 +72,12 @@ def hmm_case():
     return run, exact
 
 
-def measure(run, exact: dict, seeds: range) -> dict:
+def measure(run, exact: dict, seeds: range, num_draws: int | None = None) -> dict:
     az = import_arviz()
     rows = []
     for seed in seeds:
         r = run(seed)
-        idata = to_inference_data(r)
+        idata = to_inference_data(r) if num_draws is None else to_inference_data(r, num_draws=num_draws)
         ess_is = float(r.ess)
         ess_max = max(float(np.nanmax(np.asarray(az.ess(idata, method=m)[v])))
                       for m in ("bulk", "tail", "mean") for v in idata.posterior.data_vars)
@@ -103,13 +105,16 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=40)
     p.add_argument("--json", default=None)
+    p.add_argument("--num-draws", type=int, default=None,
+                   help="size of the equal-weight posterior (default: the conversion's default)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     logging.getLogger("arviz").setLevel(logging.ERROR)
     t0 = time.perf_counter()
-    out = {name: measure(*case(), range(args.seeds))
+    out = {name: measure(*case(), range(args.seeds), args.num_draws)
            for name, case in (("slow_thinking", slow_thinking_case), ("hmm", hmm_case))}
+    out["num_draws_argument"] = args.num_draws
     out["seconds"] = time.perf_counter() - t0
     for name in ("slow_thinking", "hmm"):
         o = out[name]

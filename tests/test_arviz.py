@@ -411,9 +411,9 @@ def test_a_result_with_zero_weights_has_an_empty_posterior():
 
 # ---------------------------------------------------------------------------------------------- plots of the docs
 def test_every_plot_function_of_the_docs_runs_on_the_default_conversion():
-    """az.plot_trace, az.plot_posterior, az.plot_forest (weighted, chains, draws), az.plot_rank (chains) and
-    the SVI trajectory (az.plot_trace of sample_stats) on the default conversions: the functions named in
-    docs/diagnostics.md's table."""
+    """az.plot_trace, az.plot_posterior, az.plot_forest (weighted, chains, independent draws), az.plot_rank
+    (chains) and the SVI trajectory (az.plot_trace of sample_stats, az.plot_posterior of its group) on the
+    default conversions: the functions named in docs/diagnostics.md's table."""
     model = pause_model()
     torch.manual_seed(0)
     weighted = to_inference_data(Importance(200).run(model, pt.guides.Identity(model), "a b"), vocab=VOCAB)
@@ -421,10 +421,13 @@ def test_every_plot_function_of_the_docs_runs_on_the_default_conversion():
     smc = to_inference_data(SMC(100, generator=torch.Generator().manual_seed(0)).run(hmm, None, x))
     chains = to_inference_data(Langevin(num_steps=60, warmup_steps=30, num_chains=2, seed=0,
                                         disable_progbar=True).run(gauss_model, None, torch.tensor(1.0)))
+    dm, ds = decoding_setup()
+    draws = to_inference_data(decode(dm, ds, "a", method="resampling", n=8, max_new_tokens=2, num_samples=12,
+                                     generator=torch.Generator().manual_seed(0)), vocab=VOCAB)
     pyro.clear_param_store()
     svi = to_inference_data(SVI(pyro.infer.Trace_ELBO(), {"lr": 0.05}).run(gauss_model, gauss_guide,
                                                                            torch.tensor(1.0), num_steps=30))
-    for idata, names in ((weighted, ["z_length"]), (smc, ["z_0", "z_3"]), (chains, ["loc"])):
+    for idata, names in ((weighted, ["z_length"]), (smc, ["z_0", "z_3"]), (chains, ["loc"]), (draws, ["z_length"])):
         for fn in (az.plot_trace, az.plot_posterior, az.plot_forest):
             axes = fn(idata, var_names=names)
             assert np.asarray(axes).size >= 1
@@ -432,7 +435,25 @@ def test_every_plot_function_of_the_docs_runs_on_the_default_conversion():
     az.plot_rank(chains, var_names=["loc"])
     az.plot_trace(svi.sample_stats, var_names=["loss", "m"])
     az.plot_posterior(svi, group="sample_stats", var_names=["m"])
+    az.plot_posterior(draws, group="predictions", var_names=["tokens_length"])
     plt.close("all")
+
+
+def test_loo_runs_on_langevin_with_a_pointwise_log_likelihood():
+    """The docs' one meaningful az.loo: several observations, their pointwise log-likelihood passed in."""
+    y = torch.tensor([0.3, 1.1, 0.8, -0.2, 1.5, 0.9])
+
+    def model(y):
+        loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Normal(loc, 0.5), obs=y)
+
+    r = Langevin(num_steps=80, warmup_steps=40, num_chains=2, seed=0, disable_progbar=True).run(model, None, y)
+    pointwise = dist.Normal(r.samples["loc"][..., None], 0.5).log_prob(y)  # [chains, draws, 6]
+    idata = to_inference_data(r, log_likelihood={"y": pointwise})
+    assert idata.log_likelihood["y"].shape == (2, 80, 6)
+    loo = az.loo(idata)
+    assert np.isfinite(loo.elpd_loo) and loo.n_data_points == 6
 
 
 # ---------------------------------------------------------------------------------------------- diagnose
