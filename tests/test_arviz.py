@@ -368,21 +368,27 @@ def test_streaming_and_non_results_are_refused_clearly():
         to_inference_data(Result(samples={}, log_weights=torch.zeros(4)), num_draws=0)
 
 
-def test_rejection_sampling_result_converts():
-    from ppl_thought.inference import RejectionSampling
+def test_rejection_samplers_results_convert():
+    from ppl_thought.inference import RejectionSampling, TokenwiseRejection
     from ppl_thought.verifiers import ProcessVerifier, dyck
 
     brackets = pt.Vocab(["(", ")", "[", "]"])
     g = torch.Generator().manual_seed(0)
     lg = torch.full((len(brackets), len(brackets)), float("-inf"))
     lg[:, 6:] = 0.5 * torch.randn(len(brackets), 4, generator=g)
+    lm, ver = pt.lm.Tabular(2, len(brackets), lg, trainable=False), ProcessVerifier(dyck(2, 2, brackets), 4)
     torch.manual_seed(0)
-    r = RejectionSampling(40, 4).run(pt.lm.Tabular(2, len(brackets), lg, trainable=False),
-                                     ProcessVerifier(dyck(2, 2, brackets), 4))
+    r = RejectionSampling(40, 4).run(lm, ver)
     idata = to_inference_data(r, vocab=brackets)
     assert idata.posterior["z"].shape == (1, 40, 4)  # independent draws: one chain (not 40 chains of 4)
     assert idata.sample_stats["lm_calls_per_sample"].shape == (1, 40)
     assert idata.posterior.attrs["acceptance_rate"] == pytest.approx(r.stats["acceptance_rate"])
+    assert bool(ver.accepts(torch.as_tensor(idata.posterior["z"].values[0])).all())  # the draws themselves
+    assert idata.posterior_text["z_text"].shape == (1, 40)
+    summary_of(idata, var_names=["z_length"])
+    t = TokenwiseRejection(30, 4).run(lm, ver)
+    idata = to_inference_data(t)
+    assert idata.posterior["z"].shape == (1, 30, 4) and idata.posterior.attrs["engine"] == "TokenwiseRejection"
     summary_of(idata, var_names=["z_length"])
 
 
