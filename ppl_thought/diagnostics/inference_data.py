@@ -205,7 +205,7 @@ class _Groups:
         if variables:
             self.data.setdefault(group, {}).update(variables)
 
-    def build(self, attr_groups: tuple[str, ...] = ("posterior", "particles", "sample_stats")):
+    def build(self, attr_groups: tuple[str, ...] = ("posterior", "particles", "sample_stats", "predictions")):
         import xarray as xr
 
         az = import_arviz()
