@@ -82,3 +82,11 @@ class UnsatisfiableConstraintError(PPLThoughtError, ValueError):
 
 class DiscreteLatentError(PPLThoughtError, ValueError):
     """A model handed to a gradient-based sampler has latent sites with discrete support."""
+
+
+class UnsupportedResultError(PPLThoughtError, TypeError):
+    """An object handed to a converter or report that is not one of the library's results (or files)."""
+
+
+class DependencyError(PPLThoughtError, ImportError):
+    """An installed dependency whose version the library does not support (e.g. ArviZ 1.x)."""
