@@ -24,6 +24,7 @@ import torch
 from ppl_thought.distributions.lm_state import masked_log_softmax, nucleus, sample_categorical
 from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError
 from ppl_thought.inference.result import Result
+from ppl_thought.inference.verifier_sampling import check_count
 from ppl_thought.lm.base import lm_device
 from ppl_thought.lm.tabular import Tabular
 from ppl_thought.verifiers import ProcessVerifier
@@ -32,12 +33,6 @@ from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID
 __all__ = ["TokenwiseBacktracking", "VGB", "TabularValue"]
 
 Verifier = ProcessVerifier | Callable[[torch.Tensor], torch.Tensor]
-
-
-def _count(name: str, value, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 class PrefixRows:
@@ -140,10 +135,10 @@ class TokenwiseBacktracking:
         if not 0.0 < float(top_p) <= 1.0:
             raise ConfigError(f"top_p must lie in (0, 1], got {top_p!r}")
         self.top_p = float(top_p)
-        self.num_samples = _count("num_samples", num_samples)
-        self.max_len = _count("max_len", max_len)
-        self.quota = _count("quota", quota, 0)
-        self.stride = _count("stride", stride)
+        self.num_samples = check_count("num_samples", num_samples)
+        self.max_len = check_count("max_len", max_len)
+        self.quota = check_count("quota", quota, 0)
+        self.stride = check_count("stride", stride)
         self.site = site
 
     def run(self, lm: torch.nn.Module, verifier: Verifier, prompt: torch.Tensor | None = None,
@@ -230,13 +225,13 @@ class VGB:
 
     def __init__(self, num_samples: int, horizon: int, num_steps: int, output: str = "uniform",
                  max_restarts: int = 1000, site: str = "z"):
-        self.num_samples = _count("num_samples", num_samples)
-        self.horizon = _count("horizon", horizon)
-        self.num_steps = _count("num_steps", num_steps)
+        self.num_samples = check_count("num_samples", num_samples)
+        self.horizon = check_count("horizon", horizon)
+        self.num_steps = check_count("num_steps", num_steps)
         if output not in ("uniform", "final", "first_leaf"):
             raise ConfigError(f"output must be 'uniform', 'final' or 'first_leaf', got {output!r}")
         self.output = output
-        self.max_restarts = _count("max_restarts", max_restarts)
+        self.max_restarts = check_count("max_restarts", max_restarts)
         self.site = site
 
     # ------------------------------------------------------------------ values

@@ -29,15 +29,24 @@ __all__ = ["RejectionSampling", "TokenwiseRejection", "VerifierSMC", "SamplingBu
            "UnsatisfiableConstraintError"]
 
 
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+def check_count(name: str, value, minimum: int = 1) -> int:
+    """``value`` if it is an int (not a bool) ``>= minimum``, else a :class:`ConfigError` naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
 
 
+def start_states(verifier: ProcessVerifier, n: int, device) -> torch.Tensor:
+    """The constraint automaton's start state for ``n`` rows; FAIL (Def 3.1.2) if the verifier rejects ``()``."""
+    q = verifier.automaton.start_states(n, device)
+    if not bool(verifier.from_states(q[:1], 0)):
+        raise UnsatisfiableConstraintError(f"{verifier} rejects the empty prefix: A has no string (FAIL)")
+    return q
+
+
 def _check_common(num_samples, max_len, verifier, lm) -> None:
-    _positive_int("num_samples", num_samples)
-    _positive_int("max_len", max_len)
+    check_count("num_samples", num_samples)
+    check_count("max_len", max_len)
     if not isinstance(verifier, ProcessVerifier):
         raise ConfigError(f"expected a ProcessVerifier, got {type(verifier).__name__}")
     if verifier.length != max_len:
@@ -71,8 +80,8 @@ class RejectionSampling:
                  site: str = "z"):
         self.num_samples = num_samples
         self.max_len = max_len
-        self.batch_size = _positive_int("batch_size", batch_size) if batch_size is not None else num_samples
-        self.max_rounds = _positive_int("max_rounds", max_rounds)
+        self.batch_size = check_count("batch_size", batch_size) if batch_size is not None else num_samples
+        self.max_rounds = check_count("max_rounds", max_rounds)
         self.site = site
 
     def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
@@ -149,7 +158,7 @@ class TokenwiseRejection:
     def __init__(self, num_samples: int, max_len: int, max_tries: int = 10_000, site: str = "z"):
         self.num_samples = num_samples
         self.max_len = max_len
-        self.max_tries = _positive_int("max_tries", max_tries)
+        self.max_tries = check_count("max_tries", max_tries)
         self.site = site
 
     def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
@@ -158,9 +167,7 @@ class TokenwiseRejection:
         dev = lm_device(lm)
         n, L = self.num_samples, self.max_len
         aut = verifier.automaton
-        q = aut.start_states(n, dev)
-        if not bool(verifier.from_states(q[:1], 0)):
-            raise UnsatisfiableConstraintError(f"{verifier} rejects the empty prefix: A has no string (FAIL)")
+        q = start_states(verifier, n, dev)
         rule = TokenRule(None, lm.vocab_size)
         state = LMState.start(lm, n, prompt=prompt, rule=rule, max_len=L, device=dev)
         calls = torch.zeros(n, dtype=torch.long, device=dev)
@@ -222,8 +229,8 @@ class VerifierSMC:
 
     def __init__(self, num_particles: int, max_len: int, proposal: str = "masked", ess_threshold: float = 0.5,
                  resample_method: str = "systematic", max_tries: int = 10_000, site: str = "z"):
-        self.num_particles = _positive_int("num_particles", num_particles)
-        self.max_len = _positive_int("max_len", max_len)
+        self.num_particles = check_count("num_particles", num_particles)
+        self.max_len = check_count("max_len", max_len)
         if proposal not in ("lm", "masked", "rejection"):
             raise ConfigError(f"proposal must be 'lm', 'masked' or 'rejection', got {proposal!r}")
         if not 0.0 <= float(ess_threshold) <= 1.0:
@@ -231,7 +238,7 @@ class VerifierSMC:
         self.proposal = proposal
         self.ess_threshold = float(ess_threshold)
         self.resample_method = resample_method
-        self.max_tries = _positive_int("max_tries", max_tries)
+        self.max_tries = check_count("max_tries", max_tries)
         self.site = site
 
     def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
@@ -241,9 +248,7 @@ class VerifierSMC:
         n, L = self.num_particles, self.max_len
         aut = verifier.automaton
         table = aut.torch_table(dev)
-        q = aut.start_states(n, dev)
-        if not bool(verifier.from_states(q[:1], 0)):
-            raise UnsatisfiableConstraintError(f"{verifier} rejects the empty prefix: A has no string (FAIL)")
+        q = start_states(verifier, n, dev)
         rule = TokenRule(None, lm.vocab_size)
         state = LMState.start(lm, n, prompt=prompt, rule=rule, max_len=L, device=dev)
         log_w = torch.zeros(n, device=dev)
