@@ -781,10 +781,14 @@ def _plots(results: dict, out: str) -> list[str]:
 def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
     """ArviZ netcdf files. Section 7: for each latent method, the weighted test particles (thoughts and
     log-weights of (7.1)) of the first held-out example through
-    :func:`ppl_thought.diagnostics.to_inference_data` when available, and all held-out examples
-    (chain = example, draw = particle) with ``az.from_dict``. A5: the per-sequence excess losses."""
+    :func:`ppl_thought.diagnostics.to_inference_data` (posterior = an equal-weight resample), and all
+    held-out examples in a ``particles`` group (chain = example, draw = particle, with ``log_weight``: weighted
+    draws, so not a ``posterior`` that ArviZ would summarise as if they were equal-weight). A5: the
+    per-sequence excess losses. Every file carries ``inference_library = "ppl_thought"`` (what
+    ``ppl-thought diagnose`` checks)."""
     try:
         import arviz as az
+        import xarray as xr
     except ImportError:  # pragma: no cover
         return []
     try:
@@ -793,6 +797,7 @@ def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
         to_inference_data = None
     from ppl_thought.inference.result import Result
 
+    ours = {"inference_library": "ppl_thought"}
     written = []
     s7 = arrays.get("sec7")
     if s7:
@@ -806,16 +811,21 @@ def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
                 p = os.path.join(out, f"sec7_{m}_example0.nc")
                 atomic_write(p, to_inference_data(res).to_netcdf)
                 written.append(p)
-            with warnings.catch_warnings():  # chain = held-out example: many chains, n draws each, by design
+            thought_dims = ("chain", "draw") + tuple(f"thought_dim_{i}" for i in range(th.ndim - 2))
+            particles = xr.Dataset({"thought": (thought_dims, th), "log_weight": (("chain", "draw"), lw)},
+                                   attrs={**ours, "layout": "chain = held-out example, draw = particle (weighted)"})
+            loss = np.asarray(s7["per_example"][m])
+            observed = xr.Dataset({"test_loss_per_token": (("example",), loss)}, attrs=ours)
+            with warnings.catch_warnings():  # `particles` is not a group of ArviZ's scheme: by design
                 warnings.simplefilter("ignore", UserWarning)
-                idata = az.from_dict(posterior={"thought": th}, sample_stats={"log_weight": lw},
-                                     observed_data={"test_loss_per_token": s7["per_example"][m]})
+                idata = az.InferenceData(particles=particles, observed_data=observed)
             p = os.path.join(out, f"sec7_{m}_particles.nc")
             atomic_write(p, idata.to_netcdf)
             written.append(p)
     a5 = arrays.get("a5")
     if a5:
-        idata = az.from_dict(observed_data={"plain_excess": a5["plain_excess"], "latent_excess": a5["latent_excess"]})
+        idata = az.from_dict(observed_data={"plain_excess": a5["plain_excess"], "latent_excess": a5["latent_excess"]},
+                             attrs=ours)
         p = os.path.join(out, "a5_excess.nc")
         atomic_write(p, idata.to_netcdf)
         written.append(p)

@@ -84,6 +84,14 @@ class DiscreteLatentError(PPLThoughtError, ValueError):
     """A model handed to a gradient-based sampler has latent sites with discrete support."""
 
 
-class MissingDependencyError(ConfigError, ImportError):
+class UnsupportedResultError(PPLThoughtError, TypeError):
+    """An object handed to a converter or report that is not one of the library's results (or files)."""
+
+
+class DependencyError(PPLThoughtError, ImportError):
+    """An installed dependency whose version the library does not support (e.g. ArviZ 1.x)."""
+
+
+class MissingDependencyError(DependencyError, ConfigError):
     """An optional dependency is not installed (e.g. ``transformers`` for ``pt.lm.HuggingFace``): the message
     names the extra to install."""

@@ -212,7 +212,15 @@ def test_tiny_end_to_end_demo_writes_json(tmp_path):
     assert per[0]["base_model"]["steps"] == 2 and per[0]["L_fast"] != per[1]["L_fast"]
     assert len(saved["sec7"]["test_loss_curve"]["expl"]) == 2  # steps 2 and 4
     assert (tmp_path / "sec7_fig7_1.png").exists() and (tmp_path / "a5_excess.png").exists()
-    assert any(f.endswith(".nc") for f in res["files"])
+    ncs = [f for f in res["files"] if f.endswith(".nc")]
+    assert len(ncs) == 5  # sec7_{expl,pred}_{example0,particles}.nc and a5_excess.nc
+    from ppl_thought.diagnostics import diagnose
+
+    for f in ncs:  # `ppl-thought diagnose` reads every file the demo writes, as one of ours
+        text, plots = diagnose(f, out=tmp_path / "diag")
+        assert "note:" not in text and plots and all(p.is_file() for p in plots), f
+        if "particles" in f:  # weighted particles per example: not a posterior ArviZ would treat as equal-weight
+            assert "no posterior group" in text and "particles/log_weight" in text
     with pytest.raises(ValueError):
         run_demo(out=str(tmp_path), n=1)
     with pytest.raises(ValueError, match="seeds"):
