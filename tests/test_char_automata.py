@@ -333,7 +333,22 @@ def test_lifting_without_eos_is_a_fixed_length_verifier():
             assert lifted.accepts(z) == direct.accepts(z) and lifted.admits_prefix(z) == direct.admits_prefix(z)
     prefixes = torch.tensor([list(z) + [0] * (6 - len(z)) for n in range(7)
                              for z in itertools.product(vocab.ordinary_ids.tolist(), repeat=n) if n <= 4])
-    assert torch.equal(ProcessVerifier(lifted, length=6)(prefixes), ProcessVerifier(direct, length=6)(prefixes))
+    expected = ProcessVerifier(direct, length=6)(prefixes)
+    assert torch.equal(ProcessVerifier(lifted, length=6)(prefixes), expected)
+    from_dfa = ProcessVerifier.from_char_dfa(CharDFA.dyck("()[]", 2), token_texts(vocab), length=6)
+    assert torch.equal(from_dfa(prefixes), expected) and 0 < int(expected.sum()) < len(expected)
+
+
+def test_token_texts():
+    vocab = pt.Vocab(["a", "bc", "é"])
+    assert token_texts(vocab) == [None] * 6 + ["a", "bc", "é"]
+
+    class Fragments(pt.Vocab):  # a tokenizer vocabulary whose last token is half of a UTF-8 character
+        def decode(self, ids, skip_pad=True):
+            return "\ufffd" if list(ids) == [8] else super().decode(ids, skip_pad)
+
+    frag = Fragments(["a", "bc", "x"])
+    assert token_texts(frag)[8] is None and token_texts(frag, keep_fragments=True)[8] == "\ufffd"
 
 
 def test_lifting_errors():
@@ -515,8 +530,8 @@ def test_rejection_sampling_with_a_lifted_verifier():
     from scipy.stats import chisquare
 
     lm = small_transformer(1)
-    auto = token_automaton(CharDFA.from_regex("(ab|\\(\\))+"), token_texts(VOCAB), eos_id=None)
-    verifier = ProcessVerifier(auto, length=2)
+    verifier = ProcessVerifier.from_char_dfa(CharDFA.from_regex("(ab|\\(\\))+"), token_texts(VOCAB), length=2)
+    auto = verifier.automaton
     torch.manual_seed(0)
     res = pt.infer.RejectionSampling(800, max_len=2).run(lm, verifier)
     z = res.samples["z"]

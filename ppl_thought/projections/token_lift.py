@@ -38,13 +38,23 @@ from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
 __all__ = ["token_automaton", "token_texts"]
 
 
-def token_texts(vocab: Vocab) -> list[str | None]:
-    """The decoded text of each id of a library :class:`~ppl_thought.vocab.Vocab` for
-    :func:`token_automaton`: ``None`` for the specials (``<pad>``, ``<eos>``, ...), the token string for
-    ordinary tokens. (The constraint reads the concatenation of the token strings, i.e. the text of a
-    character vocabulary; for a tokenizer, pass its own decoded text of each id instead.)"""
-    toks = vocab.tokens
-    return [None] * vocab.num_specials + toks[vocab.num_specials:]
+def token_texts(vocab: Vocab, *, keep_fragments: bool = False) -> list[str | None]:
+    """The decoded text of each id of a vocabulary, for :func:`token_automaton`: ``None`` for the specials
+    (``<pad>``, ``<eos>``, ...), ``vocab.decode([i])`` for the ordinary tokens (the token string for a
+    character :class:`~ppl_thought.vocab.Vocab`, the tokenizer's decoded text for a tokenizer's vocabulary).
+
+    The constraint reads the concatenation of these texts. Two tokenizer facts make a per-token text differ
+    from its share of the decoded sequence: byte-level BPE tokens holding part of a multi-byte character
+    decode alone to U+FFFD; by default (``keep_fragments=False``) they are never admissible, so the
+    constraint can never be broken through them (characters split across tokens are then unreachable).
+    SentencePiece tokenizers drop a token's leading space when it is decoded alone: for them, build the list
+    yourself (e.g. from ``convert_ids_to_tokens`` with ``"\u2581"`` replaced by a space).
+    """
+    out: list[str | None] = [None] * len(vocab)
+    for i in range(vocab.num_specials, len(vocab)):  # set-up, once per vocabulary
+        t = vocab.decode([i])
+        out[i] = None if "\ufffd" in t and not keep_fragments else t
+    return out
 
 
 def _allow_mask(allow, V: int) -> np.ndarray:
