@@ -255,7 +255,7 @@ def token_automaton(dfa: CharDFA, token_text: Sequence[str | None], *, eos_id: i
             f"spells a string of {dfa.name}" + ("" if eos_id is None else " followed by <eos>"))
     if max_len is None:
         return _unbounded(T, edges, accepting, dist, eos_id, name)
-    return _layered(T, accepting, dist, eos_id, int(max_len), name)
+    return _layered(T, edges, accepting, dist, eos_id, int(max_len), name)
 
 
 def _unbounded(T, edges, accepting, dist, eos_id, name) -> Automaton:
@@ -285,16 +285,18 @@ def _unbounded(T, edges, accepting, dist, eos_id, name) -> Automaton:
     return Automaton(table, final, np.zeros(K + 1, np.int64), 0, None if longest is None else longest + 1, name)
 
 
-def _layered(T, accepting, dist, eos_id, M: int, name) -> Automaton:
+def _layered(T, edges, accepting, dist, eos_id, M: int, name) -> Automaton:
     """States (q, r): DFA row q after r tokens, alive iff r + dist[q] (+ 1 for <eos>) <= M."""
     R, V = T.shape
     tail = 0 if eos_id is None else 1
+    src, dst = edges
     layers = [np.array([0])]
-    for r in range(1, M + 1):  # a loop over token positions, vectorised over states and tokens
-        prev = layers[-1]
-        nxt = np.unique(T[prev])
-        nxt = nxt[nxt >= 0]
-        layers.append(nxt[dist[nxt] + r + tail <= M])
+    for r in range(1, M + 1):  # a loop over token positions, vectorised over the state graph's edges
+        prev = np.zeros(R, dtype=bool)
+        prev[layers[-1]] = True
+        nxt = np.zeros(R, dtype=bool)
+        nxt[dst[prev[src]]] = True
+        layers.append(np.nonzero(nxt & (dist + r + tail <= M))[0])
     offsets = np.cumsum([0] + [len(x) for x in layers])
     n_states = int(offsets[-1]) + (1 if eos_id is not None else 0)
     table = np.empty((n_states, V), dtype=np.int64)
