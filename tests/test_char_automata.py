@@ -49,8 +49,11 @@ def test_regex_matches_re_fullmatch_exhaustively(pattern):
     rx = re.compile(pattern)
     for s in strings(alphabet, 4 if len(alphabet) <= 9 else 3):
         assert dfa.accepts(s) == bool(rx.fullmatch(s)), (pattern, s)
-        if dfa.admits_prefix(s):  # a live walk is a prefix of some accepted string
-            assert any(dfa.accepts(s + t) for t in strings(alphabet, dfa.num_states))
+    # trimmed: from every state some accepting state is reachable, so a live walk is a completable prefix
+    can_finish = set(np.nonzero(dfa.accepting)[0].tolist())
+    for _ in range(dfa.num_states):
+        can_finish |= {q for q in range(dfa.num_states) if any(t in can_finish for t in dfa.delta[q].tolist())}
+    assert can_finish == set(range(dfa.num_states))
 
 
 @settings(max_examples=150, deadline=None)
@@ -490,12 +493,12 @@ def ratios_vs(log_zs: list[float], log_z: float) -> tuple[float, float]:
 
 def test_importance_and_smc_estimate_the_exact_constrained_normaliser(request):
     """Z = P_LM(A), A = Dyck_{1,2} without 'e' over a vocabulary with multi-character tokens, max_len 5 (452
-    token sequences, enumerated). Over seeds of n = 4096 particles, the mean of Z-hat / Z is within 3 SE
+    token sequences, enumerated). Over seeds of n = 2048 particles, the mean of Z-hat / Z is within 3 SE
     + 0.01 of 1 for SMC (one token per step, resampling) and Importance, both proposing from the masked
     LMSequence. The bound has power: against the normaliser of the canonical tokenisations only (one token
     per character: a biased target that forgets the other tokenisations, 15% less mass) it fails."""
-    seeds = 15 if request.config.getoption("--slow") else 5
-    n = 4096
+    seeds = 20 if request.config.getoption("--slow") else 6
+    n = 2048
     lm, auto = small_transformer(), constraint()
     log_z = exact_log_z(lm, auto)
     chars_only = token_automaton(CharDFA.dyck("()", 2, ignore_other=True) & CharDFA.lipogram("e"),
