@@ -285,6 +285,36 @@ def test_lifting_is_exact_against_enumeration(dfa):
     assert not auto.final[auto.start] and auto.max_len == L
 
 
+@settings(max_examples=40, deadline=None)
+@given(TREES, st.lists(st.text(alphabet=st.sampled_from("ab.1 é"), max_size=3), min_size=1, max_size=6),
+       st.integers(0, 4))
+def test_random_patterns_lift_exactly(tree, vocab_texts, max_len):
+    """Random patterns over random small vocabularies (empty and repeated texts allowed): the accepted token
+    sequences and admissible prefixes equal the enumerated ones, with the chunked walk (k characters per
+    gather) and with one character per gather."""
+    import ppl_thought.projections.token_lift as lift
+
+    dfa = CharDFA.from_regex(_render(tree))
+    texts = [None] * 6 + vocab_texts
+    accepted, prefixes = brute_force_lifting(dfa, texts, max_len)
+    if not accepted:
+        with pytest.raises(UnsatisfiableConstraintError):
+            token_automaton(dfa, texts, max_len=max_len)
+        return
+    auto = token_automaton(dfa, texts, max_len=max_len)
+    assert set(auto.enumerate()) == accepted
+    ids = list(range(6, len(texts)))
+    for n in range(max_len):
+        for z in itertools.product(ids, repeat=n):
+            assert auto.admits_prefix(z) == (z in prefixes), z
+    old = lift.MAX_CHUNK_COLUMNS
+    try:
+        lift.MAX_CHUNK_COLUMNS = 1  # one character per gather
+        assert np.array_equal(token_automaton(dfa, texts, max_len=max_len).next_state, auto.next_state)
+    finally:
+        lift.MAX_CHUNK_COLUMNS = old
+
+
 @pytest.mark.parametrize("dfa", [CharDFA.from_regex("(ab|b)*a?"), CharDFA.dyck("()", 2, ignore_other=True)])
 def test_unbounded_lifting_prefixes_and_acceptance(dfa):
     """Without max_len: z + <eos> accepted iff text(z) accepted; z admissible iff some completion exists

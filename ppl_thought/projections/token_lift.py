@@ -86,29 +86,58 @@ def _class_matrix(dfa: CharDFA, texts: list[str]) -> tuple[np.ndarray, np.ndarra
     return dfa.classify(codes), lengths
 
 
+#: bounds on the k-character transition table [S + 1, (C + 1)^k] the walker steps with
+MAX_CHUNK_COLUMNS = 4096
+MAX_CHUNK_ENTRIES = 1 << 24
+
+
 class _Walker:
-    """Steps every (state, token) pair of a set of DFA states through the admissible tokens' strings."""
+    """Steps every (state, token) pair of a set of DFA states through the admissible tokens' strings.
+
+    The walk reads ``k`` characters per gather: ``table_k[s, code]`` is the state after the k-character
+    chunk ``code`` (base ``C + 1`` digits, first character most significant), with an extra class ``C``
+    that keeps the state so that strings pad to a multiple of ``k``. ``k`` is the largest with
+    ``(C + 1)^k <= MAX_CHUNK_COLUMNS`` and ``(S + 1) (C + 1)^k <= MAX_CHUNK_ENTRIES`` (at least 1)."""
 
     def __init__(self, dfa: CharDFA, ids: np.ndarray, texts: list[str], V: int):
         S, C = dfa.delta.shape
-        self.S, self.C, self.V = S, C, V
-        dtype = np.int32 if (S + 1) * C < 2**31 else np.int64
-        # dead is state S, a sink row
-        table = np.concatenate([np.where(dfa.delta >= 0, dfa.delta, S), np.full((1, C), S)], 0)
-        self.flat = table.astype(dtype).ravel()
+        Cp = C + 1  # class C: padding, keeps the state
+        self.S, self.V = S, V
         classes, lengths = _class_matrix(dfa, texts)
-        order = np.argsort(-lengths, kind="stable")  # longest first: position j steps a prefix of the columns
+        width = classes.shape[1]
+        k = 1
+        while (k < width and Cp ** (k + 1) <= MAX_CHUNK_COLUMNS
+               and (S + 1) * Cp ** (k + 1) <= MAX_CHUNK_ENTRIES):
+            k += 1
+        dtype = np.int32 if (S + 1) * Cp**k < 2**31 else np.int64
+        # one character: dead is state S, a sink row; the padding column keeps every state
+        t1 = np.concatenate([np.where(dfa.delta >= 0, dfa.delta, S), np.full((1, C), S)], 0)
+        t1 = np.concatenate([t1, np.arange(S + 1)[:, None]], 1)
+        tk = t1
+        for _ in range(k - 1):  # table_{j+1}[s, a * Cp + b] = t1[table_j[s, a], b]
+            tk = t1[tk].reshape(S + 1, -1)
+        self.flat = tk.astype(dtype).ravel()
+        self.cols = Cp**k
+        # chunk codes [n, ceil(width / k)], past a string's end the padding class
+        chunks = -(-width // k) if width else 0
+        padded = np.full((len(texts), chunks * k), C, dtype=np.int64)
+        if width:
+            padded[:, :width] = np.where(np.arange(width)[None] < lengths[:, None], classes, C)
+        codes = np.zeros((len(texts), chunks), dtype=np.int64)
+        for j in range(k):  # a loop over the k characters of a chunk
+            codes = codes * Cp + padded[:, j::k]
+        order = np.argsort(-lengths, kind="stable")  # longest first: chunk g steps a prefix of the columns
         self.ids = ids[order]
-        self.classes = classes[order].astype(dtype)
-        self.active = [int((lengths > j).sum()) for j in range(classes.shape[1])]
+        self.codes = codes[order].astype(dtype)
+        self.active = [int((lengths > g * k).sum()) for g in range(chunks)]
         self.dtype = dtype
 
     def rows(self, states: np.ndarray) -> np.ndarray:
         """``[len(states), V]``: the DFA state after each token's string (``S`` = dead or inadmissible)."""
         st = np.repeat(states.astype(self.dtype)[:, None], len(self.ids), 1)
-        C = self.C
-        for j, n in enumerate(self.active):  # a loop over character positions only
-            st[:, :n] = self.flat[st[:, :n] * C + self.classes[None, :n, j]]
+        cols = self.cols
+        for g, n in enumerate(self.active):  # a loop over chunks of character positions only
+            st[:, :n] = self.flat[st[:, :n] * cols + self.codes[None, :n, g]]
         out = np.full((len(states), self.V), self.S, dtype=self.dtype)
         out[:, self.ids] = st
         return out
