@@ -394,6 +394,9 @@ def test_lifting_errors():
         token_automaton(dfa, [None, None])
     with pytest.raises(ConfigError, match="CharDFA"):
         token_automaton("[^e]*", TEXTS)
+    for bad in (-1, 0, 1, "2", True):
+        with pytest.raises(ConfigError, match="eos_id"):
+            token_automaton(dfa, TEXTS, eos_id=bad)
     with pytest.raises(ConfigError, match="max_len"):
         token_automaton(dfa, TEXTS, max_len=-1)
     with pytest.raises(ConfigError, match="allow"):

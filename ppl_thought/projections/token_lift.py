@@ -236,6 +236,9 @@ def token_automaton(dfa: CharDFA, token_text: Sequence[str | None], *, eos_id: i
         raise ConfigError("token_text must be a sequence with the decoded string (or None) of each token id")
     token_text = list(token_text)
     V = len(token_text)
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer))
+                               or eos_id < 0 or eos_id in (PAD_ID, BOS_ID)):
+        raise ConfigError(f"eos_id must be a token id other than <pad> / <bos>, or None; got {eos_id!r}")
     if V <= max(PAD_ID, BOS_ID, 0 if eos_id is None else eos_id):
         raise ConfigError(f"token_text has {V} entries: too few for the reserved ids (<pad>={PAD_ID}, "
                           f"<bos>={BOS_ID}, eos_id={eos_id})")
@@ -247,8 +250,6 @@ def token_automaton(dfa: CharDFA, token_text: Sequence[str | None], *, eos_id: i
         if token_text[rid] is not None:
             raise ConfigError(f"token_text[{rid}] is {token_text[rid]!r} but id {rid} is {what}, which is never "
                               "generated: give None for special ids (token_texts(vocab) does)")
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer))):
-        raise ConfigError(f"eos_id must be a token id or None, got {eos_id!r}")
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))
                                 or max_len < 0):
         raise ConfigError(f"max_len must be a non-negative int or None, got {max_len!r}")
@@ -269,8 +270,10 @@ def token_automaton(dfa: CharDFA, token_text: Sequence[str | None], *, eos_id: i
         states.extend(frontier.tolist())
         T = walker.rows(frontier)
         blocks.append(T)
-        nxt = np.unique(T)
-        frontier = nxt[(nxt < S) & (row_of[nxt] < 0)]
+        hit = np.zeros(S + 1, dtype=bool)
+        hit[T.ravel()] = True
+        hit[S] = False
+        frontier = np.nonzero(hit & (row_of[:S + 1] < 0))[0]
     reached = np.array(states)
     T = row_of[np.concatenate(blocks, 0)]  # [R, V] transitions between reached states, -1 dead
     accepting = dfa.accepting[reached]
