@@ -5,8 +5,9 @@ a non-ASCII letter), the ids 0..5 being the library's specials. Cases: the lipog
 (1 DFA state), a regular expression of a few dozen states (capitalised words), bounded-depth Dyck
 over three bracket types with free text between brackets (40 states), and the intersection of the
 last two with the lipogram; each also with ``max_len=32`` (states count tokens). Reported: the build
-seconds (best of N, and the first build's), the DFA and token-automaton state counts, the table's size,
-the mean admissible tokens per state.
+seconds (best of N, and the first build's; without ``max_len`` also with one character per gather instead of
+the k-character chunk table, to measure what the chunks save), the DFA and token-automaton state counts,
+the table's size, the mean admissible tokens per state.
 
     python benchmarks/token_automata.py [--quick] [--json FILE] [--vocab N]
 """
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
 import numpy as np
 
+import ppl_thought.projections.token_lift as lift
 from ppl_thought.projections import CharDFA, token_automaton
 from ppl_thought.vocab import RESERVED
 
@@ -81,6 +84,13 @@ def main() -> None:
                 "token_states": auto.num_states,
                 "mean_admissible_tokens": round(float(auto.allowed.sum(1).mean()), 1),
             }
+            if max_len is None:  # the same build reading one character per gather (no chunk table)
+                chunk = lift.MAX_CHUNK_COLUMNS
+                lift.MAX_CHUNK_COLUMNS = 1
+                try:
+                    results[key]["build_s_one_char_per_gather"] = round(time_build(dfa, texts, repeats)[1], 4)
+                finally:
+                    lift.MAX_CHUNK_COLUMNS = chunk
             print(f"{key:28s} build {secs:7.3f} s (first {first:6.3f} s)   DFA {dfa.num_states:3d} states -> "
                   f"{auto.num_states:5d} token states, {results[key]['mean_admissible_tokens']:8.1f} admissible "
                   "tokens per state")
@@ -91,7 +101,8 @@ def main() -> None:
         "compile_all_dfas_s": round(compile_s, 4),
         "repeats": repeats,
         "cases": results,
-        "machine": {"python": platform.python_version(), "numpy": np.__version__, "processor": platform.machine()},
+        "machine": {"python": platform.python_version(), "numpy": np.__version__, "processor": platform.machine(),
+                    "cpus": os.cpu_count(), "load_average_1min_at_end": round(os.getloadavg()[0], 2)},
     }
     if args.json:
         with open(args.json, "w") as f:
