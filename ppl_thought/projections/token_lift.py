@@ -20,8 +20,9 @@ only if some continuation (over this vocabulary, within ``max_len``) reaches ``<
 row ever runs into a state with an empty mask.
 
 The table is built vectorised: the admissible token strings become a char-class matrix ``[V, Lmax]``
-(sorted by length), and all (state, token) pairs of a breadth-first frontier of states are stepped one
-character position at a time with numpy fancy indexing; only states reachable from the start get rows.
+(sorted by length), cut into chunks of k characters, and all (state, token) pairs of a breadth-first
+frontier of states are stepped one chunk at a time with one numpy gather from a table of the state after
+each k-character chunk; only states reachable from the start get rows.
 """
 
 from __future__ import annotations
