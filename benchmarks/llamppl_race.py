@@ -38,10 +38,9 @@ import pyro
 import torch
 
 import ppl_thought as pt
-from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.inference import SMC
 from ppl_thought.projections import Automaton, AutomatonBuilder
-from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID, TokenizerVocab
+from ppl_thought.vocab import EOS_ID, TokenizerVocab
 
 WORKLOAD = {"model": "random GPT-2", "n_layer": 2, "n_embd": 128, "n_head": 2, "vocab_size": 512,
             "prompt_tokens": 16, "new_tokens": 32, "mask": "no letter e (a one-state token automaton) + <eos>",
@@ -85,37 +84,9 @@ def lipogram_automaton(vocab: TokenizerVocab, letter: str = "e") -> Automaton:
     return b.build(start=s)
 
 
-class Lipogram(pt.Program):
-    """The LM restricted to a token automaton, one step per token (bootstrap SMC, ``guide=None``).
-
-    Step t draws x_t from the masked next-token law q_t(a) = p(a | x_<t) 1[a admitted] / Z_t (Def 2.8)
-    and adds the factor log Z_t, the LM's mass on the admitted tokens. So the weight of a particle is
-    prod_t Z_t = p(x) / q(x) for e-free x, the target is p restricted to the automaton's language (to
-    ``max_tokens`` tokens or ``<eos>``) and Z-hat estimates its mass, P(the LM writes e-free text).
-    """
-
-    def __init__(self, lm: torch.nn.Module, constraint: Automaton, max_tokens: int):
-        self.lm, self.constraint, self.max_tokens = lm, constraint, int(max_tokens)
-        self.rule = TokenRule(constraint, lm.vocab_size)
-        self.max_steps = self.max_tokens
-        # the LM's own law excludes only <pad> and <bos> (never generated, Section 2.2)
-        self.never = torch.zeros(lm.vocab_size, dtype=torch.bool)
-        self.never[[PAD_ID, BOS_ID]] = True
-
-    def init(self, state: dict, prompt: torch.Tensor) -> None:
-        state["x"] = LMState.start(self.lm, pt.particles(), prompt=prompt, rule=self.rule, max_len=self.max_tokens,
-                                   stop_ids=torch.tensor([EOS_ID]))
-
-    def step(self, state: dict, t: int, prompt: torch.Tensor):
-        x = state["x"]
-        logits = x.logits.float()
-        never = self.never.to(logits.device)
-        log_z = (torch.logsumexp(logits.masked_fill(~self.rule.allowed(x.s), float("-inf")), -1)
-                 - torch.logsumexp(logits.masked_fill(never, float("-inf")), -1))  # log mass of the admitted
-        tok = pyro.sample(f"x_{t}", x.next_token())
-        x.extend(tok)
-        pyro.factor(f"mass_{t}", log_z)
-        return torch.ones_like(x.done) if t + 1 == self.max_tokens else x.done.clone()
+#: the LM restricted to the lipogram's language: the library's conditioned-LM program (masked proposal + the
+#: mass factors log Z_t, ppl_thought/models/constrained.py)
+Lipogram = pt.models.Constrained
 
 
 def forward_limit(model, prompt_hf: torch.Tensor, n: int, steps: int, seed: int = 0):
