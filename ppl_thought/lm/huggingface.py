@@ -265,7 +265,7 @@ class HuggingFace(nn.Module):
             dtype = self._dtype()
             mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed,
                                                                                         torch.finfo(dtype).min)
-        if self.model.training and getattr(self.model, "is_gradient_checkpointing", False):
+        if self.model.training and _checkpointing(self.model):
             raise ConfigError("gradient checkpointing runs the model without its cache: call "
                               "model.gradient_checkpointing_disable() before using it through pt.lm.HuggingFace")
         past = cache.num_cached
@@ -326,6 +326,13 @@ class HuggingFace(nn.Module):
         if valid.dtype != torch.bool or valid.shape != (B, T):
             raise MalformedSequenceError(f"valid must be a bool tensor [B, T] = [{B}, {T}], got {_describe(valid)}")
         return None if bool(valid.all()) else valid
+
+
+def _checkpointing(model) -> bool:
+    """Whether activation (gradient) checkpointing is on; transformers 5 renamed the flag."""
+    flag = getattr(type(model), "is_activation_checkpointing", None)
+    name = "is_activation_checkpointing" if flag is not None else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
 
 
 def _describe(x) -> str:
