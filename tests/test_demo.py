@@ -11,16 +11,10 @@ import torch
 
 from ppl_thought.data.a5 import a5_hmm
 from ppl_thought.data.query_response import permutation_choice_task
-from ppl_thought.demo import (
-    A5Config,
-    A5Latent,
-    Sec7Config,
-    causal_gaps,
-    latent_surrogate,
-    run_demo,
-    sampler_surrogate,
-)
+from ppl_thought.demo import run_demo
 from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.experiments.a5 import A5Config, A5Latent
+from ppl_thought.experiments.sec7 import Sec7Config, causal_gaps, latent_surrogate, sampler_surrogate
 from ppl_thought.inference.objectives import OneSampler, Particles, SamplerPolicyGradient
 
 
@@ -150,7 +144,7 @@ def test_a5_latent_smc_is_grouped_library_smc_over_a5_program():
     """A5Latent.smc is pt.infer.SMC(groups=S) over A5Program: paths in the lifting of each row, one
     independent group per row (log Z-hat = log mean of the row's final weights), ancestors in their row."""
     import ppl_thought as pt
-    from ppl_thought.demo import A5Program
+    from ppl_thought.experiments.a5 import A5Program
 
     cfg = A5Config(hidden=3, d_model=16, n_layers=1, n_heads=2, particles=4, train_len=6, test_len=6)
     lat = A5Latent(cfg, seed=0)
@@ -228,7 +222,7 @@ def test_tiny_end_to_end_demo_writes_json(tmp_path):
 
 
 def test_sec7_formats_follow_query_response_projection():
-    from ppl_thought.demo import Sec7
+    from ppl_thought.experiments.sec7 import Sec7
 
     cfg = Sec7Config(m=3, query_len=3, num_choices=3, d_model=16, n_layers=1, n_heads=2)
     task = permutation_choice_task(m=3, query_len=3, num_choices=3)
@@ -253,7 +247,7 @@ def test_cosine_lr_follows_app_l_schedule():
 
 
 def test_sec7_base_model_stops_early_at_its_target():
-    from ppl_thought.demo import Sec7
+    from ppl_thought.experiments.sec7 import Sec7
 
     task = permutation_choice_task(m=3, query_len=2, num_choices=2)
     cfg = Sec7Config(m=3, query_len=2, num_choices=2, d_model=16, n_layers=1, n_heads=2, pretrain_steps=400,
@@ -272,7 +266,8 @@ def test_sec7_base_model_stops_early_at_its_target():
 def test_sec7_gating_trick_starts_as_fast_thinking_and_mixes_logits():
     """(L.1)/(L.2): a fresh gate gives p_slow = sigmoid(-4) exactly, and the response logits are
     p_fast * f(x x_r) + p_slow * f(x <s> y </s> x_r); without a gate P reads the latent format only."""
-    from ppl_thought.demo import Sec7, _masked_log_softmax
+    from ppl_thought.distributions.lm_state import masked_log_softmax as _masked_log_softmax
+    from ppl_thought.experiments.sec7 import Sec7
     from ppl_thought.guides.explanatory import gate_mlp
 
     task = permutation_choice_task(m=3, query_len=2, num_choices=3)
