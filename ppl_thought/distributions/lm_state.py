@@ -48,8 +48,8 @@ def supports_valid(lm: torch.nn.Module) -> bool:
 def masked_log_softmax(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log softmax over admissible tokens (Def 2.8), float32; rows with none admissible are all -inf, never NaN."""
     masked = logits.float().masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(masked, -1, keepdim=True)
-    return torch.where(torch.isneginf(lse), torch.full_like(masked, float("-inf")), masked - lse)
+    dead = torch.isneginf(masked.amax(-1, keepdim=True))  # NaN logits stay NaN (amax of NaN is NaN)
+    return torch.where(dead, torch.full_like(masked, float("-inf")), masked.log_softmax(-1))
 
 
 def nucleus(log_probs: torch.Tensor, top_p: float) -> torch.Tensor:
