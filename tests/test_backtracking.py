@@ -159,7 +159,7 @@ def test_vgb_is_exact_on_dyck_whatever_the_inner_values():
     task with arbitrary positive inner values: both pass a chi-square against the restricted law."""
     lm, ver, A = dyck_task(4)
     torch.manual_seed(1)
-    res = VGB(2000, 4, num_steps=30).run(lm, TabularValue(lm, ver))
+    res = VGB(1200, 4, num_steps=30).run(lm, TabularValue(lm, ver))
     stat, pval = chi2_pvalue(counts_of(res.samples["z"], A), restricted(lm, A))
     assert pval > 1e-3, (stat, pval)
     # leaves hold 1/(2H) of the stationary mass under V* (the walk's weight out of an inner node is 2 V*(y));
@@ -178,7 +178,7 @@ def test_vgb_is_exact_on_dyck_whatever_the_inner_values():
 
     B3 = [s for s in itertools.product([ZERO, ONE], repeat=D) if ZERO in s]
     torch.manual_seed(2)
-    res = VGB(1500, D, num_steps=200).run(bits, arbitrary)  # with 40 steps: p = 2e-5, not yet mixed
+    res = VGB(800, D, num_steps=200).run(bits, arbitrary)  # 40 steps, 2000 chains: p = 2e-5 (not mixed)
     stat, pval = chi2_pvalue(counts_of(res.samples["z"], B3), np.full(len(B3), 1 / len(B3)))
     assert pval > 1e-3, (stat, pval)
     # the first-leaf variant (the thesis's empirical version) returns strings of A too
