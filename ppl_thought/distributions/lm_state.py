@@ -211,7 +211,8 @@ class LMState:
             rows = rows.repeat_interleave(n // rows.shape[0], 0) if n % rows.shape[0] == 0 else rows
         if rows.shape[0] != n:
             raise MalformedSequenceError(f"{rows.shape[0]} prompts for {n} rows")
-        ctx = _left_pack(torch.cat([torch.full((n, 1), BOS_ID, device=device), rows], 1))
+        # right padding is no context: packed to the end of each row, columns of <pad> only dropped
+        ctx = trim_padding(_left_pack(torch.cat([torch.full((n, 1), BOS_ID, device=device), rows], 1)))
         plen = (ctx != PAD_ID).sum(-1)
         ar = torch.arange(n, device=device)
         kw = match_rows(lm_kwargs or {}, n)
@@ -309,6 +310,8 @@ class LMState:
         if valid is None:
             valid = torch.ones_like(toks, dtype=torch.bool)
         ctx = _left_pack(torch.cat([context, torch.where(valid, toks, torch.zeros_like(toks))], 1))
+        if ctx.shape[1] > getattr(self.lm, "max_len", ctx.shape[1]):  # padding columns only (no sync otherwise)
+            ctx = trim_padding(ctx)
         plen0 = (context != PAD_ID).sum(-1)
         full, _ = self.lm(ctx, **kw)
         pos = (plen0 - 1)[:, None] + torch.cumsum(valid.long(), 1)
@@ -657,7 +660,11 @@ class Segment(TorchDistribution):
             step_lp = torch.zeros(n, device=dev)
             logits_after, cache, context = snap["logits"], snap["cache"], snap["context"]
         else:
-            out, cache, context = base._feed(snap["cache"], snap["context"], v, present)
+            # the last token of a sequence that ends here is scored but not fed: nothing reads the logits after
+            # it, and feeding it would need one position more than the sequence has (a spurious max_len error)
+            last = torch.arange(S, device=dev)[None] == (seg_len - 1)[:, None]
+            last_of_seq = (done & ~snap["done"])[:, None] & last
+            out, cache, context = base._feed(snap["cache"], snap["context"], v, present & ~last_of_seq)
             prev = torch.cat([snap["logits"][:, None].to(out.dtype), out[:, :-1]], 1)  # logits before each token
             st = torch.stack(states, 1)
             logq = rule.log_probs(prev.reshape(n * S, -1), st.reshape((n * S,) + st.shape[2:])).reshape(n, S, -1)
@@ -732,6 +739,15 @@ def _as_ids(stop) -> torch.Tensor:
         raise MalformedSequenceError(f"stop takes token ids, got {bad!r}: an LMState knows ids, not strings; "
                                      f"use vocab.id({bad[0]!r})")
     return torch.tensor([int(s) for s in items], dtype=torch.long)
+
+
+def trim_padding(tokens: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
+    """Drop the padding columns that every row has (right-padded [..., L] -> [..., L']). One host sync."""
+    if tokens.shape[-1] == 0:
+        return tokens
+    used = (tokens != pad_id).reshape(-1, tokens.shape[-1]).any(0)
+    n = int(used.nonzero().max()) + 1 if used.any() else 0
+    return tokens[..., :n]
 
 
 def _left_pack(t: torch.Tensor) -> torch.Tensor:

@@ -434,6 +434,7 @@ class Transformer(nn.Module):
         """
         B, T = self._check(tokens, cache)
         valid = self._check_valid(valid, B, T, tokens.device)
+        self._check_positions(cache, valid, T)
         latent_kv = self._latent_kv(latents, B, cache)
         if cache is None:
             cache = KVCache._empty(self.n_layers, self.window)
@@ -499,6 +500,8 @@ class Transformer(nn.Module):
             pos0 = torch.full((B,), cache.length, dtype=torch.long, device=device)
         counts = valid.long().cumsum(1)
         positions = pos0[:, None] + counts - valid.long()  # [B, T]: valid tokens before this one
+        # an invalid token sits at its row's next position, which may be max_len for a full row (never read)
+        positions = positions.clamp(max=self.max_len - 1)
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         key_valid = torch.cat([old_valid, valid], dim=1)  # [B, n + T]
         q = torch.arange(n, n + T, device=device)[:, None]
@@ -531,7 +534,6 @@ class Transformer(nn.Module):
             if lo < 0 or hi >= self.vocab_size:
                 bad = lo.item() if lo < 0 else hi.item()
                 raise UnknownTokenError(f"token id {bad} is outside [0, {self.vocab_size})")
-        length = 0
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise MalformedSequenceError(f"cache must be a KVCache, got {type(cache).__name__}")
@@ -540,10 +542,22 @@ class Transformer(nn.Module):
                                              f"window={self.window})")
             if cache.batch_size != B:
                 raise MalformedSequenceError(f"cache holds {cache.batch_size} rows but tokens have {B}")
-            length = cache.length
-        if length + T > self.max_len:
-            raise MalformedSequenceError(f"{length} cached + {T} new positions exceed max_len={self.max_len}")
         return B, T
+
+    def _check_positions(self, cache: KVCache | None, valid: torch.Tensor | None, T: int) -> None:
+        """Every row's RoPE positions stay below ``max_len``. Tokens with ``valid=False`` (padding of ragged
+        rows) take cache slots but no position, so the bound is on each row's valid tokens, not on the slots;
+        the per-row count (one host sync) is only read when the slots exceed ``max_len``."""
+        length = cache.length if cache is not None else 0
+        if length + T <= self.max_len:
+            return
+        if valid is None and (cache is None or cache.positions is None):
+            raise MalformedSequenceError(f"{length} cached + {T} new positions exceed max_len={self.max_len}")
+        pos0 = cache.positions if cache is not None and cache.positions is not None else length
+        real = int((pos0 + (valid.sum(1) if valid is not None else T)).max())
+        if real > self.max_len:
+            raise MalformedSequenceError(f"a row of {real} positions (cached and new, padding not counted) "
+                                         f"exceeds max_len={self.max_len}")
 
     def _latent_kv(self, latents: torch.Tensor | None, B: int, cache: KVCache | None) -> list | None:
         """Per layer (keys, values) ``[B, H, N_z, Dh]`` of the latents, or None without cross-attention."""
