@@ -59,7 +59,7 @@ def dataset(objective: str, size: int = 64, seed: int = 123) -> list:
 
 def build(objective: str = "svi", seed: int = 0, batch_size: int = 4, lr: float = 0.05,
           checkpoint_dir: str | None = None, checkpoint_every: int = 0, progress: bool = False,
-          item_streams: bool = True) -> pt.infer.Trainer:
+          item_streams: bool = True, distributed: bool | None = None) -> pt.infer.Trainer:
     """The Trainer of this example (the same on every process; rank 0's initial weights are broadcast)."""
     prior, sampler = _bigram(seed, scale=1.0), _bigram(seed + 1, scale=1.0)
     model, guide = pt.models.SlowThinking(prior, PROJ), pt.guides.Causal(sampler, PROJ)
@@ -73,7 +73,7 @@ def build(objective: str = "svi", seed: int = 0, batch_size: int = 4, lr: float 
     return pt.infer.Trainer(model, guide, loss, modules, optimizer=functools.partial(torch.optim.Adam, lr=lr),
                             clip_norm=1.0, batch_size=batch_size, checkpoint_dir=checkpoint_dir,
                             checkpoint_every=checkpoint_every, progress=progress,
-                            seed=seed if item_streams else None)
+                            seed=seed if item_streams else None, distributed=distributed)
 
 
 def init_distributed() -> tuple[int, int]:

@@ -186,3 +186,25 @@ def test_killed_and_restarted_goes_on_to_the_uninterrupted_numbers(runs):
     resumed_rank = runs["C"][0]["runs"][1]
     assert resumed_rank["history"] == full_rank["history"]
     _weights_close(resumed_rank["weights"], full_rank["weights"], exact=True)
+
+
+def test_a_one_process_group_runs_the_collective_path_and_changes_nothing(tmp_path):
+    """distributed=True inside a process group of one (in this process): broadcast, all-reduce, the JSON
+    gathers and the collective save run, and give exactly the numbers of the plain Trainer."""
+    example = _example()
+    plain = example.build("svi", checkpoint_dir=tmp_path / "plain", checkpoint_every=2)
+    plain.fit(example.dataset("svi"), 4)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        t = example.build("svi", checkpoint_dir=tmp_path / "group", checkpoint_every=2)
+        assert not t.distributed  # auto: a group of one process is no reason to communicate
+        t = example.build("svi", checkpoint_dir=tmp_path / "group", checkpoint_every=2, distributed=True)
+        assert (t.distributed, t.rank, t.world_size) == (True, 0, 1)
+        t.fit(example.dataset("svi"), 4)
+    finally:
+        dist.destroy_process_group()
+    assert t.history == plain.history
+    assert [p.name for p in t.checkpoints_written] == ["step-00000002", "step-00000004"]
+    for name in t.modules:
+        assert torch.equal(t.modules[name].logits, plain.modules[name].logits)
+
