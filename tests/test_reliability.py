@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -353,3 +354,75 @@ def test_smc_and_importance_run_with_an_lm_context_of_the_event_length():
             assert torch.equal(engine.run(model, g, padded).log_marginal, plain)
     z = guide.sample(x, 8)
     torch.testing.assert_close(guide.log_prob(z, padded), guide.log_prob(z, x))
+
+
+# ----------------------------------------------------------------------- found by the property-based suite
+def test_decode_refuses_what_is_not_one_sequence_of_integer_ids():
+    """(tests/test_robustness_properties.py) decode truncated floats (6.7 -> 'a'), read True as id 1, flattened
+    a 2-D batch into one string, and raised a bare ValueError on strings."""
+    from ppl_thought.errors import MalformedSequenceError
+
+    for bad in ([6.7], [True, 6], np.array([[6, 7], [7, 6]]), ["a"], [[6], [6, 7]], 6):
+        with pytest.raises(MalformedSequenceError, match="1-D sequence of integer token ids"):
+            VOCAB.decode(bad)
+    assert VOCAB.decode(torch.tensor([6, 0, 7])) == "ab" and VOCAB.decode([]) == ""
+
+
+def test_argument_types_are_checked_not_converted():
+    """(property suite) int(2.7) == 2, int("4") == 4 and True == 1 were taken silently for counts and lengths,
+    and a string or NaN gave a bare TypeError / ValueError from deep inside."""
+    from ppl_thought.errors import ConfigError, MalformedSequenceError
+
+    tab = pt.lm.Tabular(2, len(VOCAB), torch.zeros(len(VOCAB), len(VOCAB)), trainable=False)
+    cases = [
+        (lambda: pt.infer.Importance(2.7), "num_particles"),
+        (lambda: pt.infer.Importance("4"), "num_particles"),
+        (lambda: pt.infer.Importance(float("nan")), "num_particles"),
+        (lambda: pt.infer.SMC(True), "num_particles"),
+        (lambda: pt.infer.SMC(4, ess_threshold="0.5"), "ess_threshold"),
+        (lambda: pt.infer.SMC(4, ess_threshold=float("nan")), "ess_threshold"),
+        (lambda: pt.infer.SMC(4, resampling=3), "resampling"),
+        (lambda: pt.dist.LMSequence(tab, max_len="3"), "max_len"),
+        (lambda: pt.dist.LMSequence(tab, max_len=2.5), "max_len"),
+        (lambda: pt.dist.LMSequence(tab, max_len=True), "max_len"),
+        (lambda: pt.dist.LMSequence(tab, max_len=3, stop=1.5), "stop"),
+        (lambda: pt.lm.Tabular(2.0, len(VOCAB)), "order"),
+        (lambda: pt.lm.Tabular("2", len(VOCAB)), "order"),
+        (lambda: pt.lm.Tabular(2, 8.0), "vocab_size"),
+        (lambda: pt.projections.PauseToThink(VOCAB, 1).lifting([[6, 6], [6]]), "1-D array of integer ids"),
+    ]
+    for call, phrase in cases:
+        with pytest.raises((ConfigError, MalformedSequenceError), match=phrase):
+            call()
+    assert pt.infer.SMC(np.int64(4), ess_threshold=1).num_particles == 4  # numpy ints and int fractions are fine
+
+
+def test_transformer_load_checks_the_config_against_the_tensors(tmp_path):
+    """(property suite) a corrupted Transformer config gave a bare TypeError (unknown key), RuntimeError
+    (tensors of another shape, a missing tensor) or, for n_layers = 10**12, built blocks until memory ran out.
+    Now each is a CheckpointError found before anything is allocated."""
+    import time
+
+    from ppl_thought.errors import CheckpointError
+
+    torch.manual_seed(0)
+    lm = pt.lm.Transformer(len(VOCAB), d_model=8, n_layers=1, n_heads=2, max_len=8)
+    config = {"class": "Transformer", **lm.config()}
+    state = dict(lm.state_dict())
+    cases = {
+        "not Transformer arguments": ({**config, "knob": 1}, state),
+        "n_layers=1000000000000": ({**config, "n_layers": 10 ** 12}, state),
+        "does not describe the saved tensors": ({**config, "vocab_size": 10 ** 12}, state),
+        "not a positive integer": ({**config, "d_model": "8"}, state),
+        "cannot build a Transformer": ({**config, "n_heads": 3}, state),
+        "do not match the config": (config, {k: v for k, v in state.items() if k != "norm.weight"}),
+        "of another shape": (config, {**state, "norm.weight": torch.ones(9)}),
+    }
+    for i, (message, (cfg, st)) in enumerate(cases.items()):
+        path = pt.io.save_checkpoint(tmp_path / str(i), st, cfg)
+        t0 = time.perf_counter()
+        with pytest.raises(CheckpointError, match=message if message != "n_layers=1000000000000" else "n_layers"):
+            pt.lm.Transformer.load(path)
+        assert time.perf_counter() - t0 < 5.0
+    back = pt.lm.Transformer.load(pt.io.save_checkpoint(tmp_path / "ok", state, config))
+    torch.testing.assert_close(back(torch.tensor([[1, 6]]))[0], lm(torch.tensor([[1, 6]]))[0])

@@ -21,6 +21,7 @@ from pyro.distributions import TorchDistribution
 from pyro.params.param_store import module_from_param_with_module_name, param_with_module_name
 from torch.distributions import constraints
 
+from ppl_thought.checks import integer
 from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan, trim_padding
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import lm_device, match_rows
@@ -166,9 +167,7 @@ class LMSequence(TorchDistribution):
             if constraint is None or constraint.max_len is None:
                 raise ConfigError("LMSequence needs max_len (the constraint does not bound the length)")
             max_len = constraint.max_len
-        if max_len < 0:
-            raise ConfigError(f"max_len must be >= 0, got {max_len}")
-        self.max_len = int(max_len)
+        self.max_len = integer("max_len", max_len, minimum=0)
         self.lm_kwargs = dict(lm_kwargs or {})
         batch_shape = torch.Size(batch_shape)
         if self.prompt.ndim > 1:
@@ -182,7 +181,7 @@ class LMSequence(TorchDistribution):
     def _stop_ids(self, stop) -> torch.Tensor:
         if stop is None:
             return torch.zeros(0, dtype=torch.long)
-        items = [stop] if isinstance(stop, (str, int)) else list(stop)
+        items = list(stop) if isinstance(stop, list | tuple | torch.Tensor) else [stop]
         out = []
         for s in items:
             if isinstance(s, str):
@@ -190,7 +189,7 @@ class LMSequence(TorchDistribution):
                     raise ConfigError(f"stop token {s!r} given as text; pass vocab= to LMSequence")
                 out.append(self.vocab.id(s))
             else:
-                out.append(int(s))
+                out.append(integer("a stop token id", s.item() if isinstance(s, torch.Tensor) else s, minimum=0))
         t = torch.tensor(out, dtype=torch.long)
         self._check_range(t, "stop tokens")
         return t

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ppl_thought.checks import integer
 from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
 from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError
 from ppl_thought.inference.result import Result
@@ -30,9 +31,7 @@ __all__ = ["RejectionSampling", "TokenwiseRejection", "SamplingBudgetError", "Un
 
 
 def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
+    return integer(name, value)
 
 
 def _check_common(num_samples, max_len, verifier, lm) -> None:

@@ -31,7 +31,10 @@ def as_id_array(seq, vocab: Vocab, what: str = "sequence", unpad: bool = False) 
     elif isinstance(seq, (list, tuple)) and seq and isinstance(seq[0], str):
         a = np.asarray(vocab.encode(list(seq)), dtype=np.int64)
     else:
-        a = np.asarray(seq.detach().cpu().numpy() if isinstance(seq, torch.Tensor) else seq)
+        try:
+            a = np.asarray(seq.detach().cpu().numpy() if isinstance(seq, torch.Tensor) else seq)
+        except (TypeError, ValueError):  # ragged nested lists, objects numpy cannot hold
+            raise MalformedSequenceError(f"{what} must be a 1-D array of integer ids, got {seq!r}"[:300]) from None
         if a.size == 0:
             return np.zeros(0, dtype=np.int64)
         if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
