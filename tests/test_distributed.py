@@ -27,6 +27,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ppl_thought as pt
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "_ddp_worker.py"
 STEPS, BATCH = 6, 4
@@ -201,9 +203,10 @@ def test_killed_and_restarted_goes_on_to_the_uninterrupted_numbers(runs):
     _weights_close(resumed_rank["weights"], full_rank["weights"], exact=True)
 
 
-def test_a_one_process_group_runs_the_collective_path_and_changes_nothing(tmp_path):
+def test_a_one_process_group_runs_the_collective_path_and_changes_nothing(tmp_path, monkeypatch):
     """distributed=True inside a process group of one (in this process): broadcast, all-reduce, the JSON
-    gathers and the collective save run, and give exactly the numbers of the plain Trainer."""
+    gathers and the collective save run, and give exactly the numbers of the plain Trainer. pt.infer.SVI, which
+    cannot average over processes, warns when the group has several."""
     example = _example()
     plain = example.build("svi", checkpoint_dir=tmp_path / "plain", checkpoint_every=2)
     plain.fit(example.dataset("svi"), 4)
@@ -214,10 +217,14 @@ def test_a_one_process_group_runs_the_collective_path_and_changes_nothing(tmp_pa
         t = example.build("svi", checkpoint_dir=tmp_path / "group", checkpoint_every=2, distributed=True)
         assert (t.distributed, t.rank, t.world_size) == (True, 0, 1)
         t.fit(example.dataset("svi"), 4)
+        assert t.history == plain.history
+        assert [p.name for p in t.checkpoints_written] == ["step-00000002", "step-00000004"]
+        for name in t.modules:
+            assert torch.equal(t.modules[name].logits, plain.modules[name].logits)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        with pytest.warns(UserWarning, match="Trainer"):
+            pt.infer.SVI(pt.infer.OneSampler(2), {"lr": 0.01}).run(t.model, t.guide, "ab", num_steps=1)
     finally:
+        monkeypatch.undo()
         dist.destroy_process_group()
-    assert t.history == plain.history
-    assert [p.name for p in t.checkpoints_written] == ["step-00000002", "step-00000004"]
-    for name in t.modules:
-        assert torch.equal(t.modules[name].logits, plain.modules[name].logits)
 

@@ -124,9 +124,13 @@ def _vocab_build(inp) -> Case:
                 r"token|special|vocabulary", check)
 
 
-_vocab_build_inputs = st.tuples(
-    st.lists(st.one_of(st.text(alphabet="ab<>/s \t", max_size=3), st.integers(-2, 2), st.none()), max_size=4),
-    st.lists(st.one_of(st.text(alphabet="<x>/ ", max_size=4), st.integers(0, 3)), max_size=2))
+_vocab_build_inputs = st.one_of(
+    st.tuples(  # mostly bad: empty, whitespace, duplicate, non-string tokens and specials
+        st.lists(st.one_of(st.text(alphabet="ab<>/s \t", max_size=3), st.integers(-2, 2), st.none()), max_size=4),
+        st.lists(st.one_of(st.text(alphabet="<x>/ ", max_size=4), st.integers(0, 3)), max_size=2)),
+    st.tuples(  # mostly valid, with tokens that spell parts of specials ("<", "s>", "</"): the round trip
+        st.lists(st.text(alphabet="ab<>/sx", min_size=1, max_size=3), min_size=1, max_size=4, unique=True),
+        st.lists(st.sampled_from(["<x>", "<q>", "<y>"]), max_size=1)))
 
 _TOKEN_RE = re.compile(r"\s*(?:(?:<pad>|<bos>|<eos>|<s>|</s>|<explain>|a|b)\s*)*")
 
