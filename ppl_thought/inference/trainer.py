@@ -20,6 +20,7 @@ global batch (see :class:`Trainer`, "Distributed training").
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -244,7 +245,7 @@ class Trainer:
         mine = {"batch_size": self.batch_size, "seed": self.seed, "modules": sorted(self.modules),
                 "shapes": [list(p.shape) for p in self.params], "optimizer": type(self.optimizer).__name__,
                 "clip_norm": self.clip_norm, "checkpoint_every": self.checkpoint_every}
-        rng = int(np.frombuffer(torch.get_rng_state().numpy().tobytes(), dtype=np.uint32)[:64].sum())
+        rng = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
         every = self._all_gather_json({"config": mine, "rng": rng})
         for r, other in enumerate(every):
             diff = sorted(k for k in mine if other["config"][k] != mine[k])
