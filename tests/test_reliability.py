@@ -316,6 +316,13 @@ def test_ragged_rows_are_limited_by_their_own_positions_not_the_cache_slots():
         p, s = prompts[i][prompts[i] != PAD_ID], seg[i][seg[i] != PAD_ID]
         alone = LMState.start(lm, 1, prompt=p, stop_ids=torch.tensor([eos])).extend(s[None]).log_prob
         torch.testing.assert_close(lp[i], alone[0], atol=1e-5, rtol=1e-5)
+    # rows that ended their sequence earlier take no positions while the others sample on
+    for seed in range(12):
+        state = LMState.start(lm, 10, stop_ids=torch.tensor([eos]))
+        state.extend(torch.tensor([[a] * 6 + [eos]] * 2 + [[a] + [PAD_ID] * 6] * 8))  # 2 rows end at 7 tokens
+        torch.manual_seed(seed)
+        value, lp = state.segment(max_tokens=5).sample_with_log_prob()  # the others: at most 1 + 1 + 5 positions
+        assert (value[:2] == PAD_ID).all() and (lp[:2] == 0).all() and torch.isfinite(lp).all()
     # the Transformer itself: valid=False tokens take slots, not positions
     toks = torch.tensor([[1, a, a, a, a, a, a, a, PAD_ID, PAD_ID], [1, a, PAD_ID, PAD_ID, PAD_ID, a, a, a, a, a]])
     valid = toks != PAD_ID

@@ -419,7 +419,9 @@ class Segment(TorchDistribution):
 
         Rows whose segment has ended wait (fed with ``valid=False``) so that their cache and next-token
         logits are those after their segment. Rows whose sequence has ended are fed a dummy token as
-        valid (their cache is never read again, and an all-valid batch takes the LM's dense path); once
+        valid while the rows are in lockstep (their cache is never read again, and an all-valid batch takes
+        the LM's dense path), and nothing once the rows sit at their own positions (a ragged cache: a dummy
+        would take a position past the row's end, and the LM's max_len counts positions); once
         more than :attr:`drop_fraction` of the stepped rows have ended their sequence, the loop goes on
         with the other rows only (``cache.reorder``), and the results are scattered back. Then the
         post-state's cache is gathered back to ``n`` rows only when it is used (``extend``).
@@ -518,7 +520,10 @@ class Segment(TorchDistribution):
                 # the next logits of the rows that go on (also the post-state, for rows whose segment ended)
                 if valid_mode:
                     feed = torch.where(active, tok, torch.full_like(tok, BOS_ID))
-                    valid = None if all_valid else active | done
+                    if all_valid and not getattr(cache, "ragged", False):
+                        valid = None  # rows in lockstep: the dense path; ended rows' dummies are never read
+                    else:  # rows at their own positions: an ended row is fed nothing (no position past its end)
+                        valid = need if getattr(cache, "ragged", False) else active | done
                 else:
                     feed, valid = tok, (None if all_valid else need)
                 fl, cache, context = base._feed(cache, context, feed[:, None],
