@@ -208,7 +208,7 @@ def estimate(engine, model, guide, swaps, answer, runs: int, seed: int) -> dict:
         pyro.set_rng_seed(seed + r)
         res = engine.run(model, guide, swaps, answer)
         idata = to_inference_data(res, vocab=VOCAB)  # one chain, the particles are its draws
-        attrs = idata.sample_stats.attrs
+        attrs = idata.posterior.attrs
         log_z.append(float(res.log_marginal))
         ess.append(attrs["ess_fraction"])
         khat.append(attrs["khat"])
@@ -314,10 +314,11 @@ def run(quick: bool = False, seed: int = 0, progress: bool = True) -> tuple[dict
 
 def describe(idata) -> dict:
     """What the InferenceData of one run holds: its groups, variables and the engine's numbers."""
-    attrs = idata.sample_stats.attrs
+    attrs = idata.posterior.attrs
     return {"groups": list(idata.groups()), "posterior": sorted(idata.posterior.data_vars),
-            "sample_stats": sorted(idata.sample_stats.data_vars),
-            "attrs": {k: attrs[k] for k in ("engine", "log_marginal", "ess", "ess_fraction", "khat") if k in attrs}}
+            "particles": sorted(idata.particles.data_vars),
+            "attrs": {k: attrs[k] for k in ("engine", "log_marginal", "ess", "ess_fraction", "khat", "num_draws")
+                      if k in attrs}}
 
 
 def report(out: dict) -> None:
@@ -355,7 +356,7 @@ def report(out: dict) -> None:
     print("\nthe site check, for a guide that names its site thinking_{t}:\n  " + out.get("site_check", "-"))
     d = out["idata"]
     print(f"\nArviZ InferenceData of a run (SMC, trained guide): groups {d['groups']}; posterior "
-          f"{d['posterior'][:3]} ...; sample_stats {d['sample_stats']}; attrs " +
+          f"{d['posterior'][:3]} ...; particles {d['particles'][:3]} ...; attrs " +
           ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in d["attrs"].items()))
 
 

@@ -14,8 +14,7 @@ from ppl_thought.errors import ConfigError
 def integer(name: str, value, minimum: int = 1) -> int:
     """``value`` as a Python int ``>= minimum``: a Python or numpy integer, not a bool, a float or a string."""
     if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral) or value < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ConfigError(f"{name} must be {kind}, got {value!r}")
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
 

@@ -1,724 +1,35 @@
-"""``ppl-thought demo``: the preliminary experiment of Section 7 and the A5 separation, at small scale.
+"""``ppl-thought demo``: chooses, runs and reports the experiments of :mod:`ppl_thought.experiments`.
 
-Part 1, Section 7 (App. L, Fig 7.1): explanatory vs predictive samplers on the hidden-choice task
-(:mod:`ppl_thought.data.query_response`, a natural instance of Example 5.1). Three trainings with
-equal data, optimizer steps, sampling size n and network size, every network a copy of one shared
-base model that can use a thought naming the method (:meth:`Sec7.pretrain`, the analogue of App. L's
-pretrained LLM), repeated over ``Sec7Config.seeds`` replicates:
-
-- SFT (fast thinking): ``-log P(x_r | x)`` (the SFT loss of Section 7);
-- latent model P + predictive sampler Q(y | x): the latent loss (7.1) through
-  :class:`~ppl_thought.inference.objectives.OneSampler` ((3.17)/(5.20)) and the sampler loss (7.2)
-  through :class:`~ppl_thought.inference.objectives.SamplerPolicyGradient` ((3.25)/(5.24));
-- the same with the explanatory sampler Q(y | x x_r) (prompt ``x x_r <explain>``, Section 5.6.2).
-
-Test loss: (7.1) on held-out data with each method's own sampler and n samples, per response
-token; the causal gap (7.3) over training.
-
-Part 2, Theorems 2.1/2.3 on the A5 "cups and ball" HMM (App. E.1): a plain Transformer and a
-latent model Proj # P_f (Product projection, Ex 2.2, with a hidden alphabet; P_f a Transformer of
-the same width and depth over the pair tokens) trained on the same sequences. The latent model is
-trained EM-like: particles from sequential Monte Carlo over the lifting (the library's
-:class:`~ppl_thought.inference.smc.SMC`, one group per sequence, over :class:`A5Program`: the causal
-sampler of (3.33), P_f decoded under the lifting, resampling when the ESS drops) and the
-self-normalised gradient of (3.17). Its test loss is the SMC estimate of -log (Proj # P_f)(x)
-(an unbiased estimate of the likelihood, Lemma 2.1). Excess losses are measured against the exact
-cross-entropy by the forward algorithm (3.1), on held-out sequences longer than the training ones.
+The preliminary experiment of Section 7 (:mod:`ppl_thought.experiments.sec7`) and the A5 separation
+(:mod:`ppl_thought.experiments.a5`), at small scale: run them, print a table, write ``results.json``,
+plots and ArviZ files.
 """
+
 
 from __future__ import annotations
 
-import copy
-import math
 import os
 import platform
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 
 import numpy as np
-import pyro
-import pyro.distributions as dist
 import torch
-from tqdm.auto import tqdm
 
-from ppl_thought.data.a5 import OBSERVABLE_TOKENS, a5_hmm
-from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
-from ppl_thought.guides.explanatory import gate_mlp
+from ppl_thought.experiments.a5 import A5Config, run_a5
+from ppl_thought.experiments.sec7 import Sec7Config, run_sec7
 from ppl_thought.inference.result import log_mean_exp
-from ppl_thought.inference.smc import SMC
-from ppl_thought.inference.trainer import clip_joint_, cosine_lr
 from ppl_thought.io import atomic_write, atomic_write_json
-from ppl_thought.lm import Transformer
-from ppl_thought.program import Program, particle_groups, particles
-from ppl_thought.projections import Product, QueryResponse
-
-NEG_INF = float("-inf")
-
-
-# ====================================================================== configuration
-@dataclass
-class Sec7Config:
-    """Sizes of the Section 7 experiment (all three methods share them)."""
-
-    m: int = 4  # letters
-    query_len: int = 2  # k
-    num_choices: int = 8  # C
-    thought_len: int = 1  # |y|
-    n: int = 8  # sampling size of (7.1)/(7.2), training and test
-    steps: int = 1000  # fine-tuning steps of each method
-    batch: int = 32
-    lr: float = 3e-3  # peak fine-tuning learning rate (cosine schedule of App. L: 5% warm-up, decay to 10%)
-    weight_decay: float = 0.1  # AdamW, as App. L
-    clip: float = 1.0
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    num_test: int = 1024
-    eval_every: int = 100
-    num_eval_curve: int = 256
-    sampler_init_scale: float = 1.0  # scales the sampler's (tied) embeddings at init: sharper initial Q
-    # the shared base model (App. L fine-tunes one pretrained LM), see Sec7.pretrain; 0 = from scratch
-    pretrain_steps: int = 6000  # at most this many steps ...
-    pretrain_target: float = 0.005  # ... or until the held-out loss of a response given its method is below this
-    pretrain_lr: float = 1e-2
-    thought_alphabet: str = "methods"  # "methods": thoughts are method names; "ordinary": any ordinary token
-    seeds: int = 3  # replicates of the whole experiment (base model, data, initialisation, sampling)
-    gating: bool = False  # the gating trick (L.1)/(L.2) for the latent model P of both latent methods
-
-
-@dataclass
-class A5Config:
-    """Sizes of the A5 experiment (both models share them)."""
-
-    train_len: int = 32
-    test_len: int = 128
-    steps: int = 800
-    batch: int = 16
-    particles: int = 16  # SMC particles for training and test
-    hidden: int = 5  # |Gamma|
-    lr: float = 3e-3  # peak; cosine schedule of App. L (5% warm-up, decay to 10%) for both models
-    clip: float = 1.0
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    num_test: int = 64
-    eval_every: int = 100
 
 
 def configs(quick: bool, n: int = 8) -> tuple[Sec7Config, A5Config]:
     """The quick (< 5 min on 2 cores) or default (< 20 min) sizes."""
     if quick:
-        return (Sec7Config(n=n, steps=300, num_test=512, eval_every=50, seeds=1),
-                A5Config(train_len=24, test_len=96, steps=250, particles=16, num_test=32, eval_every=50))
+        return Sec7Config.quick(n), A5Config.quick()
     return Sec7Config(n=n), A5Config()
 
-
-# ====================================================================== helpers
-def _masked_log_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """log_softmax of ``logits`` restricted to ``allowed`` (Def 2.8); disallowed entries are -inf."""
-    return logits.masked_fill(~allowed, NEG_INF).log_softmax(-1)
-
-
-def _score(lm: torch.nn.Module, tokens: torch.Tensor, start: int, allowed: torch.Tensor) -> torch.Tensor:
-    """``[B, T - start]``: log-probabilities of ``tokens[:, start:]`` given their prefixes, masked to ``allowed``."""
-    logits, _ = lm(tokens[:, :-1])
-    lp = _masked_log_softmax(logits[:, start - 1:], allowed)
-    return lp.gather(-1, tokens[:, start:, None]).squeeze(-1)
-
-
-def _logits_and_features(lm: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and the features before the unembedding (f_post and f_pre of App. L) from one pass."""
-    out = {}
-    handle = lm.norm.register_forward_hook(lambda _m, _i, o: out.__setitem__("f", o))
-    try:
-        logits, _ = lm(tokens)
-    finally:
-        handle.remove()
-    return logits, out["f"]
-
-
-def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
-    for group in opt.param_groups:
-        group["lr"] = lr
-
-
-def _se(x: np.ndarray) -> float:
-    return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan")
-
-
-def latent_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """(7.1) per example, batched ``[B, n] -> [B]``: the surrogate of
-    :class:`~ppl_thought.inference.objectives.OneSampler` ((3.17)/(5.20)), -sum_i w_i log P(Y_i X_r | X),
-    w = softmax(log P - log Q) detached; its gradient is that of -log (1/n) sum_i P/U(Q). ``-inf``
-    log P (impossible particles) get weight 0 and contribute 0, never NaN."""
-    lw = (log_p - log_q).detach()
-    w = torch.softmax(lw, -1).nan_to_num(0.0)
-    return -(w * log_p.masked_fill(w == 0, 0.0)).sum(-1)
-
-
-def sampler_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """(7.2) per example, batched ``[B, n] -> [B]``: the plain policy gradient of
-    :class:`~ppl_thought.inference.objectives.SamplerPolicyGradient` ((3.25)/(5.24)) with rewards
-    R_i = U(log P/Q) and the leave-one-out baseline: -1/(n-1) sum_i U(R_i - mean_j R_j) log Q(Y_i | .)."""
-    rew = (log_p - log_q).detach()
-    if not torch.isfinite(rew).all():
-        raise ValueError("sampler reward log P/Q is not finite: the sampler proposes thoughts outside the prior's "
-                         "support")
-    adv = rew - rew.mean(-1, keepdim=True)
-    return -(adv * log_q).sum(-1) / (log_q.shape[-1] - 1)
-
-
-def causal_gaps(log_p_y: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """(7.3) per example ``[B, n] -> [B]``: sum_i r_i p_i with r_i = log Q(Y_i | .) - log P(Y_i | X) and
-    p = softmax(log P(Y_i X_r | X) - log Q(Y_i | .))."""
-    with torch.no_grad():
-        p = torch.softmax(log_p - log_q, -1).nan_to_num(0.0)
-        return (p * (log_q - log_p_y)).masked_fill(p == 0, 0.0).sum(-1)
-
-
-# ====================================================================== Section 7
-class Sec7:
-    """The three trainings of Section 7 on one :class:`PermutationChoiceTask` (see the module docstring)."""
-
-    def __init__(self, task: PermutationChoiceTask, cfg: Sec7Config, seed: int):
-        self.task, self.cfg, self.seed = task, cfg, seed
-        self._base: Transformer | None = None  # the shared base model, built on first use
-        v = task.vocab
-        self.vocab = v
-        V = len(v)
-        self.sigma = torch.zeros(V, dtype=torch.bool)  # Sigma: ordinary tokens and <eos>
-        self.sigma[torch.as_tensor(v.observable_ids)] = True
-        self.thought = torch.zeros(V, dtype=torch.bool)  # the thought alphabet (ordinary tokens, QueryResponse)
-        if cfg.thought_alphabet == "ordinary":
-            self.thought[torch.as_tensor(v.ordinary_ids)] = True
-        elif cfg.thought_alphabet == "methods":
-            self.thought[[v.id(t) for t in task.methods]] = True
-        else:
-            raise ValueError(f"thought_alphabet must be 'methods' or 'ordinary', got {cfg.thought_alphabet!r}")
-        self.projection = QueryResponse(v, max_thought_len=cfg.thought_len)
-        k = task.query_len
-        self.k = k
-
-    def base(self, progress: bool = False) -> Transformer:
-        """The shared base model (:meth:`pretrain`), built once on first use."""
-        if self._base is None:
-            self._base = self.pretrain(progress)
-        return self._base
-
-    def _lm(self) -> Transformer:
-        """A copy of the shared base model: every network of every method starts from it."""
-        return copy.deepcopy(self.base())
-
-    def pretrain(self, progress: bool = False) -> Transformer:
-        """The base model, as in App. L where every component is a copy of one pretrained LM.
-
-        Next-token training on "worked solutions" ``<bos> q <eos> <s> M<c> </s> sigma_c(q) <eos>`` that
-        name the method *before* applying it (the way pretraining text says "using the Archimedes
-        method" before the computation, Example 5.1), with the loss on the solution after ``</s>``
-        (as in instruction tuning; with the loss on every token the base sat on its plateau for more
-        than 6000 steps in 2 of 3 seeds). So the base model can *use* a thought that names the method.
-        Nothing teaches any network to *produce* the right thought for a response, and the
-        base never sees the fine-tuning format (the response ending with the method's name), the SFT
-        format, or ``<explain>``. AdamW with the cosine schedule of App. L at ``pretrain_lr``; stops
-        early once the held-out loss of the response letters given their method falls below
-        ``pretrain_target`` (checked every 250 steps), at most ``pretrain_steps`` steps. What happened
-        is kept in ``self.base_info``. The cost is paid once, for all three methods."""
-        c = self.cfg
-        torch.manual_seed(self.seed)
-        lm = Transformer(len(self.vocab), d_model=c.d_model, n_layers=c.n_layers, n_heads=c.n_heads, max_len=64)
-        self.base_info = {"steps": 0, "response_loss_given_method": None, "seconds": 0.0}
-        if c.pretrain_steps <= 0:
-            return lm
-        t0 = time.time()
-        g = torch.Generator().manual_seed(self.seed + 101)
-        q_ev, _, r_ev = self.task.sample(256, generator=torch.Generator().manual_seed(self.seed + 202))
-        x_ev = self._worked(q_ev, r_ev)
-        opt = torch.optim.AdamW(lm.parameters(), lr=c.pretrain_lr, weight_decay=c.weight_decay)
-        allowed = torch.ones(len(self.vocab), dtype=torch.bool)
-        step, held_out = 0, float("nan")
-        with tqdm(total=c.pretrain_steps, desc="Section 7: base model (shared)", disable=not progress) as bar:
-            for step in range(1, c.pretrain_steps + 1):
-                _set_lr(opt, cosine_lr(c.pretrain_lr, step - 1, c.pretrain_steps))
-                q, _, r = self.task.sample(c.batch, generator=g)
-                opt.zero_grad()
-                loss = -_score(lm, self._worked(q, r), self.k + 5, allowed).mean()  # the solution after </s>
-                loss.backward()
-                clip_joint_(list(lm.parameters()), c.clip)
-                opt.step()
-                bar.update(1)
-                if step % 250 == 0 or step == c.pretrain_steps:
-                    with torch.no_grad():  # the response letters, after <bos> q <eos> <s> M </s>
-                        held_out = float(-_score(lm, x_ev, self.k + 5, allowed)[:, :self.k].mean())
-                    bar.set_postfix({"response|method": f"{held_out:.3f}"})
-                    if held_out < c.pretrain_target:
-                        break
-        self.base_info = {"steps": step, "response_loss_given_method": held_out,
-                          "reached_target": bool(held_out < c.pretrain_target), "seconds": round(time.time() - t0, 1)}
-        if not held_out < c.pretrain_target:
-            warnings.warn(f"Section 7 base model (seed {self.seed}) did not reach its pretraining target in "
-                          f"{step} steps (held-out response loss given the method {held_out:.3f} >= "
-                          f"{c.pretrain_target}): it has not learned to use a thought, so this replicate cannot "
-                          "show the effect of the samplers", RuntimeWarning, stacklevel=2)
-        return lm
-
-    def _worked(self, q: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """A worked solution ``<bos> q <eos> <s> M<c> </s> sigma_c(q) <eos>`` for the base model."""
-        return self._latent(q, self.task.letter_ids(r[:, -1:]), r[:, :-1])
-
-    # --- formats
-    def _obs(self, q: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """``<bos> q <eos> r <eos>`` (the observation x x_r of Section 5.1)."""
-        v, B = self.vocab, q.shape[0]
-        col = lambda i: torch.full((B, 1), i, dtype=torch.long)  # noqa: E731
-        return torch.cat([col(v.bos_id), self.task.letter_ids(q), col(v.eos_id), self.task.letter_ids(r),
-                          col(v.eos_id)], 1)
-
-    def _latent(self, q: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """``<bos> q <eos> <s> y </s> r <eos>`` (the latent format (5.1))."""
-        v, B = self.vocab, q.shape[0]
-        col = lambda i: torch.full((B, 1), i, dtype=torch.long)  # noqa: E731
-        return torch.cat([col(v.bos_id), self.task.letter_ids(q), col(v.eos_id), col(v.think_id), y,
-                          col(v.end_think_id), self.task.letter_ids(r), col(v.eos_id)], 1)
-
-    def _sampler_prompt(self, q: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
-        """Predictive: ``<bos> q <eos> <s>``; explanatory: ``<bos> q <eos> r <eos> <explain> <s>`` (Fig 5.5)."""
-        v, B = self.vocab, q.shape[0]
-        col = lambda i: torch.full((B, 1), i, dtype=torch.long)  # noqa: E731
-        if r is None:
-            return torch.cat([col(v.bos_id), self.task.letter_ids(q), col(v.eos_id), col(v.think_id)], 1)
-        return torch.cat([self._obs(q, r), col(v.explain_id), col(v.think_id)], 1)
-
-    # --- the pieces of (7.1)
-    def sample_thoughts(self, Q: torch.nn.Module, prompt: torch.Tensor) -> torch.Tensor:
-        """y ~ Q(. | prompt) exactly (no temperature, (7.2)), ``[B, thought_len]`` thought-token ids."""
-        y = torch.zeros(prompt.shape[0], 0, dtype=torch.long)
-        with torch.no_grad():
-            for _ in range(self.cfg.thought_len):
-                logits, _ = Q(torch.cat([prompt, y], 1))
-                p = _masked_log_softmax(logits[:, -1], self.thought).exp()
-                y = torch.cat([y, torch.multinomial(p, 1)], 1)
-        return y
-
-    def log_q(self, Q: torch.nn.Module, prompt: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """log Q(y | prompt) ``[B]``."""
-        return _score(Q, torch.cat([prompt, y], 1), prompt.shape[1], self.thought).sum(-1)
-
-    def log_p_parts(self, P: torch.nn.Module, q, y, r) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log P(y | x), log P(x_r | x y)) ``[B]`` each, masked to Dom(Proj) (Def 2.8). With the gating
-        trick (``P.gate``, :func:`~ppl_thought.guides.explanatory.gate_mlp`) the response logits are
-        (L.1)/(L.2): p_fast * f(x x_r) + p_slow * f(x <s> y </s> x_r), gates from the features before the
-        unembedding of both passes."""
-        z = self._latent(q, y, r)
-        k, L = self.k, self.cfg.thought_len
-        ys, rs = k + 3, k + 4 + L  # y after <bos> q <eos> <s>; r <eos> after </s> (<s>, </s> are forced)
-        gate = getattr(P, "gate", None)
-        if gate is None:
-            logits, _ = P(z[:, :-1])
-            resp = logits[:, rs - 1:]
-        else:
-            logits, f_slow = _logits_and_features(P, z[:, :-1])
-            fast, f_fast = _logits_and_features(P, self._obs(q, r)[:, :-1])
-            g = torch.softmax(gate(torch.cat([f_fast[:, k + 1:], f_slow[:, rs - 1:]], -1)), -1)  # (L.2)
-            resp = g[..., :1] * fast[:, k + 1:] + g[..., 1:] * logits[:, rs - 1:]  # (L.1)
-        lp_y = _masked_log_softmax(logits[:, ys - 1: ys - 1 + L], self.thought).gather(-1, z[:, ys:ys + L, None])
-        lp_r = _masked_log_softmax(resp, self.sigma).gather(-1, z[:, rs:, None])
-        return lp_y.squeeze(-1).sum(-1), lp_r.squeeze(-1).sum(-1)
-
-    def particles(self, P, Q, q, r, explanatory: bool, n: int):
-        """n thoughts per example from the method's sampler (7.2) and their log P, log Q ``[B, n]``."""
-        B = q.shape[0]
-        qn, rn = q.repeat_interleave(n, 0), r.repeat_interleave(n, 0)
-        prompt = self._sampler_prompt(qn, rn if explanatory else None)
-        if self.cfg.thought_len == 1:  # one pass gives both the sample and log Q
-            logits, _ = Q(prompt)
-            lq_all = _masked_log_softmax(logits[:, -1], self.thought)
-            y = torch.multinomial(lq_all.detach().exp(), 1)
-            lq = lq_all.gather(1, y).squeeze(1)
-        else:
-            y = self.sample_thoughts(Q, prompt)
-            lq = self.log_q(Q, prompt, y)
-        lp_y, lp_r = self.log_p_parts(P, qn, y, rn)
-        return y.view(B, n, -1), lp_y.view(B, n), lp_r.view(B, n), lq.view(B, n)
-
-    # --- training
-    def train(self, method: str, data, test, bar) -> dict:
-        """Train one method ('fast', 'pred' or 'expl') and return its curves and test results."""
-        c = self.cfg
-        q_all, r_all = data
-        g = torch.Generator().manual_seed(self.seed + 17)
-        P = self._lm()
-        nets = [P]
-        Q = None
-        if method != "fast":
-            if c.gating:
-                P.gate = gate_mlp(c.d_model)  # a submodule of P: trained, counted and copied with it
-            Q = self._lm()
-            with torch.no_grad():
-                Q.embed.weight.mul_(c.sampler_init_scale)
-            nets.append(Q)
-        params = [p for net in nets for p in net.parameters()]
-        opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
-        curve, gap_curve, train_gap = [], [], []
-        norm = self.k + 2
-        for step in range(1, c.steps + 1):
-            idx = torch.randint(q_all.shape[0], (c.batch,), generator=g)
-            q, r = q_all[idx], r_all[idx]
-            _set_lr(opt, cosine_lr(c.lr, step - 1, c.steps))
-            opt.zero_grad()
-            if method == "fast":
-                x = self._obs(q, r)
-                loss = -_score(P, x, self.k + 2, self.sigma).sum(-1).mean() / norm  # SFT loss
-            else:
-                _, lp_y, lp_r, lq = self.particles(P, Q, q, r, method == "expl", c.n)
-                lp = lp_y + lp_r  # log P(y r | x), [B, n]
-                loss = (latent_surrogate(lp, lq) + sampler_surrogate(lp, lq)).sum() / (c.batch * norm)
-                gaps = causal_gaps(lp_y, lp, lq)
-                train_gap.append(float(gaps.mean()) / norm)
-            loss.backward()
-            clip_joint_(params, c.clip)  # joint clipping of P and Q together (App. L)
-            opt.step()
-            bar.update(1)
-            if step % c.eval_every == 0 or step == c.steps:
-                ev = self.evaluate(method, P, Q, test, c.num_eval_curve)
-                curve.append({"step": step, "test_loss": ev["loss"]})
-                if ev.get("causal_gap") is not None:
-                    gap_curve.append({"step": step, "causal_gap": ev["causal_gap"]})
-                bar.set_postfix({method: f"{ev['loss']:.4f}"})
-        final = self.evaluate(method, P, Q, test, None)
-        return {"final": final, "curve": curve, "causal_gap_curve": gap_curve, "train_causal_gap": train_gap,
-                "nets": nets}
-
-    def evaluate(self, method: str, P, Q, test, limit: int | None) -> dict:
-        """Test loss (7.1) per response token with n samples of the method's own sampler, per example."""
-        q_all, r_all = test
-        if limit is not None:
-            q_all, r_all = q_all[:limit], r_all[:limit]
-        norm = self.k + 2
-        losses, gaps, ys, lws = [], [], [], []
-        with torch.no_grad():
-            for s in range(0, q_all.shape[0], 256):
-                q, r = q_all[s:s + 256], r_all[s:s + 256]
-                if method == "fast":
-                    losses.append(-_score(P, self._obs(q, r), self.k + 2, self.sigma).sum(-1) / norm)
-                    continue
-                y, lp_y, lp_r, lq = self.particles(P, Q, q, r, method == "expl", self.cfg.n)
-                lw = lp_y + lp_r - lq
-                losses.append(-log_mean_exp(lw, 1) / norm)
-                gaps.append(causal_gaps(lp_y, lp_y + lp_r, lq) / norm)
-                ys.append(y[..., 0])
-                lws.append(lw)
-        loss = torch.cat(losses).double().numpy()
-        out = {"loss": float(loss.mean()), "se": _se(loss), "per_example": loss}
-        if gaps:
-            out["causal_gap"] = float(torch.cat(gaps).mean())
-            out["thoughts"] = torch.cat(ys).numpy()
-            out["log_weights"] = torch.cat(lws).double().numpy()
-        return out
-
-
-def run_sec7(cfg: Sec7Config, seed: int = 0, progress: bool = True) -> dict:
-    """Part 1: the three trainings of Section 7 and their test losses (7.1), gains and causal gaps (7.3).
-
-    ``cfg.seeds`` replicates (training seeds ``seed, seed + 1, ...``) of the whole experiment -- base
-    model, data, initialisation and sampling -- on one task (built from ``seed``) and one test set.
-    Losses and gains are averaged over replicates; their ``*_se`` are test-set standard errors of that
-    average, and ``*_seed_sd`` the spread between replicates. ``per_seed`` keeps each replicate's numbers."""
-    if cfg.seeds < 1:
-        raise ValueError(f"seeds must be >= 1, got {cfg.seeds}")
-    task = permutation_choice_task(cfg.m, cfg.query_len, cfg.num_choices, seed=seed)
-    q_te, c_te, r_te = task.sample(cfg.num_test, generator=torch.Generator().manual_seed(seed + 7919))
-    t0 = time.time()
-    reps = [_sec7_replicate(task, cfg, seed + i, (q_te, c_te, r_te), progress, f"seed {seed + i}")
-            for i in range(cfg.seeds)]
-    floor_ex = -task.exact_log_prob(q_te, r_te).numpy() / (cfg.query_len + 2)
-    S = len(reps)
-    pooled = {}  # mean over replicates of per-example quantities, and its test-set standard error
-    for key in ("fast", "pred", "expl", "gain_pred", "gain_expl"):
-        per = np.stack([r["_per_example"][key] for r in reps])  # [S, N]
-        pooled[key] = (float(per.mean()), _se(per.mean(0)), float(np.std([p.mean() for p in per], ddof=1))
-                       if S > 1 else 0.0)
-    gain_p, gain_e = pooled["gain_pred"][0], pooled["gain_expl"][0]
-    res = {
-        "task": {"m": cfg.m, "query_len": cfg.query_len, "num_choices": cfg.num_choices,
-                 "thought_len": cfg.thought_len, "perms": task.perms.tolist()},
-        "config": asdict(cfg),
-        "seeds": [r["seed"] for r in reps],
-        "entropy_floor": float(floor_ex.mean()), "entropy_floor_exact": task.entropy_floor_per_token(),
-        "gain_pred": gain_p, "gain_pred_se": pooled["gain_pred"][1], "gain_pred_seed_sd": pooled["gain_pred"][2],
-        "gain_expl": gain_e, "gain_expl_se": pooled["gain_expl"][1], "gain_expl_seed_sd": pooled["gain_expl"][2],
-        "relative_improvement": _relative_improvement(gain_p, gain_e),
-        # the paper's ratio reads as "how much more the explanatory sampler gains" only if gain_pred > 0
-        "relative_improvement_defined": bool(gain_p > 0),
-    }
-    for m in ("fast", "pred", "expl"):
-        res[f"L_{m}"], res[f"L_{m}_se"], res[f"L_{m}_seed_sd"] = pooled[m]
-    for key in ("causal_gap", "causal_gap_pred", "thought_choice_mutual_information"):
-        res[key] = float(np.mean([r[key] for r in reps]))
-    res["test_loss_curve"] = _mean_curves(reps, "test_loss_curve", "test_loss")
-    res["causal_gap_curve"] = _mean_curves(reps, "causal_gap_curve", "causal_gap")
-    res["criterion_expl_ge_2x_pred_and_3se"] = _criterion(gain_p, gain_e, res["gain_expl_se"])
-    res["criterion_per_seed"] = [r["criterion_expl_ge_2x_pred_and_3se"] for r in reps]
-    res["num_params"] = reps[0]["num_params"]
-    res["per_seed"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in reps]
-    res["total_seconds"] = round(time.time() - t0, 1)
-    arrays = [r["_arrays"] for r in reps]
-    res["_arrays"] = {k: np.concatenate([a[k] for a in arrays]) for k in arrays[0]}
-    res["_arrays"]["per_example"] = {m: np.concatenate([r["_per_example"][m] for r in reps])
-                                     for m in ("fast", "pred", "expl")}
-    return res
-
-
-def _relative_improvement(gain_pred: float, gain_expl: float) -> float:
-    """(L_fast - L_expl) / (L_fast - L_pred) - 1 of Section 7 (NaN when the predictive gain is 0)."""
-    return gain_expl / gain_pred - 1 if gain_pred != 0 else float("nan")
-
-
-def _criterion(gain_pred: float, gain_expl: float, gain_expl_se: float) -> bool:
-    """The issue's test: the explanatory gain is at least twice the predictive one and above 3 s.e."""
-    return bool(gain_expl >= 2 * gain_pred and gain_expl > 3 * gain_expl_se)
-
-
-def _mean_curves(reps: list[dict], curves: str, value: str) -> dict:
-    """Average over replicates of the curves ``rep[curves][method]`` (the same evaluation steps)."""
-    return {m: [{"step": row["step"], value: float(np.mean([r[curves][m][i][value] for r in reps]))}
-                for i, row in enumerate(reps[0][curves][m])] for m in reps[0][curves]}
-
-
-def _sec7_replicate(task: PermutationChoiceTask, cfg: Sec7Config, seed: int, test, progress: bool,
-                    label: str) -> dict:
-    """One replicate of the three trainings from one shared base model (see :func:`run_sec7`)."""
-    q_te, c_te, r_te = test
-    g = torch.Generator().manual_seed(seed)
-    q_tr, _, r_tr = task.sample(cfg.steps * cfg.batch, generator=g)  # one fixed training set for all three
-    exp = Sec7(task, cfg, seed)
-    runs = {}
-    t0 = time.time()
-    exp.base(progress)
-    with tqdm(total=3 * cfg.steps, desc=f"Section 7, {label}: SFT / predictive / explanatory",
-              disable=not progress) as bar:
-        for method in ("fast", "pred", "expl"):
-            t = time.time()
-            runs[method] = exp.train(method, (q_tr, r_tr), (q_te, r_te), bar)
-            runs[method]["seconds"] = round(time.time() - t, 1)
-    Lf, Lp, Le = (runs[m]["final"] for m in ("fast", "pred", "expl"))
-    d_pred = Lf["per_example"] - Lp["per_example"]
-    d_expl = Lf["per_example"] - Le["per_example"]
-    gain_p, gain_e = float(d_pred.mean()), float(d_expl.mean())
-    res = {
-        "seed": seed,
-        "L_fast": Lf["loss"], "L_pred": Lp["loss"], "L_expl": Le["loss"],
-        "L_fast_se": Lf["se"], "L_pred_se": Lp["se"], "L_expl_se": Le["se"],
-        "gain_pred": gain_p, "gain_pred_se": _se(d_pred), "gain_expl": gain_e, "gain_expl_se": _se(d_expl),
-        "relative_improvement": _relative_improvement(gain_p, gain_e),
-        "base_model": exp.base_info,
-        "causal_gap": Le.get("causal_gap"), "causal_gap_pred": Lp.get("causal_gap"),
-        "causal_gap_curve": {m: runs[m]["causal_gap_curve"] for m in ("pred", "expl")},
-        "test_loss_curve": {m: runs[m]["curve"] for m in ("fast", "pred", "expl")},
-        "train_causal_gap": {m: _smooth(runs[m]["train_causal_gap"]) for m in ("pred", "expl")},
-        # how sharp the explanatory sampler is: does its thought identify the hidden choice?
-        "thought_choice_mutual_information": _mutual_information(Le["thoughts"], c_te.numpy()),
-        "num_params": {m: sum(p.numel() for net in runs[m]["nets"] for p in net.parameters()) for m in runs},
-        "seconds": {m: runs[m]["seconds"] for m in runs},
-        "total_seconds": round(time.time() - t0, 1),
-    }
-    res["criterion_expl_ge_2x_pred_and_3se"] = _criterion(gain_p, gain_e, res["gain_expl_se"])
-    res["_per_example"] = {"fast": Lf["per_example"], "pred": Lp["per_example"], "expl": Le["per_example"],
-                           "gain_pred": d_pred, "gain_expl": d_expl}
-    res["_arrays"] = {"expl_thoughts": Le["thoughts"], "expl_log_weights": Le["log_weights"],
-                      "pred_thoughts": Lp["thoughts"], "pred_log_weights": Lp["log_weights"]}
-    return res
-
-
-def _smooth(xs: list[float], bins: int = 20) -> list[float]:
-    if not xs:
-        return []
-    chunks = np.array_split(np.asarray(xs), min(bins, len(xs)))
-    return [float(c.mean()) for c in chunks]
-
-
-def _mutual_information(thoughts: np.ndarray, choices: np.ndarray) -> float:
-    """I(thought; hidden choice) in nats from the test particles [N, n] (how much y tells about c)."""
-    y = thoughts.reshape(-1)
-    c = np.repeat(choices, thoughts.shape[1])
-    joint = np.zeros((int(y.max()) + 1, int(c.max()) + 1))
-    np.add.at(joint, (y, c), 1.0)
-    joint /= joint.sum()
-    py, pc = joint.sum(1, keepdims=True), joint.sum(0, keepdims=True)
-    nz = joint > 0
-    return float((joint[nz] * np.log(joint[nz] / (py @ pc)[nz])).sum())
-
-
-# ====================================================================== A5
-class A5Program(Program):
-    """Proj # P_f on the A5 HMM as a step-wise program over S observation sequences ``x [S, T]`` at once
-    (``SMC(n, groups=S)``: row r explains sequence r // n, :func:`~ppl_thought.program.particle_groups`).
-
-    Step t is segment t of the lifting of the Product projection (Lemma 2.1, one pair token
-    (x_t, g)): the hidden symbol g is sampled (site ``f"z_{t}"``) from P_f restricted to the candidates
-    (x_t, g) and renormalised (the causal sampler (3.33)), and ``pyro.factor(f"x_{t}", ...)`` adds
-    log sum_g P_f((x_t, g) | z_<t) under the domain-masked P_f (Def 2.8). Run with ``guide=None``
-    (bootstrap) the incremental weight is exactly that factor: the fully-adapted SMC for (2.22).
-    State: the next-token logits ``[rows, V]`` and the KV cache (reordered by the engine).
-    """
-
-    def __init__(self, latent: A5Latent):
-        self.lm, self.pairs, self.domain, self.bos_id = latent.lm, latent.pairs, latent.domain, latent.vocab.bos_id
-
-    def init(self, state: dict, x: torch.Tensor) -> None:
-        """Encode ``<bos>`` for every row."""
-        bos = torch.full((particles(), 1), self.bos_id, dtype=torch.long, device=self.pairs.device)
-        logits, state["cache"] = self.lm(bos)
-        state["logits"] = logits[:, -1]
-
-    def step(self, state: dict, t: int, x: torch.Tensor) -> torch.Tensor | None:
-        """Sample the hidden symbol of x_t, weigh by P_f(x_t | z_<t), feed the pair token."""
-        n = particles() // particle_groups()
-        lp = _masked_log_softmax(state["logits"], self.domain)  # [rows, V]
-        cand = self.pairs[x[:, t]].repeat_interleave(n, 0)  # [rows, |Gamma|]: the lifting of x_t
-        lpc = lp.gather(1, cand)
-        g = pyro.sample(f"z_{t}", dist.Categorical(logits=lpc))
-        pyro.factor(f"x_{t}", torch.logsumexp(lpc, 1))  # log P_f(x_t | z_<t)
-        if t == x.shape[1] - 1:
-            return torch.ones(cand.shape[0], dtype=torch.bool, device=cand.device)
-        logits, state["cache"] = self.lm(cand.gather(1, g[:, None]), state["cache"])
-        state["logits"] = logits[:, -1]
-        return None
-
-
-class A5Latent:
-    """Proj # P_f on the A5 HMM: Product projection (Ex 2.2) with hidden alphabet Gamma, P_f a Transformer."""
-
-    def __init__(self, cfg: A5Config, seed: int):
-        self.cfg = cfg
-        self.projection = Product.build(list(OBSERVABLE_TOKENS), [f"h{i}" for i in range(cfg.hidden)])
-        v = self.projection.vocab
-        self.vocab = v
-        self.pairs = torch.tensor([[self.projection.pair_id(a, g) for g in range(cfg.hidden)]
-                                   for a in OBSERVABLE_TOKENS])  # [7, G]
-        self.domain = torch.zeros(len(v), dtype=torch.bool)  # Dom(Proj): pair tokens
-        self.domain[self.pairs.reshape(-1)] = True
-        torch.manual_seed(seed)
-        self.lm = Transformer(len(v), d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                              max_len=max(cfg.test_len, cfg.train_len) + 2)
-
-    def smc(self, x: torch.Tensor, n: int, ess_threshold: float = 0.5,
-            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """SMC over the lifting of each row of ``x`` [S, T] (Lemma 2.1): the library's
-        :class:`~ppl_thought.inference.smc.SMC` with ``groups=S`` (one independent run of ``n`` particles
-        per sequence, batched) over :class:`A5Program`, bootstrap, multinomial resampling when a
-        sequence's ESS falls under ``ess_threshold * n``. The proposal is P_f decoded under the lifting
-        (3.33) and the incremental weight sum_g P_f((x_t, g) | z_<t) (fully adapted). ``generator``
-        drives the resampling; the proposals use torch's global generator. Returns (paths [S, n, T]
-        of pair tokens, final log-weights [S, n], log Z_hat [S]) -- log Z_hat estimates
-        log (Proj # P_f)(x) (2.22); the log-weights carry the running estimate, so
-        log_mean_exp(logw[s]) = log Z_hat[s]."""
-        S, T = x.shape
-        x = x.to(self.pairs.device)
-        res = SMC(n, ess_threshold=ess_threshold, resampling="multinomial", generator=generator,
-                  groups=S).run(A5Program(self), None, x)
-        g = torch.stack([res.samples[f"z_{t}"] for t in range(T)], 1)  # [S * n, T] hidden symbols
-        cand = self.pairs[x].repeat_interleave(n, 0)  # [S * n, T, |Gamma|]
-        paths = cand.gather(-1, g[..., None]).view(S, n, T)
-        return paths, res.log_weights.view(S, n), res.log_marginal.view(S)
-
-    def train_step(self, x: torch.Tensor, opt, params, generator=None) -> float:
-        """One EM-like step: SMC particles, then the self-normalised gradient of (3.17):
-        -sum_i w_i grad log P_f(Z_i), normalised per token."""
-        S, T = x.shape
-        n = self.cfg.particles
-        paths, logw, logz = self.smc(x, n, generator=generator)
-        w = torch.softmax(logw, 1)
-        z = torch.cat([torch.full((S * n, 1), self.vocab.bos_id, dtype=torch.long), paths.view(S * n, T)], 1)
-        lp = _score(self.lm, z, 1, self.domain).sum(-1).view(S, n)
-        opt.zero_grad()
-        loss = -(w * lp).sum(1).mean() / T
-        loss.backward()
-        clip_joint_(params, self.cfg.clip)
-        opt.step()
-        return float(-logz.mean() / T)
-
-    def nll_per_token(self, x: torch.Tensor, generator=None) -> np.ndarray:
-        """-log Z_hat / T per sequence (SMC estimate of -log (Proj # P_f)(x) per token)."""
-        out = []
-        for s in range(0, x.shape[0], 16):
-            _, _, logz = self.smc(x[s:s + 16], self.cfg.particles, generator=generator)
-            out.append(-logz / x.shape[1])
-        return torch.cat(out).double().numpy()
-
-
-def _plain_nll(lm, vocab_bos: int, x_ids: torch.Tensor) -> np.ndarray:
-    z = torch.cat([torch.full((x_ids.shape[0], 1), vocab_bos, dtype=torch.long), x_ids], 1)
-    allowed = torch.ones(lm.vocab_size, dtype=torch.bool)
-    with torch.no_grad():
-        return (-_score(lm, z, 1, allowed).sum(-1) / x_ids.shape[1]).double().numpy()
-
-
-def run_a5(cfg: A5Config, seed: int = 0, progress: bool = True) -> dict:
-    """Part 2: plain Transformer vs Proj # P_f on the A5 HMM; excess loss over the exact entropy (3.1)."""
-    task = a5_hmm(0.5)
-    g = torch.Generator().manual_seed(seed + 1)
-    x_test = task.sample(cfg.num_test, cfg.test_len, generator=g)
-    x_test_short = task.sample(cfg.num_test, cfg.train_len, generator=g)
-    exact = task.hmm.log_prob(x_test).double().numpy() / -cfg.test_len
-    exact_short = task.hmm.log_prob(x_test_short).double().numpy() / -cfg.train_len
-    torch.manual_seed(seed)
-    plain = Transformer(len(task.vocab), d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                        max_len=cfg.test_len + 2)
-    latent = A5Latent(cfg, seed)
-    opt_p = torch.optim.Adam(plain.parameters(), lr=cfg.lr)
-    params_l = list(latent.lm.parameters())
-    opt_l = torch.optim.Adam(params_l, lr=cfg.lr)
-    bos = task.vocab.bos_id
-    allowed = torch.ones(len(task.vocab), dtype=torch.bool)
-    curve = []
-    t0 = time.time()
-    secs = {"plain": 0.0, "latent": 0.0}
-    with tqdm(total=cfg.steps, desc="A5: plain Transformer / Proj # P_f", disable=not progress) as bar:
-        for step in range(1, cfg.steps + 1):
-            x = task.sample(cfg.batch, cfg.train_len, generator=g)  # the same batch for both models
-            for opt in (opt_p, opt_l):  # the same schedule for both (App. L)
-                _set_lr(opt, cosine_lr(cfg.lr, step - 1, cfg.steps))
-            t = time.time()
-            ids = task.to_vocab_ids(x)
-            z = torch.cat([torch.full((cfg.batch, 1), bos, dtype=torch.long), ids], 1)
-            opt_p.zero_grad()
-            lp = -_score(plain, z, 1, allowed).sum(-1).mean() / cfg.train_len
-            lp.backward()
-            clip_joint_(list(plain.parameters()), cfg.clip)
-            opt_p.step()
-            t1 = time.time()
-            ll = latent.train_step(x, opt_l, params_l, generator=g)
-            secs["plain"] += t1 - t
-            secs["latent"] += time.time() - t1
-            bar.update(1)
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                pe = float(_plain_nll(plain, bos, task.to_vocab_ids(x_test_short)).mean() - exact_short.mean())
-                le = float(latent.nll_per_token(x_test_short[:16], generator=g).mean() - exact_short[:16].mean())
-                curve.append({"step": step, "plain_train_loss": float(lp.detach()), "latent_train_loss": ll,
-                              "plain_excess_short": pe, "latent_excess_short": le})
-                bar.set_postfix({"plain": f"{pe:.3f}", "latent": f"{le:.3f}"})
-    plain_nll = _plain_nll(plain, bos, task.to_vocab_ids(x_test))
-    latent_nll = latent.nll_per_token(x_test, generator=g)
-    pex, lex = plain_nll - exact, latent_nll - exact
-    short_p = _plain_nll(plain, bos, task.to_vocab_ids(x_test_short)) - exact_short
-    short_l = latent.nll_per_token(x_test_short, generator=g) - exact_short
-    res = {
-        "config": asdict(cfg),
-        "exact_cross_entropy_nats": float(exact.mean()), "entropy_rate_nats": task.entropy_rate,
-        "plain_excess_nats": float(pex.mean()), "plain_excess_se": _se(pex),
-        "latent_excess_nats": float(lex.mean()), "latent_excess_se": _se(lex),
-        "plain_excess_train_len": float(short_p.mean()), "latent_excess_train_len": float(short_l.mean()),
-        "ratio_plain_over_latent": float(pex.mean() / lex.mean()) if lex.mean() > 0 else float("inf"),
-        "num_params": {"plain": sum(p.numel() for p in plain.parameters()), "latent": sum(p.numel() for p in params_l)},
-        "curve": curve,
-        "seconds": {k: round(v, 1) for k, v in secs.items()},
-        "total_seconds": round(time.time() - t0, 1),
-    }
-    res["criterion_latent_3x_below_plain"] = bool(lex.mean() * 3 <= pex.mean())
-    res["_arrays"] = {"plain_excess": pex, "latent_excess": lex}
-    return res
 
 
 # ====================================================================== outputs
@@ -781,10 +92,14 @@ def _plots(results: dict, out: str) -> list[str]:
 def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
     """ArviZ netcdf files. Section 7: for each latent method, the weighted test particles (thoughts and
     log-weights of (7.1)) of the first held-out example through
-    :func:`ppl_thought.diagnostics.to_inference_data` when available, and all held-out examples
-    (chain = example, draw = particle) with ``az.from_dict``. A5: the per-sequence excess losses."""
+    :func:`ppl_thought.diagnostics.to_inference_data` (posterior = an equal-weight resample), and all
+    held-out examples in a ``particles`` group (chain = example, draw = particle, with ``log_weight``: weighted
+    draws, so not a ``posterior`` that ArviZ would summarise as if they were equal-weight). A5: the
+    per-sequence excess losses. Every file carries ``inference_library = "ppl_thought"`` (what
+    ``ppl-thought diagnose`` checks)."""
     try:
         import arviz as az
+        import xarray as xr
     except ImportError:  # pragma: no cover
         return []
     try:
@@ -793,6 +108,7 @@ def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
         to_inference_data = None
     from ppl_thought.inference.result import Result
 
+    ours = {"inference_library": "ppl_thought"}
     written = []
     s7 = arrays.get("sec7")
     if s7:
@@ -806,16 +122,21 @@ def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
                 p = os.path.join(out, f"sec7_{m}_example0.nc")
                 atomic_write(p, to_inference_data(res).to_netcdf)
                 written.append(p)
-            with warnings.catch_warnings():  # chain = held-out example: many chains, n draws each, by design
+            thought_dims = ("chain", "draw") + tuple(f"thought_dim_{i}" for i in range(th.ndim - 2))
+            particles = xr.Dataset({"thought": (thought_dims, th), "log_weight": (("chain", "draw"), lw)},
+                                   attrs={**ours, "layout": "chain = held-out example, draw = particle (weighted)"})
+            loss = np.asarray(s7["per_example"][m])
+            observed = xr.Dataset({"test_loss_per_token": (("example",), loss)}, attrs=ours)
+            with warnings.catch_warnings():  # `particles` is not a group of ArviZ's scheme: by design
                 warnings.simplefilter("ignore", UserWarning)
-                idata = az.from_dict(posterior={"thought": th}, sample_stats={"log_weight": lw},
-                                     observed_data={"test_loss_per_token": s7["per_example"][m]})
+                idata = az.InferenceData(particles=particles, observed_data=observed)
             p = os.path.join(out, f"sec7_{m}_particles.nc")
             atomic_write(p, idata.to_netcdf)
             written.append(p)
     a5 = arrays.get("a5")
     if a5:
-        idata = az.from_dict(observed_data={"plain_excess": a5["plain_excess"], "latent_excess": a5["latent_excess"]})
+        idata = az.from_dict(observed_data={"plain_excess": a5["plain_excess"], "latent_excess": a5["latent_excess"]},
+                             attrs=ours)
         p = os.path.join(out, "a5_excess.nc")
         atomic_write(p, idata.to_netcdf)
         written.append(p)

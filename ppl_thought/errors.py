@@ -80,5 +80,31 @@ class UnsatisfiableConstraintError(PPLThoughtError, ValueError):
     """The process verifier rejects the empty prefix: no string of the constraint set exists (FAIL, Def 3.1.2)."""
 
 
+class PatternError(PPLThoughtError, ValueError):
+    """A regular expression that cannot be compiled to a character automaton: malformed (unbalanced
+    parenthesis, nothing to repeat, bad escape, bad character range) or outside the regular subset
+    supported (anchors, backreferences, lookarounds, possessive quantifiers); the message names the
+    problem and its position."""
+
+    def __init__(self, message: str, pattern: str | None = None, pos: int | None = None):
+        where = "" if pos is None else f" at position {pos}"
+        shown = "" if pattern is None else f" in pattern {pattern!r}"
+        super().__init__(f"{message}{where}{shown}")
+        self.pattern, self.pos = pattern, pos
+
+
 class DiscreteLatentError(PPLThoughtError, ValueError):
     """A model handed to a gradient-based sampler has latent sites with discrete support."""
+
+
+class UnsupportedResultError(PPLThoughtError, TypeError):
+    """An object handed to a converter or report that is not one of the library's results (or files)."""
+
+
+class DependencyError(PPLThoughtError, ImportError):
+    """An installed dependency whose version the library does not support (e.g. ArviZ 1.x)."""
+
+
+class MissingDependencyError(DependencyError, ConfigError):
+    """An optional dependency is not installed (e.g. ``transformers`` for ``pt.lm.HuggingFace``): the message
+    names the extra to install."""

@@ -7,7 +7,8 @@ final state) and, optionally, a fixed length ``N`` (the thesis's tasks are sets 
 length: ``A subset Sigma^D`` in Props 3.1.1-3.1.2, "valid sequences of given length" for Dyck).
 
 * :func:`dyck` builds the automaton of the bounded-depth Dyck language Dyck_{k,D}, equation (2.37).
-* :class:`ProcessVerifier` is the perfect process verifier of Def 3.1.3: ``V(s) = 1`` iff some
+* :class:`ProcessVerifier` is the perfect process verifier of Def 3.1.3 (of any token automaton, or of a
+  character language over any vocabulary: :meth:`ProcessVerifier.from_char_dfa`): ``V(s) = 1`` iff some
   ``s'`` makes ``s o s'`` a member of ``A`` (of length ``N`` when a length is given). It is decided
   exactly from the automaton state of the prefix by a reachability table, batched over rows.
 
@@ -24,6 +25,8 @@ import torch
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.projections.automaton import DEAD, Automaton
+from ppl_thought.projections.char_dfa import CharDFA
+from ppl_thought.projections.token_lift import token_automaton
 from ppl_thought.vocab import PAD_ID, Vocab
 
 __all__ = ["dyck", "ProcessVerifier"]
@@ -140,6 +143,20 @@ class ProcessVerifier:
                 reach[r, :S] = reach[r - 1][ns].any(axis=1)
         self._reach = reach
         self._cache: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_char_dfa(cls, dfa: CharDFA, token_text: Sequence[str | None], length: int | None = None,
+                      allow=None) -> ProcessVerifier:
+        """The process verifier of a character language (a regular expression, a lipogram, Dyck over
+        characters: a :class:`~ppl_thought.projections.CharDFA`) over any token vocabulary.
+
+        ``A`` is the token strings whose concatenated text (``token_text[i]`` for id i, ``None`` for ids never
+        admissible) the DFA accepts, of exactly ``length`` tokens when given; there is no end token. The
+        automaton is :func:`~ppl_thought.projections.token_automaton` with ``eos_id=None``, so for a character
+        vocabulary ``from_char_dfa(CharDFA.dyck("()[]", D), token_texts(vocab), N)`` equals
+        ``ProcessVerifier(dyck(2, D, vocab), N)``.
+        """
+        return cls(token_automaton(dfa, token_text, eos_id=None, allow=allow), length)
 
     def __repr__(self) -> str:
         return f"ProcessVerifier({self.automaton.name}, length={self.length})"

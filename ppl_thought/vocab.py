@@ -4,6 +4,9 @@ Observable vocabulary Sigma = the ordinary tokens plus ``<eos>``; latent vocabul
 Omega = Sigma plus ``<s>`` and ``</s>`` (Ex 2.3, (5.1)). ``<bos>`` is context only and is
 never generated; ``<pad>`` fills padded token arrays; ``<explain>`` separates the observation
 from the thought in the explanatory format "x <explain> z" (Section 5.6.2, Fig 5.5).
+
+:class:`TokenizerVocab` (``Vocab.from_tokenizer(tokenizer)``) is the vocabulary of a HuggingFace-style
+tokenizer with the same reserved ids: text goes through the tokenizer both ways.
 """
 
 from __future__ import annotations
@@ -184,3 +187,185 @@ class Vocab:
     @classmethod
     def from_dict(cls, d: dict) -> Vocab:
         return cls(d["tokens"], specials=tuple(d["specials"]))
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, *, think: str = "<think>", end_think: str = "</think>",
+                       explain: str = "<explain>", bos: str | None = None, eos: str | None = None,
+                       add_markers: bool = False) -> TokenizerVocab:
+        """The :class:`TokenizerVocab` of a HuggingFace-style tokenizer (see there for the id mapping)."""
+        return TokenizerVocab(tokenizer, think=think, end_think=end_think, explain=explain, bos=bos, eos=eos,
+                              add_markers=add_markers)
+
+
+class TokenizerVocab(Vocab):
+    """The vocabulary of a HuggingFace-style tokenizer, with the reserved specials at their usual ids.
+
+    The tokenizer is duck-typed: ``get_vocab()`` (token string -> id), ``encode(text,
+    add_special_tokens=False)``, ``decode(ids, skip_special_tokens=False)``, ``bos_token`` /
+    ``eos_token`` and, when markers are added, ``add_tokens(tokens, special_tokens=True)``
+    (``transformers`` tokenizers have all of them). Library ids ("ids") and the tokenizer's ids
+    ("HF ids") correspond as follows:
+
+    ===============  ==========================================================================
+    library token    HF token
+    ===============  ==========================================================================
+    ``<pad>`` (0)    none (never fed to the model as a real token, never generated)
+    ``<bos>`` (1)    ``bos`` (default: the tokenizer's bos token, else its eos token)
+    ``<eos>`` (2)    ``eos`` (default: the tokenizer's eos token); GPT-2: ``<|endoftext|>``, the
+                     same HF token as ``<bos>``
+    ``<s>`` (3)      ``think`` (default ``"<think>"``)
+    ``</s>`` (4)     ``end_think`` (default ``"</think>"``)
+    ``<explain>``    ``explain`` (default ``"<explain>"``)
+    extra specials   the tokenizer's other special tokens (``<unk>``, ``<|im_start|>``, ...), in HF id
+                     order: context markers, neither observable nor latent tokens
+    ordinary tokens  every other HF token, in HF id order, named by its token string
+                     (``"Ġworld"`` for byte-level BPE)
+    ===============  ==========================================================================
+
+    The thought markers get HF strings of their own because a tokenizer's ``"<s>"`` may already mean
+    something else (Llama's ``<s>`` is its bos token). Markers the tokenizer lacks are added to it
+    (as special tokens) with ``add_markers=True``; the model's embeddings must then grow to match,
+    which :class:`ppl_thought.lm.HuggingFace` does. A tokenizer that has them already (Qwen3 has
+    ``<think>`` and ``</think>``) is used as it is. An HF token string equal to a reserved name it is
+    not mapped to (a tokenizer's own ``"<pad>"``) is renamed ``"hf:<pad>"``.
+
+    Text goes through the tokenizer both ways: ``encode(text)`` is ``tokenizer.encode(text,
+    add_special_tokens=False)`` mapped to library ids, and ``decode(ids)`` is ``tokenizer.decode`` of
+    the HF ids (``<pad>`` skipped), so ``decode(encode(text)) == text`` whenever the tokenizer round
+    trips. Lists of token strings are looked up by name as in :class:`Vocab`.
+
+    Attributes:
+        tokenizer: the tokenizer.
+        hf_ids: int64 ``[len(vocab)]``, the HF id of each library id (-1 for ``<pad>``).
+        library_ids: int64 ``[number of HF ids]``, the library id of each HF id (-1 for holes in the
+            tokenizer's id range); an HF id that is both bos and eos maps to ``<eos>``.
+    """
+
+    def __init__(self, tokenizer, *, think: str = "<think>", end_think: str = "</think>",
+                 explain: str = "<explain>", bos: str | None = None, eos: str | None = None,
+                 add_markers: bool = False):
+        for method in ("get_vocab", "encode", "decode"):
+            if not callable(getattr(tokenizer, method, None)):
+                raise VocabularyError(f"{type(tokenizer).__name__} is not a tokenizer: it has no {method}() "
+                                      "(a transformers tokenizer is expected)")
+        markers = {"think": think, "end_think": end_think, "explain": explain}
+        for what, m in markers.items():
+            if not isinstance(m, str) or not m:
+                raise VocabularyError(f"{what} must be a non-empty token string, got {m!r}")
+        if len(set(markers.values())) != 3:
+            raise VocabularyError(f"the thought markers must be three different strings, got {markers}")
+        hf_vocab = dict(tokenizer.get_vocab())
+        missing = [m for m in markers.values() if m not in hf_vocab]
+        if missing:
+            if not add_markers:
+                raise VocabularyError(
+                    f"the tokenizer has no token(s) {missing} for the thought markers <s>, </s>, <explain>: pass "
+                    "add_markers=True to add them (then grow the model's embeddings; pt.lm.HuggingFace does both), "
+                    "or name tokens it has with think=, end_think=, explain=")
+            tokenizer.add_tokens(missing, special_tokens=True)
+            hf_vocab = dict(tokenizer.get_vocab())
+            still = [m for m in missing if m not in hf_vocab]
+            if still:
+                raise VocabularyError(f"the tokenizer did not add the marker token(s) {still}")
+        eos = eos if eos is not None else getattr(tokenizer, "eos_token", None)
+        bos = bos if bos is not None else (getattr(tokenizer, "bos_token", None) or eos)
+        if eos is None:
+            raise VocabularyError("the tokenizer has no eos token: name the HF token that plays <eos> with eos=")
+        for what, tok in (("bos", bos), ("eos", eos)):
+            if str(tok) not in hf_vocab:
+                raise VocabularyError(f"{what} token {str(tok)!r} is not in the tokenizer's vocabulary")
+        bos, eos = str(bos), str(eos)
+        clash = {what: m for what, m in markers.items() if m in (bos, eos)}
+        if clash:
+            raise VocabularyError(f"thought marker(s) {clash} are the tokenizer's bos/eos token ({bos!r}/{eos!r}): "
+                                  "choose other strings, e.g. the defaults <think>, </think>, <explain>")
+
+        size = max(hf_vocab.values()) + 1
+        reserved_hf = {BOS_ID: hf_vocab[bos], EOS_ID: hf_vocab[eos], THINK_ID: hf_vocab[think],
+                       END_THINK_ID: hf_vocab[end_think], EXPLAIN_ID: hf_vocab[explain]}
+        taken = set(reserved_hf.values())
+        names = [None] * size
+        for tok, i in hf_vocab.items():
+            names[i] = tok
+        special_ids = {int(i) for i in getattr(tokenizer, "all_special_ids", None) or []}
+        for i, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+            if getattr(added, "special", False):
+                special_ids.add(int(i))
+        extra_hf = [i for i in range(size) if names[i] is not None and i in special_ids and i not in taken]
+        ordinary_hf = [i for i in range(size) if names[i] is not None and i not in special_ids and i not in taken]
+        if not ordinary_hf:
+            raise VocabularyError("the tokenizer has no ordinary tokens")
+
+        def name(i: int) -> str:
+            return f"hf:{names[i]}" if names[i] in RESERVED else names[i]
+
+        extra = [name(i) for i in extra_hf]
+        self._tokens = list(RESERVED) + extra + [name(i) for i in ordinary_hf]
+        self._ids = {t: i for i, t in enumerate(self._tokens)}
+        if len(self._ids) != len(self._tokens):
+            dup = sorted({t for t in self._tokens if self._tokens.count(t) > 1})[:5]
+            raise VocabularyError(f"token name(s) {dup} appear twice in the tokenizer's vocabulary")
+        self.specials = tuple(RESERVED) + tuple(extra)
+        self.num_specials = len(self.specials)
+        self._max_token_len = max(len(t) for t in self._tokens)
+        self._separator = ""
+        self.tokenizer = tokenizer
+        hf_ids = np.full(len(self._tokens), -1, dtype=np.int64)
+        for lib, hf in reserved_hf.items():
+            hf_ids[lib] = hf
+        hf_ids[len(RESERVED):] = np.asarray(extra_hf + ordinary_hf, dtype=np.int64)
+        library_ids = np.full(size, -1, dtype=np.int64)
+        order = np.arange(len(self._tokens))
+        # later writes win: <eos> is written after <bos>, so a shared bos/eos HF id reads back as <eos>
+        library_ids[hf_ids[1:]] = order[1:]
+        library_ids[reserved_hf[EOS_ID]] = EOS_ID
+        self.hf_ids, self.library_ids = hf_ids, library_ids
+        self.markers = (think, end_think, explain)
+        self.hf_bos, self.hf_eos = bos, eos
+
+    def __repr__(self) -> str:
+        return (f"TokenizerVocab({len(self)} ids over {type(self.tokenizer).__name__} with {len(self.library_ids)} "
+                f"HF ids; <bos>={self.hf_bos!r}, <eos>={self.hf_eos!r}, markers={self.markers})")
+
+    def tokenize(self, text: str) -> list[str]:
+        """The library token names of ``text`` as the tokenizer splits it."""
+        return [self._tokens[i] for i in self.encode(text)]
+
+    def encode(self, text: str | Sequence[str]) -> list[int]:
+        """Text -> library ids through ``tokenizer.encode(text, add_special_tokens=False)``; a list of token
+        names -> their ids."""
+        if not isinstance(text, str):
+            return super().encode(text)
+        hf = np.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
+        if hf.size and (hf.min() < 0 or hf.max() >= len(self.library_ids) or (self.library_ids[hf] < 0).any()):
+            raise UnknownTokenError(f"the tokenizer gave ids outside its own vocabulary for {text[:40]!r}")
+        return self.library_ids[hf].tolist()
+
+    def decode(self, ids: Iterable[int], skip_pad: bool = True) -> str:
+        """Library ids -> text through ``tokenizer.decode`` (``<pad>`` dropped, or written ``"<pad>"`` with
+        ``skip_pad=False``)."""
+        flat = np.asarray(list(ids) if not hasattr(ids, "tolist") else ids.tolist(), dtype=np.int64).ravel()
+        self.check_ids(flat)
+        parts, run = [], []
+        for i in flat.tolist():
+            if i == PAD_ID:
+                if not skip_pad:
+                    parts.append(self._hf_decode(run))
+                    parts.append(PAD)
+                    run = []
+                continue
+            run.append(int(self.hf_ids[i]))
+        parts.append(self._hf_decode(run))
+        return "".join(parts)
+
+    def _hf_decode(self, hf_ids: list[int]) -> str:
+        if not hf_ids:
+            return ""
+        try:
+            return self.tokenizer.decode(hf_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        except TypeError:  # a tokenizer without these keywords
+            return self.tokenizer.decode(hf_ids)
+
+    def to_dict(self) -> dict:
+        raise VocabularyError("a TokenizerVocab is saved with its tokenizer (tokenizer.save_pretrained), "
+                              "not as a token list")

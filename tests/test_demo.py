@@ -11,16 +11,10 @@ import torch
 
 from ppl_thought.data.a5 import a5_hmm
 from ppl_thought.data.query_response import permutation_choice_task
-from ppl_thought.demo import (
-    A5Config,
-    A5Latent,
-    Sec7Config,
-    causal_gaps,
-    latent_surrogate,
-    run_demo,
-    sampler_surrogate,
-)
+from ppl_thought.demo import run_demo
 from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.experiments.a5 import A5Config, A5Latent
+from ppl_thought.experiments.sec7 import Sec7Config, causal_gaps, latent_surrogate, sampler_surrogate
 from ppl_thought.inference.objectives import OneSampler, Particles, SamplerPolicyGradient
 
 
@@ -150,7 +144,7 @@ def test_a5_latent_smc_is_grouped_library_smc_over_a5_program():
     """A5Latent.smc is pt.infer.SMC(groups=S) over A5Program: paths in the lifting of each row, one
     independent group per row (log Z-hat = log mean of the row's final weights), ancestors in their row."""
     import ppl_thought as pt
-    from ppl_thought.demo import A5Program
+    from ppl_thought.experiments.a5 import A5Program
 
     cfg = A5Config(hidden=3, d_model=16, n_layers=1, n_heads=2, particles=4, train_len=6, test_len=6)
     lat = A5Latent(cfg, seed=0)
@@ -212,7 +206,15 @@ def test_tiny_end_to_end_demo_writes_json(tmp_path):
     assert per[0]["base_model"]["steps"] == 2 and per[0]["L_fast"] != per[1]["L_fast"]
     assert len(saved["sec7"]["test_loss_curve"]["expl"]) == 2  # steps 2 and 4
     assert (tmp_path / "sec7_fig7_1.png").exists() and (tmp_path / "a5_excess.png").exists()
-    assert any(f.endswith(".nc") for f in res["files"])
+    ncs = [f for f in res["files"] if f.endswith(".nc")]
+    assert len(ncs) == 5  # sec7_{expl,pred}_{example0,particles}.nc and a5_excess.nc
+    from ppl_thought.diagnostics import diagnose
+
+    for f in ncs:  # `ppl-thought diagnose` reads every file the demo writes, as one of ours
+        text, plots = diagnose(f, out=tmp_path / "diag")
+        assert "note:" not in text and plots and all(p.is_file() for p in plots), f
+        if "particles" in f:  # weighted particles per example: not a posterior ArviZ would treat as equal-weight
+            assert "no posterior group" in text and "particles/log_weight" in text
     with pytest.raises(ValueError):
         run_demo(out=str(tmp_path), n=1)
     with pytest.raises(ValueError, match="seeds"):
@@ -220,7 +222,7 @@ def test_tiny_end_to_end_demo_writes_json(tmp_path):
 
 
 def test_sec7_formats_follow_query_response_projection():
-    from ppl_thought.demo import Sec7
+    from ppl_thought.experiments.sec7 import Sec7
 
     cfg = Sec7Config(m=3, query_len=3, num_choices=3, d_model=16, n_layers=1, n_heads=2)
     task = permutation_choice_task(m=3, query_len=3, num_choices=3)
@@ -245,7 +247,7 @@ def test_cosine_lr_follows_app_l_schedule():
 
 
 def test_sec7_base_model_stops_early_at_its_target():
-    from ppl_thought.demo import Sec7
+    from ppl_thought.experiments.sec7 import Sec7
 
     task = permutation_choice_task(m=3, query_len=2, num_choices=2)
     cfg = Sec7Config(m=3, query_len=2, num_choices=2, d_model=16, n_layers=1, n_heads=2, pretrain_steps=400,
@@ -264,7 +266,8 @@ def test_sec7_base_model_stops_early_at_its_target():
 def test_sec7_gating_trick_starts_as_fast_thinking_and_mixes_logits():
     """(L.1)/(L.2): a fresh gate gives p_slow = sigmoid(-4) exactly, and the response logits are
     p_fast * f(x x_r) + p_slow * f(x <s> y </s> x_r); without a gate P reads the latent format only."""
-    from ppl_thought.demo import Sec7, _masked_log_softmax
+    from ppl_thought.distributions.lm_state import masked_log_softmax as _masked_log_softmax
+    from ppl_thought.experiments.sec7 import Sec7
     from ppl_thought.guides.explanatory import gate_mlp
 
     task = permutation_choice_task(m=3, query_len=2, num_choices=3)

@@ -433,3 +433,27 @@ def test_transformer_load_checks_the_config_against_the_tensors(tmp_path):
         assert time.perf_counter() - t0 < 5.0
     back = pt.lm.Transformer.load(pt.io.save_checkpoint(tmp_path / "ok", state, config))
     torch.testing.assert_close(back(torch.tensor([[1, 6]]))[0], lm(torch.tensor([[1, 6]]))[0])
+
+
+def test_padding_takes_no_position_of_a_huggingface_model_either():
+    """(defect 7, the HuggingFace adapter on main since) its max_position_embeddings bound counted cache slots;
+    padding (valid=False) takes none of a row's positions, and an invalid token of a full row is never read
+    (GPT-2's learned position table would have been indexed past its end)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from ppl_thought.errors import MalformedSequenceError
+    from ppl_thought.lm.huggingface import HuggingFace, random_gpt2, train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(["abcab", "cabba", "abcabc", "bacab", "ccab"] * 4, 8, byte_level=False, alphabet="abc")
+    lm = HuggingFace(random_gpt2(len(tok), n_embd=32, n_head=2, n_positions=8), tok)
+    a = lm.vocab.num_specials  # an ordinary token
+    pad = 0
+    toks = torch.tensor([[1] + [a] * 7 + [pad, pad], [1, a, pad, pad, pad, a, a, a, a, a]])
+    valid = toks != pad  # 10 slots, rows of 8 and 7 positions
+    with torch.no_grad():
+        logits, _ = lm(toks, valid=valid)
+        for i in range(2):
+            dense, _ = lm(toks[i][valid[i]][None])
+            torch.testing.assert_close(logits[i][valid[i]], dense[0], atol=1e-4, rtol=1e-4)
+        with pytest.raises(MalformedSequenceError, match="max_position_embeddings"):
+            lm(torch.tensor([[1] + [a] * 8, [1] + [pad] * 8]), valid=torch.tensor([[True] * 9, [True] + [False] * 8]))

@@ -1,6 +1,25 @@
 """Synthetic tasks with exact answers (ARCHITECTURE.md, ``data/``)."""
 
 from ppl_thought.data.a5 import A5Task, a5_hmm
+from ppl_thought.data.dyck import DyckTask
 from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
+from ppl_thought.data.self_reducible import (
+    CNF,
+    WeakCoT,
+    coordinatewise_median,
+    random_cnf,
+    self_reducible_curve,
+)
 
-__all__ = ["A5Task", "PermutationChoiceTask", "a5_hmm", "permutation_choice_task"]
+__all__ = [
+    "CNF",
+    "A5Task",
+    "DyckTask",
+    "PermutationChoiceTask",
+    "WeakCoT",
+    "a5_hmm",
+    "coordinatewise_median",
+    "permutation_choice_task",
+    "random_cnf",
+    "self_reducible_curve",
+]

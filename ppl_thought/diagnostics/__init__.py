@@ -1,7 +1,8 @@
 """Diagnostics (ARCHITECTURE.md, "Contracts"): ArviZ export, sampler quality, scaling laws, causal gap,
 posterior drift, k-token advantage and plots. ArviZ and matplotlib are imported on first use.
 
-- :func:`to_inference_data` (IS / SMC / Langevin results -> ``arviz.InferenceData``), :func:`psis_khat`;
+- :func:`to_inference_data` (every engine's result and ``decode``'s -> ``arviz.InferenceData``; weighted
+  results as an ESS-bounded equal-weight posterior, :func:`bounded_num_draws`), :func:`psis_khat`;
 - :func:`chi2`, :func:`kl`, :func:`chi2_from_weights`, :func:`kl_from_weights`, :func:`sampler_report`
   (Table 3.1, Prop 3.5);
 - :func:`scaling_law` (Table 3.1: encoding (3.4), direct decoding (Prop 3.3), gradients (3.24));
@@ -24,7 +25,12 @@ from ppl_thought.diagnostics.distinguish import (
     k_token_advantage,
     sample_continuations,
 )
-from ppl_thought.diagnostics.inference_data import load_inference_data, psis_khat, to_inference_data
+from ppl_thought.diagnostics.inference_data import (
+    bounded_num_draws,
+    load_inference_data,
+    psis_khat,
+    to_inference_data,
+)
 from ppl_thought.diagnostics.plots import plot_causal_gap, plot_ess, plot_scaling_law, plot_trace, plot_weights
 from ppl_thought.diagnostics.report import diagnose
 from ppl_thought.diagnostics.sampler_quality import (
@@ -44,6 +50,7 @@ __all__ = [
     "ScalingLaw",
     "ZeroWeightsError",
     "advantage_bound",
+    "bounded_num_draws",
     "causal_gap",
     "chi2",
     "chi2_from_weights",

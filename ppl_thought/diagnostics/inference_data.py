@@ -1,70 +1,83 @@
-"""Engine results as ArviZ ``InferenceData`` (ARCHITECTURE.md, "Contracts").
+"""Engine results as ArviZ ``InferenceData`` (ARCHITECTURE.md, "Contracts"; the table in docs/diagnostics.md).
 
-Weighted results (importance sampling (3.2), SMC) become one chain whose draws are the particles;
-MCMC results (Langevin) keep their chains x draws. Groups:
+Every result type converts; the draw layout follows what the draws are:
 
-- ``posterior``: every latent site, numeric only. Integer sequence sites (``[particles, L]``) stay padded
-  integer arrays (pad id 0) with a length variable ``<site>_length``.
-- ``posterior_text``: with a ``vocab``, the decoded text of each sequence site, ``<site>_text`` (strings
-  live apart so that ``az.summary``, ``az.plot_trace`` and ``az.plot_posterior`` work on ``posterior``).
-- ``sample_stats``: ``log_weight`` (and ``ancestry`` ``[chain, draw, step]`` for SMC; ``log_p``/``log_q``
-  where the engine kept them) or, for Langevin, ``accept_prob``, ``step_size``, ``diverging`` and
-  ``lp`` (= -potential energy). Its attrs (and the posterior's) record ``log_marginal``,
-  ``log_marginal_stderr`` (delta method, (3.4)), the importance ``ess``, the PSIS Pareto ``khat``
-  (``arviz.psislw``) and, for SMC, ``ess_per_step`` and ``resampled``.
-- ``observed_data``: the data the engine saw (``x``, or ``arg<i>`` / keyword names).
-- ``log_likelihood``: where the engine computed one (``stats["log_likelihood"]``, per particle), or
-  passed explicitly.
+- weighted results (Importance (3.2), SMC, the final batch of a particle-objective SVI run): ``posterior``
+  holds equal-weight draws, a systematic resample of the particles (copies of one particle adjacent, in
+  particle order), of a size that keeps every ``az.ess`` at or under the importance ESS
+  (:func:`bounded_num_draws`). The raw particles with ``log_weight`` (``log_weight_psis``, ``ancestry``,
+  ``log_p``, ``log_q``) are in ``particles``. Grouped SMC results convert one group at a time (``group=``).
+- MCMC results (Langevin): ``posterior`` is chains x draws; ``sample_stats`` ``accept_prob``, ``step_size``,
+  ``diverging``, ``lp``.
+- unweighted independent draws (rejection samplers; decoding): one chain whose draws are the samples.
+  Decoded continuations (:class:`~ppl_thought.inference.decoding.Decoded`) put the latent sequences in
+  ``posterior`` and the new observable tokens in ``predictions`` (ArviZ's group for out-of-sample draws).
+- SVI: the optimisation trajectory in ``sample_stats`` (draw = step): ``loss`` and each recorded parameter.
+
+Integer sequence sites ``[.., L]`` are padded arrays (pad id 0) with ``<site>_length``; with a ``vocab`` their
+decoded text is in a ``*_text`` group of its own (``posterior_text``, ``particles_text``, ``predictions_text``),
+so that every ArviZ summary and plot works on the numeric groups. Attrs (``posterior``, ``particles``,
+``sample_stats``) record the engine's numbers: ``log_marginal`` (3.2), ``log_marginal_stderr`` (delta
+method, (3.4)), the importance ``ess``, the PSIS ``khat`` (``arviz.psislw``), ``num_draws`` and, for SMC,
+``ess_per_step`` and ``resampled``.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from ppl_thought.errors import DiagnosticError
+from ppl_thought.arviz_compat import import_arviz
+from ppl_thought.errors import DiagnosticError, UnsupportedResultError
+from ppl_thought.inference.result import Result, effective_sample_size, pareto_k, psis
 from ppl_thought.inference.smc import resample
 from ppl_thought.vocab import PAD_ID
 
+#: engines whose unweighted results are chains x draws of a Markov chain (others: independent draws)
+MCMC_ENGINES = ("langevin",)
+#: above this PSIS k-hat the raw weights have infinite variance (Vehtari et al. 2024): the posterior is
+#: resampled from the PSIS-smoothed weights instead
+PSIS_THRESHOLD = 0.5
 
-def import_arviz():
-    """``import arviz`` with its FutureWarning about the 1.0 refactor silenced."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning, module="arviz")
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*arviz.*")
-        import arviz
-
-    return arviz
+psis_khat = pareto_k  # the public name in ppl_thought.diagnostics (one implementation: inference/result.py)
 
 
-def psis_khat(log_w) -> float:
-    """PSIS Pareto k-hat of importance log-weights (``arviz.psislw``).
+def bounded_num_draws(ess: float) -> int:
+    """The default size m of the equal-weight posterior of a weighted result: the largest m >= 1 with
+    m * max(1, log10 m) <= ``ess``.
 
-    ``-inf`` for constant weights (the exact posterior: nothing to smooth), ``nan`` when fewer than
-    10 finite weights are available; k < 0.5 good, 0.5-0.7 usable, > 0.7 unreliable.
+    ArviZ's ESS estimators (bulk, tail, mean, sd, quantile, local; Vehtari, Gelman, Simpson, Carpenter &
+    Buerkner 2021) bound the integrated autocorrelation time below by 1 / log10 N for N draws, so every
+    ``az.ess`` of N draws is at most N log10 N (and N for a constant variable). With N = m, no ESS that
+    ArviZ reports for the posterior can exceed the importance ESS of the weights: the resample carries no
+    more information than the weighted particles it copies. ``0`` when ``ess`` < 1 (no finite weight).
     """
-    lw = np.asarray(torch.as_tensor(log_w, dtype=torch.float64).detach().cpu()).reshape(-1)
-    lw = lw[np.isfinite(lw)]
-    if lw.size < 10:
-        return math.nan
-    if float(lw.max() - lw.min()) < 1e-12:
-        return -math.inf
-    az = import_arviz()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _, k = az.psislw(lw.copy())
-    return float(np.asarray(k))
+    ess = float(ess)
+    if not ess >= 1.0:
+        return 0
+
+    def size(m: int) -> float:
+        return m * max(1.0, math.log10(m))
+
+    m = max(1, int(ess / max(1.0, math.log10(ess))))
+    while size(m + 1) <= ess:
+        m += 1
+    while m > 1 and size(m) > ess:
+        m -= 1
+    return m
 
 
+# ---------------------------------------------------------------------------------------------- small helpers
 def _np(v) -> np.ndarray:
     if isinstance(v, torch.Tensor):
         v = v.detach().cpu()
-        if v.dtype == torch.bfloat16:
+        if v.dtype == torch.bfloat16 or v.dtype == torch.float16:
             v = v.float()
         return v.numpy()
     return np.asarray(v)
@@ -73,7 +86,8 @@ def _np(v) -> np.ndarray:
 def _scalar(v) -> float:
     if v is None:
         return math.nan
-    return float(torch.as_tensor(v).detach().double().reshape(-1)[0]) if torch.as_tensor(v).numel() else math.nan
+    t = torch.as_tensor(v).detach()
+    return float(t.double().reshape(-1)[0]) if t.numel() else math.nan
 
 
 def _decode(vocab, row: np.ndarray) -> str:
@@ -84,23 +98,26 @@ def _decode(vocab, row: np.ndarray) -> str:
         return " ".join(str(i) for i in ids)
 
 
-def _site_vars(name: str, value: np.ndarray, lead: int, vocab) -> dict[str, tuple[tuple[str, ...], np.ndarray]]:
-    """xarray variables for one site whose first ``lead`` dims are (chain, draw)."""
-    dims = ("chain", "draw")
-    extra = tuple(f"{name}_dim_{i}" for i in range(value.ndim - lead))
-    out = {name: (dims + extra, value)}
-    if np.issubdtype(value.dtype, np.integer) and value.ndim == lead + 1:  # a padded sequence site
-        out[name] = (dims + (f"{name}_pos",), value)
-        out[f"{name}_length"] = (dims, (value != PAD_ID).sum(-1).astype(np.int64))
-    return out
+def _is_sequence(value: np.ndarray, lead: int) -> bool:
+    return np.issubdtype(value.dtype, np.integer) and value.ndim == lead + 1
 
 
-def _text_vars(name: str, value: np.ndarray, lead: int, vocab) -> dict[str, tuple[tuple[str, ...], np.ndarray]]:
-    """``<site>_text``: a padded integer sequence site decoded with ``vocab`` (group ``posterior_text``)."""
-    if vocab is None or not (np.issubdtype(value.dtype, np.integer) and value.ndim == lead + 1):
+def _site_vars(name: str, value: np.ndarray) -> dict[str, tuple[tuple[str, ...], np.ndarray]]:
+    """xarray variables for one site ``[chain, draw, ...]``; a padded integer sequence also gets its length."""
+    if value.dtype == bool:
+        value = value.astype(np.int8)
+    if _is_sequence(value, 2):
+        return {name: (("chain", "draw", f"{name}_pos"), value),
+                f"{name}_length": (("chain", "draw"), (value != PAD_ID).sum(-1).astype(np.int64))}
+    return {name: (("chain", "draw") + tuple(f"{name}_dim_{i}" for i in range(value.ndim - 2)), value)}
+
+
+def _text_vars(name: str, value: np.ndarray, vocab) -> dict[str, tuple[tuple[str, ...], np.ndarray]]:
+    """``<site>_text``: a padded integer sequence ``[chain, draw, L]`` decoded with ``vocab``."""
+    if vocab is None or not _is_sequence(value, 2):
         return {}
     text = np.array([_decode(vocab, r) for r in value.reshape(-1, value.shape[-1])], dtype=object)
-    return {f"{name}_text": (("chain", "draw"), text.reshape(value.shape[:lead]).astype(str))}
+    return {f"{name}_text": (("chain", "draw"), text.reshape(value.shape[:2]).astype(str))}
 
 
 def _observed_vars(observed: Mapping[str, Any], vocab) -> dict[str, tuple[tuple[str, ...], np.ndarray]]:
@@ -126,6 +143,8 @@ def _observed_vars(observed: Mapping[str, Any], vocab) -> dict[str, tuple[tuple[
             continue
         if arr.dtype == object:
             continue
+        if arr.dtype == bool:  # netcdf has no boolean type
+            arr = arr.astype(np.int8)
         out[key] = (tuple(f"{key}_dim_{i}" for i in range(arr.ndim)), arr)
         if vocab is not None and np.issubdtype(arr.dtype, np.integer) and arr.ndim == 1:
             out[f"{key}_text"] = ((), np.array(_decode(vocab, arr)))
@@ -139,7 +158,10 @@ def _clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
         if v is None:
             continue
         if isinstance(v, torch.Tensor | np.ndarray | list | tuple):
-            a = _np(v)
+            try:
+                a = _np(v)
+            except Exception:  # noqa: BLE001 - ragged lists are not attributes
+                continue
             if a.dtype == bool:
                 a = a.astype(np.int8)
             if a.dtype == object:
@@ -152,137 +174,308 @@ def _clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | None = None,
-                      num_draws: int | None = None, seed: int = 0):
-    """Convert an engine ``Result`` to ``arviz.InferenceData`` (see the module docstring for the groups).
+def _safe_name(name: str) -> str:
+    """A variable name netcdf (HDF5) accepts: no ``/``."""
+    return str(name).replace("/", "_")
 
-    Args:
-        result: a :class:`~ppl_thought.inference.result.Result` from Importance, SMC or Langevin.
-        vocab: a :class:`~ppl_thought.Vocab`; when given, sequence sites and observed token arrays are
-            also decoded to text.
-        log_likelihood: optional ``{name: values}`` with particles (or chains x draws) leading, stored in
-            the ``log_likelihood`` group (overrides ``result.stats["log_likelihood"]``).
 
-        num_draws: weighted results: the size of the equal-weight ``posterior`` (default: the number of
-            particles), drawn by systematic resampling with ``seed``.
+def _check_num_draws(num_draws) -> int | None:
+    if num_draws is None:
+        return None
+    try:
+        m = operator.index(num_draws)
+    except TypeError:
+        m = 0
+    if isinstance(num_draws, bool) or m < 1:
+        raise DiagnosticError(f"num_draws must be a positive int (the size of the equal-weight posterior) or "
+                              f"None (the ESS-bounded default), got {num_draws!r}")
+    return int(m)
 
-    Weighted results (IS (3.2), SMC): ``posterior`` holds equal-weight draws (systematic resampling of the
-    particles by their weights), so ArviZ's summaries, ESS and plots describe the weighted posterior,
-    not the proposal; ``sample_stats.particle`` says which particle each draw is. The raw particles and
-    their ``log_weight`` (and ``ancestry``, ``log_p``, ``log_q``) are in the ``particles`` group (text in
-    ``particles_text``). ``log_marginal`` (3.2), its delta-method standard error ((3.4)), the importance
-    ``ess`` = (sum w)^2 / sum w^2 and the PSIS Pareto ``khat`` are attrs of ``posterior``,
-    ``sample_stats`` and ``particles``; ``-inf`` log weights stay ``-inf``.
-    """
-    import xarray as xr
 
-    az = import_arviz()
-    if result is None or not hasattr(result, "samples"):
-        raise TypeError(f"to_inference_data expects an engine Result, got {type(result).__name__}")
-    weighted = result.log_weights is not None
-    stats = dict(result.stats or {})
-    if weighted:
-        lw = _np(result.log_weights).astype(np.float64).reshape(-1)
-        n = lw.size
-        lead = 1
+# ---------------------------------------------------------------------------------------------- layouts
+class _Groups:
+    """The groups of one conversion, filled by the layout functions below."""
 
-        def shape_draws(v):
-            a = _np(v)
-            if a.ndim == 0 or a.shape[0] != n:
-                raise ValueError(f"a weighted result's site has leading size {a.shape[:1]}, expected the {n} "
-                                 "particles")
-            return a[None]
-    else:
-        lead = 2
+    def __init__(self) -> None:
+        self.data: dict[str, dict[str, Any]] = {}
+        self.coords: dict[str, dict[str, Any]] = {}
+        self.attrs: dict[str, Any] = {"inference_library": "ppl_thought"}
 
-        def shape_draws(v):
-            a = _np(v)
-            if a.ndim < 2:
-                raise ValueError(f"an MCMC result's site needs [chains, draws, ...], got shape {a.shape}")
-            return a
+    def add(self, group: str, variables: Mapping[str, Any]) -> None:
+        if variables:
+            self.data.setdefault(group, {}).update(variables)
 
-    draws = None
-    if weighted:
-        m = n if num_draws is None else int(num_draws)
-        if m < 1:
-            raise DiagnosticError(f"num_draws must be >= 1, got {num_draws}")
-        draws = np.zeros(0, dtype=np.int64)
-        if n:  # systematic resampling (the SMC engine's), in particle order: copies of a particle stay adjacent
-            w = torch.softmax(torch.as_tensor(lw), 0) if np.isfinite(lw).any() else torch.ones(n)
-            draws = resample(w, "systematic", torch.Generator().manual_seed(seed), size=m).numpy()
+    def build(self, attr_groups: tuple[str, ...] = ("posterior", "particles", "sample_stats", "predictions")):
+        import xarray as xr
 
-    def at_draws(a: np.ndarray) -> np.ndarray:
-        return a if draws is None else a[:, draws]
+        az = import_arviz()
+        attrs = _clean_attrs(self.attrs)
+        groups = {}
+        for name, variables in self.data.items():
+            ds = xr.Dataset(variables, coords=self.coords.get(name))
+            ds.attrs.update(attrs if name in attr_groups else {"inference_library": "ppl_thought"})
+            groups[name] = ds
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning)  # our extra groups (particles, *_text)
+            return az.InferenceData(**groups)
 
-    post: dict[str, Any] = {}
-    texts: dict[str, Any] = {}
-    raw: dict[str, Any] = {}
-    raw_texts: dict[str, Any] = {}
+
+def _weighted(g: _Groups, result: Result, vocab, num_draws: int | None, seed: int,
+              per_draw_stats: bool = True) -> np.ndarray:
+    """Posterior = ESS-bounded systematic resample; particles = the raw weighted particles. Returns the
+    particle index of each posterior draw."""
+    lw = _np(result.log_weights).astype(np.float64).reshape(-1)
+    n = lw.size
+    stats = result.stats or {}
+    finite = np.isfinite(lw)
+    ess = float(effective_sample_size(torch.as_tensor(lw))) if n else 0.0
+    smoothed, k = psis(torch.as_tensor(lw))
+    khat = float(k)
+    use_psis = bool(np.isfinite(khat) and khat >= PSIS_THRESHOLD)
+    w_log = smoothed if use_psis else torch.as_tensor(lw)
+    ess_used = min(ess, float(effective_sample_size(w_log))) if finite.any() else 0.0
+    m = bounded_num_draws(ess_used) if num_draws is None else num_draws
+    draws = np.zeros(0, dtype=np.int64)
+    if finite.any() and m > 0:  # systematic resampling in particle order: copies of a particle stay adjacent
+        draws = resample(torch.softmax(w_log.double(), 0), "systematic", torch.Generator().manual_seed(int(seed)),
+                         size=m).numpy()
     for name, value in result.samples.items():
-        drawn = shape_draws(value)
-        post.update(_site_vars(name, at_draws(drawn), 2, vocab))
-        texts.update(_text_vars(name, at_draws(drawn), 2, vocab))
-        if weighted:
-            raw.update(_site_vars(name, drawn, 2, vocab))
-            raw_texts.update(_text_vars(name, drawn, 2, vocab))
-    del lead
+        a = _np(value)
+        if a.ndim == 0 or a.shape[0] != n:
+            raise DiagnosticError(f"site {name!r} of a weighted result has leading size {a.shape[:1]}, expected "
+                                  f"the {n} particles")
+        g.add("posterior", _site_vars(name, a[draws][None]))
+        g.add("posterior_text", _text_vars(name, a[draws][None], vocab))
+        g.add("particles", _site_vars(name, a[None]))
+        g.add("particles_text", _text_vars(name, a[None], vocab))
+    g.coords["posterior"] = {"chain": [0], "draw": np.arange(len(draws)), "particle": ("draw", draws)}
+    g.add("particles", {"log_weight": (("chain", "draw"), lw[None])})
+    if np.isfinite(khat):
+        g.add("particles", {"log_weight_psis": (("chain", "draw"), _np(smoothed)[None])})
+    for key in ("log_p", "log_q"):
+        v = stats.get(key)
+        if isinstance(v, torch.Tensor) and v.numel() == n:
+            g.add("particles", {key: (("chain", "draw"), _np(v).astype(np.float64).reshape(1, n))})
+            if key == "log_p" and per_draw_stats and len(draws):  # ArviZ's lp: log p(z, x) of each draw
+                g.add("sample_stats", {"lp": (("chain", "draw"), _np(v).astype(np.float64).reshape(n)[draws][None])})
+    if result.ancestry is not None and torch.as_tensor(result.ancestry).numel():
+        g.add("particles", {"ancestry": (("chain", "draw", "step"), _np(result.ancestry).astype(np.int64).T[None])})
+    g.attrs.update(log_marginal=_scalar(result.log_marginal), log_marginal_stderr=_scalar(result.log_marginal_stderr),
+                   ess=ess, ess_fraction=ess / n if n else 0.0, khat=khat, num_particles=n, num_draws=len(draws),
+                   posterior_weights="psis" if use_psis else "raw", ess_posterior_weights=ess_used,
+                   posterior="systematic resample of the weighted particles (particle order)", seed=int(seed))
+    if isinstance(stats.get("ess"), list | tuple):
+        g.attrs["ess_per_step"] = np.asarray(stats["ess"], dtype=np.float64)
+    if "resampled" in stats:
+        g.attrs["resampled"] = np.asarray(stats["resampled"], dtype=np.int8)
+    if "message" in stats:
+        g.attrs["message"] = str(stats["message"])
+    return draws
 
-    attrs: dict[str, Any] = {"engine": result.engine or "", "inference_library": "ppl_thought"}
-    ss: dict[str, Any] = {}
-    if weighted:
-        ss["particle"] = (("chain", "draw"), draws[None].astype(np.int64))
-        raw["log_weight"] = (("chain", "draw"), lw[None])
-        ess = float(result.ess) if n else 0.0
-        attrs.update(log_marginal=_scalar(result.log_marginal), log_marginal_stderr=_scalar(result.log_marginal_stderr),
-                     ess=ess, ess_fraction=ess / n if n else 0.0, khat=psis_khat(lw), num_particles=n,
-                     num_draws=len(draws), posterior="systematic resample of the weighted particles")
-        for key in ("log_p", "log_q"):
-            v = stats.get(key)
-            if isinstance(v, torch.Tensor) and v.numel() == n:
-                raw[key] = (("chain", "draw"), _np(v).reshape(1, n))
-        if result.ancestry is not None and torch.as_tensor(result.ancestry).numel():
-            anc = _np(result.ancestry).astype(np.int64)  # [steps, n]
-            raw["ancestry"] = (("chain", "draw", "step"), anc.T[None])
-        if "ess" in stats and isinstance(stats["ess"], list | tuple):
-            attrs["ess_per_step"] = np.asarray(stats["ess"], dtype=np.float64)
-        if "resampled" in stats:
-            attrs["resampled"] = np.asarray(stats["resampled"], dtype=np.int8)
-    else:
-        names = {"accept_prob": "accept_prob", "step_size": "step_size", "divergences": "diverging"}
-        for key, out in names.items():
-            if key in stats:
-                ss[out] = (("chain", "draw"), shape_draws(stats[key]))
-        if "potential_energy" in stats:
-            ss["lp"] = (("chain", "draw"), -shape_draws(stats["potential_energy"]).astype(np.float64))
-        if "accept_prob" in stats:
-            attrs["mean_accept_prob"] = float(np.mean(_np(stats["accept_prob"])))
-    attrs = _clean_attrs(attrs)
 
-    groups: dict[str, Any] = {"posterior": xr.Dataset(post, attrs=attrs)}
-    if texts:  # strings in a group of their own: every ArviZ summary and plot works on the posterior
-        groups["posterior_text"] = xr.Dataset(texts)
-    if raw:
-        groups["particles"] = xr.Dataset(raw, attrs=attrs)
-    if raw_texts:
-        groups["particles_text"] = xr.Dataset(raw_texts)
-    if ss:
-        groups["sample_stats"] = xr.Dataset(ss, attrs=attrs)
-    obs = _observed_vars(result.observed or {}, vocab)
-    if obs:
-        groups["observed_data"] = xr.Dataset(obs)
+def _chains(g: _Groups, result: Result, vocab) -> None:
+    """MCMC: every site ``[chains, draws, ...]``."""
+    stats = result.stats or {}
+    for name, value in result.samples.items():
+        a = _np(value)
+        if a.ndim < 2:
+            raise DiagnosticError(f"site {name!r} of an MCMC result needs [chains, draws, ...], got shape {a.shape}")
+        g.add("posterior", _site_vars(name, a))
+        g.add("posterior_text", _text_vars(name, a, vocab))
+    names = {"accept_prob": "accept_prob", "step_size": "step_size", "divergences": "diverging"}
+    for key, out in names.items():
+        if key in stats:
+            g.add("sample_stats", {out: (("chain", "draw"), _np(stats[key]))})
+    if "potential_energy" in stats:
+        g.add("sample_stats", {"lp": (("chain", "draw"), -_np(stats["potential_energy"]).astype(np.float64))})
+    if "accept_prob" in stats:
+        g.attrs["mean_accept_prob"] = float(np.mean(_np(stats["accept_prob"])))
+
+
+def _draws(g: _Groups, result: Result, vocab) -> int:
+    """Independent unweighted draws (rejection samplers): one chain; per-draw statistics in sample_stats."""
+    S = None
+    for name, value in result.samples.items():
+        a = _np(value)
+        if a.ndim == 0:
+            raise DiagnosticError(f"site {name!r} holds one value, not a batch of draws")
+        if S is not None and a.shape[0] != S:
+            raise DiagnosticError(f"site {name!r} has {a.shape[0]} draws, another site {S}")
+        S = a.shape[0]
+        g.add("posterior", _site_vars(name, a[None]))
+        g.add("posterior_text", _text_vars(name, a[None], vocab))
+    for key, v in (result.stats or {}).items():
+        if S is not None and isinstance(v, torch.Tensor | np.ndarray) and v.ndim >= 1 and v.shape[0] == S:
+            a = _np(v)
+            g.add("sample_stats", {key: (("chain", "draw") + tuple(f"{key}_dim_{i}" for i in range(a.ndim - 1)),
+                                         a[None])})
+        else:
+            g.attrs.setdefault(key, v)
+    return S or 0
+
+
+def _trajectory(g: _Groups, result: Result) -> None:
+    """SVI: ``loss`` per step and each recorded parameter per step (``stats["params"]``), draw = step."""
+    stats = result.stats or {}
+    losses = _np(stats["losses"]).astype(np.float64).reshape(-1)
+    g.add("sample_stats", {"loss": (("chain", "draw"), losses[None])})
+    for name, v in (stats.get("params") or {}).items():
+        a = _np(v).astype(np.float64)
+        if a.ndim == 0 or a.shape[0] != losses.size:
+            continue
+        key = _safe_name(name)
+        if key in ("loss",):
+            key = f"param_{key}"
+        g.add("sample_stats", {key: (("chain", "draw") + tuple(f"{key}_dim_{i}" for i in range(a.ndim - 1)),
+                                     a[None])})
+    g.attrs.update(objective=str(stats.get("objective", "")), num_steps=int(losses.size),
+                   final_loss=float(losses[-1]) if losses.size else math.nan,
+                   sample_stats_draw="optimisation step (SVI): not aligned with posterior draws")
+
+
+def _log_likelihood(g: _Groups, result: Result, log_likelihood, draws: np.ndarray | None, layout: str) -> None:
+    stats = result.stats or {}
     ll = dict(log_likelihood) if log_likelihood is not None else None
     if ll is None and stats.get("log_likelihood") is not None:
         v = stats["log_likelihood"]
         ll = dict(v) if isinstance(v, Mapping) else {"x": v}
-    if ll:
-        lvars = {}
-        for name, v in ll.items():
-            a = at_draws(shape_draws(v).astype(np.float64))  # aligned with the posterior's draws
-            lvars[name] = (("chain", "draw") + tuple(f"{name}_dim_{i}" for i in range(a.ndim - 2)), a)
-        groups["log_likelihood"] = xr.Dataset(lvars)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=UserWarning)
-        return az.InferenceData(**groups)
+    for name, v in (ll or {}).items():
+        a = _np(v).astype(np.float64)
+        if layout == "chains":
+            if a.ndim < 2:
+                raise DiagnosticError(f"log_likelihood {name!r} of an MCMC result needs [chains, draws, ...]")
+        else:
+            a = a[draws][None] if draws is not None else a[None]
+        g.add("log_likelihood", {name: (("chain", "draw") + tuple(f"{name}_dim_{i}" for i in range(a.ndim - 2)), a)})
+
+
+def _select_group(result: Result, group) -> Result:
+    """Group ``group`` of a grouped SMC result (``SMC(n, groups=G)``) as a plain one-group result."""
+    G, n = result.log_weights.shape[-2:] if result.log_weights.ndim == 2 else (1, result.log_weights.shape[-1])
+    if group is None:
+        raise DiagnosticError(f"this result holds {G} independent weighted samples (SMC(..., groups={G})): each "
+                              "is the posterior of its own observation; convert one with group=g (0 <= g < "
+                              f"{G})")
+    try:
+        gi = operator.index(group)
+    except TypeError:
+        gi = -1
+    if isinstance(group, bool) or not 0 <= gi < G:
+        raise DiagnosticError(f"group must be an int in [0, {G}), got {group!r}")
+    rows = slice(gi * n, (gi + 1) * n)
+    stats = dict(result.stats or {})
+    for key in ("ess", "resampled"):
+        if isinstance(stats.get(key), list):
+            stats[key] = [e[gi] if isinstance(e, list | tuple) else e for e in stats[key]]
+    anc = None
+    if result.ancestry is not None and torch.as_tensor(result.ancestry).numel():
+        anc = torch.as_tensor(result.ancestry)[:, rows] - gi * n
+    lm = result.log_marginal
+    se = result.log_marginal_stderr
+    return Result(samples={k: v[rows] for k, v in result.samples.items()}, log_weights=result.log_weights[gi],
+                  log_marginal=None if lm is None else torch.as_tensor(lm).reshape(-1)[gi],
+                  log_marginal_stderr=None if se is None or torch.as_tensor(se).numel() < G
+                  else torch.as_tensor(se).reshape(-1)[gi],
+                  ancestry=anc, stats=stats, observed=result.observed, engine=f"{result.engine} (group {gi})")
+
+
+def _decoded(g: _Groups, decoded, vocab) -> None:
+    """Decoded continuations: latent ``z`` in ``posterior``, new observable ``tokens`` in ``predictions``."""
+    stats = decoded.stats or {}
+    tokens, z = decoded.tokens, decoded.z
+    if "candidates" in stats:  # best-of-K: every candidate is a draw of (3.14) + (3.12); the argmax is marked
+        tokens = stats["candidates"]
+        z = stats.get("candidate_z", None)
+        g.add("sample_stats", {"score": (("chain", "draw"), _np(stats["scores"]).astype(np.float64)[None])})
+        g.attrs["best"] = int(torch.as_tensor(stats["scores"]).argmax())
+    t = _np(tokens)
+    g.add("predictions", _site_vars("tokens", t[None]))
+    g.add("predictions_text", _text_vars("tokens", t[None], vocab))
+    if z is not None:
+        a = _np(z)
+        g.add("posterior", _site_vars("z", a[None]))
+        g.add("posterior_text", _text_vars("z", a[None], vocab))
+    probs = stats.get("next_token_probs")
+    if probs:  # one vector per generated token, samples one after the other (each stops after <eos>)
+        sigma = _np(stats["sigma"]).reshape(-1)
+        steps = (t != PAD_ID).sum(-1)
+        P = np.full((t.shape[0], t.shape[1], sigma.size), np.nan)
+        flat = np.stack([_np(p).astype(np.float64) for p in probs])
+        i = 0
+        for s, k in enumerate(steps.tolist()):  # a loop over samples (a handful), not over particles
+            P[s, :k] = flat[i:i + k]
+            i += k
+        g.add("sample_stats", {"next_token_probs": (("chain", "draw", "tokens_pos", "token"), P[None])})
+        g.coords["sample_stats"] = {"token": sigma}
+    g.attrs.update(engine=f"decode ({decoded.method})" if getattr(decoded, "method", "") else "decode",
+                   num_samples=int(t.shape[0]))
+    prompt = getattr(decoded, "prompt", None)
+    if prompt is not None:
+        g.add("observed_data", _observed_vars({"x": prompt}, vocab))
+
+
+# ---------------------------------------------------------------------------------------------- the conversion
+def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | None = None,
+                      num_draws: int | None = None, seed: int = 0, group: int | None = None):
+    """Convert an engine result to ``arviz.InferenceData`` (module docstring; docs/diagnostics.md has the table).
+
+    Args:
+        result: a :class:`~ppl_thought.inference.result.Result` of any engine (Importance, SMC, Langevin, SVI,
+            RejectionSampling, TokenwiseRejection) or a :class:`~ppl_thought.inference.decoding.Decoded`.
+        vocab: a :class:`~ppl_thought.Vocab`; sequence sites and observed token arrays are also decoded to text.
+        log_likelihood: optional ``{name: values}`` with particles (or chains x draws) leading, stored in
+            ``log_likelihood`` aligned with the posterior's draws (overrides ``result.stats["log_likelihood"]``).
+        num_draws: weighted results: the size m of the equal-weight ``posterior``. Default ``None``: the largest
+            m with m max(1, log10 m) <= the importance ESS (:func:`bounded_num_draws`), so that no ``az.ess`` of
+            the posterior exceeds the importance ESS. A larger m (e.g. the number of particles) gives a
+            posterior mean closer to the weighted mean, but ArviZ then counts copies of one particle as
+            separate draws and its ESS and MCSE overstate the precision.
+        seed: the seed of the systematic resampling.
+        group: grouped SMC results (``SMC(n, groups=G)``): the group to convert.
+
+    Weighted results (IS (3.2), SMC): the posterior draws are a systematic resample of the particles by their
+    weights (by the PSIS-smoothed weights when the Pareto k-hat is >= 0.5, where the raw weights have
+    infinite variance), copies of one particle adjacent; ``posterior.particle`` (a coordinate of ``draw``) is
+    the particle each draw copies. ``-inf`` log weights stay ``-inf``; a result whose weights are all zero has
+    an empty posterior.
+    """
+    from ppl_thought.inference.decoding import Decoded
+
+    g = _Groups()
+    if isinstance(result, Decoded):
+        _decoded(g, result, vocab)
+        return g.build()
+    if isinstance(result, Iterator):
+        raise UnsupportedResultError("decode(..., method='streaming') returns an iterator of token ids, not a "
+                                     "result: collect it, or decode with method='direct' / 'resampling' and "
+                                     "convert the Decoded it returns")
+    if not isinstance(result, Result):
+        raise UnsupportedResultError(f"to_inference_data expects an engine Result (or a Decoded from decode), "
+                                     f"got {type(result).__name__}")
+    m = _check_num_draws(num_draws)
+    if result.log_weights is not None and torch.as_tensor(result.log_weights).ndim > 1:
+        result = _select_group(result, group)
+    g.attrs["engine"] = result.engine or ""
+    stats = result.stats or {}
+    draws = None
+    if "losses" in stats and result.engine == "SVI":
+        _trajectory(g, result)
+        if result.log_weights is not None and result.samples:
+            draws = _weighted(g, result, vocab, m, seed, per_draw_stats=False)
+        layout = "weighted"
+    elif result.log_weights is not None:
+        draws = _weighted(g, result, vocab, m, seed)
+        layout = "weighted"
+    elif result.engine.lower() in MCMC_ENGINES or "accept_prob" in stats:
+        _chains(g, result, vocab)
+        layout = "chains"
+    else:
+        _draws(g, result, vocab)
+        layout = "draws"
+    if layout != "weighted" or draws is not None:
+        _log_likelihood(g, result, log_likelihood, draws, layout)
+    g.add("observed_data", _observed_vars(result.observed or {}, vocab))
+    return g.build()
 
 
 def load_inference_data(path) -> Any:
@@ -291,4 +484,5 @@ def load_inference_data(path) -> Any:
     return az.from_netcdf(str(path))
 
 
-__all__ = ["import_arviz", "load_inference_data", "psis_khat", "to_inference_data"]
+__all__ = ["MCMC_ENGINES", "PSIS_THRESHOLD", "bounded_num_draws", "import_arviz", "load_inference_data",
+           "psis_khat", "to_inference_data"]

@@ -31,7 +31,7 @@ from ppl_thought.errors import MalformedSequenceError, NumericalError
 from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
-__all__ = ["LMState", "Segment", "TokenRule", "supports_valid", "masked_log_softmax"]
+__all__ = ["LMState", "Segment", "TokenRule", "supports_valid", "masked_log_softmax", "nucleus"]
 
 
 def supports_valid(lm: torch.nn.Module) -> bool:
@@ -48,8 +48,21 @@ def supports_valid(lm: torch.nn.Module) -> bool:
 def masked_log_softmax(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log softmax over admissible tokens (Def 2.8), float32; rows with none admissible are all -inf, never NaN."""
     masked = logits.float().masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(masked, -1, keepdim=True)
-    return torch.where(torch.isneginf(lse), torch.full_like(masked, float("-inf")), masked - lse)
+    dead = torch.isneginf(masked.amax(-1, keepdim=True))  # NaN logits stay NaN (amax of NaN is NaN)
+    return torch.where(dead, torch.full_like(masked, float("-inf")), masked.log_softmax(-1))
+
+
+def nucleus(log_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus (top-p) truncation (Holtzman et al., 2020): keep the smallest set of most probable tokens whose
+    mass reaches ``top_p`` and renormalise; rows ``[..., V]`` of log-probabilities in, the same out (-inf
+    outside the nucleus). ``top_p = 1`` returns the input. The most probable token is always kept."""
+    if top_p >= 1.0:
+        return log_probs
+    sorted_lp, order = torch.sort(log_probs, dim=-1, descending=True)
+    before = torch.cumsum(sorted_lp.exp(), -1) - sorted_lp.exp()  # mass of the tokens ranked above
+    keep_sorted = before < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return masked_log_softmax(log_probs, keep & ~torch.isneginf(log_probs))
 
 
 class TokenRule:

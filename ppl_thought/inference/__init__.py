@@ -1,5 +1,7 @@
 from ppl_thought.errors import SamplingBudgetError as SamplingBudgetError
 from ppl_thought.errors import UnsatisfiableConstraintError as UnsatisfiableConstraintError
+from ppl_thought.inference.backtracking import VGB as VGB
+from ppl_thought.inference.backtracking import TokenwiseBacktracking as TokenwiseBacktracking
 from ppl_thought.inference.decoding import decode as decode
 from ppl_thought.inference.decoding import next_token_distribution as next_token_distribution
 from ppl_thought.inference.importance import Importance as Importance
@@ -25,3 +27,4 @@ from ppl_thought.inference.trainer import clip_joint_ as clip_joint_
 from ppl_thought.inference.trainer import cosine_lr as cosine_lr
 from ppl_thought.inference.verifier_sampling import RejectionSampling as RejectionSampling
 from ppl_thought.inference.verifier_sampling import TokenwiseRejection as TokenwiseRejection
+from ppl_thought.inference.verifier_sampling import VerifierSMC as VerifierSMC

@@ -44,11 +44,15 @@ METHODS = ("direct", "streaming", "resampling", "unbiased", "exact", "best_of_k"
 @dataclass
 class Decoded:
     """``tokens [S, m]`` new observable tokens (``<pad>`` after a stop), ``z [S, L]`` latent sequences,
-    ``stats`` (next-token vectors for ``"unbiased"`` / ``"exact"``, scores for ``"best_of_k"``)."""
+    ``stats`` (next-token vectors for ``"unbiased"`` / ``"exact"``; for ``"best_of_k"`` every candidate's
+    ``candidates``, ``candidate_z`` and ``scores``), the ``method`` and the ``prompt`` ids x.
+    ``pt.diagnostics.to_inference_data`` converts it (``z`` in ``posterior``, ``tokens`` in ``predictions``)."""
 
     tokens: torch.Tensor
     z: torch.Tensor | None = None
     stats: dict = field(default_factory=dict)
+    method: str = ""
+    prompt: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -163,9 +167,16 @@ def decode(model, sampler, x, method: str = "resampling", n: int = 16, max_new_t
         raise ValueError(f"unknown decoding method {method!r}; choose one of {METHODS}")
     xt = model.x_ids(x)
     model.projection.lifting(xt)  # NotInImageError for a prompt outside the image
-    N = len(xt)
     if method == "streaming":
         return _stream(model, sampler, xt, max_new_tokens, stop_at_eos, generator)
+    out = _decode(model, sampler, xt, method, n, max_new_tokens, num_samples, stop_at_eos, k, generator)
+    out.method, out.prompt = method, xt
+    return out
+
+
+def _decode(model, sampler, xt, method, n, max_new_tokens, num_samples, stop_at_eos, k, generator) -> Decoded:
+    """Every method but streaming (see :func:`decode`)."""
+    N = len(xt)
     with torch.no_grad():
         if method == "direct":  # (3.12)
             z0, _ = sampler.sample_with_log_prob(xt, num_samples)
@@ -368,7 +379,7 @@ def _best_of_k(model, sampler, xt, n, k, max_new, stop_at_eos, generator) -> Dec
     cands = [torch.cat([xt, y[y != PAD_ID].cpu()]) for y in toks]
     scores = _log_marginals(model, sampler, cands, n)
     best = int(torch.argmax(scores))
-    return Decoded(toks[best: best + 1], z[best: best + 1], {"candidates": toks, "scores": scores})
+    return Decoded(toks[best: best + 1], z[best: best + 1], {"candidates": toks, "candidate_z": z, "scores": scores})
 
 
 __all__ = ["decode", "next_token_distribution", "Decoded", "METHODS"]

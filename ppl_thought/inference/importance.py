@@ -24,7 +24,7 @@ import torch
 from ppl_thought.checks import integer
 from ppl_thought.errors import NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
 from ppl_thought.inference.particles import check_compatible, sample_particles
-from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
+from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp, pareto_k
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -60,28 +60,6 @@ def log_normal_estimate(log_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return est.float(), se.float()
 
 
-def pareto_khat(log_w: torch.Tensor) -> float:
-    """Pareto-smoothed importance sampling k-hat of the weights (arviz.psislw); nan if unavailable.
-
-    k-hat < 0.5: the variance of the weights is finite; 0.5-0.7 usable; > 0.7: unreliable.
-    """
-    lw = log_w.detach().double().cpu()
-    lw = lw[torch.isfinite(lw)]
-    if lw.numel() < 10:
-        return float("nan")
-    if float(lw.max() - lw.min()) < 1e-12:  # constant weights: the exact posterior
-        return float("-inf")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import arviz
-
-            _, k = arviz.psislw(lw.numpy().copy())
-        return float(k)
-    except Exception:  # pragma: no cover - arviz missing or failing
-        return float("nan")
-
-
 def _summarise(log_w: torch.Tensor, log_normal: bool, what: str) -> dict[str, Any]:
     if torch.isnan(log_w).any():
         raise NumericalError(f"{what}: NaN log weights (a model or guide log-probability is NaN)")
@@ -96,7 +74,7 @@ def _summarise(log_w: torch.Tensor, log_normal: bool, what: str) -> dict[str, An
         "log_marginal": log_mean_exp(log_w),
         "log_marginal_stderr": log_marginal_stderr(log_w),
         "ess": effective_sample_size(log_w),
-        "khat": pareto_khat(log_w),
+        "khat": pareto_k(log_w),  # PSIS (arviz.psislw): one implementation, in inference/result.py
     }
     if log_normal:
         est, se = log_normal_estimate(log_w)
@@ -288,5 +266,5 @@ def _sampler_step_log_probs(sampler, z: torch.Tensor, x: torch.Tensor) -> torch.
 
 
 __all__ = ["Importance", "ZeroWeightsError", "lifted_prefix_length", "log_marginal_stderr", "log_normal_estimate",
-           "not_in_image_result", "pareto_khat"]
+           "not_in_image_result"]
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -21,6 +23,53 @@ def effective_sample_size(log_w: torch.Tensor, dim: int = -1) -> torch.Tensor:
     b = torch.logsumexp(2 * log_w, dim=dim)
     ess = torch.exp(2 * a - b)
     return torch.where(torch.isneginf(a), torch.zeros_like(ess), ess)
+
+
+def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pareto-smoothed importance sampling (Vehtari, Simpson, Gelman, Yao & Gabry 2024) by ``arviz.psislw``.
+
+    For log weights ``[..., n]`` (each row one weighted sample) returns the smoothed, normalised log
+    weights (same shape, float64: the largest weights replaced by the expected order statistics of a
+    generalised Pareto fit to the tail, then truncated at the largest raw weight) and the shape estimate
+    k-hat ``[...]``. k-hat < 0.5: the raw weights have finite variance; 0.5-0.7: finite mean, use the
+    smoothed weights; > 0.7: the estimate is unreliable whatever the smoothing.
+
+    The numbers are ArviZ's, computed on the finite weights of each row (a ``-inf`` weight is a particle
+    with probability 0: it stays ``-inf``). Two cases ArviZ reports as k = inf are named instead:
+    constant weights (the exact posterior, nothing to smooth) give ``-inf``; a tail too short for the fit
+    (at most 4 weights above the cutoff, e.g. fewer than ~20 particles or weights with ties) gives ``nan``
+    (not available), and the weights come back unsmoothed, as ArviZ returns them.
+    """
+    from ppl_thought.arviz_compat import import_arviz
+
+    lw = torch.as_tensor(log_w).detach().to("cpu", torch.float64)
+    lw = lw.reshape(1) if lw.ndim == 0 else lw
+    rows = lw.reshape(-1, lw.shape[-1]).numpy()
+    out = np.full(rows.shape, -np.inf)
+    ks = np.full(rows.shape[0], np.nan)
+    az = None
+    for g, row in enumerate(rows):  # one row per independent weighted sample (SMC groups), not per particle
+        fin = np.isfinite(row)
+        if not fin.any():
+            continue
+        x = row[fin]
+        if float(x.max() - x.min()) < 1e-12:
+            out[g, fin], ks[g] = -math.log(x.size), -math.inf
+            continue
+        az = az or import_arviz()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            smoothed, k = az.psislw(x.copy())
+        out[g, fin] = smoothed
+        ks[g] = float(k) if np.isfinite(k) else math.nan
+    smoothed_t = torch.from_numpy(out).reshape(lw.shape)
+    return smoothed_t, torch.from_numpy(ks).reshape(lw.shape[:-1])
+
+
+def pareto_k(log_w) -> float | torch.Tensor:
+    """The PSIS k-hat of :func:`psis` (a float for one row of weights, a tensor ``[...]`` for several)."""
+    k = psis(log_w)[1]
+    return float(k) if k.ndim == 0 else k
 
 
 @dataclass
@@ -63,6 +112,23 @@ class Result:
             return None
         return torch.softmax(self.log_weights, dim=-1)
 
+    @property
+    def pareto_k(self) -> float | torch.Tensor | None:
+        """PSIS Pareto k-hat of the final weights (:func:`psis`; the engine's ``stats["khat"]`` when it
+        recorded one); ``None`` for MCMC results."""
+        if self.log_weights is None:
+            return None
+        if "khat" in self.stats:
+            return self.stats["khat"]
+        return pareto_k(self.log_weights)
+
+    @property
+    def psis_log_weights(self) -> torch.Tensor | None:
+        """PSIS-smoothed normalised log weights (:func:`psis`, float64); ``None`` for MCMC results."""
+        if self.log_weights is None:
+            return None
+        return psis(self.log_weights)[0]
+
 
 def _short(v: Any, digits: int = 4) -> str:
     """A number, or a few numbers of a small tensor, for a one-line report."""
@@ -85,7 +151,7 @@ def _result_repr(self) -> str:
         parts.append(f"log Z-hat {_short(self.log_marginal)}{se}")
     if self.log_weights is not None:
         parts.append(f"ESS {_short(self.ess, 3)}")
-    if "khat" in self.stats:
+    if "khat" in self.stats:  # only what the engine recorded: a repr never runs a fit
         parts.append(f"Pareto k {_short(self.stats['khat'], 2)}")
     names = list(self.samples)
     sites = ", ".join(names[:8]) + (f", ... ({len(names)} sites)" if len(names) > 8 else "")

@@ -2,8 +2,10 @@
 
 A thin layer over :class:`pyro.infer.SVI` (the objectives of :mod:`ppl_thought.inference.objectives`
 are :class:`pyro.infer.ELBO` subclasses, so Pyro's own ``Trace_ELBO`` etc. work too). ``run`` returns a
-:class:`~ppl_thought.inference.result.Result` whose ``stats["losses"]`` holds one loss per step and,
-for particle objectives, a final batch of weighted guide samples with the estimate (3.2) of log p(x).
+:class:`~ppl_thought.inference.result.Result` whose ``stats["losses"]`` holds one loss per step,
+``stats["params"]`` the value of each small parameter after every step and, for particle objectives (or
+any objective with ``num_samples``), a final batch of weighted guide samples with the estimate (3.2) of
+log p(x). ``pt.diagnostics.to_inference_data`` puts the trajectory in ``sample_stats`` (draw = step).
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ from collections.abc import Callable
 
 import pyro
 import pyro.optim
+import pyro.poutine as poutine
 import torch
 from pyro.infer import ELBO
 from pyro.optim import PyroOptim
 
+from ppl_thought.errors import ConfigError
 from ppl_thought.inference.objectives import ParticleObjective
+from ppl_thought.inference.particles import sample_particles
 from ppl_thought.inference.result import Result, log_mean_exp
 
 
@@ -77,33 +82,75 @@ class SVI:
         """One optimisation step; returns the objective's loss estimate."""
         return float(self._inner(model, guide).step(*args, **kwargs))
 
+    def _traced_step(self, model: Callable, guide: Callable, args, kwargs) -> tuple[float, list[str]]:
+        """One step, and the names of the parameters it used (a param-only trace around it)."""
+        with poutine.trace(param_only=True) as tr:
+            loss = self.step(model, guide, *args, **kwargs)
+        return loss, [name for name, site in tr.trace.nodes.items() if site["type"] == "param"]
+
     def evaluate_loss(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
         return float(self.objective.loss(model, guide, *args, **kwargs))
 
     def run(self, model: Callable, guide: Callable, *data, num_steps: int = 100, progress: bool = False,
-            **kwargs) -> Result:
-        """Run ``num_steps`` steps on ``model(*data)`` / ``guide(*data)``; losses in ``stats["losses"]``."""
-        if not isinstance(num_steps, int) or num_steps < 0:
-            raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
+            num_samples: int | None = None, record_params: int = 256, **kwargs) -> Result:
+        """Run ``num_steps`` steps on ``model(*data)`` / ``guide(*data)``.
+
+        Returns a Result with ``stats["losses"]`` ``[num_steps]`` (the objective's loss per step; for an
+        ELBO objective -loss is the ELBO estimate), ``stats["params"]`` ``{name: [num_steps, ...]}``: the
+        constrained value after each step of every parameter the steps used that has at most
+        ``record_params`` elements (0: none; a network's weight matrices are not copied every step), and
+        ``stats["objective"]``. With ``num_samples`` (default: the particle objective's own batch; none for
+        other objectives such as ``pyro.infer.Trace_ELBO``) a final batch of guide samples weighted by
+        p/q, importance sampling (3.2) with the fitted guide: ``samples``, ``log_weights``, ``log_marginal``,
+        ``stats["log_p"]``, ``["log_q"]``, ``["log_likelihood"]``.
+        """
+        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
+            raise ConfigError(f"num_steps must be a non-negative int, got {num_steps!r}")
+        if num_samples is not None and (not isinstance(num_samples, int) or isinstance(num_samples, bool)
+                                        or num_samples < 1):
+            raise ConfigError(f"num_samples must be a positive int (guide samples after the last step), got "
+                              f"{num_samples!r}")
+        if not isinstance(record_params, int) or record_params < 0:
+            raise ConfigError(f"record_params must be a non-negative int (max elements of a recorded parameter), "
+                              f"got {record_params!r}")
         if not callable(model) or not callable(guide):
             raise TypeError("SVI.run needs a callable model and guide")
         _warn_if_distributed()
         from tqdm.auto import tqdm
 
-        losses = []
+        losses: list[float] = []
+        trace: dict[str, list[torch.Tensor]] = {}
+        store = pyro.get_param_store()
         bar = tqdm(range(num_steps), disable=not progress, desc="SVI")
-        for _ in bar:
-            losses.append(self.step(model, guide, *data, **kwargs))
+        for i in bar:
+            loss, names = self._traced_step(model, guide, data, kwargs)
+            losses.append(loss)
+            for name in names:
+                if name in store and store[name].numel() <= record_params:
+                    trace.setdefault(name, [None] * i).append(store[name].detach().clone())
             if progress:
                 bar.set_postfix(loss=f"{losses[-1]:.4g}")
-        stats = {"losses": torch.tensor(losses), "objective": type(self.objective).__name__}
-        result = Result(samples={}, stats=stats, observed={"args": data}, engine="SVI")
-        if isinstance(self.objective, ParticleObjective):
-            with torch.no_grad():
-                pt = self.objective.particles(model, guide, *data, **kwargs)
-            log_w = pt.log_w
-            result.samples = {k: v.detach() for k, v in pt.values.items()}
-            result.log_weights = log_w
-            result.log_marginal = log_mean_exp(log_w, 0)
-            result.log_marginal_stderr = _log_marginal_stderr(log_w)
+        params = {}
+        for name, values in trace.items():
+            values += [None] * (num_steps - len(values))  # a parameter first used after step 0: NaN before
+            ref = next(v for v in values if v is not None)
+            params[name] = torch.stack([v if v is not None else torch.full_like(ref, float("nan"))
+                                        for v in values])
+        stats = {"losses": torch.tensor(losses), "objective": type(self.objective).__name__, "params": params}
+        result = Result(samples={}, stats=stats, observed={"args": data, "kwargs": kwargs}, engine="SVI")
+        if num_samples is None and not isinstance(self.objective, ParticleObjective):
+            return result
+        with torch.no_grad():
+            if isinstance(self.objective, ParticleObjective):
+                pt = self.objective.particles(model, guide, *data, num_particles=num_samples, **kwargs)
+            else:
+                pt = sample_particles(model, guide, num_samples, *data, **kwargs)
+        log_w = pt.log_w
+        result.samples = {k: v.detach() for k, v in pt.values.items()}
+        result.log_weights = log_w
+        result.log_marginal = log_mean_exp(log_w, 0)
+        result.log_marginal_stderr = _log_marginal_stderr(log_w)
+        stats.update(log_p=pt.log_p.detach(), log_q=pt.log_q.detach())
+        if pt.log_likelihood is not None:
+            stats["log_likelihood"] = pt.log_likelihood.detach()
         return result

@@ -18,25 +18,29 @@ from __future__ import annotations
 
 import torch
 
-from ppl_thought.checks import integer
+from ppl_thought.checks import integer as check_count  # the one home of the check
 from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
-from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError
-from ppl_thought.inference.result import Result
+from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError, ZeroWeightsError
+from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
+from ppl_thought.inference.smc import resample
 from ppl_thought.lm.base import lm_device
 from ppl_thought.verifiers import ProcessVerifier
 
-__all__ = ["RejectionSampling", "TokenwiseRejection", "SamplingBudgetError", "UnsatisfiableConstraintError"]
+__all__ = ["RejectionSampling", "TokenwiseRejection", "VerifierSMC", "SamplingBudgetError",
+           "UnsatisfiableConstraintError"]
 
 
-
-
-def _positive_int(name: str, value) -> int:
-    return integer(name, value)
+def start_states(verifier: ProcessVerifier, n: int, device) -> torch.Tensor:
+    """The constraint automaton's start state for ``n`` rows; FAIL (Def 3.1.2) if the verifier rejects ``()``."""
+    q = verifier.automaton.start_states(n, device)
+    if not bool(verifier.from_states(q[:1], 0)):
+        raise UnsatisfiableConstraintError(f"{verifier} rejects the empty prefix: A has no string (FAIL)")
+    return q
 
 
 def _check_common(num_samples, max_len, verifier, lm) -> None:
-    _positive_int("num_samples", num_samples)
-    _positive_int("max_len", max_len)
+    check_count("num_samples", num_samples)
+    check_count("max_len", max_len)
     if not isinstance(verifier, ProcessVerifier):
         raise ConfigError(f"expected a ProcessVerifier, got {type(verifier).__name__}")
     if verifier.length != max_len:
@@ -70,8 +74,8 @@ class RejectionSampling:
                  site: str = "z"):
         self.num_samples = num_samples
         self.max_len = max_len
-        self.batch_size = _positive_int("batch_size", batch_size) if batch_size is not None else num_samples
-        self.max_rounds = _positive_int("max_rounds", max_rounds)
+        self.batch_size = check_count("batch_size", batch_size) if batch_size is not None else num_samples
+        self.max_rounds = check_count("max_rounds", max_rounds)
         self.site = site
 
     def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
@@ -148,7 +152,7 @@ class TokenwiseRejection:
     def __init__(self, num_samples: int, max_len: int, max_tries: int = 10_000, site: str = "z"):
         self.num_samples = num_samples
         self.max_len = max_len
-        self.max_tries = _positive_int("max_tries", max_tries)
+        self.max_tries = check_count("max_tries", max_tries)
         self.site = site
 
     def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
@@ -157,9 +161,7 @@ class TokenwiseRejection:
         dev = lm_device(lm)
         n, L = self.num_samples, self.max_len
         aut = verifier.automaton
-        q = aut.start_states(n, dev)
-        if not bool(verifier.from_states(q[:1], 0)):
-            raise UnsatisfiableConstraintError(f"{verifier} rejects the empty prefix: A has no string (FAIL)")
+        q = start_states(verifier, n, dev)
         rule = TokenRule(None, lm.vocab_size)
         state = LMState.start(lm, n, prompt=prompt, rule=rule, max_len=L, device=dev)
         calls = torch.zeros(n, dtype=torch.long, device=dev)
@@ -190,3 +192,128 @@ class TokenwiseRejection:
             "verifier_calls_per_sample": calls.clone(),
         }
         return Result(samples={self.site: out}, stats=stats, engine="TokenwiseRejection")
+
+
+class VerifierSMC:
+    """Exact baselines for verifier-guided generation: SMC with the process verifier as twist.
+
+    The target after ``i`` tokens is ``gamma_i(s) = p_O(s) V(s)`` (the LM times the perfect process
+    verifier, Def 3.1.3); at ``i = N`` it is ``p_O(s) 1(s in A)``, the restricted distribution, whose
+    normaliser is ``Z = P_O(A)``. Every particle's weight is ``gamma_i / (proposal)``, so the weighted
+    particles are properly weighted for the restricted distribution and ``exp(log_marginal)`` is an
+    unbiased estimate of ``P_O(A)`` (the usual SMC estimator, resampling when the ESS falls below
+    ``ess_threshold * n``). Proposals (``proposal=``):
+
+    * ``"lm"``: the bootstrap filter, ``t ~ O(. | s)``, incremental weight ``V(s o t)`` (0 or 1);
+    * ``"masked"``: the locally optimal proposal, ``t ~ O(. | s)`` restricted to completable tokens
+      (what tokenwise rejection samples, Def 3.1.5), incremental weight the local normaliser
+      ``Z_V(s) = sum_t O(t | s) V(s o t)`` computed from the verifier's table; it is exactly the factor
+      by which tokenwise rejection is biased (Prop 3.1.2), here corrected by the weight;
+    * ``"rejection"``: weighted rejection in the AWRS style, for verifiers that can only be asked about
+      one proposed token at a time: propose ``t ~ O(. | s)`` until two are accepted; the first accepted
+      token is an exact draw from the restricted local law, and with ``K`` proposals in all,
+      ``1 / (K - 1)`` is an unbiased estimate of ``Z_V(s)`` (the minimum-variance unbiased estimator of a
+      success probability from negative-binomial sampling), independent of which token was accepted.
+      Costs ``1 / Z_V`` times more oracle calls than the locally optimal proposal.
+
+    Returns a :class:`Result` with ``samples[site]`` ``[n, N]``, ``log_weights``, ``log_marginal`` (log Z-hat)
+    and ``stats``: ``lm_calls``, ``verifier_calls``, ``ess`` per step, ``resampled`` (steps at which it
+    resampled).
+    """
+
+    def __init__(self, num_particles: int, max_len: int, proposal: str = "masked", ess_threshold: float = 0.5,
+                 resample_method: str = "systematic", max_tries: int = 10_000, site: str = "z"):
+        self.num_particles = check_count("num_particles", num_particles)
+        self.max_len = check_count("max_len", max_len)
+        if proposal not in ("lm", "masked", "rejection"):
+            raise ConfigError(f"proposal must be 'lm', 'masked' or 'rejection', got {proposal!r}")
+        if not 0.0 <= float(ess_threshold) <= 1.0:
+            raise ConfigError(f"ess_threshold must lie in [0, 1], got {ess_threshold!r}")
+        self.proposal = proposal
+        self.ess_threshold = float(ess_threshold)
+        self.resample_method = resample_method
+        self.max_tries = check_count("max_tries", max_tries)
+        self.site = site
+
+    def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
+            generator: torch.Generator | None = None) -> Result:
+        _check_common(self.num_particles, self.max_len, verifier, lm)
+        dev = lm_device(lm)
+        n, L = self.num_particles, self.max_len
+        aut = verifier.automaton
+        table = aut.torch_table(dev)
+        q = start_states(verifier, n, dev)
+        rule = TokenRule(None, lm.vocab_size)
+        state = LMState.start(lm, n, prompt=prompt, rule=rule, max_len=L, device=dev)
+        log_w = torch.zeros(n, device=dev)
+        log_z = torch.zeros((), device=dev)
+        out = torch.zeros(n, L, dtype=torch.long, device=dev)
+        lm_calls = torch.zeros((), dtype=torch.long, device=dev)
+        ver_calls = torch.zeros((), dtype=torch.long, device=dev)
+        ess_trace, resampled = [], []
+        for i in range(L):
+            probs = torch.exp(rule.log_probs(state.logits, state.s))
+            if self.proposal == "rejection":
+                tok, log_inc, calls = self._weighted_rejection(probs, q, i, verifier, generator)
+                lm_calls += calls
+                ver_calls += calls
+            else:
+                ok = verifier.from_states(table[q], i + 1)  # V(s o t) for every token: [n, V]
+                if self.proposal == "lm":
+                    tok = sample_categorical(probs, generator)
+                    log_inc = torch.log(ok.gather(1, tok[:, None])[:, 0].float())
+                    lm_calls += n
+                    ver_calls += n
+                else:
+                    good = probs * ok
+                    z_local = good.sum(-1)
+                    tok = sample_categorical(good, generator).clamp(max=lm.vocab_size - 1)
+                    log_inc = torch.log(z_local.float())
+                    lm_calls += n
+                    ver_calls += n * lm.vocab_size
+            log_w = log_w + log_inc
+            q = aut.step(q, tok)
+            out[:, i] = tok
+            if i + 1 < L:
+                state.extend(tok)
+            ess = effective_sample_size(log_w)
+            ess_trace.append(ess)
+            if bool(torch.isneginf(log_w).all()):
+                raise ZeroWeightsError(f"VerifierSMC: every particle was rejected at position {i}; "
+                                       "use proposal='masked' or more particles")
+            if i + 1 < L and bool(ess < self.ess_threshold * n):
+                log_z = log_z + log_mean_exp(log_w)
+                idx = resample(torch.softmax(log_w, 0), self.resample_method, generator).to(dev)
+                q, out = q[idx], out[idx]
+                state.reorder(idx)
+                log_w = torch.zeros(n, device=dev)
+                resampled.append(i)
+        log_z = log_z + log_mean_exp(log_w)
+        stats = {"lm_calls": int(lm_calls), "verifier_calls": int(ver_calls), "ess": torch.stack(ess_trace),
+                 "resampled": resampled, "proposal": self.proposal}
+        return Result(samples={self.site: out}, log_weights=log_w, log_marginal=log_z, stats=stats,
+                      engine="VerifierSMC")
+
+    def _weighted_rejection(self, probs, q, i, verifier, generator):
+        """Per row: propose from ``probs`` until two acceptances; (first accepted token, log(1/(K-1)), calls)."""
+        n = probs.shape[0]
+        dev = probs.device
+        first = torch.zeros(n, dtype=torch.long, device=dev)
+        accepted = torch.zeros(n, dtype=torch.long, device=dev)
+        tries = torch.zeros(n, dtype=torch.long, device=dev)
+        pending = torch.arange(n, device=dev)
+        aut = verifier.automaton
+        for _ in range(self.max_tries):
+            prop = sample_categorical(probs[pending], generator)
+            tries[pending] += 1
+            ok = verifier.from_states(aut.step(q[pending], prop), i + 1)
+            is_first = ok & (accepted[pending] == 0)
+            first[pending[is_first]] = prop[is_first]
+            accepted[pending] += ok.long()
+            pending = pending[accepted[pending] < 2]
+            if pending.numel() == 0:
+                break
+        else:
+            raise SamplingBudgetError(f"VerifierSMC(proposal='rejection'): {pending.numel()} rows had fewer than two "
+                                      f"accepted proposals after {self.max_tries} at position {i}")
+        return first, -torch.log((tries - 1).float()), int(tries.sum())

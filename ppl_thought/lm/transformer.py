@@ -26,7 +26,8 @@ Cross-attention (Latent Thought Models, Sec 2.1): layer l reads a set of latent 
 p(x | z) = prod_n p(x_n | z, x_{<n}) (eq. 1). Gradients flow to the latents.
 
 Speed: under ``torch.no_grad()`` / ``torch.inference_mode()`` the cache preallocates its buffers and
-appends in place (doubling capacity when full; a window cache compacts to its last k-1 entries when
+appends in place (at least doubling capacity, with room for 64 more positions, when full; a gathered
+cache has room for 64 more; a window cache compacts to its last k-1 entries when
 full), and it keeps the projected keys/values of the latents. With gradients enabled it is purely
 functional (``torch.cat``), so autograd never sees an in-place write.
 """
@@ -46,6 +47,50 @@ from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
 # ---------------------------------------------------------------------------------------------------------
 # KV cache
 # ---------------------------------------------------------------------------------------------------------
+
+
+def ragged_rows(cache: KVCache, valid: torch.Tensor | None, B: int, T: int, device):
+    """Positions and attention mask of ``T`` new tokens after ``cache`` when some token (new or cached) is
+    invalid, and the cache's per-row state after them.
+
+    Returns ``(positions [B, T], mask [B, 1, T, n_cached + T], (key_valid [B, n_cached + T], next [B]))``:
+    a token's position is the number of valid tokens of its row before it; the mask (True = attend)
+    allows the causal keys that are valid, plus each query's own key (so an invalid query still attends
+    to something: its output is finite, if meaningless); ``next`` is each row's next position. Shared by
+    :class:`Transformer` and :class:`~ppl_thought.lm.huggingface.HuggingFace`.
+    """
+    n = cache.num_cached
+    if valid is None:
+        valid = torch.ones(B, T, dtype=torch.bool, device=device)
+    old_valid = cache.key_valid
+    if old_valid is None:
+        old_valid = torch.ones(B, n, dtype=torch.bool, device=device)
+    pos0 = cache.positions
+    if pos0 is None:
+        pos0 = torch.full((B,), cache.length, dtype=torch.long, device=device)
+    counts = valid.long().cumsum(1)
+    positions = pos0[:, None] + counts - valid.long()  # [B, T]: valid tokens before this one
+    key_valid = torch.cat([old_valid, valid], dim=1)  # [B, n + T]
+    q = torch.arange(n, n + T, device=device)[:, None]
+    k = torch.arange(n + T, device=device)[None, :]
+    mask = (k <= q) & (key_valid[:, None, :] | (k == q))  # [B, T, n + T]
+    return positions, mask[:, None], (key_valid, pos0 + valid.sum(1))
+
+
+def check_positions(cache: KVCache | None, valid: torch.Tensor | None, T: int, limit: int, what: str) -> None:
+    """Every row's positions stay below ``limit`` after ``T`` new tokens. Tokens with ``valid=False`` (padding of
+    ragged rows) take cache slots but no position, so the bound is on each row's valid tokens, not on the slots;
+    the per-row count (one host sync) is only read when the slots exceed ``limit``. ``what`` names the limit."""
+    length = cache.length if cache is not None else 0
+    if length + T <= limit:
+        return
+    if valid is None and (cache is None or cache.positions is None):
+        raise MalformedSequenceError(f"{length} cached + {T} new positions exceed {what}={limit}")
+    pos0 = cache.positions if cache is not None and cache.positions is not None else length
+    real = int((pos0 + (valid.sum(1) if valid is not None else T)).max())
+    if real > limit:
+        raise MalformedSequenceError(f"a row of {real} positions (cached and new, padding not counted) "
+                                     f"exceeds {what}={limit}")
 
 
 class _Storage:
@@ -161,7 +206,9 @@ class KVCache:
     def _gather(self, index: torch.Tensor) -> KVCache:
         old = self._storage
         n = self.num_cached
-        capacity = max(old.capacity - self._start, n)  # keep the room left for appends
+        # keep the room left for appends, and make some where there is none (a prompt's cache expanded to
+        # n particles): memory that is never written costs nothing on CPU, a reallocation copies everything
+        capacity = max(old.capacity - self._start, n + (_ROOM if self.window is None else 0))
         keys, values = [], []
         for buffers, out in ((old.keys, keys), (old.values, values)):
             for buf in buffers:
@@ -196,7 +243,8 @@ class KVCache:
             return new._with_rows(self.key_valid, self.positions)
         # Reallocate (full, branched from, or built with gradients): copy the kept entries to the front
         # of a buffer with room to grow. A window cache keeps <= window-1 entries, so this compacts it.
-        capacity = min(2 * (kept + n), max(capacity_limit, kept + n))
+        room = _ROOM if self.window is None else 0  # a window cache stays within 2 (window - 1) + n
+        capacity = min(max(2 * (kept + n), kept + n + room), max(capacity_limit, kept + n))
         keys, values = [], []
         for buffers, out in ((old.keys, keys), (old.values, values)):
             for buf in buffers:
@@ -434,7 +482,7 @@ class Transformer(nn.Module):
         """
         B, T = self._check(tokens, cache)
         valid = self._check_valid(valid, B, T, tokens.device)
-        self._check_positions(cache, valid, T)
+        check_positions(cache, valid, T, self.max_len, "max_len")
         latent_kv = self._latent_kv(latents, B, cache)
         if cache is None:
             cache = KVCache._empty(self.n_layers, self.window)
@@ -483,31 +531,13 @@ class Transformer(nn.Module):
         return valid
 
     def _ragged_attention(self, cache: KVCache, valid: torch.Tensor | None, B: int, T: int, device):
-        """Mask, RoPE tables and new per-row state when some token (new or cached) is invalid.
-
-        The mask ``[B, 1, T, n_cached + T]`` allows causal keys that are valid, plus each query's own
-        key (so an invalid query still attends to something: its logits are finite, if meaningless).
-        RoPE uses each row's own positions, ``[B, 1, T, Dh/2]`` tables.
-        """
-        n = cache.num_cached
-        if valid is None:
-            valid = torch.ones(B, T, dtype=torch.bool, device=device)
-        old_valid = cache.key_valid
-        if old_valid is None:
-            old_valid = torch.ones(B, n, dtype=torch.bool, device=device)
-        pos0 = cache.positions
-        if pos0 is None:
-            pos0 = torch.full((B,), cache.length, dtype=torch.long, device=device)
-        counts = valid.long().cumsum(1)
-        positions = pos0[:, None] + counts - valid.long()  # [B, T]: valid tokens before this one
+        """Mask, RoPE tables and new per-row state when some token (new or cached) is invalid
+        (:func:`ragged_rows`); RoPE uses each row's own positions, ``[B, 1, T, Dh/2]`` tables."""
+        positions, mask, rows = ragged_rows(cache, valid, B, T, device)
         # an invalid token sits at its row's next position, which may be max_len for a full row (never read)
         positions = positions.clamp(max=self.max_len - 1)
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
-        key_valid = torch.cat([old_valid, valid], dim=1)  # [B, n + T]
-        q = torch.arange(n, n + T, device=device)[:, None]
-        k = torch.arange(n + T, device=device)[None, :]
-        mask = (k <= q) & (key_valid[:, None, :] | (k == q))  # [B, T, n + T]
-        return mask[:, None], False, cos, sin, (key_valid, pos0 + valid.sum(1))
+        return mask, False, cos, sin, rows
 
     def _attention_mask(self, n_cached: int, start: int, T: int, device) -> tuple[torch.Tensor | None, bool]:
         """Boolean mask ``[T, n_cached + T]`` (True = attend), or None with is_causal, or None alone.
@@ -543,21 +573,6 @@ class Transformer(nn.Module):
             if cache.batch_size != B:
                 raise MalformedSequenceError(f"cache holds {cache.batch_size} rows but tokens have {B}")
         return B, T
-
-    def _check_positions(self, cache: KVCache | None, valid: torch.Tensor | None, T: int) -> None:
-        """Every row's RoPE positions stay below ``max_len``. Tokens with ``valid=False`` (padding of ragged
-        rows) take cache slots but no position, so the bound is on each row's valid tokens, not on the slots;
-        the per-row count (one host sync) is only read when the slots exceed ``max_len``."""
-        length = cache.length if cache is not None else 0
-        if length + T <= self.max_len:
-            return
-        if valid is None and (cache is None or cache.positions is None):
-            raise MalformedSequenceError(f"{length} cached + {T} new positions exceed max_len={self.max_len}")
-        pos0 = cache.positions if cache is not None and cache.positions is not None else length
-        real = int((pos0 + (valid.sum(1) if valid is not None else T)).max())
-        if real > self.max_len:
-            raise MalformedSequenceError(f"a row of {real} positions (cached and new, padding not counted) "
-                                         f"exceeds max_len={self.max_len}")
 
     def _latent_kv(self, latents: torch.Tensor | None, B: int, cache: KVCache | None) -> list | None:
         """Per layer (keys, values) ``[B, H, N_z, Dh]`` of the latents, or None without cross-attention."""
@@ -676,6 +691,8 @@ class Transformer(nn.Module):
 
 
 _TOKEN_DTYPES = (torch.int64, torch.int32)
+#: positions of spare room a preallocated (non-window) cache buffer gets at least when it is (re)allocated
+_ROOM = 64
 
 
 def _writable(buffer: torch.Tensor) -> bool:

@@ -1,8 +1,10 @@
-"""Ready programs: SlowThinking (Proj # P_f), HMM (Def 2.2), LatentThought (continuous z, LTM Sec 2.1)."""
+"""Ready programs: SlowThinking (Proj # P_f), Constrained (an LM conditioned on a token automaton), HMM (Def 2.2),
+LatentThought (continuous z, LTM Sec 2.1)."""
 
+from ppl_thought.models.constrained import Constrained
 from ppl_thought.models.hmm import HMM
 from ppl_thought.models.latent_thought import DualRateTrainer, LatentThought, LocalGaussianGuide
 from ppl_thought.models.slow_thinking import EnumeratedPosterior, SlowThinking, pad_sequences
 
-__all__ = ["SlowThinking", "EnumeratedPosterior", "HMM", "pad_sequences", "LatentThought", "LocalGaussianGuide",
-           "DualRateTrainer"]
+__all__ = ["SlowThinking", "Constrained", "EnumeratedPosterior", "HMM", "pad_sequences", "LatentThought",
+           "LocalGaussianGuide", "DualRateTrainer"]

@@ -1,0 +1,13 @@
+"""Verifier-guided generation on the Dyck sandbox: sampling, nucleus, tokenwise rejection, Algorithm 1, VGB,
+SMC and AWRS-style weighted rejection, against the exact constrained distribution (thesis Ch. 3).
+
+    python examples/dyck_backtracking.py [--quick] [--json FILE]
+
+``--quick`` takes about a minute on 2 cores; the full run a few minutes. The experiment itself lives in
+:mod:`ppl_thought.experiments.verifiers` (``python -m ppl_thought.experiments.verifiers`` runs the same).
+"""
+
+from ppl_thought.experiments.verifiers import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
