@@ -1,6 +1,6 @@
 """Bad input and killed writers: how the public entry points answer (the reliability issue).
 
-    python benchmarks/robustness.py [--quick] [--json FILE]
+    python benchmarks/robustness.py [--quick] [--json FILE] [--property-examples N]
 
 Each case feeds one bad input to one public entry point and classifies the answer:
 
@@ -10,6 +10,12 @@ Each case feeds one bad input to one public entry point and classifies the answe
 * ``silent``: a value came back (or NaN) where an error was due;
 * ``crash``: an error from deep inside torch / numpy / Python (``RuntimeError``, ``IndexError``,
   ``KeyError``, ``AttributeError``, ...).
+
+The table below is hand-written (40 inputs). The property-based suite (tests/test_robustness_properties.py, with
+hypothesis) adds its families: N derandomized draws each (default 30, 10 with ``--quick``), whose bad inputs (by
+each family's oracle) are classified the same way and counted in ``inputs``; its valid draws are checked too
+(``ok``: a finite or -inf answer that passes the family's exact checks, ``wrong`` otherwise) and reported under
+``valid``. Without hypothesis installed only the table runs.
 
 Then a writer overwriting one checkpoint folder (and one saved result) in a loop is killed with SIGKILL at
 random moments; ``unloadable`` counts the folders that could not be loaded afterwards, or whose tensors
@@ -203,21 +209,64 @@ def kill_loop(kills: int, seed: int = 0) -> dict:
     return {"tried": tried, "unloadable": unloadable}
 
 
+BAD_ANSWERS = ("clear", "unclear", "silent", "crash")
+
+
+def property_families():
+    """The families of tests/test_robustness_properties.py (None without hypothesis)."""
+    import importlib.util
+
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        return None
+    path = Path(__file__).resolve().parent.parent / "tests" / "test_robustness_properties.py"
+    spec = importlib.util.spec_from_file_location("robustness_properties", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def property_rows(examples: int) -> dict[str, list[tuple[str, str, str]]]:
+    """``{family: [(input, answer, message)]}`` of ``examples`` derandomized draws per family."""
+    mod = property_families()
+    if mod is None:
+        print("hypothesis is not installed: the property-based families are left out")
+        return {}
+    return {name: mod.run_family(name, examples) for name in mod.FAMILIES}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--property-examples", type=int, default=None,
+                    help="draws per property-based family (default 30, 10 with --quick; 0 leaves them out)")
     args = ap.parse_args()
     rows = [(name, *classify(call, phrase)) for name, call, phrase in CASES]
-    counts = Counter(kind for _, kind, _ in rows)
     width = max(len(n) for n, _, _ in rows)
     for name, kind, msg in rows:
         print(f"{name:{width}s}  {kind:8s} {msg}")
+    n_prop = args.property_examples if args.property_examples is not None else (10 if args.quick else 30)
+    families = property_rows(n_prop) if n_prop > 0 else {}
+    prop_cases, valid = {}, Counter()
+    for fam, draws in families.items():
+        answers = Counter(a for _, a, _ in draws)
+        valid.update({k: answers.get(k, 0) for k in ("ok", "wrong")})
+        rows += [(f"{fam} #{i}", a, m) for i, (_, a, m) in enumerate(draws) if a in BAD_ANSWERS]
+        odd = [{"input": inp, "answer": a, "message": m} for inp, a, m in draws if a not in ("clear", "ok")]
+        prop_cases[fam] = {"draws": len(draws), "answers": dict(answers), "not clear or ok": odd[:10]}
+        print(f"{fam:{width}s}  {len(draws)} draws: {dict(sorted(answers.items()))}")
+    counts = Counter(kind for _, kind, _ in rows)
     kills = kill_loop(5 if args.quick else 25)
-    out = {"inputs": {"tried": len(rows), **{k: counts.get(k, 0) for k in ("clear", "unclear", "silent", "crash")}},
+    out = {"inputs": {"tried": len(rows), **{k: counts.get(k, 0) for k in BAD_ANSWERS}},
            "kills": kills,
-           "cases": {name: {"answer": kind, "message": msg} for name, kind, msg in rows}}
-    print(json.dumps({k: out[k] for k in ("inputs", "kills")}, indent=2))
+           "valid": {"tried": sum(valid.values()), "ok": valid.get("ok", 0), "wrong": valid.get("wrong", 0)},
+           "table": {"tried": len(CASES)},
+           "property_families": prop_cases,
+           "cases": {name: {"answer": kind, "message": msg} for name, kind, msg in rows[:len(CASES)]}}
+    print(json.dumps({k: out[k] for k in ("inputs", "kills", "valid")}, indent=2))
     if args.json:
         pt.io.atomic_write_json(args.json, out)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ppl_thought.errors import UnknownTokenError, VocabularyError
+from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
 
 PAD, BOS, EOS, THINK, END_THINK, EXPLAIN = "<pad>", "<bos>", "<eos>", "<s>", "</s>", "<explain>"
 RESERVED: tuple[str, ...] = (PAD, BOS, EOS, THINK, END_THINK, EXPLAIN)
@@ -153,9 +153,20 @@ class Vocab:
         return [self.id(t) for t in text]
 
     def decode(self, ids: Iterable[int], skip_pad: bool = True) -> str:
-        """Ids -> string; padding is dropped unless ``skip_pad=False``."""
+        """Ids (one 1-D sequence of integers) -> string; padding is dropped unless ``skip_pad=False``."""
         parts = []
-        flat = np.asarray(list(ids) if not hasattr(ids, "tolist") else ids.tolist(), dtype=np.int64).ravel()
+        try:
+            items = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            flat = np.asarray(items)
+        except (TypeError, ValueError):  # not a sequence, or a ragged one
+            items, flat = None, np.asarray(None)
+        if flat.size == 0 and flat.ndim == 1:
+            return ""
+        # numpy would read True as id 1
+        booleans = isinstance(items, list) and any(isinstance(i, bool | np.bool_) for i in items)
+        if flat.ndim != 1 or booleans or flat.dtype == np.bool_ or not np.issubdtype(flat.dtype, np.integer):
+            raise MalformedSequenceError(f"decode takes one 1-D sequence of integer token ids, got {flat.dtype} "
+                                         f"values of shape {flat.shape}")
         for i in flat:
             if skip_pad and i == self.pad_id:
                 continue

@@ -97,3 +97,44 @@ def test_trainer_bad_input(tmp_path):
     other = Trainer(model, guide, OneSampler(2), {"prior": prior, "sampler": q}, progress=False)
     with pytest.raises(ValueError, match="modules"):
         other.load(tmp_path / "c")
+
+
+def test_item_streams_make_the_samples_a_function_of_the_place_in_the_run(tmp_path):
+    """seed=: item j of step t sees the stream item_seed(seed, t, j), whatever else was drawn before: the same
+    losses after drawing from the global stream in between, and a resumed run repeats the uninterrupted one."""
+    from ppl_thought.inference.trainer import item_seed
+
+    assert len({item_seed(0, t, j) for t in range(20) for j in range(20)}) == 400
+    assert item_seed(0, 3, 1) == item_seed(0, 3, 1) != item_seed(1, 3, 1)
+
+    def run(every=0, draw=False, seed=5):
+        prior, q, model, guide = problem(0, 1)
+        t = Trainer(model, guide, Sum(OneSampler(8), SamplerPolicyGradient(8)), {"prior": prior, "sampler": q},
+                    optimizer=functools.partial(torch.optim.Adam, lr=0.1), batch_size=2, progress=False, seed=seed,
+                    checkpoint_dir=tmp_path / "ck" if every else None, checkpoint_every=every)
+        t.fit([X, X], num_steps=4, callback=(lambda tr, m: torch.rand(7)) if draw else None)
+        return t
+
+    a, b = run(), run(draw=True)
+    assert [h["loss"] for h in a.history] == [h["loss"] for h in b.history]
+    assert [h["loss"] for h in run(seed=6).history] != [h["loss"] for h in a.history]
+    run(every=2)
+    torch.manual_seed(321)
+    prior, q, model, guide = problem(3, 4)
+    resumed = Trainer(model, guide, Sum(OneSampler(8), SamplerPolicyGradient(8)), {"prior": prior, "sampler": q},
+                      optimizer=functools.partial(torch.optim.Adam, lr=0.1), batch_size=2, progress=False, seed=5)
+    resumed.load(tmp_path / "ck" / "step-00000002").fit([X, X], num_steps=4)
+    assert resumed.history == a.history
+
+
+def test_trainer_distributed_arguments():
+    from ppl_thought.errors import ConfigError
+
+    prior, q, model, guide = problem()
+    with pytest.raises(ConfigError, match="process group"):
+        Trainer(model, guide, OneSampler(2), {"prior": prior}, distributed=True)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="seed"):
+            Trainer(model, guide, OneSampler(2), {"prior": prior}, seed=bad)
+    t = Trainer(model, guide, OneSampler(2), {"prior": prior}, progress=False)
+    assert (t.distributed, t.rank, t.world_size) == (False, 0, 1)

@@ -21,7 +21,8 @@ from pyro.distributions import TorchDistribution
 from pyro.params.param_store import module_from_param_with_module_name, param_with_module_name
 from torch.distributions import constraints
 
-from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan
+from ppl_thought.checks import integer
+from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan, trim_padding
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.projections.automaton import Automaton
@@ -39,15 +40,6 @@ def _ids(seq, vocab: Vocab | None, what: str) -> torch.Tensor:
     if t.dtype in (torch.float16, torch.float32, torch.float64, torch.bool):
         raise MalformedSequenceError(f"{what} must hold integer token ids, got dtype {t.dtype}")
     return t.long()
-
-
-def trim_padding(tokens: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
-    """Drop the padding columns that every row has (right-padded [..., L] -> [..., L'])."""
-    if tokens.shape[-1] == 0:
-        return tokens
-    used = (tokens != pad_id).reshape(-1, tokens.shape[-1]).any(0)
-    n = int(used.nonzero().max()) + 1 if used.any() else 0
-    return tokens[..., :n]
 
 
 def concat(*parts: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
@@ -162,7 +154,8 @@ class LMSequence(TorchDistribution):
         self.vocab_size = int(lm.vocab_size)
         if vocab is not None and len(vocab) != self.vocab_size:
             raise ConfigError(f"vocab has {len(vocab)} tokens but the LM has vocab_size {self.vocab_size}")
-        self.prompt = _ids(prompt if prompt is not None else [], vocab, "prompt")
+        # right padding of the prompt (columns that are <pad> in every row) is not context: dropped
+        self.prompt = trim_padding(_ids(prompt if prompt is not None else [], vocab, "prompt"))
         self._check_range(self.prompt, "prompt")
         if constraint is not None and constraint.vocab_size != self.vocab_size:
             raise ConfigError(
@@ -174,9 +167,7 @@ class LMSequence(TorchDistribution):
             if constraint is None or constraint.max_len is None:
                 raise ConfigError("LMSequence needs max_len (the constraint does not bound the length)")
             max_len = constraint.max_len
-        if max_len < 0:
-            raise ConfigError(f"max_len must be >= 0, got {max_len}")
-        self.max_len = int(max_len)
+        self.max_len = integer("max_len", max_len, minimum=0)
         self.lm_kwargs = dict(lm_kwargs or {})
         batch_shape = torch.Size(batch_shape)
         if self.prompt.ndim > 1:
@@ -190,7 +181,7 @@ class LMSequence(TorchDistribution):
     def _stop_ids(self, stop) -> torch.Tensor:
         if stop is None:
             return torch.zeros(0, dtype=torch.long)
-        items = [stop] if isinstance(stop, (str, int)) else list(stop)
+        items = list(stop) if isinstance(stop, list | tuple | torch.Tensor) else [stop]
         out = []
         for s in items:
             if isinstance(s, str):
@@ -198,7 +189,7 @@ class LMSequence(TorchDistribution):
                     raise ConfigError(f"stop token {s!r} given as text; pass vocab= to LMSequence")
                 out.append(self.vocab.id(s))
             else:
-                out.append(int(s))
+                out.append(integer("a stop token id", s.item() if isinstance(s, torch.Tensor) else s, minimum=0))
         t = torch.tensor(out, dtype=torch.long)
         self._check_range(t, "stop tokens")
         return t
@@ -286,10 +277,12 @@ class LMSequence(TorchDistribution):
             value = value.expand(torch.broadcast_shapes(value.shape[:-1], self.prompt.shape[:-1]) + value.shape[-1:])
         batch = value.shape[:-1]
         device = self._device()
-        if value.numel() == 0:  # no rows, or empty sequences: complete iff the start is final
+        # padding columns (<pad> in every row) are no tokens: the LM never reads them, so a value padded
+        # wider than the LM's context is scored as long as its rows fit
+        flat = trim_padding(value.reshape(batch.numel(), value.shape[-1]).to(device))
+        if flat.numel() == 0:  # no rows, or empty sequences: complete iff the start is final
             empty_ok = self.constraint is None or bool(self.constraint.final[self.constraint.start])
             return torch.full(batch, 0.0 if empty_ok or self.max_len == 0 else float("-inf"), device=device)
-        flat = value.reshape(-1, value.shape[-1]).to(device)
         n, L = flat.shape
         if self.prompt.ndim <= 1:
             ctx = torch.cat([torch.tensor([BOS_ID], device=device), self.prompt.to(device)])
@@ -347,17 +340,21 @@ class LMSequence(TorchDistribution):
             value = value.expand(torch.broadcast_shapes(value.shape[:-1], self.prompt.shape[:-1]) + value.shape[-1:])
         batch = value.shape[:-1]
         device = self._device()
-        flat = value.reshape(-1, value.shape[-1]).to(device)
+        width = value.shape[-1]
+        flat = trim_padding(value.reshape(batch.numel(), width).to(device))  # padding columns: no LM positions
         n, L = flat.shape
-        if L == 0 or n == 0:
-            return torch.zeros(batch + (L,), device=device), torch.ones(batch, dtype=torch.bool, device=device)
+        if L == 0 or n == 0:  # empty rows: complete iff the start is final (as in log_prob)
+            complete = (self._steps(flat, torch.zeros(n, 0, self.vocab_size, device=device))[1] if n
+                        else torch.zeros(0, dtype=torch.bool, device=device))
+            return torch.zeros(batch + (width,), device=device), complete.reshape(batch)
         if self.prompt.ndim > 1:
             raise NotImplementedError("step_log_probs supports a prompt shared by every row")
         ctx = torch.cat([torch.tensor([BOS_ID], device=device), self.prompt.to(device)])
         inputs = torch.cat([ctx.expand(n, -1), flat[:, :-1]], dim=1)
         logits, _ = self.lm(inputs, **self.lm_kwargs_for(n))
         steps, complete = self._steps(flat, logits[:, ctx.shape[0] - 1 :])
-        return steps.reshape(batch + (L,)), complete.reshape(batch)
+        steps = torch.nn.functional.pad(steps, (0, width - L))
+        return steps.reshape(batch + (width,)), complete.reshape(batch)
 
     def _steps(self, z: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, L = z.shape

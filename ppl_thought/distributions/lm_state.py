@@ -224,7 +224,8 @@ class LMState:
             rows = rows.repeat_interleave(n // rows.shape[0], 0) if n % rows.shape[0] == 0 else rows
         if rows.shape[0] != n:
             raise MalformedSequenceError(f"{rows.shape[0]} prompts for {n} rows")
-        ctx = _left_pack(torch.cat([torch.full((n, 1), BOS_ID, device=device), rows], 1))
+        # right padding is no context: packed to the end of each row, columns of <pad> only dropped
+        ctx = trim_padding(_left_pack(torch.cat([torch.full((n, 1), BOS_ID, device=device), rows], 1)))
         plen = (ctx != PAD_ID).sum(-1)
         ar = torch.arange(n, device=device)
         kw = match_rows(lm_kwargs or {}, n)
@@ -322,6 +323,8 @@ class LMState:
         if valid is None:
             valid = torch.ones_like(toks, dtype=torch.bool)
         ctx = _left_pack(torch.cat([context, torch.where(valid, toks, torch.zeros_like(toks))], 1))
+        if ctx.shape[1] > getattr(self.lm, "max_len", ctx.shape[1]):  # padding columns only (no sync otherwise)
+            ctx = trim_padding(ctx)
         plen0 = (context != PAD_ID).sum(-1)
         full, _ = self.lm(ctx, **kw)
         pos = (plen0 - 1)[:, None] + torch.cumsum(valid.long(), 1)
@@ -429,7 +432,9 @@ class Segment(TorchDistribution):
 
         Rows whose segment has ended wait (fed with ``valid=False``) so that their cache and next-token
         logits are those after their segment. Rows whose sequence has ended are fed a dummy token as
-        valid (their cache is never read again, and an all-valid batch takes the LM's dense path); once
+        valid while the rows are in lockstep (their cache is never read again, and an all-valid batch takes
+        the LM's dense path), and nothing once the rows sit at their own positions (a ragged cache: a dummy
+        would take a position past the row's end, and the LM's max_len counts positions); once
         more than :attr:`drop_fraction` of the stepped rows have ended their sequence, the loop goes on
         with the other rows only (``cache.reorder``), and the results are scattered back. Then the
         post-state's cache is gathered back to ``n`` rows only when it is used (``extend``).
@@ -528,7 +533,10 @@ class Segment(TorchDistribution):
                 # the next logits of the rows that go on (also the post-state, for rows whose segment ended)
                 if valid_mode:
                     feed = torch.where(active, tok, torch.full_like(tok, BOS_ID))
-                    valid = None if all_valid else active | done
+                    if all_valid and not getattr(cache, "ragged", False):
+                        valid = None  # rows in lockstep: the dense path; ended rows' dummies are never read
+                    else:  # rows at their own positions: an ended row is fed nothing (no position past its end)
+                        valid = need if getattr(cache, "ragged", False) else active | done
                 else:
                     feed, valid = tok, (None if all_valid else need)
                 fl, cache, context = base._feed(cache, context, feed[:, None],
@@ -670,7 +678,11 @@ class Segment(TorchDistribution):
             step_lp = torch.zeros(n, device=dev)
             logits_after, cache, context = snap["logits"], snap["cache"], snap["context"]
         else:
-            out, cache, context = base._feed(snap["cache"], snap["context"], v, present)
+            # the last token of a sequence that ends here is scored but not fed: nothing reads the logits after
+            # it, and feeding it would need one position more than the sequence has (a spurious max_len error)
+            last = torch.arange(S, device=dev)[None] == (seg_len - 1)[:, None]
+            last_of_seq = (done & ~snap["done"])[:, None] & last
+            out, cache, context = base._feed(snap["cache"], snap["context"], v, present & ~last_of_seq)
             prev = torch.cat([snap["logits"][:, None].to(out.dtype), out[:, :-1]], 1)  # logits before each token
             st = torch.stack(states, 1)
             logq = rule.log_probs(prev.reshape(n * S, -1), st.reshape((n * S,) + st.shape[2:])).reshape(n, S, -1)
@@ -745,6 +757,15 @@ def _as_ids(stop) -> torch.Tensor:
         raise MalformedSequenceError(f"stop takes token ids, got {bad!r}: an LMState knows ids, not strings; "
                                      f"use vocab.id({bad[0]!r})")
     return torch.tensor([int(s) for s in items], dtype=torch.long)
+
+
+def trim_padding(tokens: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
+    """Drop the padding columns that every row has (right-padded [..., L] -> [..., L']). One host sync."""
+    if tokens.shape[-1] == 0:
+        return tokens
+    used = (tokens != pad_id).reshape(-1, tokens.shape[-1]).any(0)
+    n = int(used.nonzero().max()) + 1 if used.any() else 0
+    return tokens[..., :n]
 
 
 def _left_pack(t: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ class Sampler(Program, ABC):
 
     def lifting(self, x) -> Automaton:
         """The lifting automaton of x (Prop 2.3), cached per x; NotInImageError names bad input."""
-        xa = as_id_array(x, self.projection.vocab, "observation x")
+        xa = as_id_array(x, self.projection.vocab, "observation x", unpad=True)
         key = ("lift", tuple(xa.tolist()))
         cache = self._automata()
         if key not in cache:
@@ -66,7 +66,7 @@ class Sampler(Program, ABC):
 
     def x_ids(self, x) -> torch.Tensor:
         """x as a 1-D LongTensor of ids (text, token strings, ids); non-observable tokens raise."""
-        xa = as_id_array(x, self.projection.vocab, "observation x")
+        xa = as_id_array(x, self.projection.vocab, "observation x", unpad=True)
         self.lifting(xa)  # NotInImageError naming the problem
         return torch.as_tensor(xa, dtype=torch.long)
 

@@ -21,7 +21,8 @@ from typing import Any
 import pyro.poutine as poutine
 import torch
 
-from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
+from ppl_thought.checks import integer
+from ppl_thought.errors import NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
 from ppl_thought.inference.particles import check_compatible, sample_particles
 from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp, pareto_k
 
@@ -115,9 +116,7 @@ class Importance:
 
     def __init__(self, num_particles: int, log_normal_correction: bool = False, fast: bool = True,
                  max_plate_nesting: int | None = None):
-        if int(num_particles) < 1:
-            raise ConfigError(f"num_particles must be >= 1, got {num_particles}")
-        self.num_particles = int(num_particles)
+        self.num_particles = integer("num_particles", num_particles)
         self.log_normal_correction = bool(log_normal_correction)
         self.fast = bool(fast)
         self.max_plate_nesting = max_plate_nesting

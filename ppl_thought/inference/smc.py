@@ -14,11 +14,10 @@ with ``cache.reorder``). The one-step runner and the site check live in
 
 from __future__ import annotations
 
-import operator
-
 import pyro.poutine as poutine
 import torch
 
+from ppl_thought.checks import fraction, integer
 from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ProgramError, ZeroWeightsError
 from ppl_thought.guides.base import as_step_guide
@@ -131,24 +130,18 @@ class SMC:
     def __init__(self, num_particles: int, ess_threshold: float = 0.5, resampling: str = "systematic",
                  generator: torch.Generator | None = None, max_steps: int = 10_000, groups: int = 1):
         try:
-            g = operator.index(groups)
-        except TypeError:
-            g = 0
-        if isinstance(groups, bool) or g < 1:
+            g = integer("groups", groups)
+        except ConfigError:
             raise ConfigError(f"groups must be a positive int (the number of independent particle groups), "
-                              f"got {groups!r}")
-        if int(num_particles) < 1:
-            raise ConfigError(f"num_particles must be >= 1, got {num_particles}")
-        if resampling not in RESAMPLING:
+                              f"got {groups!r}") from None
+        if not isinstance(resampling, str) or resampling not in RESAMPLING:
             raise ConfigError(f"unknown resampling scheme {resampling!r}; choose one of {RESAMPLING}")
-        if not 0.0 <= float(ess_threshold) <= 1.0:
-            raise ConfigError(f"ess_threshold is a fraction of num_particles in [0, 1], got {ess_threshold}")
-        self.num_particles = int(num_particles)
-        self.ess_threshold = float(ess_threshold)
+        self.num_particles = integer("num_particles", num_particles)
+        self.ess_threshold = fraction("ess_threshold (a fraction of num_particles)", ess_threshold)
         self.resampling = resampling
         self.generator = generator
-        self.max_steps = int(max_steps)
-        self.groups = int(g)
+        self.max_steps = integer("max_steps", max_steps)
+        self.groups = g
 
     def run(self, model, guide, *args, **kwargs) -> Result:
         """Run SMC over the steps of ``model``; see the class docstring."""

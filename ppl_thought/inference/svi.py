@@ -35,6 +35,19 @@ def _log_marginal_stderr(log_w: torch.Tensor) -> torch.Tensor:
     return w.std(correction=1) / (math.sqrt(len(w)) * w.mean()) if len(w) > 1 else torch.tensor(float("nan"))
 
 
+def _warn_if_distributed() -> None:
+    """SVI steps this process's param store alone: under a process group of several processes each would train
+    its own copy. Say so (the Trainer is the multi-process path)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        import warnings
+
+        warnings.warn("pt.infer.SVI trains on this process alone (no gradient all-reduce): with "
+                      f"{dist.get_world_size()} processes each trains its own copy. Use pt.infer.Trainer, which "
+                      "averages the gradients over the process group", stacklevel=3)
+
+
 class SVI:
     """Stochastic variational inference / training with any ``pyro.infer.ELBO`` objective.
 
@@ -102,6 +115,7 @@ class SVI:
                               f"got {record_params!r}")
         if not callable(model) or not callable(guide):
             raise TypeError("SVI.run needs a callable model and guide")
+        _warn_if_distributed()
         from tqdm.auto import tqdm
 
         losses: list[float] = []

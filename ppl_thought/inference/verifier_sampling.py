@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ppl_thought.checks import integer as check_count  # the one home of the check
 from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
 from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError, ZeroWeightsError
 from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
@@ -27,13 +28,6 @@ from ppl_thought.verifiers import ProcessVerifier
 
 __all__ = ["RejectionSampling", "TokenwiseRejection", "VerifierSMC", "SamplingBudgetError",
            "UnsatisfiableConstraintError"]
-
-
-def check_count(name: str, value, minimum: int = 1) -> int:
-    """``value`` if it is an int (not a bool) ``>= minimum``, else a :class:`ConfigError` naming ``name``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def start_states(verifier: ProcessVerifier, n: int, device) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError, MissingDependencyError, UnknownTokenError
-from ppl_thought.lm.transformer import KVCache, ragged_rows
+from ppl_thought.lm.transformer import KVCache, check_positions, ragged_rows
 from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID, TokenizerVocab, Vocab
 
 if TYPE_CHECKING:
@@ -249,6 +249,8 @@ class HuggingFace(nn.Module):
         B, T = self._check(tokens, cache)
         device = tokens.device
         valid = self._check_valid(valid, B, T, device)
+        if self.max_positions is not None:  # padding (valid=False) takes no position: defect 7 of issue 18
+            check_positions(cache, valid, T, self.max_positions, "the model's max_position_embeddings")
         if cache is None:
             cache = KVCache._empty(self.num_layers, None)
         start = cache.length
@@ -262,6 +264,8 @@ class HuggingFace(nn.Module):
                     f"valid=False tokens need attn_implementation 'sdpa' or 'eager' and no sliding-window layers "
                     f"(this model: {self.attn_implementation!r}, sliding={self.sliding})")
             positions, allowed, rows = ragged_rows(cache, valid, B, T, device)
+            if self.max_positions is not None:  # an invalid token of a full row sits at max_positions: never read
+                positions = positions.clamp(max=self.max_positions - 1)
             dtype = self._dtype()
             mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed,
                                                                                         torch.finfo(dtype).min)
@@ -304,7 +308,6 @@ class HuggingFace(nn.Module):
             if lo < 0 or hi >= self.vocab_size:
                 bad = lo.item() if lo < 0 else hi.item()
                 raise UnknownTokenError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        length = 0
         if cache is not None:
             if not isinstance(cache, KVCache) or cache.window is not None:
                 raise MalformedSequenceError(f"cache must be a KVCache made by this adapter, got {cache!r}")
@@ -312,10 +315,6 @@ class HuggingFace(nn.Module):
                 raise MalformedSequenceError(f"{cache} was not made by this model ({self.num_layers} layers)")
             if cache.batch_size != B:
                 raise MalformedSequenceError(f"cache holds {cache.batch_size} rows but tokens have {B}")
-            length = cache.length
-        if self.max_positions is not None and length + T > self.max_positions:
-            raise MalformedSequenceError(f"{length} cached + {T} new positions exceed the model's "
-                                         f"max_position_embeddings={self.max_positions}")
         return B, T
 
     @staticmethod

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.vocab import BOS_ID
 
@@ -40,8 +41,7 @@ class Tabular(nn.Module):
 
     def __init__(self, order: int, vocab_size: int, logits: torch.Tensor | None = None, trainable: bool = True):
         super().__init__()
-        if order < 1:
-            raise ConfigError(f"order must be >= 1, got {order}")
+        order, vocab_size = integer("order", order), integer("vocab_size", vocab_size)
         shape = (vocab_size,) * order
         if logits is None:
             logits = torch.zeros(shape)

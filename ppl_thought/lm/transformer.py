@@ -77,6 +77,22 @@ def ragged_rows(cache: KVCache, valid: torch.Tensor | None, B: int, T: int, devi
     return positions, mask[:, None], (key_valid, pos0 + valid.sum(1))
 
 
+def check_positions(cache: KVCache | None, valid: torch.Tensor | None, T: int, limit: int, what: str) -> None:
+    """Every row's positions stay below ``limit`` after ``T`` new tokens. Tokens with ``valid=False`` (padding of
+    ragged rows) take cache slots but no position, so the bound is on each row's valid tokens, not on the slots;
+    the per-row count (one host sync) is only read when the slots exceed ``limit``. ``what`` names the limit."""
+    length = cache.length if cache is not None else 0
+    if length + T <= limit:
+        return
+    if valid is None and (cache is None or cache.positions is None):
+        raise MalformedSequenceError(f"{length} cached + {T} new positions exceed {what}={limit}")
+    pos0 = cache.positions if cache is not None and cache.positions is not None else length
+    real = int((pos0 + (valid.sum(1) if valid is not None else T)).max())
+    if real > limit:
+        raise MalformedSequenceError(f"a row of {real} positions (cached and new, padding not counted) "
+                                     f"exceeds {what}={limit}")
+
+
 class _Storage:
     """Key/value buffers ``[B, H, capacity, Dh]`` per layer, shared by the caches that read them.
 
@@ -466,6 +482,7 @@ class Transformer(nn.Module):
         """
         B, T = self._check(tokens, cache)
         valid = self._check_valid(valid, B, T, tokens.device)
+        check_positions(cache, valid, T, self.max_len, "max_len")
         latent_kv = self._latent_kv(latents, B, cache)
         if cache is None:
             cache = KVCache._empty(self.n_layers, self.window)
@@ -517,6 +534,8 @@ class Transformer(nn.Module):
         """Mask, RoPE tables and new per-row state when some token (new or cached) is invalid
         (:func:`ragged_rows`); RoPE uses each row's own positions, ``[B, 1, T, Dh/2]`` tables."""
         positions, mask, rows = ragged_rows(cache, valid, B, T, device)
+        # an invalid token sits at its row's next position, which may be max_len for a full row (never read)
+        positions = positions.clamp(max=self.max_len - 1)
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         return mask, False, cos, sin, rows
 
@@ -545,7 +564,6 @@ class Transformer(nn.Module):
             if lo < 0 or hi >= self.vocab_size:
                 bad = lo.item() if lo < 0 else hi.item()
                 raise UnknownTokenError(f"token id {bad} is outside [0, {self.vocab_size})")
-        length = 0
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise MalformedSequenceError(f"cache must be a KVCache, got {type(cache).__name__}")
@@ -554,9 +572,6 @@ class Transformer(nn.Module):
                                              f"window={self.window})")
             if cache.batch_size != B:
                 raise MalformedSequenceError(f"cache holds {cache.batch_size} rows but tokens have {B}")
-            length = cache.length
-        if length + T > self.max_len:
-            raise MalformedSequenceError(f"{length} cached + {T} new positions exceed max_len={self.max_len}")
         return B, T
 
     def _latent_kv(self, latents: torch.Tensor | None, B: int, cache: KVCache | None) -> list | None:
@@ -610,16 +625,58 @@ class Transformer(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> Transformer:
-        """Rebuild a model written by ``save`` (no pickle)."""
+        """Rebuild a model written by ``save`` (no pickle).
+
+        A config that does not describe the saved tensors (keys that are no constructor argument, sizes that
+        are not positive integers, another depth, width or tensor shape than saved) raises
+        :class:`~ppl_thought.errors.CheckpointError` naming it, checked on a skeleton on the ``meta`` device
+        before anything is allocated.
+        """
+        import inspect
+
         from ppl_thought.errors import CheckpointError
         from ppl_thought.io import load_checkpoint
 
         state, config, _ = load_checkpoint(path, device=device)
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{path}: the config of a Transformer checkpoint is a JSON object, got {config!r}")
         config = dict(config)
         config.pop("vocab", None)
         if config.pop("class", "Transformer") != "Transformer":
             raise CheckpointError(f"{path} is not a Transformer checkpoint")
-        model = cls(**config).to(device)
+        unknown = sorted(set(config) - set(inspect.signature(cls.__init__).parameters) - {"self"})
+        if unknown or "vocab_size" not in config:
+            raise CheckpointError(f"{path}: the config " + (f"has keys {unknown} that are not Transformer arguments"
+                                                             if unknown else "lacks vocab_size"))
+        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
+            v = config.get(k, 1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CheckpointError(f"{path}: config {k}={v!r} is not a positive integer")
+        # depth and width from the tensors first: a corrupted n_layers would build that many blocks
+        blocks = {k.split(".")[1] for k in state if k.startswith("blocks.")}
+        embed = state.get("embed.weight")
+        want = (config["vocab_size"], config.get("d_model", 64))
+        if len(blocks) != config.get("n_layers", 2) or embed is None or tuple(embed.shape) != want:
+            raise CheckpointError(
+                f"{path}: the config (n_layers={config.get('n_layers', 2)}, vocab_size, d_model = {want}) does not "
+                f"describe the saved tensors ({len(blocks)} blocks, embed.weight "
+                f"{None if embed is None else tuple(embed.shape)})")
+        try:
+            with torch.device("meta"):
+                skeleton = cls(**config)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: the config cannot build a Transformer: {e}") from None
+        expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+        saved = {k: tuple(v.shape) for k, v in state.items()}
+        if expected != saved:
+            bad = sorted(set(expected) ^ set(saved)) + sorted(k for k in set(expected) & set(saved)
+                                                              if expected[k] != saved[k])
+            raise CheckpointError(f"{path}: the saved tensors do not match the config (missing, unexpected or "
+                                  f"of another shape: {bad[:5]})")
+        try:
+            model = cls(**config).to(device)
+        except (RuntimeError, MemoryError) as e:  # e.g. RoPE tables for an absurd max_len
+            raise CheckpointError(f"{path}: the config cannot build a Transformer here: {e}"[:500]) from None
         model.load_state_dict(state)
         return model
 

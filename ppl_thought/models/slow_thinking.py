@@ -88,7 +88,7 @@ class SlowThinking(Program):
     # ------------------------------------------------------------------ the program
     def x_ids(self, x) -> torch.Tensor:
         """x as a 1-D LongTensor of ids (accepts text, token strings, ids)."""
-        return torch.as_tensor(as_id_array(x, self.vocab, "observation x"), dtype=torch.long)
+        return torch.as_tensor(as_id_array(x, self.vocab, "observation x", unpad=True), dtype=torch.long)
 
     def z_dist(self, num_observed: int) -> LMSequence:
         """P_f masked to Dom(Proj) (Def 2.8), stopped once ``num_observed`` tokens are determined."""

@@ -20,23 +20,33 @@ from ppl_thought.projections.automaton import Automaton
 from ppl_thought.vocab import Vocab
 
 
-def as_id_array(seq, vocab: Vocab, what: str = "sequence") -> np.ndarray:
-    """A 1-D int64 array of ids from a string, a list of token strings or ids, an array or a tensor."""
+def as_id_array(seq, vocab: Vocab, what: str = "sequence", unpad: bool = False) -> np.ndarray:
+    """A 1-D int64 array of ids from a string, a list of token strings or ids, an array or a tensor.
+
+    ``unpad=True`` drops right padding (``<pad>`` at the end): a padded row means its tokens (the models'
+    and guides' observations); by default every id is kept.
+    """
     if isinstance(seq, str):
-        return np.asarray(vocab.encode(seq), dtype=np.int64)
-    if isinstance(seq, torch.Tensor):
-        seq = seq.detach().cpu().numpy()
-    if isinstance(seq, (list, tuple)) and seq and isinstance(seq[0], str):
-        return np.asarray(vocab.encode(list(seq)), dtype=np.int64)
-    a = np.asarray(seq)
-    if a.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-        raise MalformedSequenceError(
-            f"{what} must be a 1-D array of integer ids, got shape {a.shape} {a.dtype}"
-        )
-    vocab.check_ids(a, what)
-    return a.astype(np.int64)
+        a = np.asarray(vocab.encode(seq), dtype=np.int64)
+    elif isinstance(seq, (list, tuple)) and seq and isinstance(seq[0], str):
+        a = np.asarray(vocab.encode(list(seq)), dtype=np.int64)
+    else:
+        try:
+            a = np.asarray(seq.detach().cpu().numpy() if isinstance(seq, torch.Tensor) else seq)
+        except (TypeError, ValueError):  # ragged nested lists, objects numpy cannot hold
+            raise MalformedSequenceError(f"{what} must be a 1-D array of integer ids, got {seq!r}"[:300]) from None
+        if a.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+            raise MalformedSequenceError(
+                f"{what} must be a 1-D array of integer ids, got shape {a.shape} {a.dtype}"
+            )
+        vocab.check_ids(a, what)
+        a = a.astype(np.int64)
+    if unpad:
+        real = np.flatnonzero(a != vocab.pad_id)
+        a = a[: real[-1] + 1] if real.size else a[:0]
+    return a
 
 
 class Projection(ABC):
