@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
+from ppl_thought.checks import integer as check_count
 from ppl_thought.distributions.lm_state import masked_log_softmax, nucleus, sample_categorical
 from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError
 from ppl_thought.inference.result import Result
-from ppl_thought.inference.verifier_sampling import check_count
 from ppl_thought.lm.base import lm_device
 from ppl_thought.lm.tabular import Tabular
 from ppl_thought.verifiers import ProcessVerifier
