@@ -27,10 +27,9 @@ from tqdm.auto import tqdm
 
 from ppl_thought.data.a5 import OBSERVABLE_TOKENS, a5_hmm
 from ppl_thought.distributions.lm_state import masked_log_softmax
-from ppl_thought.experiments.common import score, set_lr, standard_error
+from ppl_thought.experiments.common import run_alone, score, set_lr, standard_error
 from ppl_thought.inference.smc import SMC
 from ppl_thought.inference.trainer import clip_joint_, cosine_lr
-from ppl_thought.io import atomic_write_json
 from ppl_thought.lm import Transformer
 from ppl_thought.program import Program, particle_groups, particles
 from ppl_thought.projections import Product
@@ -234,23 +233,7 @@ def run_a5(cfg: A5Config, seed: int = 0, progress: bool = True) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this experiment alone: ``python -m ppl_thought.experiments.a5 [--quick] [--seed S] [--json FILE]``."""
-    import argparse
-    import json
-
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the sizes of ``ppl-thought demo --quick``")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="write the results as JSON to this file")
-    args = ap.parse_args(argv)
-    cfg = A5Config.quick() if args.quick else A5Config()
-    res = run_a5(cfg, args.seed, progress=True)
-    res.pop("_arrays", None)
-    text = json.dumps(res, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o), indent=1)
-    if args.json:
-        atomic_write_json(args.json, json.loads(text))
-    print(text[:4000])
-    return 0
+    return run_alone(__doc__, run_a5, A5Config, argv)
 
 
 if __name__ == "__main__":

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from ppl_thought.distributions.lm_state import masked_log_softmax
 
-__all__ = ["score", "set_lr", "standard_error"]
+__all__ = ["score", "set_lr", "standard_error", "run_alone"]
 
 
 def score(lm: torch.nn.Module, tokens: torch.Tensor, start: int, allowed: torch.Tensor) -> torch.Tensor:
@@ -27,3 +30,22 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 def standard_error(x: np.ndarray) -> float:
     """The standard error of the mean of ``x`` (NaN for fewer than two values)."""
     return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan")
+
+
+def run_alone(doc: str, run: Callable, config_cls, argv: list[str] | None = None) -> int:
+    """The command line of one experiment: ``--quick`` (``config_cls.quick()``, the demo's quick sizes), ``--seed``,
+    ``--json FILE``; prints the results (the demo's plots and ArviZ files are ``ppl-thought demo``'s job)."""
+    from ppl_thought.io import atomic_write_json
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the sizes of ``ppl-thought demo --quick``")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the results as JSON to this file")
+    args = ap.parse_args(argv)
+    res = run(config_cls.quick() if args.quick else config_cls(), args.seed, progress=True)
+    res.pop("_arrays", None)
+    text = json.dumps(res, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o), indent=1)
+    if args.json:
+        atomic_write_json(args.json, json.loads(text))
+    print(text)
+    return 0

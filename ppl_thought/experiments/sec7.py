@@ -32,11 +32,10 @@ from tqdm.auto import tqdm
 
 from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
 from ppl_thought.distributions.lm_state import masked_log_softmax
-from ppl_thought.experiments.common import score, set_lr, standard_error
+from ppl_thought.experiments.common import run_alone, score, set_lr, standard_error
 from ppl_thought.guides.explanatory import gate_mlp
 from ppl_thought.inference.result import log_mean_exp
 from ppl_thought.inference.trainer import clip_joint_, cosine_lr
-from ppl_thought.io import atomic_write_json
 from ppl_thought.lm import Transformer
 from ppl_thought.projections import QueryResponse
 
@@ -493,23 +492,7 @@ def mutual_information(thoughts: np.ndarray, choices: np.ndarray) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this experiment alone: ``python -m ppl_thought.experiments.sec7 [--quick] [--seed S] [--json FILE]``."""
-    import argparse
-    import json
-
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the sizes of ``ppl-thought demo --quick``")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="write the results as JSON to this file")
-    args = ap.parse_args(argv)
-    cfg = Sec7Config.quick() if args.quick else Sec7Config()
-    res = run_sec7(cfg, args.seed, progress=True)
-    res.pop("_arrays", None)
-    text = json.dumps(res, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o), indent=1)
-    if args.json:
-        atomic_write_json(args.json, json.loads(text))
-    print(text[:4000])
-    return 0
+    return run_alone(__doc__, run_sec7, Sec7Config, argv)
 
 
 if __name__ == "__main__":

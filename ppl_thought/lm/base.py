@@ -17,6 +17,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
+
 
 @runtime_checkable
 class LMCache(Protocol):
@@ -55,3 +57,27 @@ def match_rows(kwargs: dict, n: int) -> dict:
             v = v.repeat_interleave(n // v.shape[0], 0)
         out[k] = v
     return out
+
+
+#: integer dtypes accepted for token ids
+TOKEN_DTYPES = (torch.int64, torch.int32)
+
+
+def describe(x) -> str:
+    """``"torch.float32 tensor of shape (2, 3)"`` or the type's name: for error messages."""
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def check_token_ids(tokens, vocab_size: int) -> tuple[int, int]:
+    """``(B, T)`` of a LongTensor ``[B, T]`` of ids in ``[0, vocab_size)``, else a clear error (LM protocol)."""
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.dtype not in TOKEN_DTYPES:
+        raise MalformedSequenceError(f"tokens must be a LongTensor [B, T], got {describe(tokens)}")
+    if tokens.numel():
+        lo, hi = torch.aminmax(tokens)
+        if lo < 0 or hi >= vocab_size:
+            bad = lo.item() if lo < 0 else hi.item()
+            raise UnknownTokenError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    B, T = tokens.shape
+    return B, T

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ppl_thought.errors import ConfigError, MalformedSequenceError, MissingDependencyError, UnknownTokenError
+from ppl_thought.errors import ConfigError, MalformedSequenceError, MissingDependencyError
+from ppl_thought.lm.base import check_token_ids, describe
 from ppl_thought.lm.transformer import KVCache, check_positions, ragged_rows
 from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID, TokenizerVocab, Vocab
 
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = ["HuggingFace", "random_gpt2", "train_bpe_tokenizer"]
 
-_TOKEN_DTYPES = (torch.int64, torch.int32)
 #: attention implementations that take an explicit [B, 1, T, K] additive mask (ragged rows)
 _MASKABLE = ("sdpa", "eager")
 
@@ -284,11 +284,11 @@ class HuggingFace(nn.Module):
              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
         """One incremental step: ``tokens [B]`` (``valid [B]`` optional) -> ``(logits [B, len(vocab)], cache)``."""
         if not isinstance(tokens, torch.Tensor) or tokens.ndim != 1:
-            raise MalformedSequenceError(f"step takes tokens [B], got {_describe(tokens)}")
+            raise MalformedSequenceError(f"step takes tokens [B], got {describe(tokens)}")
         if valid is not None:
             valid = torch.as_tensor(valid)
             if valid.ndim != 1:
-                raise MalformedSequenceError(f"step takes valid [B], got {_describe(valid)}")
+                raise MalformedSequenceError(f"step takes valid [B], got {describe(valid)}")
             valid = valid[:, None]
         logits, cache = self(tokens[:, None], cache, valid=valid)
         return logits[:, 0], cache
@@ -300,14 +300,7 @@ class HuggingFace(nn.Module):
         return torch.float32
 
     def _check(self, tokens: torch.Tensor, cache: KVCache | None) -> tuple[int, int]:
-        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.dtype not in _TOKEN_DTYPES:
-            raise MalformedSequenceError(f"tokens must be a LongTensor [B, T], got {_describe(tokens)}")
-        B, T = tokens.shape
-        if tokens.numel():
-            lo, hi = torch.aminmax(tokens)
-            if lo < 0 or hi >= self.vocab_size:
-                bad = lo.item() if lo < 0 else hi.item()
-                raise UnknownTokenError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        B, T = check_token_ids(tokens, self.vocab_size)
         if cache is not None:
             if not isinstance(cache, KVCache) or cache.window is not None:
                 raise MalformedSequenceError(f"cache must be a KVCache made by this adapter, got {cache!r}")
@@ -323,7 +316,7 @@ class HuggingFace(nn.Module):
             return None
         valid = torch.as_tensor(valid, device=device)
         if valid.dtype != torch.bool or valid.shape != (B, T):
-            raise MalformedSequenceError(f"valid must be a bool tensor [B, T] = [{B}, {T}], got {_describe(valid)}")
+            raise MalformedSequenceError(f"valid must be a bool tensor [B, T] = [{B}, {T}], got {describe(valid)}")
         return None if bool(valid.all()) else valid
 
 
@@ -334,10 +327,6 @@ def _checkpointing(model) -> bool:
     return bool(getattr(model, name, False))
 
 
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
-    return type(x).__name__
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
+from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.lm.base import TOKEN_DTYPES, check_token_ids, describe
 
 # ---------------------------------------------------------------------------------------------------------
 # KV cache
@@ -191,8 +192,8 @@ class KVCache:
     def reorder(self, index: torch.Tensor) -> KVCache:
         """Row ``i`` of the result is row ``index[i]`` of this cache (``index_select`` on the batch)."""
         index = torch.as_tensor(index, device=self._storage.keys[0].device)
-        if index.ndim != 1 or index.dtype not in _TOKEN_DTYPES:
-            raise MalformedSequenceError(f"reorder needs a 1-D integer index, got {_describe(index)}")
+        if index.ndim != 1 or index.dtype not in TOKEN_DTYPES:
+            raise MalformedSequenceError(f"reorder needs a 1-D integer index, got {describe(index)}")
         return self._gather(index)
 
     def expand(self, n: int) -> KVCache:
@@ -506,11 +507,11 @@ class Transformer(nn.Module):
              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
         """One incremental step: ``tokens [B]`` (``valid [B]`` optional) -> ``(logits [B, vocab_size], cache)``."""
         if not isinstance(tokens, torch.Tensor) or tokens.ndim != 1:
-            raise MalformedSequenceError(f"step takes tokens [B], got {_describe(tokens)}")
+            raise MalformedSequenceError(f"step takes tokens [B], got {describe(tokens)}")
         if valid is not None:
             valid = torch.as_tensor(valid)
             if valid.ndim != 1:
-                raise MalformedSequenceError(f"step takes valid [B], got {_describe(valid)}")
+                raise MalformedSequenceError(f"step takes valid [B], got {describe(valid)}")
             valid = valid[:, None]
         logits, cache = self(tokens[:, None], cache, latents, valid=valid)
         return logits[:, 0], cache
@@ -521,7 +522,7 @@ class Transformer(nn.Module):
             return None
         valid = torch.as_tensor(valid, device=device)
         if valid.dtype != torch.bool or valid.shape != (B, T):
-            raise MalformedSequenceError(f"valid must be a bool tensor [B, T] = [{B}, {T}], got {_describe(valid)}")
+            raise MalformedSequenceError(f"valid must be a bool tensor [B, T] = [{B}, {T}], got {describe(valid)}")
         if bool(valid.all()):
             return None
         if self.window is not None:
@@ -556,14 +557,7 @@ class Transformer(nn.Module):
         return allowed, False
 
     def _check(self, tokens: torch.Tensor, cache: KVCache | None) -> tuple[int, int]:
-        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.dtype not in _TOKEN_DTYPES:
-            raise MalformedSequenceError(f"tokens must be a LongTensor [B, T], got {_describe(tokens)}")
-        B, T = tokens.shape
-        if tokens.numel():
-            lo, hi = torch.aminmax(tokens)
-            if lo < 0 or hi >= self.vocab_size:
-                bad = lo.item() if lo < 0 else hi.item()
-                raise UnknownTokenError(f"token id {bad} is outside [0, {self.vocab_size})")
+        B, T = check_token_ids(tokens, self.vocab_size)
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise MalformedSequenceError(f"cache must be a KVCache, got {type(cache).__name__}")
@@ -591,7 +585,7 @@ class Transformer(nn.Module):
                 or latents.ndim not in (3, 4) or latents.shape[-1] != d or latents.shape[-2] < 1
                 or (latents.ndim == 4 and latents.shape[1] != L) or latents.shape[0] not in (1, B)):
             raise MalformedSequenceError(f"latents must be a float tensor {expected} with B={B} (or 1), "
-                                         f"got {_describe(latents)}")
+                                         f"got {describe(latents)}")
         out = []
         for block in self.blocks:
             z = latents[:, block.index] if latents.ndim == 4 else latents
@@ -690,7 +684,6 @@ class Transformer(nn.Module):
         return Vocab.from_dict(config["vocab"]) if "vocab" in config else None
 
 
-_TOKEN_DTYPES = (torch.int64, torch.int32)
 #: positions of spare room a preallocated (non-window) cache buffer gets at least when it is (re)allocated
 _ROOM = 64
 
@@ -700,7 +693,3 @@ def _writable(buffer: torch.Tensor) -> bool:
     return not buffer.requires_grad and (torch.is_inference_mode_enabled() or not buffer.is_inference())
 
 
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
-    return type(x).__name__
