@@ -289,3 +289,14 @@ def test_sec7_gating_trick_starts_as_fast_thinking_and_mixes_logits():
     want = _masked_log_softmax(mixed, exp.sigma).gather(-1, target[..., None]).squeeze(-1).sum(-1)
     assert torch.allclose(lp_r, want, atol=1e-5) and not torch.allclose(lp_r, lp_r_plain)
     assert torch.isfinite(lp_y).all() and sum(p.numel() for p in P.gate.parameters()) > 0
+
+
+@pytest.mark.parametrize("name", ["sec7", "a5", "verifiers"])
+def test_each_experiment_has_its_own_command_line(name, capsys):
+    """``python -m ppl_thought.experiments.<name> --help`` works (the experiments run without the demo)."""
+    import importlib
+
+    mod = importlib.import_module(f"ppl_thought.experiments.{name}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0 and "--quick" in capsys.readouterr().out
