@@ -132,4 +132,5 @@ if __name__ == "__main__":
         main()
     finally:
         if dist.is_initialized():
+            dist.barrier()  # no rank tears its connections down while another still talks (gloo aborts then)
             dist.destroy_process_group()

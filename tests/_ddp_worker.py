@@ -66,6 +66,7 @@ def main() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        dist.barrier()  # both ranks done before either tears down its gloo connections
         dist.destroy_process_group()
 
 
