@@ -81,3 +81,15 @@ def check_token_ids(tokens, vocab_size: int) -> tuple[int, int]:
             raise UnknownTokenError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     B, T = tokens.shape
     return B, T
+
+
+def one_token(tokens, valid=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``step`` form of an LM call: ``tokens [B]`` (and ``valid [B]``) as ``[B, 1]`` for ``forward``."""
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 1:
+        raise MalformedSequenceError(f"step takes tokens [B], got {describe(tokens)}")
+    if valid is not None:
+        valid = torch.as_tensor(valid)
+        if valid.ndim != 1:
+            raise MalformedSequenceError(f"step takes valid [B], got {describe(valid)}")
+        valid = valid[:, None]
+    return tokens[:, None], valid

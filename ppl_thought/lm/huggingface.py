@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError, MissingDependencyError
-from ppl_thought.lm.base import check_token_ids, describe
+from ppl_thought.lm.base import check_token_ids, describe, one_token
 from ppl_thought.lm.transformer import KVCache, check_positions, ragged_rows
 from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID, TokenizerVocab, Vocab
 
@@ -283,14 +283,8 @@ class HuggingFace(nn.Module):
     def step(self, tokens: torch.Tensor, cache: KVCache | None = None,
              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
         """One incremental step: ``tokens [B]`` (``valid [B]`` optional) -> ``(logits [B, len(vocab)], cache)``."""
-        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 1:
-            raise MalformedSequenceError(f"step takes tokens [B], got {describe(tokens)}")
-        if valid is not None:
-            valid = torch.as_tensor(valid)
-            if valid.ndim != 1:
-                raise MalformedSequenceError(f"step takes valid [B], got {describe(valid)}")
-            valid = valid[:, None]
-        logits, cache = self(tokens[:, None], cache, valid=valid)
+        tokens, valid = one_token(tokens, valid)
+        logits, cache = self(tokens, cache, valid=valid)
         return logits[:, 0], cache
 
     def _dtype(self) -> torch.dtype:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppl_thought.errors import MalformedSequenceError
-from ppl_thought.lm.base import TOKEN_DTYPES, check_token_ids, describe
+from ppl_thought.lm.base import TOKEN_DTYPES, check_token_ids, describe, one_token
 
 # ---------------------------------------------------------------------------------------------------------
 # KV cache
@@ -506,14 +506,8 @@ class Transformer(nn.Module):
     def step(self, tokens: torch.Tensor, cache: KVCache | None = None, latents: torch.Tensor | None = None,
              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
         """One incremental step: ``tokens [B]`` (``valid [B]`` optional) -> ``(logits [B, vocab_size], cache)``."""
-        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 1:
-            raise MalformedSequenceError(f"step takes tokens [B], got {describe(tokens)}")
-        if valid is not None:
-            valid = torch.as_tensor(valid)
-            if valid.ndim != 1:
-                raise MalformedSequenceError(f"step takes valid [B], got {describe(valid)}")
-            valid = valid[:, None]
-        logits, cache = self(tokens[:, None], cache, latents, valid=valid)
+        tokens, valid = one_token(tokens, valid)
+        logits, cache = self(tokens, cache, latents, valid=valid)
         return logits[:, 0], cache
 
     def _check_valid(self, valid, B: int, T: int, device) -> torch.Tensor | None:
