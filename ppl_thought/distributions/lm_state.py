@@ -31,7 +31,7 @@ from ppl_thought.errors import MalformedSequenceError, NumericalError
 from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
-__all__ = ["LMState", "Segment", "TokenRule", "supports_valid", "masked_log_softmax", "nucleus"]
+__all__ = ["LMState", "Segment", "TokenRule", "supports_valid", "masked_log_softmax", "nucleus", "generated_tokens"]
 
 
 def supports_valid(lm: torch.nn.Module) -> bool:
@@ -63,6 +63,12 @@ def nucleus(log_probs: torch.Tensor, top_p: float) -> torch.Tensor:
     keep_sorted = before < top_p
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     return masked_log_softmax(log_probs, keep & ~torch.isneginf(log_probs))
+
+
+def generated_tokens(vocab_size: int, device=None) -> torch.Tensor:
+    """Bool ``[vocab_size]``: the tokens an LM may generate, every id but ``<pad>`` and ``<bos>`` (context only,
+    Section 2.2): the unconstrained row of :class:`TokenRule`'s table."""
+    return TokenRule(None, vocab_size).allowed(torch.zeros(1, dtype=torch.long, device=device))[0]
 
 
 class TokenRule:

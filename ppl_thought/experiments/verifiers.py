@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from ppl_thought.data.dyck import DyckTask
-from ppl_thought.distributions.lm_state import masked_log_softmax
+from ppl_thought.distributions.lm_state import generated_tokens
+from ppl_thought.experiments.common import score
 from ppl_thought.inference import (
     VGB,
     RejectionSampling,
@@ -40,7 +41,7 @@ from ppl_thought.io import atomic_write_json
 from ppl_thought.lm import Tabular, Transformer
 from ppl_thought.projections.automaton import AutomatonBuilder
 from ppl_thought.verifiers import ProcessVerifier
-from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
+from ppl_thought.vocab import BOS_ID, Vocab
 
 METHODS = ("sample", "nucleus", "tokenwise", "backtracking", "vgb", "smc", "awrs")
 IN_DIST, OUT_OF_DIST = (0.8, 0.2), (0.2, 0.8)
@@ -70,11 +71,7 @@ def exact_law(lm: torch.nn.Module, prompt: torch.Tensor, completions: torch.Tens
     C = completions.shape[0]
     ctx = torch.cat([torch.full((C, 1), BOS_ID), prompt.expand(C, -1), completions], 1)
     with torch.no_grad():
-        logits, _ = lm(ctx[:, :-1])
-    mask = torch.ones(logits.shape[-1], dtype=torch.bool)
-    mask[[PAD_ID, BOS_ID]] = False
-    lp = masked_log_softmax(logits, mask.expand_as(logits))[:, prompt.numel():]
-    seq = lp.gather(-1, completions[..., None])[..., 0].sum(-1)
+        seq = score(lm, ctx, 1 + prompt.numel(), generated_tokens(lm.vocab_size)).sum(-1)
     return torch.softmax(seq.double(), 0)
 
 

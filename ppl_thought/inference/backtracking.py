@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ppl_thought.checks import integer as check_count
-from ppl_thought.distributions.lm_state import masked_log_softmax, nucleus, sample_categorical
+from ppl_thought.distributions.lm_state import generated_tokens, masked_log_softmax, nucleus, sample_categorical
 from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError
 from ppl_thought.inference.result import Result
 from ppl_thought.lm.base import lm_device
@@ -54,9 +54,7 @@ class PrefixRows:
         self.head = head  # [P]
         self.tokens = torch.full((n, horizon), PAD_ID, dtype=torch.long, device=dev)
         self.lengths = torch.zeros(n, dtype=torch.long, device=dev)
-        mask = torch.ones(lm.vocab_size, dtype=torch.bool, device=dev)
-        mask[[PAD_ID, BOS_ID]] = False  # context only, never generated
-        self.mask = mask
+        self.mask = generated_tokens(lm.vocab_size, dev)
 
     def reset(self, rows: torch.Tensor) -> None:
         self.tokens[rows] = PAD_ID
@@ -369,8 +367,7 @@ class TabularValue:
             logits = lm.logits.detach().double().cpu()
         if lm.order == 1:
             logits = logits.expand(V, V)
-        mask = torch.ones(V, dtype=torch.bool)
-        mask[[PAD_ID, BOS_ID]] = False
+        mask = generated_tokens(V, "cpu")
         p = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)  # [context, next]
         nxt = torch.as_tensor(aut.next_state)  # [S, V]
         dead = nxt < 0

@@ -20,7 +20,7 @@ from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import ConfigError
 from ppl_thought.program import Program, particles, twist
 from ppl_thought.projections.automaton import Automaton
-from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID
+from ppl_thought.vocab import EOS_ID
 
 __all__ = ["Constrained"]
 
@@ -57,16 +57,7 @@ class Constrained(Program):
         self.lm, self.constraint, self.max_tokens, self.twist = lm, constraint, max_tokens, twist
         self.max_steps = max_tokens
         self.rule = TokenRule(constraint, lm.vocab_size)
-        self._never: dict[str, torch.Tensor] = {}
-
-    def _never_on(self, device: torch.device) -> torch.Tensor:
-        """``<pad>`` and ``<bos>``: never generated (Section 2.2), outside the LM's own next-token law."""
-        key = str(device)
-        if key not in self._never:
-            never = torch.zeros(self.lm.vocab_size, dtype=torch.bool, device=device)
-            never[[PAD_ID, BOS_ID]] = True
-            self._never[key] = never
-        return self._never[key]
+        self.free = TokenRule(None, lm.vocab_size)  # the LM's own law: every token but <pad> and <bos>
 
     def init(self, state: dict, prompt: torch.Tensor | None = None) -> None:
         state["x"] = LMState.start(self.lm, particles(), prompt=prompt, rule=self.rule, max_len=self.max_tokens,
@@ -76,7 +67,7 @@ class Constrained(Program):
         x = state["x"]
         logits = x.logits.float()
         admitted = torch.logsumexp(logits.masked_fill(~self.rule.allowed(x.s), float("-inf")), -1)
-        total = torch.logsumexp(logits.masked_fill(self._never_on(logits.device), float("-inf")), -1)
+        total = torch.logsumexp(logits.masked_fill(~self.free.allowed(x.s), float("-inf")), -1)
         log_z = torch.where(x.done, torch.zeros_like(admitted), admitted - total)  # ended rows: factor 1
         tok = pyro.sample(f"x_{t}", x.next_token())
         x.extend(tok)
