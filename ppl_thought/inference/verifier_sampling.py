@@ -241,7 +241,7 @@ class VerifierSMC:
         dev = lm_device(lm)
         n, L = self.num_particles, self.max_len
         aut = verifier.automaton
-        table = aut.torch_table(dev)
+        table = aut.device_table("table", dev)
         q = start_states(verifier, n, dev)
         rule = TokenRule(None, lm.vocab_size)
         state = LMState.start(lm, n, prompt=prompt, rule=rule, max_len=L, device=dev)
