@@ -76,3 +76,15 @@ def test_automaton_tables_in_each_framework():
             assert (np.asarray(A.num_emitted(nxt)) == A.num_emitted(ref)).all()
             arrays[i] = (nxt, conv)
         s_np = ref
+
+
+def test_imports_flow_downward():
+    """tools/import_map.py: vocab -> projections -> lm -> distributions -> models/guides -> inference ->
+    diagnostics -> experiments -> cli, nothing upward, no framework in the shared layers."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "tools" / "import_map.py")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " 0 upward imports" in r.stdout

@@ -24,7 +24,8 @@ import torch
 from ppl_thought.checks import integer
 from ppl_thought.errors import NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
 from ppl_thought.inference.particles import check_compatible, sample_particles
-from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp, pareto_k
+from ppl_thought.inference.result import Result, pareto_k
+from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 
 # ---------------------------------------------------------------------------------------------- statistics

@@ -58,13 +58,7 @@ def as_framework_array(a: np.ndarray, key: tuple[str, str]) -> Any:
     fw, dev = key
     if fw == "torch":
         return sys.modules["torch"].as_tensor(a, device=dev)
-    return sys.modules["jax.numpy"].asarray(a) if "jax.numpy" in sys.modules else _jnp().asarray(a)
-
-
-def _jnp():
-    import jax.numpy as jnp  # only reached when a jax array was handed over, so jax is installed
-
-    return jnp
+    return sys.modules["jax.numpy"].asarray(a)  # loaded with jax, which made the array handed over
 
 
 def host_array(x: Any) -> Any:
