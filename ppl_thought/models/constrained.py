@@ -41,6 +41,9 @@ class Constrained(Program):
 
     ``run(prompt)``: ``prompt`` holds 1-D token ids shared by every particle (encoded once, the cache
     expanded). Sites ``x_0, x_1, ...`` hold one token per particle per step; ``mass_t`` holds log Z_t.
+    Without a twist, ``pt.infer.SMC(n, backend="static")`` runs it as one fixed step per token on a static KV
+    cache, captured as a CUDA graph on a GPU (inference/static_smc.py, docs/gpu.md); both paths weight a step
+    with :meth:`log_mass`.
     """
 
     def __init__(self, lm: torch.nn.Module, constraint: Automaton, max_tokens: int,
