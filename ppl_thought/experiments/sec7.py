@@ -34,10 +34,10 @@ from ppl_thought.data.query_response import PermutationChoiceTask, permutation_c
 from ppl_thought.distributions.lm_state import masked_log_softmax
 from ppl_thought.experiments.common import run_alone, score, set_lr, standard_error
 from ppl_thought.guides.explanatory import gate_mlp
-from ppl_thought.inference.result import log_mean_exp
 from ppl_thought.inference.trainer import clip_joint_, cosine_lr
 from ppl_thought.lm import Transformer
 from ppl_thought.projections import QueryResponse
+from ppl_thought.weights import log_mean_exp
 
 
 @dataclass

@@ -23,8 +23,9 @@ from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, Pro
 from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.importance import log_marginal_stderr, not_in_image_result
 from ppl_thought.inference.particles import check_compatible, particle_plate, require_program, run_step
-from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
+from ppl_thought.inference.result import Result
 from ppl_thought.program import as_done, freeze_finished, reorder_state
+from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 RESAMPLING = ("multinomial", "stratified", "systematic", "residual")
 #: how a run is executed: Pyro traces of any program, or the static one-token step (inference/static_smc.py)
