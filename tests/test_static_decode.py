@@ -43,8 +43,7 @@ def exact_log_mass(lm, auto, prompt: list[int], T: int) -> float:
     """log P_LM(the first T tokens after the prompt are an e-free text ended by <eos>, or e-free and cut at T):
     a sum over every admitted prefix, each scored by one forward pass of its whole context (no cache)."""
     free = pt.distributions.lm_state.generated_tokens(lm.vocab_size)
-    allowed = auto.torch_table() >= 0
-    final = auto._torch("final", "cpu")
+    allowed, nxt, final = auto.allowed, auto.next_state, auto.final  # numpy [S, V], [S, V], [S]
     total = 0.0
     frontier = [([], auto.start, 0.0)]  # (tokens, automaton state, log-prob)
     while frontier:
@@ -52,8 +51,8 @@ def exact_log_mass(lm, auto, prompt: list[int], T: int) -> float:
         with torch.no_grad():
             logits, _ = lm(torch.tensor([[BOS_ID] + prompt + toks]))
         logq = logits[0, -1].double().masked_fill(~free, float("-inf")).log_softmax(-1)
-        for tok in allowed[s].nonzero().squeeze(-1).tolist():
-            s2, lp2 = int(auto.torch_table()[s, tok]), lp + float(logq[tok])
+        for tok in allowed[s].nonzero()[0].tolist():
+            s2, lp2 = int(nxt[s, tok]), lp + float(logq[tok])
             ended = tok == EOS_ID or bool(final[s2]) or len(toks) + 1 == T
             if ended:
                 total += math.exp(lp2)
