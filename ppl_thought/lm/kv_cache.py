@@ -219,7 +219,7 @@ class KVCache:
         old, kept = self._storage, self.num_cached
         fresh = old.keys[0] is None
         if fresh or torch.is_grad_enabled() or not self.preallocate:
-            # Functional: _store concatenates onto views of the old entries.
+            # Functional: store concatenates onto views of the old entries.
             keys = [None] * self.num_layers if fresh else list(self.keys)
             values = [None] * self.num_layers if fresh else list(self.values)
             new = KVCache(_Storage(keys, values, None), 0, kept + n, self.length, self.window)

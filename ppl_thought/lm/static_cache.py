@@ -2,7 +2,7 @@
 
 A CUDA graph replays fixed kernels on fixed addresses, so a decode step that is captured once may not
 allocate, slice by a length that changes, or read a Python number that changes. The dynamic
-:class:`~ppl_thought.lm.transformer.KVCache` does all three (it appends, grows and returns new caches on
+:class:`~ppl_thought.lm.kv_cache.KVCache` does all three (it appends, grows and returns new caches on
 ``reorder``). Here everything is fixed from the start:
 
 * :class:`StaticKVCache`: keys/values ``[B, H, max_len + 1, Dh]`` per layer of the library
@@ -33,7 +33,8 @@ import torch
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.lm.base import TOKEN_DTYPES, describe
-from ppl_thought.lm.transformer import KVCache, Transformer
+from ppl_thought.lm.kv_cache import KVCache
+from ppl_thought.lm.transformer import Transformer
 from ppl_thought.vocab import BOS_ID
 
 __all__ = ["StaticKVCache", "StaticTransformer", "StaticHuggingFace", "static_decoder"]
@@ -136,10 +137,10 @@ class StaticKVCache:
         values = [v.index_select(0, index) for v in self.values]
         return StaticKVCache(keys, values, self.lengths.index_select(0, index), self.span)
 
-    # -- the forward pass (Transformer blocks call ``_store``) ----------------------------------------
+    # -- the forward pass (Transformer blocks call ``store``) ----------------------------------------
     def positions(self, T: int, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``[B, T]`` of ``T`` new tokens and the attention mask ``[B, 1, T, K]`` (True = attend),
-        K = the slots read; prepares the writes of :meth:`_store`. ``valid`` (bool ``[B, T]``): a token with
+        K = the slots read; prepares the writes of :meth:`store`. ``valid`` (bool ``[B, T]``): a token with
         False is written to the scratch slot and takes no position (its own output is unspecified)."""
         if self.span + T > self.max_len:
             raise MalformedSequenceError(f"{self.span} cached + {T} new positions exceed the static cache's "
@@ -161,7 +162,7 @@ class StaticKVCache:
         self._valid = valid
         return pos, mask[:, None]
 
-    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's ``k, v [B, H, T, Dh]`` at each row's positions; return the slots attention reads."""
         index = self._write.expand(k.shape)
         self.keys[layer].scatter_(2, index, k)
