@@ -23,7 +23,7 @@ from ppl_thought.projections.base import Projection
 from ppl_thought.transforms.base import Transform, rebuild
 from ppl_thought.vocab import PAD_ID
 
-__all__ = ["ProjectionLift", "SegmentCheck"]
+__all__ = ["ProjectionLift", "SegmentCheck", "enumerate_log_joint", "exact_log_prob"]
 
 
 class SegmentCheck(TorchDistribution):
@@ -178,3 +178,47 @@ class ProjectionLift(Transform):
 
     def __repr__(self) -> str:
         return f"ProjectionLift({self.projection!r})"
+
+
+# ---------------------------------------------------------------------------------------------- exact answers
+def enumerate_log_joint(model, x, latent: str = "z", limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
+    """(support ``[K, L]``, log p(z, x) ``[K]``) over every z in the lifting of x, for any model with a
+    projection (``model.projection``, e.g. one transformed by :class:`ProjectionLift`): the model's whole
+    view run ONCE with the latent site conditioned on all K liftings under a particle plate (2.22)."""
+    import pyro.poutine as poutine
+
+    from ppl_thought.inference.particles import per_particle
+    from ppl_thought.projections.base import as_id_array
+
+    proj = getattr(model, "projection", None)
+    if proj is None:
+        raise TransformError("exact answers need a model with a projection (apply ProjectionLift)")
+    xa = as_id_array(x, proj.vocab, "observation x", unpad=True)
+    lifting = proj.enumerate_lifting(xa, limit=limit)
+    K = len(lifting)
+    L = max((len(z) for z in lifting), default=0)
+    support = torch.full((K, L), PAD_ID, dtype=torch.long)
+    for i, z in enumerate(lifting):
+        support[i, : len(z)] = torch.as_tensor(z, dtype=torch.long)
+    if K == 0:
+        return support, torch.zeros(0)
+    xt = torch.as_tensor(xa, dtype=torch.long)
+    with torch.no_grad(), poutine.block():
+        def run():
+            with pyro.plate("particles", K, dim=-1):
+                return model(xt)
+        tr = poutine.trace(poutine.condition(run, data={latent: support})).get_trace()
+        tr.compute_log_prob()
+        return support, per_particle(tr, K)
+
+
+def exact_log_prob(model, x, latent: str = "z", limit: int = 20_000) -> torch.Tensor:
+    """log p(x) = log sum_{z in lifting(x)} p(z, x) by enumeration (2.22) for a transformed model; ``-inf``
+    outside the image of the projection."""
+    from ppl_thought.errors import NotInImageError
+
+    try:
+        _, lp = enumerate_log_joint(model, x, latent, limit)
+    except NotInImageError:
+        return torch.tensor(float("-inf"))
+    return torch.logsumexp(lp, 0) if len(lp) else torch.tensor(float("-inf"))
