@@ -270,3 +270,99 @@ def test_compose_is_nesting():
     assert a.transforms == [f, p] and isinstance(a.base, pt.models.PlainLM)
     with pytest.raises(TransformError):
         compose(f, "x")
+
+
+# ---------------------------------------------------------------------------------------------- CostAware
+def _cost_setup(weight: float = 0.5):
+    proj = pt.projections.PauseToThink(VOCAB, max_thought_len=1)
+    g = torch.Generator().manual_seed(4)
+    prior = pt.lm.Tabular(2, V, torch.randn(V, V, generator=g), trainable=True)
+    return proj, prior, torch.tensor(VOCAB.encode("a b"))
+
+
+def exact_cost_loss(prior, proj, x, weight: float, entropy: float = 0.0) -> torch.Tensor:
+    """(5.27) exactly: C(theta) T*(theta) with C = -log (Proj # P)(x) - H~ (2.22) and T* = E_{Q_*}[1 + w |Z|]."""
+    model = pt.models.SlowThinking(prior, proj)
+    lifting = proj.enumerate_lifting(x)
+    support = pt.models.pad_sequences(lifting, model.z_dist(len(x)).max_len)
+    lp = model.z_dist(len(x)).log_prob(support)
+    log_px = torch.logsumexp(lp, 0)
+    post = torch.exp(lp - log_px)
+    tau = 1.0 + weight * torch.tensor([float(len(z)) for z in lifting])
+    return (-log_px - entropy) * (post * tau).sum()
+
+
+def test_exact_cost_gradient_matches_finite_differences():
+    proj, prior, x = _cost_setup()
+    (p,) = list(prior.parameters())
+    loss = exact_cost_loss(prior, proj, x, 0.5, entropy=0.3)
+    (grad,) = torch.autograd.grad(loss, [p])
+    eps = 1e-2  # central differences: O(eps^2) error, float32 rounding ~1e-5 at this eps
+    for idx in [(6, 6), (6, 3), (3, 7), (1, 6), (4, 7)]:
+        with torch.no_grad():
+            p[idx] += eps
+            up = float(exact_cost_loss(prior, proj, x, 0.5, entropy=0.3))
+            p[idx] -= 2 * eps
+            down = float(exact_cost_loss(prior, proj, x, 0.5, entropy=0.3))
+            p[idx] += eps
+        assert abs((up - down) / (2 * eps) - float(grad[idx])) < 1e-3 * (1 + abs(float(grad[idx]))), idx
+
+
+class _NoCovariance(pt.transforms.CostAware):
+    """A wrong estimator of grad T*: the covariance term of 5.6.3 dropped (grad of sum w tau log P only)."""
+
+    def estimate(self, log_p, log_w, lengths):
+        t_s, _ = super().estimate(log_p, log_w, lengths)
+        w = torch.softmax(log_w.detach(), 0)
+        return t_s, (w * self.tau(lengths) * log_p).sum()
+
+
+def _mean_estimated_gradient(cost, seeds, n: int):
+    proj, prior, x = _cost_setup()
+    (p,) = list(prior.parameters())
+    inner = pt.models.SlowThinking(prior, proj)
+    model = cost(inner)
+    guide = pt.guides.Posterior(inner)
+    objective = pt.infer.OneSampler(num_particles=n)
+    grads = []
+    for seed in seeds:
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        surr = objective.differentiable_loss(model, guide, x)
+        grads.append(torch.autograd.grad(surr, [p])[0].detach().clone())
+    exact = torch.autograd.grad(exact_cost_loss(prior, proj, x, cost.weight), [p])[0]
+    return torch.stack(grads), exact
+
+
+def test_cost_aware_gradient_estimator_mean_matches_exact_gradient(request):
+    """5.6.3 with the exact posterior sampler (Q = Q_*): the mean of the estimated gradient of
+    C_s (T~* + D(T_s - T~*)) over seeds equals grad (C T*) (enumeration) within 4 standard errors plus the
+    O(1/n) bias of the self-normalised ratio; dropping the covariance term of grad T* fails the same bound."""
+    seeds = range(120 if request.config.getoption("--slow") else 40)
+    grads, exact = _mean_estimated_gradient(pt.transforms.CostAware(0.5), seeds, n=64)
+    mean, se = grads.mean(0), grads.std(0) / math.sqrt(len(grads))
+    bound = 4 * se + 0.03 * exact.abs().max()
+    assert ((mean - exact).abs() <= bound).all(), ((mean - exact).abs() / bound).max()
+    wrong, _ = _mean_estimated_gradient(_NoCovariance(0.5), seeds, n=64)
+    assert ((wrong.mean(0) - exact).abs() > 4 * wrong.std(0) / math.sqrt(len(wrong)) + 0.03 * exact.abs().max()).any()
+
+
+@pytest.mark.parametrize("objective", ["one", "two", "r1", "sampler", "sum"])
+def test_cost_aware_runs_under_every_svi_objective(objective):
+    proj, prior, x = _cost_setup()
+    inner = pt.models.SlowThinking(prior, proj)
+    model = pt.transforms.CostAware(0.5, entropy=0.1)(inner)
+    q = pt.guides.Causal(pt.lm.Tabular(2, V, torch.zeros(V, V), trainable=True), proj)
+    obj = {"one": lambda: pt.infer.OneSampler(4), "two": lambda: pt.infer.TwoSampler(pt.guides.Identity(inner), 4),
+           "r1": lambda: pt.infer.R1Zero(4), "sampler": lambda: pt.infer.SamplerPolicyGradient(4),
+           "sum": lambda: pt.infer.Sum(pt.infer.OneSampler(4), pt.infer.SamplerPolicyGradient(4))}[objective]()
+    guide = pt.guides.Identity(inner) if objective == "r1" else q
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    plain_value = obj.loss(inner, guide, x)
+    pyro.set_rng_seed(0)
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), obj)
+    losses = [svi.step(x) for _ in range(2)]
+    assert all(math.isfinite(v) for v in losses)
+    assert obj.last_stats["time"] >= 1.0 and obj.last_stats["cross_entropy"] == pytest.approx(plain_value - 0.1,
+                                                                                              abs=5.0)

@@ -88,7 +88,8 @@ class SlowThinking(Transformed):
             raise ValueError(
                 f"prior vocab_size {prior.vocab_size} != projection vocabulary size {len(projection.vocab)}"
             )
-        super().__init__(PlainLM(prior, projection.vocab, module_name="prior", state_key="z"), ProjectionLift(projection))
+        plain = PlainLM(prior, projection.vocab, module_name="prior", state_key="z")
+        super().__init__(plain, ProjectionLift(projection))
         self.prior = prior
         self.projection = projection
         self.vocab = projection.vocab

@@ -9,9 +9,10 @@
 """
 
 from ppl_thought.transforms.base import Transform, Transformed, TransformedFunction, compose, rebuild, sequence_start
+from ppl_thought.transforms.cost import CostAware, latent_lengths
 from ppl_thought.transforms.projection_lift import ProjectionLift, SegmentCheck, enumerate_log_joint, exact_log_prob
 from ppl_thought.transforms.thinking import Forgetful, ForgetfulLM, Persistent, Ubiquitous, forgetful_context
 
-__all__ = ["Forgetful", "ForgetfulLM", "Persistent", "ProjectionLift", "SegmentCheck", "Transform", "Transformed",
-           "TransformedFunction", "Ubiquitous", "compose", "enumerate_log_joint", "exact_log_prob",
-           "forgetful_context", "rebuild", "sequence_start"]
+__all__ = ["CostAware", "Forgetful", "ForgetfulLM", "Persistent", "ProjectionLift", "SegmentCheck", "Transform",
+           "Transformed", "TransformedFunction", "Ubiquitous", "compose", "enumerate_log_joint", "exact_log_prob",
+           "forgetful_context", "latent_lengths", "rebuild", "sequence_start"]
