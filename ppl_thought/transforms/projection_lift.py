@@ -89,6 +89,15 @@ class ProjectionLift(Transform):
     def provides(self) -> dict:
         return {"projection": self.projection}
 
+    def __call__(self, model):
+        """Lift ``model``; a model that already has a projection is refused: the innermost lifting would take
+        the site and this one would find no LM site left (liftings do not commute, nor stack)."""
+        have = getattr(model, "projection", None)
+        if have is not None:
+            raise TransformError(f"the model is lifted already (by {have!r}); a second lifting of site {self.site!r} "
+                                 "would find no LM site: build one projection for both (e.g. a product automaton)")
+        return super().__call__(model)
+
     # ------------------------------------------------------------------ the lifted law
     def domain(self, num_observed: int) -> tuple[Automaton, TokenRule]:
         """The domain automaton of Dom(Proj) fixing ``num_observed`` tokens and its token rule (cached)."""
