@@ -250,7 +250,7 @@ def test_ubiquitous_lets_thoughts_stand_anywhere_with_the_explanatory_sampler():
     assert len(ub.projection.enumerate_lifting(x)) > len(qr.enumerate_lifting(x))
     z_before_first = VOCAB.encode("<s> a </s> a <eos> b")  # a thought before the first token: ubiquitous only
     assert tuple(z_before_first) in set(ub.projection.enumerate_lifting(x))
-    sampler = ub.sampler(tab(9, scale=0.5))
+    sampler = pt.guides.Explanatory(tab(9, scale=0.5), ub.projection)
     assert sampler.prompt(x).tolist() == ub.explain_prompt(x).tolist() == x.tolist() + [VOCAB.explain_id]
     exact = float(exact_log_prob(model, x))
     assert exact == pytest.approx(float(pt.models.SlowThinking(lm, ub.projection).exact_log_prob(x)), abs=1e-6)

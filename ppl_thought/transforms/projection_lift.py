@@ -196,7 +196,6 @@ def enumerate_log_joint(model, x, latent: str = "z", limit: int = 20_000) -> tup
     view run ONCE with the latent site conditioned on all K liftings under a particle plate (2.22)."""
     import pyro.poutine as poutine
 
-    from ppl_thought.inference.particles import per_particle
     from ppl_thought.projections.base import as_id_array
 
     proj = getattr(model, "projection", None)
@@ -218,7 +217,12 @@ def enumerate_log_joint(model, x, latent: str = "z", limit: int = 20_000) -> tup
                 return model(xt)
         tr = poutine.trace(poutine.condition(run, data={latent: support})).get_trace()
         tr.compute_log_prob()
-        return support, per_particle(tr, K)
+        total = torch.zeros(K)
+        for site in tr.nodes.values():
+            if site["type"] == "sample":
+                lp = torch.as_tensor(site["log_prob"])  # [K] inside the plate (one row per lifting)
+                total = total + (lp if lp.ndim else lp.expand(K))
+        return support, total
 
 
 def exact_log_prob(model, x, latent: str = "z", limit: int = 20_000) -> torch.Tensor:

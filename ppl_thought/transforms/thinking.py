@@ -20,7 +20,7 @@ from ppl_thought.errors import TransformError
 from ppl_thought.projections.pause import PauseToThink
 from ppl_thought.transforms.base import Transform, rebuild
 from ppl_thought.transforms.projection_lift import ProjectionLift
-from ppl_thought.vocab import END_THINK_ID, PAD_ID, THINK_ID
+from ppl_thought.vocab import END_THINK_ID, EXPLAIN_ID, PAD_ID, THINK_ID
 
 __all__ = ["Forgetful", "ForgetfulLM", "Persistent", "Ubiquitous", "forgetful_context"]
 
@@ -175,25 +175,17 @@ class Ubiquitous(ProjectionLift):
     between a query and its response): the lifting of the pause-to-think projection (5.1) with thoughts of
     1..``max_thought_len`` tokens, over the site's vocabulary.
 
-    Its sampler is the explanatory one of Section 5.6.2 / Fig 5.5: :meth:`sampler` gives
-    ``pt.guides.Explanatory(lm, projection)``, which reads the prompt ``x <explain>`` and decodes Z under the
+    Its sampler is the explanatory one of Section 5.6.2 / Fig 5.5, ``pt.guides.Explanatory(lm,
+    ub.projection)``: it reads the prompt ``x <explain>`` (:meth:`explain_prompt`) and decodes Z under the
     lifting automaton of x (the masks Phi^{<=1} listed in 5.6.2), so every thought may depend on all of x.
     """
 
     def __init__(self, vocab, max_thought_len: int, site: str = "x", latent: str = "z"):
         super().__init__(PauseToThink(vocab, max_thought_len), site, latent)
 
-    def sampler(self, lm: nn.Module, **kwargs):
-        """The explanatory sampler ``x <explain> Z`` (Fig 5.5) for this lifting."""
-        from ppl_thought.guides.explanatory import Explanatory
-
-        return Explanatory(lm, self.projection, **kwargs)
-
     @staticmethod
     def explain_prompt(x: torch.Tensor) -> torch.Tensor:
         """The sampler's prompt ``x <explain>`` of Fig 5.5 (1-D ids)."""
-        from ppl_thought.vocab import EXPLAIN_ID
-
         return torch.cat([torch.as_tensor(x, dtype=torch.long), torch.tensor([EXPLAIN_ID])])
 
     def __repr__(self) -> str:
