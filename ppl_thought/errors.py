@@ -108,3 +108,8 @@ class DependencyError(PPLThoughtError, ImportError):
 class MissingDependencyError(DependencyError, ConfigError):
     """An optional dependency is not installed (e.g. ``transformers`` for ``pt.lm.HuggingFace``): the message
     names the extra to install."""
+
+
+class TransformError(PPLThoughtError, ValueError):
+    """A model transform (pt.transforms) cannot apply: no sequence site to act on, conflicting transforms
+    (Persistent with Forgetful), a site without the vocabulary a transform needs."""
