@@ -61,7 +61,7 @@ def emission_substitution(projection: Projection) -> np.ndarray:
         to_obs, to_hid = projection.latent_to_observable, projection.latent_to_hidden
         pairs = projection.latent_ids
         for a_idx, a in enumerate(obs):
-            sub[pairs, a] = projection._pairs[a_idx, to_hid[pairs]]
+            sub[pairs, a] = projection.pair_table[a_idx, to_hid[pairs]]
         assert (to_obs[pairs] >= 0).all()
         return sub
     d = projection.domain(2)
