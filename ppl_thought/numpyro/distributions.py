@@ -33,6 +33,13 @@ from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
 NEG_INF = -jnp.inf
 
 
+def const(a, dtype=None) -> jax.Array:
+    """A concrete jnp array even when called while a function is being traced (cached tables are built once
+    and outlive any trace)."""
+    with jax.ensure_compile_time_eval():
+        return jnp.asarray(a, dtype=dtype)
+
+
 # ---------------------------------------------------------------------------------------------- automaton tables
 class Tables:
     """jnp views of an :class:`Automaton`: ``table [S+1, V]`` (the last row is the dead state, ``-1``),
@@ -45,10 +52,10 @@ class Tables:
         allowed[:, PAD_ID] = False
         allowed[:, BOS_ID] = False
         self.automaton = automaton
-        self.table = jnp.asarray(t, dtype=jnp.int32)
-        self.allowed = jnp.asarray(allowed)
-        self.final = jnp.asarray(np.concatenate([automaton.final, [False]]))
-        self.emitted = jnp.asarray(np.concatenate([automaton.emitted, [-1]]), dtype=jnp.int32)
+        self.table = const(t, jnp.int32)
+        self.allowed = const(allowed)
+        self.final = const(np.concatenate([automaton.final, [False]]))
+        self.emitted = const(np.concatenate([automaton.emitted, [-1]]), jnp.int32)
         self.start = int(automaton.start)
         self.max_len = automaton.max_len
         self.num_states = automaton.num_states
@@ -98,7 +105,7 @@ class TokenRule:
         self.t = tables(constraint) if constraint is not None else None
         free = np.ones(self.vocab_size, bool)
         free[[PAD_ID, BOS_ID]] = False
-        self._free = jnp.asarray(free)
+        self._free = const(free)
 
     def start(self, n: int):
         return jnp.full((n,), self.t.start if self.t is not None else 0, dtype=jnp.int32)

@@ -157,8 +157,9 @@ class HMM:
         hmm = self
 
         def guide(x=None, length=None):
-            xs = hmm._check_x(x)[0][0]
-            beta = hmm.backward(np.asarray(xs))
+            with jax.ensure_compile_time_eval():
+                xs = hmm._check_x(x)[0][0]
+                beta = hmm.backward(np.asarray(xs))
             z = None
             for t in range(xs.shape[0]):
                 prior = hmm.log_lam if t == 0 else hmm.log_A[z]
