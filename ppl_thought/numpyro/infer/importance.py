@@ -111,6 +111,9 @@ class Importance:
         observed = {"args": args, "kwargs": kwargs}
         key = jax.random.PRNGKey(0) if rng_key is None else rng_key
         try:
+            projection = getattr(model, "projection", None)
+            if projection is not None and len(args) == 1 and args[0] is not None and hasattr(model, "x_ids"):
+                projection.lifting(model.x_ids(_concrete(args[0])))  # NotInImageError: p(x) = 0 exactly
             log_w, log_p, log_q, values = self.compiled(model, guide, *args, **kwargs)(jax.random.split(key, n))
         except NotInImageError as e:
             return not_in_image_result(f"log p(x) = -inf: {e}", n, "Importance", observed)
