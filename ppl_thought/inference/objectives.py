@@ -36,7 +36,7 @@ from ppl_thought.inference.particles import (
     per_particle,
     sample_particles,
 )
-from ppl_thought.inference.result import effective_sample_size, log_mean_exp
+from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 __all__ = [
     "GRPO",
