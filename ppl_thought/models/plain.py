@@ -95,7 +95,7 @@ class PlainLM(Program):
         xt = state[f"{self.site}:observed"].value
         st = state[self.state_key]
         last = t + 1 >= len(xt)
-        obs = xt[t : t + 1].to(st.device).expand(st.n, 1)
+        obs = xt[t : t + 1].to(st.device).reshape(1, -1).expand(st.n, -1)  # [n, 0] for x = ""
         seg = pyro.sample(f"{self.site}_{t}", st.segment(until_emitted=None if last else t + 1), obs=obs)
         st.extend(seg)
         return torch.ones(st.n, dtype=torch.bool, device=st.device) if last else None
