@@ -108,3 +108,8 @@ class DependencyError(PPLThoughtError, ImportError):
 class MissingDependencyError(DependencyError, ConfigError):
     """An optional dependency is not installed (e.g. ``transformers`` for ``pt.lm.HuggingFace``): the message
     names the extra to install."""
+
+
+class DeviceMismatchError(PPLThoughtError, ValueError):
+    """A model and its guide (or two LMs one engine runs together) live on different torch devices: the
+    message names both devices (move one with ``.to(device)``) instead of a RuntimeError from inside torch."""

@@ -99,7 +99,7 @@ class PlanThinkAnswer(pt.Program):
         speak.extend(thought)
         answer = pyro.sample(f"x_{t}", speak.next_token(), obs=x[t].expand(speak.n))
         speak.extend(answer)
-        return torch.ones(speak.n, dtype=torch.bool) if t + 1 == len(x) else None
+        return torch.ones(speak.n, dtype=torch.bool, device=speak.device) if t + 1 == len(x) else None
 
 
 class PlanThinkGuide(PlanThinkAnswer):
@@ -112,7 +112,7 @@ class PlanThinkGuide(PlanThinkAnswer):
         think = state["think"]
         think.extend(pyro.sample(f"plan_{t}", think.segment(max_tokens=1)))
         think.extend(pyro.sample(f"thought_{t}", think.segment(stop=STOP, max_tokens=2)))
-        return torch.ones(think.n, dtype=torch.bool) if t + 1 == len(x) else None
+        return torch.ones(think.n, dtype=torch.bool, device=think.device) if t + 1 == len(x) else None
 
 
 def user_program():

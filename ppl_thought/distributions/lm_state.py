@@ -213,9 +213,9 @@ class LMState:
     def _encode(cls, lm, n: int, prompt, rule, max_len, stop_ids, lm_kwargs, device) -> LMState:
         device = device if device is not None else lm_device(lm)
         rule = rule if rule is not None else TokenRule(None, lm.vocab_size)
-        stop_ids = stop_ids if stop_ids is not None else torch.zeros(0, dtype=torch.long)
-        prompt = torch.zeros(0, dtype=torch.long) if prompt is None else torch.as_tensor(prompt, dtype=torch.long)
-        prompt = prompt.to(device)
+        stop_ids = stop_ids.to(device) if stop_ids is not None else torch.zeros(0, dtype=torch.long, device=device)
+        prompt = torch.zeros(0, dtype=torch.long, device=device) if prompt is None else \
+            torch.as_tensor(prompt, dtype=torch.long, device=device)
         valid_mode = supports_valid(lm)
         s0 = rule.start(n, device)
         if prompt.ndim <= 1:
@@ -367,7 +367,7 @@ class Segment(TorchDistribution):
         self.snap = lm_state.snapshot()
         self.base_version = lm_state._version
         self.until_emitted = until_emitted
-        self.stop_ids = (lm_state.stop_ids if stop is None else _as_ids(stop)).to(lm_state.device)
+        self.stop_ids = lm_state.stop_ids if stop is None else _as_ids(stop, lm_state.device)
         # host-side facts the per-token loop reads (no tensor work per token)
         self._until_t = None if until_emitted is None else torch.as_tensor(until_emitted, device=lm_state.device)
         self._base_stops = lm_state.stop_ids.numel() > 0
@@ -753,7 +753,7 @@ def _needs_grad(lm) -> bool:
     return torch.is_grad_enabled() and any(p.requires_grad for p in lm.parameters())
 
 
-def _as_ids(stop) -> torch.Tensor:
+def _as_ids(stop, device=None) -> torch.Tensor:
     if isinstance(stop, torch.Tensor):
         items = stop.reshape(-1).tolist()
     else:
@@ -762,7 +762,7 @@ def _as_ids(stop) -> torch.Tensor:
     if bad:
         raise MalformedSequenceError(f"stop takes token ids, got {bad!r}: an LMState knows ids, not strings; "
                                      f"use vocab.id({bad[0]!r})")
-    return torch.tensor([int(s) for s in items], dtype=torch.long)
+    return torch.tensor([int(s) for s in items], dtype=torch.long, device=device)
 
 
 def trim_padding(tokens: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import ConfigError
+from ppl_thought.lm.base import lm_device
 from ppl_thought.program import Program, particles, twist
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.vocab import EOS_ID
@@ -61,7 +62,7 @@ class Constrained(Program):
 
     def init(self, state: dict, prompt: torch.Tensor | None = None) -> None:
         state["x"] = LMState.start(self.lm, particles(), prompt=prompt, rule=self.rule, max_len=self.max_tokens,
-                                   stop_ids=torch.tensor([EOS_ID]))
+                                   stop_ids=torch.tensor([EOS_ID], device=lm_device(self.lm)))
 
     def step(self, state: dict, t: int, prompt: torch.Tensor | None = None):
         x = state["x"]

@@ -1,0 +1,349 @@
+"""Every engine x every ready model on any torch device (issue 21, part 1), and half precision (part 2).
+
+How this is tested without a GPU, the "meta default device" trick: the engine runs with its models on
+``device`` (CPU by default, ``pytest --device cuda`` on a GPU) inside ``with torch.device("meta"):``,
+torch's default-device context. Every tensor the library makes without an explicit ``device=`` (the bug
+that crashes on CUDA: "Expected all tensors to be on the same device") then lands on "meta", and the first
+op mixing it with the model's tensors raises (or a ``.tolist()`` / ``.item()`` of it: "Cannot copy out of
+meta tensor"). Tensors made on the model's device are unaffected, so the run gives exactly the numbers of
+the same run without the context (same seed): that is the check, cell by cell.
+``test_the_meta_trick_catches_a_planted_device_bug`` shows that the trick fails on a planted
+``torch.zeros(n)`` in a program's step (and that the same program with ``device=`` passes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from engine_helpers import VOCAB, contrary_lm, tabular, thinking_prior
+from torch.utils._device import DeviceContext
+
+import ppl_thought as pt
+from ppl_thought.distributions.lm_state import LMState
+from ppl_thought.errors import DeviceMismatchError
+from ppl_thought.projections import PauseToThink
+
+
+def on(device):
+    """``module -> module.to(device)``."""
+    return lambda m: m.to(device)
+
+
+class MetaDefault(DeviceContext):
+    """``with torch.device("meta"):`` (torch's default-device context), except that ``torch.as_tensor(t)`` /
+    ``torch.tensor(t)`` / ``torch.asarray(t)`` of a tensor ``t`` keep ``t``'s device, as they do outside the
+    context (pyro's ``Unit`` of ``pyro.factor`` calls ``torch.as_tensor`` on the factor: no bug on a GPU)."""
+
+    def __init__(self):
+        super().__init__("meta")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _KEEP and args and isinstance(args[0], torch.Tensor) and kwargs.get("device") is None:
+            return func(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+_KEEP = (torch.as_tensor, torch.tensor, torch.asarray)
+
+
+def meta_default(enabled: bool = True):
+    return MetaDefault() if enabled else contextlib.nullcontext()
+
+
+def flat(out) -> list[float]:
+    """Every number of an engine's output (a Result, tensors, dicts, lists) on the host, in a fixed order."""
+    if isinstance(out, pt.infer.Result):
+        parts = [out.log_weights, out.log_marginal, out.samples, out.ancestry]
+        return flat(parts)
+    if isinstance(out, dict):
+        return [v for k in sorted(out, key=str) for v in flat(out[k])]
+    if isinstance(out, (list, tuple)):
+        return [v for o in out for v in flat(o)]
+    if isinstance(out, torch.Tensor):
+        assert out.device.type != "meta", "an output landed on the default device"
+        return out.detach().double().cpu().reshape(-1).tolist()
+    if isinstance(out, (int, float, bool)):
+        return [float(out)]
+    if out is None:
+        return []
+    return flat(vars(out)) if hasattr(out, "__dict__") else [float(out)]
+
+
+# ---------------------------------------------------------------------------------------------- the models
+def slow_thinking(device, guide: str):
+    prior = on(device)(pt.lm.Tabular(4, len(VOCAB), thinking_prior(0).logits, trainable=True))  # Inquisitive: theta
+    proj = PauseToThink(VOCAB, max_thought_len=2)
+    model = pt.models.SlowThinking(prior, proj)
+    q = on(device)(contrary_lm(1))
+    guides = {"identity": lambda: pt.guides.Identity(model), "predictive": lambda: pt.guides.Predictive(q, proj),
+              "causal": lambda: pt.guides.Causal(q, proj), "explanatory": lambda: pt.guides.Explanatory(q, proj),
+              "posterior": lambda: pt.guides.Posterior(model), "inquisitive": lambda: pt.guides.Inquisitive(model),
+              "none": lambda: None}
+    return model, guides[guide](), ("a b",)
+
+
+def hmm(device, guide: str):
+    A = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.7, 0.2], [0.2, 0.1, 0.7]], dtype=torch.float64)
+    B = torch.tensor([[0.8, 0.2], [0.3, 0.7], [0.5, 0.5]], dtype=torch.float64)
+    model = pt.models.HMM(A, B, torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)).to(device)
+    g = {"posterior": model.posterior_guide, "filtering": model.filtering_guide, "none": lambda: None}[guide]()
+    return model, g, (torch.tensor([0, 1, 1, 0], device=device),)
+
+
+def constrained(device, guide: str):
+    from ppl_thought.projections import CharDFA, token_automaton, token_texts
+
+    vocab = pt.Vocab(["a", "b", "e"])
+    g = torch.Generator().manual_seed(0)
+    lg = torch.full((len(vocab), len(vocab)), float("-inf"))
+    cols = [vocab.eos_id] + vocab.ordinary_ids.tolist()
+    lg[:, cols] = torch.randn(len(vocab), len(cols), generator=g)
+    lm = on(device)(pt.lm.Tabular(2, len(vocab), lg, trainable=False))
+    auto = token_automaton(CharDFA.lipogram("e"), token_texts(vocab))
+    twist = (lambda toks: 0.7 * (toks == vocab.id("a")).sum(-1).float()) if guide == "twist" else None
+    return pt.models.Constrained(lm, auto, 4, twist=twist), None, (torch.zeros(0, dtype=torch.long, device=device),)
+
+
+def user_program(device, guide: str):
+    from test_program_matrix import PlanThinkAnswer, PlanThinkGuide, tab
+
+    model = PlanThinkAnswer(on(device)(tab(6, order=2)), on(device)(tab(7)))
+    g = PlanThinkGuide(on(device)(tab(8, order=2)), None) if guide == "user" else None
+    return model, g, (torch.tensor([VOCAB.id("a"), VOCAB.id("b")], device=device),)
+
+
+def huggingface(device, guide: str):
+    import hf_models as H
+
+    prior = on(device)(H.small(0))
+    proj = PauseToThink(prior.vocab, 1)
+    model = pt.models.SlowThinking(prior, proj)
+    g = {"causal": lambda: pt.guides.Causal(on(device)(H.small(12)), proj),
+         "explanatory": lambda: pt.guides.Explanatory(on(device)(H.small(13)), proj),
+         "identity": lambda: pt.guides.Identity(model)}[guide]()
+    return model, g, (prior.vocab.encode(["a", "ba"]),)
+
+
+MODELS = {"slow_thinking": slow_thinking, "hmm": hmm, "constrained": constrained, "user_program": user_program,
+          "huggingface": huggingface}
+CELLS = ([("slow_thinking", g) for g in ("identity", "predictive", "causal", "explanatory", "posterior",
+                                          "inquisitive", "none")]
+         + [("hmm", g) for g in ("posterior", "filtering", "none")]
+         + [("constrained", "none"), ("constrained", "twist"), ("user_program", "user"), ("user_program", "none")]
+         + [("huggingface", g) for g in ("causal", "explanatory", "identity")])
+
+
+def run_engine(engine: str, model, guide, args, device):
+    pyro.set_rng_seed(0)
+    if engine == "importance":
+        return pt.infer.Importance(16).run(model, guide, *args)
+    gen = torch.Generator(device=device).manual_seed(1)
+    return pt.infer.SMC(16, ess_threshold=0.9, generator=gen).run(model, guide, *args)
+
+
+@pytest.mark.parametrize("engine", ["importance", "smc"])
+@pytest.mark.parametrize("model,guide", CELLS)
+def test_engine_matrix_makes_every_tensor_on_the_model_device(model, guide, engine, device):
+    if model == "huggingface":
+        pytest.importorskip("transformers")
+    if model == "hmm" and guide == "filtering" and engine == "importance":
+        pytest.skip("the filtering guide is an SMC proposal")
+    m, g, args = MODELS[model](device, guide)
+    ref = run_engine(engine, m, g, args, device)
+    with meta_default(True):
+        res = run_engine(engine, m, g, args, device)
+    assert res.log_weights.device.type == torch.device(device).type  # Result keeps tensors on the device
+    assert math.isfinite(float(res.log_marginal))
+    assert flat(res) == flat(ref)
+
+
+class _Counter(pt.Program):
+    """A program of two one-token steps from an LM; ``planted=True`` makes its finished flags with a planted
+    device bug (``torch.zeros(n)`` without ``device=``, the bug that crashes on CUDA)."""
+
+    def __init__(self, lm, planted: bool):
+        self.lm, self.planted = lm, planted
+
+    def init(self, state, x):
+        state["lm"] = LMState.start(self.lm, pt.particles(), max_len=8)
+
+    def step(self, state, t, x):
+        st = state["lm"]
+        st.extend(pyro.sample(f"z_{t}", st.next_token()))
+        pyro.sample(f"x_{t}", dist.Categorical(logits=torch.zeros(st.n, 2, device=st.device)), obs=x[t].expand(st.n))
+        if t + 1 < len(x):
+            return None
+        if self.planted:
+            return torch.zeros(st.n) == 0  # the bug: made on the default device, not the model's
+        return torch.zeros(st.n, device=st.device) == 0
+
+
+def test_the_meta_trick_catches_a_planted_device_bug(device):
+    lm = on(device)(tabular(len(VOCAB), 0))
+    x = torch.tensor([0, 1], device=device)
+    for engine in ("importance", "smc"):
+        good = run_engine(engine, _Counter(lm, planted=False), None, (x,), device)
+        with meta_default():
+            assert flat(run_engine(engine, _Counter(lm, planted=False), None, (x,), device)) == flat(good)
+        run_engine(engine, _Counter(lm, planted=True), None, (x,), device)  # no error without the trick
+        with meta_default(), pytest.raises((RuntimeError, NotImplementedError)):
+            run_engine(engine, _Counter(lm, planted=True), None, (x,), device)
+
+
+# ---------------------------------------------------------------------------------------------- device mismatch
+def test_a_model_and_a_guide_on_different_devices_get_a_clear_error():
+    """Model on "cpu", guide on "meta": DeviceMismatchError naming both devices, from every engine (before
+    torch's own "Expected all tensors to be on the same device")."""
+    proj = PauseToThink(VOCAB, max_thought_len=2)
+    model = pt.models.SlowThinking(thinking_prior(0), proj)
+    meta_lm = contrary_lm(1).to("meta")
+    for guide in (pt.guides.Causal(meta_lm, proj), pt.guides.Explanatory(meta_lm, proj)):
+        for engine in (pt.infer.Importance(4), pt.infer.SMC(4)):
+            with pytest.raises(DeviceMismatchError, match=r"device cpu.*device meta"):
+                engine.run(model, guide, "a b")
+        with pytest.raises(DeviceMismatchError, match="meta"):
+            pt.infer.decode(model, guide, "a", method="resampling", n=4, max_new_tokens=1)
+    hmm_model, _, (x,) = hmm("cpu", "none")
+    other = pt.models.HMM(hmm_model.A, hmm_model.B, hmm_model.lam).to("meta")
+    with pytest.raises(DeviceMismatchError, match="meta"):
+        pt.infer.SMC(4).run(hmm_model, other.posterior_guide(), x)
+    assert issubclass(DeviceMismatchError, pt.errors.PPLThoughtError)
+
+
+# ---------------------------------------------------------------------------------------------- the other engines
+def _decoding(method: str):
+    def case(device):
+        from engine_helpers import LiftingSampler, thinking_model
+
+        model = thinking_model()
+        model.prior.to(device)
+        sampler = LiftingSampler(on(device)(contrary_lm()), model)
+        gen = torch.Generator(device=device).manual_seed(0)
+        if method == "next_token":
+            return pt.infer.next_token_distribution(model, sampler, "a", n=8, generator=gen)
+        if method == "streaming":
+            torch.manual_seed(0)
+            return list(pt.infer.decode(model, sampler, "a", method="streaming", max_new_tokens=2))
+        d = pt.infer.decode(model, sampler, "a", method=method, n=8, max_new_tokens=2, num_samples=3, k=3,
+                            generator=gen)
+        return [d.tokens, d.z, d.stats.get("scores"), d.stats.get("next_token_probs")]
+    return case
+
+
+def _svi(device):
+    from _training_fixtures import PROJ, CausalGuide, X
+    from _training_fixtures import tabular as tab
+
+    pyro.clear_param_store()
+    prior, q = on(device)(tab(0)), on(device)(tab(1))
+    model = pt.models.SlowThinking(prior, PROJ)
+    guide = pt.guides.Causal(q, PROJ, name="q_svi")
+    pyro.set_rng_seed(0)
+    res = pt.infer.SVI(pt.infer.Sum(pt.infer.OneSampler(8), pt.infer.SamplerPolicyGradient(8)),
+                       {"lr": 0.1}).run(model, guide, X.to(device), num_steps=3)
+    out = [res.stats["losses"], res.log_weights, res.samples, prior.logits.detach(), q.logits.detach()]
+    del CausalGuide
+    pyro.clear_param_store()
+    return out
+
+
+def _trainer(device):
+    import functools
+
+    from _training_fixtures import PROJ, X
+    from _training_fixtures import tabular as tab
+
+    pyro.clear_param_store()
+    prior, q = on(device)(tab(0)), on(device)(tab(1))
+    model = pt.models.SlowThinking(prior, PROJ)
+    guide = pt.guides.Causal(q, PROJ, name="q_trainer")
+    t = pt.infer.Trainer(model, guide, pt.infer.Sum(pt.infer.OneSampler(8), pt.infer.SamplerPolicyGradient(8)),
+                         {"prior": prior, "sampler": q}, optimizer=functools.partial(torch.optim.Adam, lr=0.1),
+                         clip_norm=0.5, batch_size=2, progress=False, seed=0)
+    hist = t.fit([X.to(device)] * 4, num_steps=2)
+    pyro.clear_param_store()
+    return [hist, prior.logits.detach(), q.logits.detach()]
+
+
+class LTMProgram(pt.Program):
+    """SMC over a LatentThought decoder: z ~ N(0, I) at init, then one observed token per step."""
+
+    max_plate_nesting = 0
+
+    def __init__(self, ltm):
+        self.ltm = ltm
+
+    def init(self, state, tokens):
+        n = pt.particles()
+        z = pyro.sample("z", dist.Normal(torch.zeros(n, *self.ltm.latent_shape, device=tokens.device), 1.0)
+                        .to_event(3))
+        state["logits"] = self.ltm.logits(tokens[None], z[:, None])[:, 0]  # [n, N, V]: the window reads z
+
+    def step(self, state, t, tokens):
+        n = pt.particles()
+        pyro.sample(f"x_{t}", dist.Categorical(logits=state["logits"][:, t]), obs=tokens[t].expand(n))
+        return torch.ones(n, dtype=torch.bool, device=tokens.device) if t + 1 == len(tokens) else None
+
+
+def _latent_thought(engine: str):
+    def case(device):
+        from ppl_thought.models.latent_thought import LatentThought
+
+        torch.manual_seed(0)
+        ltm = LatentThought(5, 16, 2, 2, 2, window=2, d_latent=4).to(device)
+        tok = torch.tensor([[1, 3, 0, 2, 4, 1]], device=device)
+        pyro.set_rng_seed(0)
+        with torch.no_grad():
+            if engine == "importance":
+                return pt.infer.Importance(8).run(ltm.conditioned_model, None, tok)
+            if engine == "smc":
+                return pt.infer.SMC(8, generator=torch.Generator(device=device).manual_seed(0)).run(
+                    LTMProgram(ltm), None, tok[0])
+        if engine == "langevin":
+            return ltm.langevin_posterior(tok, num_steps=4, warmup_steps=3, num_chains=2, seed=0)
+        return ltm.evaluate(tok, num_steps=2, iw_samples=4)
+    return case
+
+
+def _verifier(engine: str):
+    def case(device):
+        from test_verifiers import dyck_task
+
+        lm, ver, _ = dyck_task(4)
+        lm = on(device)(lm)
+        pyro.set_rng_seed(0)
+        if engine == "rejection":
+            return pt.infer.RejectionSampling(20, 4).run(lm, ver)
+        if engine == "tokenwise":
+            return pt.infer.TokenwiseRejection(20, 4).run(lm, ver)
+        if engine == "verifier_smc":
+            return pt.infer.VerifierSMC(20, 4).run(lm, ver)
+        if engine == "backtracking":
+            return pt.infer.TokenwiseBacktracking(20, 4, quota=2, stride=1).run(lm, ver)
+        return pt.infer.VGB(20, 4, num_steps=6).run(lm, ver)
+    return case
+
+
+OTHER = {**{f"decode_{m}": _decoding(m) for m in ("direct", "resampling", "unbiased", "exact", "best_of_k",
+                                                   "streaming", "next_token")},
+         "svi": _svi, "trainer": _trainer,
+         **{f"latent_thought_{e}": _latent_thought(e) for e in ("importance", "smc", "langevin", "evaluate")},
+         **{f"verifier_{e}": _verifier(e) for e in ("rejection", "tokenwise", "verifier_smc", "backtracking", "vgb")}}
+
+
+@pytest.mark.parametrize("case", sorted(OTHER))
+def test_every_other_engine_makes_every_tensor_on_the_model_device(case, device):
+    """Decoding (every method), SVI, the Trainer and the verifier engines: the same numbers under the meta
+    default device as without it."""
+    pyro.set_rng_seed(0)
+    ref = OTHER[case](device)
+    pyro.set_rng_seed(0)
+    with meta_default():
+        out = OTHER[case](device)
+    assert flat(out) == flat(ref)
