@@ -217,6 +217,7 @@ def test_a_model_and_a_guide_on_different_devices_get_a_clear_error():
 
 
 # ---------------------------------------------------------------------------------------------- the other engines
+# each case builds its models on ``device`` and returns the run (called with and without the meta default device)
 def _decoding(method: str):
     def case(device):
         from engine_helpers import LiftingSampler, thinking_model
@@ -224,51 +225,50 @@ def _decoding(method: str):
         model = thinking_model()
         model.prior.to(device)
         sampler = LiftingSampler(on(device)(contrary_lm()), model)
-        gen = torch.Generator(device=device).manual_seed(0)
-        if method == "next_token":
-            return pt.infer.next_token_distribution(model, sampler, "a", n=8, generator=gen)
-        if method == "streaming":
-            torch.manual_seed(0)
-            return list(pt.infer.decode(model, sampler, "a", method="streaming", max_new_tokens=2))
-        d = pt.infer.decode(model, sampler, "a", method=method, n=8, max_new_tokens=2, num_samples=3, k=3,
-                            generator=gen)
-        return [d.tokens, d.z, d.stats.get("scores"), d.stats.get("next_token_probs")]
+
+        def run():
+            gen = torch.Generator(device=device).manual_seed(0)
+            if method == "next_token":
+                return pt.infer.next_token_distribution(model, sampler, "a", n=8, generator=gen)
+            if method == "streaming":
+                return list(pt.infer.decode(model, sampler, "a", method="streaming", max_new_tokens=2))
+            d = pt.infer.decode(model, sampler, "a", method=method, n=8, max_new_tokens=2, num_samples=3, k=3,
+                                generator=gen)
+            return [d.tokens, d.z, d.stats.get("scores"), d.stats.get("next_token_probs")]
+        return run
     return case
 
 
-def _svi(device):
-    from _training_fixtures import PROJ, CausalGuide, X
-    from _training_fixtures import tabular as tab
+def _training(engine: str):
+    def case(device):
+        import functools
 
-    pyro.clear_param_store()
-    prior, q = on(device)(tab(0)), on(device)(tab(1))
-    model = pt.models.SlowThinking(prior, PROJ)
-    guide = pt.guides.Causal(q, PROJ, name="q_svi")
-    pyro.set_rng_seed(0)
-    res = pt.infer.SVI(pt.infer.Sum(pt.infer.OneSampler(8), pt.infer.SamplerPolicyGradient(8)),
-                       {"lr": 0.1}).run(model, guide, X.to(device), num_steps=3)
-    out = [res.stats["losses"], res.log_weights, res.samples, prior.logits.detach(), q.logits.detach()]
-    del CausalGuide
-    pyro.clear_param_store()
-    return out
+        from _training_fixtures import PROJ, X
+        from _training_fixtures import tabular as tab
 
+        prior, q = on(device)(tab(0)), on(device)(tab(1))
+        model = pt.models.SlowThinking(prior, PROJ)
+        guide = pt.guides.Causal(q, PROJ, name="q")
+        start = [p.detach().clone() for p in (prior.logits, q.logits)]
+        objective = pt.infer.Sum(pt.infer.OneSampler(8), pt.infer.SamplerPolicyGradient(8))
 
-def _trainer(device):
-    import functools
-
-    from _training_fixtures import PROJ, X
-    from _training_fixtures import tabular as tab
-
-    pyro.clear_param_store()
-    prior, q = on(device)(tab(0)), on(device)(tab(1))
-    model = pt.models.SlowThinking(prior, PROJ)
-    guide = pt.guides.Causal(q, PROJ, name="q_trainer")
-    t = pt.infer.Trainer(model, guide, pt.infer.Sum(pt.infer.OneSampler(8), pt.infer.SamplerPolicyGradient(8)),
-                         {"prior": prior, "sampler": q}, optimizer=functools.partial(torch.optim.Adam, lr=0.1),
-                         clip_norm=0.5, batch_size=2, progress=False, seed=0)
-    hist = t.fit([X.to(device)] * 4, num_steps=2)
-    pyro.clear_param_store()
-    return [hist, prior.logits.detach(), q.logits.detach()]
+        def run():
+            pyro.clear_param_store()
+            with torch.no_grad():
+                prior.logits.copy_(start[0])
+                q.logits.copy_(start[1])
+            if engine == "svi":
+                res = pt.infer.SVI(objective, {"lr": 0.1}).run(model, guide, X.to(device), num_steps=3)
+                out = [res.stats["losses"], res.log_weights, res.samples]
+            else:
+                t = pt.infer.Trainer(model, guide, objective, {"prior": prior, "sampler": q},
+                                     optimizer=functools.partial(torch.optim.Adam, lr=0.1), clip_norm=0.5,
+                                     batch_size=2, progress=False, seed=0)
+                out = [[{k: v for k, v in h.items() if k != "time"} for h in t.fit([X.to(device)] * 4, num_steps=2)]]
+            pyro.clear_param_store()
+            return out + [prior.logits.detach().clone(), q.logits.detach().clone()]
+        return run
+    return case
 
 
 class LTMProgram(pt.Program):
@@ -298,16 +298,19 @@ def _latent_thought(engine: str):
         torch.manual_seed(0)
         ltm = LatentThought(5, 16, 2, 2, 2, window=2, d_latent=4).to(device)
         tok = torch.tensor([[1, 3, 0, 2, 4, 1]], device=device)
-        pyro.set_rng_seed(0)
-        with torch.no_grad():
-            if engine == "importance":
-                return pt.infer.Importance(8).run(ltm.conditioned_model, None, tok)
-            if engine == "smc":
-                return pt.infer.SMC(8, generator=torch.Generator(device=device).manual_seed(0)).run(
-                    LTMProgram(ltm), None, tok[0])
-        if engine == "langevin":
-            return ltm.langevin_posterior(tok, num_steps=4, warmup_steps=3, num_chains=2, seed=0)
-        return ltm.evaluate(tok, num_steps=2, iw_samples=4)
+
+        def run():
+            with torch.no_grad():
+                if engine == "importance":
+                    return pt.infer.Importance(8).run(ltm.conditioned_model, None, tok)
+                if engine == "smc":
+                    return pt.infer.SMC(8, generator=torch.Generator(device=device).manual_seed(0)).run(
+                        LTMProgram(ltm), None, tok[0])
+            if engine == "langevin":
+                r = ltm.langevin_posterior(tok, num_steps=4, warmup_steps=3, num_chains=2, seed=0)
+                return [r.samples, r.stats.get("accept_prob")]
+            return ltm.evaluate(tok, num_steps=2, iw_samples=4)
+        return run
     return case
 
 
@@ -317,33 +320,36 @@ def _verifier(engine: str):
 
         lm, ver, _ = dyck_task(4)
         lm = on(device)(lm)
-        pyro.set_rng_seed(0)
-        if engine == "rejection":
-            return pt.infer.RejectionSampling(20, 4).run(lm, ver)
-        if engine == "tokenwise":
-            return pt.infer.TokenwiseRejection(20, 4).run(lm, ver)
-        if engine == "verifier_smc":
-            return pt.infer.VerifierSMC(20, 4).run(lm, ver)
-        if engine == "backtracking":
-            return pt.infer.TokenwiseBacktracking(20, 4, quota=2, stride=1).run(lm, ver)
-        return pt.infer.VGB(20, 4, num_steps=6).run(lm, ver)
+
+        def run():
+            if engine == "rejection":
+                return pt.infer.RejectionSampling(20, 4).run(lm, ver)
+            if engine == "tokenwise":
+                return pt.infer.TokenwiseRejection(20, 4).run(lm, ver)
+            if engine == "verifier_smc":
+                return pt.infer.VerifierSMC(20, 4).run(lm, ver)
+            if engine == "backtracking":
+                return pt.infer.TokenwiseBacktracking(20, 4, quota=2, stride=1).run(lm, ver)
+            return pt.infer.VGB(20, 4, num_steps=40).run(lm, ver)
+        return run
     return case
 
 
 OTHER = {**{f"decode_{m}": _decoding(m) for m in ("direct", "resampling", "unbiased", "exact", "best_of_k",
                                                    "streaming", "next_token")},
-         "svi": _svi, "trainer": _trainer,
+         "svi": _training("svi"), "trainer": _training("trainer"),
          **{f"latent_thought_{e}": _latent_thought(e) for e in ("importance", "smc", "langevin", "evaluate")},
          **{f"verifier_{e}": _verifier(e) for e in ("rejection", "tokenwise", "verifier_smc", "backtracking", "vgb")}}
 
 
 @pytest.mark.parametrize("case", sorted(OTHER))
 def test_every_other_engine_makes_every_tensor_on_the_model_device(case, device):
-    """Decoding (every method), SVI, the Trainer and the verifier engines: the same numbers under the meta
-    default device as without it."""
+    """Decoding (every method), SVI, the Trainer, LatentThought (Importance, SMC, Langevin, its evaluation) and
+    the verifier engines: the same numbers under the meta default device as without it."""
+    run = OTHER[case](device)
     pyro.set_rng_seed(0)
-    ref = OTHER[case](device)
+    ref = run()
     pyro.set_rng_seed(0)
     with meta_default():
-        out = OTHER[case](device)
+        out = run()
     assert flat(out) == flat(ref)

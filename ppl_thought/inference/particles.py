@@ -105,6 +105,9 @@ def program_device(obj, _depth: int = 0) -> torch.device | None:
         return None
     if isinstance(obj, torch.nn.Module):
         return lm_device(obj)
+    owner = getattr(obj, "__self__", None)  # a bound method (e.g. ``ltm.conditioned_model``): its object's
+    if owner is not None and owner is not obj and _depth < 2:
+        return program_device(owner, _depth + 1)
     try:
         dev = getattr(obj, "device", None)
     except Exception:  # a property that cannot answer
@@ -127,8 +130,9 @@ def program_device(obj, _depth: int = 0) -> torch.device | None:
     return None
 
 
-def engine_device(model, guide=None) -> torch.device | None:
-    """The device an engine runs ``model`` and ``guide`` on (``None``: neither says, e.g. plain functions).
+def engine_device(model, guide=None, args: tuple = (), kwargs: dict | None = None) -> torch.device | None:
+    """The device an engine runs ``model`` and ``guide`` on: the one they say (:func:`program_device`), else
+    that of the first tensor among the data ``args`` / ``kwargs`` (a plain Pyro function's data), else ``None``.
 
     Raises :class:`DeviceMismatchError` naming both devices when model and guide live on different devices
     (before torch fails inside a forward pass with "Expected all tensors to be on the same device").
@@ -138,7 +142,12 @@ def engine_device(model, guide=None) -> torch.device | None:
         raise DeviceMismatchError(
             f"the model {type(model).__name__} is on device {md} but the guide {type(guide).__name__} is on "
             f"device {gd}: move both to one device (e.g. lm.to({str(md)!r}) for the guide's LM)")
-    return md if md is not None else gd
+    if md is not None or gd is not None:
+        return md if md is not None else gd
+    for v in list(args) + list((kwargs or {}).values()):
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return None
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -326,7 +335,7 @@ def sample_particles(model: Callable, guide: Callable | None, n: int, *args, max
     Raises :class:`SiteMismatchError` when the guide's latent sites are not exactly the model's.
     """
     check_compatible(model, guide)
-    dev = engine_device(model, guide)
+    dev = engine_device(model, guide, args, kwargs)
     depth = find_max_plate_nesting(model, guide, args, kwargs) if max_plate_nesting is None else max_plate_nesting
     dim = -(int(depth) + 1)
     try:

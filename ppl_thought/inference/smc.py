@@ -184,7 +184,7 @@ class SMC:
         depth = max(int(getattr(model, "max_plate_nesting", 0) or 0),
                     int(getattr(guide, "max_plate_nesting", 0) or 0) if guide is not None else 0)
         dim = -(depth + 1)
-        device = engine_device(model, guide)
+        device = engine_device(model, guide, args, kwargs)
         plate = particle_plate(N, dim, G, device)
         sm: dict = {}
         sg: dict = {}

@@ -258,7 +258,7 @@ class LatentThought(nn.Module):
 
     def log_prior(self, z: torch.Tensor) -> torch.Tensor:
         """log N(z; 0, I) summed over the event ``[L, N_z, d]``."""
-        return dist.Normal(0.0, 1.0).log_prob(z).flatten(-3).sum(-1)
+        return dist.Normal(z.new_zeros(()), z.new_ones(())).log_prob(z).flatten(-3).sum(-1)
 
     # -- Pyro programs ---------------------------------------------------------------------------------
 
@@ -268,7 +268,7 @@ class LatentThought(nn.Module):
         if register:
             pyro.module("ltm_decoder", self.decoder)
         zeros = torch.zeros(self.latent_shape, device=tokens.device)
-        with pyro.plate("sequences", B, dim=-1):
+        with pyro.plate("sequences", B, dim=-1, device=tokens.device):
             z = pyro.sample("z", dist.Normal(zeros, 1.0).to_event(3))
             logits = self.logits(tokens, z)
             pyro.sample("x", dist.Categorical(logits=logits).mask(mask).to_event(1), obs=tokens)
