@@ -353,3 +353,99 @@ def test_every_other_engine_makes_every_tensor_on_the_model_device(case, device)
     with meta_default():
         out = run()
     assert flat(out) == flat(ref)
+
+
+# ---------------------------------------------------------------------------------------------- host syncs
+def test_a_decode_step_checks_token_ids_once_per_input_not_per_token(monkeypatch):
+    """The LM protocol's range check (``check_token_ids``: an ``aminmax`` read on the host) runs on the prompt a
+    program starts from, not at every decode step (the decoding loop's ids are sampled below vocab_size)."""
+    import ppl_thought.lm.base as base
+
+    calls = []
+    real = torch.aminmax
+    monkeypatch.setattr(base.torch, "aminmax", lambda t, *a, **k: calls.append(t.shape) or real(t, *a, **k))
+    torch.manual_seed(0)
+    lm = pt.lm.Transformer(len(VOCAB), d_model=16, n_layers=1, n_heads=2, max_len=32)
+    auto = pt.projections.PauseToThink(VOCAB, max_thought_len=2).domain(3)
+    for tokens in (2, 6):
+        calls.clear()
+        pyro.set_rng_seed(0)
+        res = pt.infer.SMC(8).run(pt.models.Constrained(lm, auto, tokens), None,
+                                  torch.tensor([VOCAB.id("a")]))
+        assert res.stats["token_steps"] >= tokens // 2
+        assert len(calls) == 1, calls  # the prompt, once: not per token
+    with pytest.raises(pt.errors.UnknownTokenError):
+        lm(torch.tensor([[len(VOCAB)]]))  # a user's call is still checked
+
+
+# ---------------------------------------------------------------------------------------------- half precision
+def _half_problem(dtype, device):
+    torch.manual_seed(0)
+    prior = pt.lm.Transformer(len(VOCAB), d_model=32, n_layers=2, n_heads=2, max_len=32)
+    q = pt.lm.Transformer(len(VOCAB), d_model=32, n_layers=1, n_heads=2, max_len=32)
+    with torch.no_grad():  # logits of order 1 (a random init gives nearly uniform ones)
+        prior.embed.weight.mul_(40.0)
+    proj = PauseToThink(VOCAB, max_thought_len=2)
+    prior, q = prior.to(device, dtype), q.to(device, dtype)
+    return pt.models.SlowThinking(prior, proj), pt.guides.Causal(q, proj)
+
+
+def _half_dtypes():
+    out = [torch.bfloat16]
+    try:  # fp16 matmuls on this CPU?
+        torch.ones(2, 2, dtype=torch.float16) @ torch.ones(2, 2, dtype=torch.float16)
+        out.append(torch.float16)
+    except RuntimeError:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=str)
+def test_half_precision_models_give_float32_estimates_close_to_float32(dtype, device):
+    """The same random Transformer (prior and guide) in float32 and cast to ``dtype``: Importance and SMC log Z-hat.
+
+    Log-probabilities are upcast to float32 before the log-softmax and every weight, log Z-hat and ESS is float32,
+    so the estimates are finite and float32. Bound, from the model itself: each step log-probability moves by at
+    most 2 * eps under the cast (eps = the largest change of a logit, measured on the steps of every sequence of
+    the lifting), so |log P_half(z) - log P_32(z)| <= 2 eps L and the same for Q (L = the event length); each
+    log weight moves by at most 4 eps L, and so does log Z-hat for the same draws. Draws may differ where the cast
+    moves a sampling boundary, which the standard errors cover: the test takes 4 eps L + 3 sqrt(se_32^2 + se_h^2).
+    The exact log Z of both models (enumeration) differ by at most 2 eps L. The sequence log-probabilities are
+    float32 (before this was checked, LMSequence.log_prob of a bf16 LM summed in bf16: its exact log Z came out
+    as -23.125, a bf16 number, instead of -23.1046)."""
+    x = "a b"
+    m32, g32 = _half_problem(torch.float32, device)
+    mh, gh = _half_problem(dtype, device)
+    support, _ = m32.enumerate_log_joint(x)
+    L = support.shape[1]
+    with torch.no_grad():
+        bos = torch.full((support.shape[0], 1), pt.vocab.BOS_ID, device=device)
+        inp = torch.cat([bos, support.to(device)], 1)
+        eps = max(float((a(inp)[0].float() - b(inp)[0].float()).abs().max())
+                  for a, b in ((m32.prior, mh.prior), (g32.lm, gh.lm)))
+    bound = 2 * eps * L
+    assert mh.z_dist(2).log_prob(support.to(device)).dtype == torch.float32
+    assert gh.log_prob(gh.sample(x, 4), x).dtype == torch.float32
+    exact32, exacth = float(m32.exact_log_prob(x)), float(mh.exact_log_prob(x))
+    assert abs(exacth - exact32) <= bound, (exacth, exact32, bound)
+    for engine in (pt.infer.Importance(64), pt.infer.SMC(64, ess_threshold=0.5)):
+        pyro.set_rng_seed(0)
+        r32 = engine.run(m32, g32, x)
+        pyro.set_rng_seed(0)
+        rh = engine.run(mh, gh, x)
+        for r in (r32, rh):
+            assert r.log_weights.dtype == torch.float32 and r.log_marginal.dtype == torch.float32
+            assert not torch.isnan(r.log_weights).any() and math.isfinite(float(r.log_marginal))
+            assert math.isfinite(float(r.ess))
+        se = math.hypot(_se(r32), _se(rh))
+        assert abs(float(rh.log_marginal) - float(r32.log_marginal)) <= 2 * bound + 3 * se, \
+            (type(engine).__name__, float(rh.log_marginal), float(r32.log_marginal), eps, se)
+        assert abs(float(rh.log_marginal) - exacth) <= 4 * max(_se(rh), 0.05)
+
+
+def _se(r) -> float:
+    """The delta-method SE of log Z-hat (Importance); for SMC with resampling the same formula on the final
+    weights understates it, so at least 0.05."""
+    w = torch.softmax(r.log_weights.double(), 0)
+    n = w.numel()
+    return max(float(((w * n - 1) ** 2).mean().sqrt() / math.sqrt(n)), 0.05)

@@ -22,7 +22,7 @@ from pyro.params.param_store import module_from_param_with_module_name, param_wi
 from torch.distributions import constraints
 
 from ppl_thought.checks import integer
-from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan, trim_padding
+from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan, trim_padding, upcast
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.projections.automaton import Automaton
@@ -372,7 +372,7 @@ class LMSequence(TorchDistribution):
         else:
             auto.zero_()
         mask = self._mask(auto[:, :L].reshape(-1)).reshape(n, L, -1)
-        masked = logits.masked_fill(~mask, float("-inf"))
+        masked = upcast(logits).masked_fill(~mask, float("-inf"))  # float32 for half-precision LMs
         lse = torch.logsumexp(masked, -1)
         tok_logit = masked.gather(-1, z[..., None]).squeeze(-1)
         step = torch.where(torch.isneginf(tok_logit), torch.full_like(lse, float("-inf")), tok_logit - lse)

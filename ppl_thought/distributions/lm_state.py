@@ -28,10 +28,17 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
 from ppl_thought.errors import MalformedSequenceError, NumericalError
-from ppl_thought.lm.base import lm_device, match_rows
+from ppl_thought.lm.base import ids_checked, lm_device, match_rows
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
-__all__ = ["LMState", "Segment", "TokenRule", "supports_valid", "masked_log_softmax", "nucleus", "generated_tokens"]
+__all__ = ["LMState", "Segment", "TokenRule", "supports_valid", "masked_log_softmax", "nucleus", "generated_tokens",
+           "upcast"]
+
+
+def upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits (bfloat16, float16) as float32, others as they are: every log-softmax, log weight,
+    log Z-hat and ESS is computed in float32 or better (a bf16 log-probability has 8 bits of mantissa)."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
 def supports_valid(lm: torch.nn.Module) -> bool:
@@ -317,6 +324,10 @@ class LMState:
     def _feed(self, cache, context, toks: torch.Tensor, valid: torch.Tensor | None, kw: dict | None = None):
         """Feed ``toks [n, S]`` (only where ``valid``; ``None``: everywhere) after ``cache`` (valid mode) or
         ``context`` (recompute mode); return (logits after each position [n, S, V], cache, context)."""
+        with ids_checked():  # sampled ids (below vocab_size) or a segment checked by Segment._check: no sync
+            return self._feed_checked(cache, context, toks, valid, kw)
+
+    def _feed_checked(self, cache, context, toks: torch.Tensor, valid: torch.Tensor | None, kw: dict | None):
         n, S = toks.shape
         kw = match_rows(self.lm_kwargs, n) if kw is None else kw
         if context is None:

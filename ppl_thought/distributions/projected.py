@@ -53,7 +53,8 @@ class ProjectionDelta(TorchDistribution):
         try:
             lift = self.projection.lifting(xs[0].cpu().numpy())
         except NotInImageError:
-            return torch.full(torch.broadcast_shapes(x.shape[:-1], self.batch_shape), float("-inf"), device=self.z.device)
+            shape = torch.broadcast_shapes(x.shape[:-1], self.batch_shape)
+            return torch.full(shape, float("-inf"), device=self.z.device)
         z = self.z
         s = torch.full(z.shape[:-1], lift.start, dtype=torch.long, device=z.device)
         for i in range(z.shape[-1]):

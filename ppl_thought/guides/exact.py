@@ -119,9 +119,10 @@ class Inquisitive(_TableSampler):
             ok = torch.isfinite(lp)
             safe = torch.where(ok, lp, torch.zeros_like(lp))
             try:
-                grads = torch.autograd.grad(safe, params, grad_outputs=torch.eye(K, device=lp.device, dtype=lp.dtype), is_grads_batched=True,
+                eye = torch.eye(K, device=lp.device, dtype=lp.dtype)
+                grads = torch.autograd.grad(safe, params, grad_outputs=eye, is_grads_batched=True,
                                             retain_graph=True, allow_unused=True)
-                G = torch.cat([(g if g is not None else torch.zeros((K,) + p.shape, device=p.device, dtype=p.dtype)).reshape(K, -1)
+                G = torch.cat([(g if g is not None else p.new_zeros((K,) + p.shape)).reshape(K, -1)
                                for g, p in zip(grads, params)], 1)
             except RuntimeError:
                 rows = []

@@ -36,8 +36,9 @@ from ppl_thought.lm.base import lm_device
 from ppl_thought.program import PARTICLES, collect_twists, is_program
 
 __all__ = [
-    "PARTICLES", "Particles", "StepOutput", "check_compatible", "check_sites", "engine_device", "find_max_plate_nesting",
-    "latent_sites", "log_ratio", "per_particle", "program_device", "run_step", "sample_particles",
+    "PARTICLES", "Particles", "StepOutput", "check_compatible", "check_sites", "engine_device",
+    "find_max_plate_nesting", "latent_sites", "log_ratio", "per_particle", "program_device", "run_step",
+    "sample_particles",
 ]
 
 

@@ -32,7 +32,9 @@ def _log_marginal_stderr(log_w: torch.Tensor) -> torch.Tensor:
     if not torch.isfinite(m):
         return torch.tensor(float("inf"), device=log_w.device)
     w = torch.exp(log_w - m)
-    return w.std(correction=1) / (math.sqrt(len(w)) * w.mean()) if len(w) > 1 else torch.tensor(float("nan"), device=w.device)
+    if len(w) < 2:
+        return torch.tensor(float("nan"), device=w.device)
+    return w.std(correction=1) / (math.sqrt(len(w)) * w.mean())
 
 
 def _warn_if_distributed() -> None:

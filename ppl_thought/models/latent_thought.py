@@ -39,6 +39,7 @@ import pyro.distributions as dist
 import torch
 from torch import nn
 
+from ppl_thought.distributions.lm_state import upcast
 from ppl_thought.errors import MalformedSequenceError
 from ppl_thought.inference.result import Result, log_mean_exp
 from ppl_thought.lm.transformer import Transformer
@@ -237,7 +238,7 @@ class LatentThought(nn.Module):
                         max_rows: int = 4096) -> torch.Tensor:
         """log p(x_n | z, x_{<n}) per position ``[..., B, N]``; padding positions give 0."""
         tokens, mask = self._prepare(tokens, mask)
-        logp = torch.log_softmax(self.logits(tokens, z, max_rows), dim=-1)
+        logp = torch.log_softmax(upcast(self.logits(tokens, z, max_rows)), dim=-1)  # float32 for half precision
         lp = logp.gather(-1, tokens.expand(*logp.shape[:-1]).unsqueeze(-1)).squeeze(-1)
         return torch.where(mask, lp, torch.zeros_like(lp))
 
