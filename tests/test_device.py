@@ -449,3 +449,21 @@ def _se(r) -> float:
     w = torch.softmax(r.log_weights.double(), 0)
     n = w.numel()
     return max(float(((w * n - 1) ** 2).mean().sqrt() / math.sqrt(n)), 0.05)
+
+
+@pytest.mark.parametrize("model,guide", [("slow_thinking", "causal"), ("user_program", "user")])
+def test_results_convert_and_save_on_the_host(model, guide, device, tmp_path):
+    """ArviZ conversion and ``save_result`` move a device Result to the host (under the meta default device
+    too): the Result itself keeps its tensors on the device."""
+    from ppl_thought.diagnostics import to_inference_data
+    from ppl_thought.io import load_result, save_result
+
+    m, g, args = MODELS[model](device, guide)
+    with meta_default():
+        res = run_engine("smc", m, g, args, device)
+        idata = to_inference_data(res)
+        save_result(tmp_path / "r", res)
+        back = load_result(tmp_path / "r")
+    assert res.log_weights.device.type == torch.device(device).type
+    assert back.log_weights.device.type == "cpu" and torch.equal(back.log_weights, res.log_weights.cpu())
+    assert float(idata.posterior.attrs["log_marginal"]) == pytest.approx(float(res.log_marginal))
