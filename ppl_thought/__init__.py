@@ -11,6 +11,7 @@ A slow-thinking model is the tuple (Sigma, Omega, Proj, P, Q) of the static theo
     pt.models                     # SlowThinking (Proj # P_f), HMM (Def 2.2, Theorem 2.3)
     pt.data                       # synthetic tasks with exact answers (A5 cups-and-ball HMM)
     pt.infer                      # engines: Importance, SMC, SVI, Langevin, decode (Result)
+    pt.transforms                 # model transforms: ProjectionLift, Forgetful, Persistent, Ubiquitous, CostAware
     pt.Program                    # the step-wise program protocol (init / step), pt.twist, pt.particles,
                                   # pt.particle_groups
 
@@ -38,6 +39,7 @@ _SUBMODULES = {
     "diagnostics": "ppl_thought.diagnostics",
     "errors": "ppl_thought.errors",
     "io": "ppl_thought.io",
+    "transforms": "ppl_thought.transforms",
 }
 
 _ATTRIBUTES = {name: "ppl_thought.program" for name in ("Program", "Shared", "twist", "particles", "particle_groups")}

@@ -307,7 +307,9 @@ def _latent_thought(engine: str):
                     return pt.infer.SMC(8, generator=torch.Generator(device=device).manual_seed(0)).run(
                         LTMProgram(ltm), None, tok[0])
             if engine == "langevin":
-                r = ltm.langevin_posterior(tok, num_steps=4, warmup_steps=3, num_chains=2, seed=0)
+                from ppl_thought.inference.latent_thought import langevin_posterior
+
+                r = langevin_posterior(ltm, tok, num_steps=4, warmup_steps=3, num_chains=2, seed=0)
                 return [r.samples, r.stats.get("accept_prob")]
             return ltm.evaluate(tok, num_steps=2, iw_samples=4)
         return run

@@ -35,9 +35,10 @@ import torch
 
 from ppl_thought.arviz_compat import import_arviz
 from ppl_thought.errors import DiagnosticError, UnsupportedResultError
-from ppl_thought.inference.result import Result, effective_sample_size, pareto_k, psis
+from ppl_thought.inference.result import Result, pareto_k, psis
 from ppl_thought.inference.smc import resample
 from ppl_thought.vocab import PAD_ID
+from ppl_thought.weights import effective_sample_size
 
 #: engines whose unweighted results are chains x draws of a Markov chain (others: independent draws)
 MCMC_ENGINES = ("langevin",)

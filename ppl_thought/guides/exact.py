@@ -163,7 +163,7 @@ class TableState:
         self.lengths_k = (support != PAD_ID).sum(-1)
         T = num_observed(lift)
         dev = support.device
-        s = lift.start_states(K, dev)
+        s = lift.start_states(K, support)
         emitted = torch.empty(K, L + 1, dtype=torch.long, device=dev)
         emitted[:, 0] = lift.num_emitted(s)
         for i in range(L):

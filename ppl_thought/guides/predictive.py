@@ -116,8 +116,8 @@ class MarginalizedDecoder(Sampler):
         mx = masked.max(-1, keepdim=True).values
         mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
         p = torch.exp(masked - mx)  # unnormalised, stable
-        nxt = D.torch_table(dev)[sD]  # [N, V]
-        em = D._torch("emitted", dev)
+        nxt = D.device_table("table", dev)[sD]  # [N, V]
+        em = D.device_table("emitted", dev)
         emitting = mD & (em[nxt] > em[sD][:, None])
         t = lift.num_emitted(sL).clamp(0, max(len(x) - 1, 0))
         xt = x.to(dev)[t] if len(x) else torch.zeros(N, dtype=torch.long, device=dev)
