@@ -458,7 +458,7 @@ def test_results_convert_and_save_on_the_host(model, guide, device, tmp_path):
     """ArviZ conversion and ``save_result`` move a device Result to the host (under the meta default device
     too): the Result itself keeps its tensors on the device."""
     from ppl_thought.diagnostics import to_inference_data
-    from ppl_thought.io import load_result, save_result
+    from ppl_thought.inference.result import load_result, save_result
 
     m, g, args = MODELS[model](device, guide)
     with meta_default():
