@@ -110,6 +110,11 @@ class MissingDependencyError(DependencyError, ConfigError):
     names the extra to install."""
 
 
+class DeviceMismatchError(PPLThoughtError, ValueError):
+    """A model and its guide (or two LMs one engine runs together) live on different torch devices: the
+    message names both devices (move one with ``.to(device)``) instead of a RuntimeError from inside torch."""
+
+
 class TransformError(PPLThoughtError, ValueError):
     """A model transform (pt.transforms) cannot apply: no sequence site to act on, conflicting transforms
     (Persistent with Forgetful), a site without the vocabulary a transform needs."""

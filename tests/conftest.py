@@ -2,6 +2,7 @@
 
 import warnings
 
+import pytest
 import torch
 
 torch.set_num_threads(1)
@@ -11,6 +12,35 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="arviz")
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False,
                      help="statistical tests with their full seed sets (default: a smaller seed set)")
+    parser.addoption("--device", default="cpu",
+                     help="torch device for the tests that take the `device` fixture (e.g. cuda, cuda:1; "
+                          "default cpu); they are skipped where that device is absent")
+
+
+def device_available(name: str) -> bool:
+    """Whether torch can put tensors on the device ``name`` here (cpu always; cuda, mps if present)."""
+    dev = torch.device(name)
+    if dev.type == "cpu":
+        return True
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and (dev.index is None or dev.index < torch.cuda.device_count())
+    if dev.type == "mps":
+        return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError):
+        return False
+    return True
+
+
+@pytest.fixture
+def device(request) -> torch.device:
+    """The device of ``pytest --device NAME`` (default cpu): tests build their models there. Skips the test
+    when the device is absent (e.g. ``--device cuda`` without a GPU), so CI on CPU stays green."""
+    name = request.config.getoption("--device")
+    if not device_available(name):
+        pytest.skip(f"device {name!r} is not available here")
+    return torch.device(name)
 
 
 def pytest_configure(config):

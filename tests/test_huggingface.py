@@ -370,11 +370,14 @@ KINDS = ["identity", "predictive", "causal", "explanatory", "explanatory_gated",
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_guide_is_a_law_on_the_lifting_and_weights_are_exact(thinking, kind):
+def test_every_guide_is_a_law_on_the_lifting_and_weights_are_exact(thinking, kind, device):
     """Each guide's probabilities sum to 1 over the enumerated lifting; its samples score what they were
     drawn with; Importance with it estimates log Z within 4 standard errors of exact enumeration."""
     model, x = thinking
     q = make_guide(kind, model)
+    model.prior.to(device)
+    if getattr(q, "lm", None) is not None:
+        q.lm.to(device)
     support, _ = model.enumerate_log_joint(x)
     assert support.shape[0] == 64
     with torch.no_grad():
@@ -387,6 +390,7 @@ def test_every_guide_is_a_law_on_the_lifting_and_weights_are_exact(thinking, kin
         res = Importance(400).run(model, q, x)
     exact = model.exact_log_prob(x).item()
     err, se = abs(res.log_marginal.item() - exact), res.log_marginal_stderr.item()
+    model.prior.to("cpu")  # the module-scoped fixture is shared
     assert err <= 4 * se + 1e-4 and se < 0.15, (kind, err, se)
 
 

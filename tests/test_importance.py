@@ -45,9 +45,10 @@ def test_exact_posterior_guide_gives_exact_log_marginal():
         assert float(r.ess) == pytest.approx(64, rel=1e-4)
 
 
-def test_fast_path_equals_trace_path():
+def test_fast_path_equals_trace_path(device):
     model = pause_model(1)
-    guide = LiftingSampler(tabular(len(VOCAB), 5), model)
+    model.prior.to(device)
+    guide = LiftingSampler(tabular(len(VOCAB), 5).to(device), model)
     torch.manual_seed(3)
     fast = Importance(128, fast=True).run(model, guide, X)
     torch.manual_seed(3)

@@ -63,14 +63,15 @@ def manual_log_prob(lm, prompt, z, automaton=None):
     return total
 
 
-def test_log_prob_of_samples_equals_sum_of_masked_steps():
+def test_log_prob_of_samples_equals_sum_of_masked_steps(device):
     lm, aut = bigram(), small_language()
-    d = LMSequence(lm, prompt=[A, C], constraint=aut, vocab=VOCAB)
+    d = LMSequence(bigram().to(device), prompt=[A, C], constraint=aut, vocab=VOCAB)
     torch.manual_seed(0)
     z, lp = d.sample_with_log_prob((50,))
-    assert z.shape == (50, 4)
+    assert z.shape == (50, 4) and z.device.type == lp.device.type == device.type
     lp_tf = d.log_prob(z.clone()).detach()
     assert torch.allclose(lp, lp_tf, atol=1e-5)
+    z, lp_tf = z.cpu(), lp_tf.cpu()
     for row, l in zip(z[:10], lp_tf[:10]):
         toks = [int(t) for t in row if t != VOCAB.pad_id]
         assert aut.accepts(toks)

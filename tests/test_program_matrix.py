@@ -99,7 +99,7 @@ class PlanThinkAnswer(pt.Program):
         speak.extend(thought)
         answer = pyro.sample(f"x_{t}", speak.next_token(), obs=x[t].expand(speak.n))
         speak.extend(answer)
-        return torch.ones(speak.n, dtype=torch.bool) if t + 1 == len(x) else None
+        return torch.ones(speak.n, dtype=torch.bool, device=speak.device) if t + 1 == len(x) else None
 
 
 class PlanThinkGuide(PlanThinkAnswer):
@@ -112,7 +112,7 @@ class PlanThinkGuide(PlanThinkAnswer):
         think = state["think"]
         think.extend(pyro.sample(f"plan_{t}", think.segment(max_tokens=1)))
         think.extend(pyro.sample(f"thought_{t}", think.segment(stop=STOP, max_tokens=2)))
-        return torch.ones(think.n, dtype=torch.bool) if t + 1 == len(x) else None
+        return torch.ones(think.n, dtype=torch.bool, device=think.device) if t + 1 == len(x) else None
 
 
 def user_program():
@@ -191,6 +191,24 @@ def estimates(engine: str, model, guide, x, seeds_, n: int = 64):
     return torch.tensor(out, dtype=torch.float64), torch.tensor(ses, dtype=torch.float64)
 
 
+def to_device(obj, device, seen=None) -> None:
+    """Move every LM (``torch.nn.Module``) and HMM a model or guide holds to ``device``, in place."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or obj is None:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (torch.nn.Module, pt.models.HMM)):
+        obj.to(device)
+        return
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            to_device(o, device, seen)
+        return
+    for v in getattr(obj, "__dict__", {}).values():
+        if isinstance(v, (torch.nn.Module, pt.models.HMM)) or hasattr(v, "__dict__") and not isinstance(v, type):
+            to_device(v, device, seen)
+
+
 def check_unbiased(log_z: torch.Tensor, exact: float, ses: torch.Tensor, what: str) -> None:
     ratio = torch.exp(log_z - exact)
     se = float(ratio.std()) / math.sqrt(len(ratio))
@@ -207,8 +225,10 @@ def check_unbiased(log_z: torch.Tensor, exact: float, ses: torch.Tensor, what: s
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["Importance", "SMC"])
 @pytest.mark.parametrize(("model_kind", "guide_kind"), CELLS, ids=[f"{m}-{g}" for m, g in CELLS])
-def test_matrix(request, model_kind, guide_kind, engine):
+def test_matrix(request, model_kind, guide_kind, engine, device):
     model, guide, x, exact = build(model_kind, guide_kind)
+    to_device((model, guide), device)
+    x = x.to(device) if isinstance(x, torch.Tensor) else x
     n = 1024 if guide is None and model_kind != "hmm" else 64  # a bootstrap from the prior mostly misses x
     log_z, ses = estimates(engine, model, guide, x, seeds(request), n=n)
     assert not torch.isnan(log_z).any() and torch.isfinite(log_z).float().mean() > 0.9  # Z-hat = 0 is rare

@@ -62,17 +62,20 @@ def test_z_hat_unbiased_explanatory_and_twisted():
     assert abs(float(r.mean()) - 1) < 4 * float(r.std()) / math.sqrt(len(r)) + 1e-3
 
 
-def test_result_structure_and_samples_in_lifting():
+def test_result_structure_and_samples_in_lifting(device):
     model = pause_model(0)
+    model.prior.to(device)
+    q = tabular(len(VOCAB), 5).to(device)
     torch.manual_seed(0)
-    res = SMC(32, ess_threshold=1.0).run(model, LiftingSampler(tabular(len(VOCAB), 5), model), X)
+    res = SMC(32, ess_threshold=1.0).run(model, LiftingSampler(q, model), X)
     assert res.ancestry.shape == (4, 32)
     assert res.stats["resampled"] == [True, True, True, False]
+    assert res.log_weights.device.type == res.samples["z"].device.type == device.type
     lift = model.projection.lifting(X)
-    for z in res.samples["z"]:
+    for z in res.samples["z"].cpu():
         assert lift.accepts(z[z != 0].numpy())
-    res = SMC(32, ess_threshold=0.0).run(model, LiftingSampler(tabular(len(VOCAB), 5), model), X)
-    assert torch.equal(res.ancestry, torch.arange(32).expand(4, 32))
+    res = SMC(32, ess_threshold=0.0).run(model, LiftingSampler(q, model), X)
+    assert torch.equal(res.ancestry.cpu(), torch.arange(32).expand(4, 32))
     assert res.log_marginal_stderr is not None
 
 

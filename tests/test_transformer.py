@@ -82,8 +82,10 @@ def assert_close(a, b, atol=ATOL):
 
 @pytest.mark.parametrize("mode", GRAD_MODES)
 @pytest.mark.parametrize("case", CASES)
-def test_incremental_decoding_matches_full_forward(case, mode):
+def test_incremental_decoding_matches_full_forward(case, mode, device):
     model, tokens, latents = setup(case)
+    model, tokens = model.to(device), tokens.to(device)
+    latents = latents.to(device) if latents is not None else None
     full, full_cache = model(tokens, latents=latents)
     with GRAD_MODES[mode]():
         one_by_one, c1 = decode_in_chunks(model, tokens, latents, [1] * 13)

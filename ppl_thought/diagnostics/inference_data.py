@@ -205,11 +205,11 @@ def _weighted(g: _Groups, result: Result, vocab, num_draws: int | None, seed: in
     n = lw.size
     stats = result.stats or {}
     finite = np.isfinite(lw)
-    ess = float(effective_sample_size(torch.as_tensor(lw))) if n else 0.0
-    smoothed, k = psis(torch.as_tensor(lw))
+    ess = float(effective_sample_size(torch.as_tensor(lw, device="cpu"))) if n else 0.0
+    smoothed, k = psis(torch.as_tensor(lw, device="cpu"))
     khat = float(k)
     use_psis = bool(np.isfinite(khat) and khat >= PSIS_THRESHOLD)
-    w_log = smoothed if use_psis else torch.as_tensor(lw)
+    w_log = smoothed if use_psis else torch.as_tensor(lw, device="cpu")
     ess_used = min(ess, float(effective_sample_size(w_log))) if finite.any() else 0.0
     m = bounded_num_draws(ess_used) if num_draws is None else num_draws
     draws = np.zeros(0, dtype=np.int64)

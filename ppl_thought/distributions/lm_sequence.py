@@ -22,21 +22,23 @@ from pyro.params.param_store import module_from_param_with_module_name, param_wi
 from torch.distributions import constraints
 
 from ppl_thought.checks import integer
-from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan, trim_padding
+from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan, trim_padding, upcast
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
 
 
-def _ids(seq, vocab: Vocab | None, what: str) -> torch.Tensor:
+def _ids(seq, vocab: Vocab | None, what: str, device=None) -> torch.Tensor:
+    """Token ids of ``seq`` (text with ``vocab``, ids, a tensor) as a LongTensor on ``device`` (CPU if None)."""
+    device = torch.device("cpu") if device is None else device
     if isinstance(seq, str) or (isinstance(seq, (list, tuple)) and seq and isinstance(seq[0], str)):
         if vocab is None:
             raise ConfigError(f"{what} is given as text; pass vocab= to LMSequence")
-        return torch.tensor(vocab.encode(seq), dtype=torch.long)
-    t = torch.as_tensor(seq)
+        return torch.tensor(vocab.encode(seq), dtype=torch.long, device=device)
+    t = torch.as_tensor(seq, device=device)
     if t.numel() == 0:
-        return torch.zeros(t.shape[:-1] + (0,) if t.ndim else (0,), dtype=torch.long)
+        return torch.zeros(t.shape[:-1] + (0,) if t.ndim else (0,), dtype=torch.long, device=device)
     if t.dtype in (torch.float16, torch.float32, torch.float64, torch.bool):
         raise MalformedSequenceError(f"{what} must hold integer token ids, got dtype {t.dtype}")
     return t.long()
@@ -48,7 +50,8 @@ def concat(*parts: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
     ``concat(question, thought)`` for a prompt built from a sampled (padded) thought: padding
     inside a row would otherwise sit between the parts.
     """
-    parts = [torch.as_tensor(p, dtype=torch.long) for p in parts]
+    dev = next((p.device for p in parts if isinstance(p, torch.Tensor)), torch.device("cpu"))
+    parts = [torch.as_tensor(p, dtype=torch.long, device=dev) for p in parts]
     batch = torch.broadcast_shapes(*[p.shape[:-1] for p in parts])
     parts = [p.expand(batch + p.shape[-1:]) for p in parts]
     cat = torch.cat(parts, dim=-1)
@@ -155,7 +158,7 @@ class LMSequence(TorchDistribution):
         if vocab is not None and len(vocab) != self.vocab_size:
             raise ConfigError(f"vocab has {len(vocab)} tokens but the LM has vocab_size {self.vocab_size}")
         # right padding of the prompt (columns that are <pad> in every row) is not context: dropped
-        self.prompt = trim_padding(_ids(prompt if prompt is not None else [], vocab, "prompt"))
+        self.prompt = trim_padding(_ids(prompt if prompt is not None else [], vocab, "prompt", lm_device(lm)))
         self._check_range(self.prompt, "prompt")
         if constraint is not None and constraint.vocab_size != self.vocab_size:
             raise ConfigError(
@@ -180,7 +183,7 @@ class LMSequence(TorchDistribution):
     # ------------------------------------------------------------------ set-up helpers
     def _stop_ids(self, stop) -> torch.Tensor:
         if stop is None:
-            return torch.zeros(0, dtype=torch.long)
+            return torch.zeros(0, dtype=torch.long, device=self._device())
         items = list(stop) if isinstance(stop, list | tuple | torch.Tensor) else [stop]
         out = []
         for s in items:
@@ -190,7 +193,7 @@ class LMSequence(TorchDistribution):
                 out.append(self.vocab.id(s))
             else:
                 out.append(integer("a stop token id", s.item() if isinstance(s, torch.Tensor) else s, minimum=0))
-        t = torch.tensor(out, dtype=torch.long)
+        t = torch.tensor(out, dtype=torch.long, device=self._device())
         self._check_range(t, "stop tokens")
         return t
 
@@ -303,7 +306,7 @@ class LMSequence(TorchDistribution):
         return torch.is_grad_enabled() and any(p.requires_grad for p in self.lm.parameters())
 
     def _check_value(self, value) -> torch.Tensor:
-        value = torch.as_tensor(value)
+        value = torch.as_tensor(value, device=value.device if isinstance(value, torch.Tensor) else self._device())
         if value.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise MalformedSequenceError(f"LMSequence values must be integer token ids, got {value.dtype}")
         value = value.long()
@@ -369,7 +372,7 @@ class LMSequence(TorchDistribution):
         else:
             auto.zero_()
         mask = self._mask(auto[:, :L].reshape(-1)).reshape(n, L, -1)
-        masked = logits.masked_fill(~mask, float("-inf"))
+        masked = upcast(logits).masked_fill(~mask, float("-inf"))  # float32 for half-precision LMs
         lse = torch.logsumexp(masked, -1)
         tok_logit = masked.gather(-1, z[..., None]).squeeze(-1)
         step = torch.where(torch.isneginf(tok_logit), torch.full_like(lse, float("-inf")), tok_logit - lse)

@@ -28,10 +28,17 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
 from ppl_thought.errors import MalformedSequenceError, NumericalError
-from ppl_thought.lm.base import lm_device, match_rows
+from ppl_thought.lm.base import ids_checked, lm_device, match_rows
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
-__all__ = ["LMState", "Segment", "TokenRule", "supports_valid", "masked_log_softmax", "nucleus", "generated_tokens"]
+__all__ = ["LMState", "Segment", "TokenRule", "supports_valid", "masked_log_softmax", "nucleus", "generated_tokens",
+           "upcast"]
+
+
+def upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits (bfloat16, float16) as float32, others as they are: every log-softmax, log weight,
+    log Z-hat and ESS is computed in float32 or better (a bf16 log-probability has 8 bits of mantissa)."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
 def supports_valid(lm: torch.nn.Module) -> bool:
@@ -213,9 +220,9 @@ class LMState:
     def _encode(cls, lm, n: int, prompt, rule, max_len, stop_ids, lm_kwargs, device) -> LMState:
         device = device if device is not None else lm_device(lm)
         rule = rule if rule is not None else TokenRule(None, lm.vocab_size)
-        stop_ids = stop_ids if stop_ids is not None else torch.zeros(0, dtype=torch.long)
-        prompt = torch.zeros(0, dtype=torch.long) if prompt is None else torch.as_tensor(prompt, dtype=torch.long)
-        prompt = prompt.to(device)
+        stop_ids = stop_ids.to(device) if stop_ids is not None else torch.zeros(0, dtype=torch.long, device=device)
+        prompt = torch.zeros(0, dtype=torch.long, device=device) if prompt is None else \
+            torch.as_tensor(prompt, dtype=torch.long, device=device)
         valid_mode = supports_valid(lm)
         s0 = rule.start(n, device)
         if prompt.ndim <= 1:
@@ -317,6 +324,10 @@ class LMState:
     def _feed(self, cache, context, toks: torch.Tensor, valid: torch.Tensor | None, kw: dict | None = None):
         """Feed ``toks [n, S]`` (only where ``valid``; ``None``: everywhere) after ``cache`` (valid mode) or
         ``context`` (recompute mode); return (logits after each position [n, S, V], cache, context)."""
+        with ids_checked():  # sampled ids (below vocab_size) or a segment checked by Segment._check: no sync
+            return self._feed_checked(cache, context, toks, valid, kw)
+
+    def _feed_checked(self, cache, context, toks: torch.Tensor, valid: torch.Tensor | None, kw: dict | None):
         n, S = toks.shape
         kw = match_rows(self.lm_kwargs, n) if kw is None else kw
         if context is None:
@@ -367,7 +378,7 @@ class Segment(TorchDistribution):
         self.snap = lm_state.snapshot()
         self.base_version = lm_state._version
         self.until_emitted = until_emitted
-        self.stop_ids = (lm_state.stop_ids if stop is None else _as_ids(stop)).to(lm_state.device)
+        self.stop_ids = lm_state.stop_ids if stop is None else _as_ids(stop, lm_state.device)
         # host-side facts the per-token loop reads (no tensor work per token)
         self._until_t = None if until_emitted is None else torch.as_tensor(until_emitted, device=lm_state.device)
         self._base_stops = lm_state.stop_ids.numel() > 0
@@ -753,7 +764,7 @@ def _needs_grad(lm) -> bool:
     return torch.is_grad_enabled() and any(p.requires_grad for p in lm.parameters())
 
 
-def _as_ids(stop) -> torch.Tensor:
+def _as_ids(stop, device=None) -> torch.Tensor:
     if isinstance(stop, torch.Tensor):
         items = stop.reshape(-1).tolist()
     else:
@@ -762,7 +773,7 @@ def _as_ids(stop) -> torch.Tensor:
     if bad:
         raise MalformedSequenceError(f"stop takes token ids, got {bad!r}: an LMState knows ids, not strings; "
                                      f"use vocab.id({bad[0]!r})")
-    return torch.tensor([int(s) for s in items], dtype=torch.long)
+    return torch.tensor([int(s) for s in items], dtype=torch.long, device=device)
 
 
 def trim_padding(tokens: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:

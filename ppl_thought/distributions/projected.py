@@ -36,15 +36,15 @@ class ProjectionDelta(TorchDistribution):
     def sample(self, sample_shape=()) -> torch.Tensor:
         flat = self.z.reshape(-1, self.z.shape[-1])
         xs = self.projection.project(flat.cpu().numpy()) if flat.shape[0] else []
-        out = torch.full((flat.shape[0], self.num_observed), PAD_ID, dtype=torch.long)
+        out = torch.full((flat.shape[0], self.num_observed), PAD_ID, dtype=torch.long, device="cpu")
         for i, x in enumerate(xs):
             x = np.asarray(x)[: self.num_observed]
-            out[i, : len(x)] = torch.as_tensor(x)
+            out[i, : len(x)] = torch.as_tensor(x, device="cpu")
         out = out.reshape(self.z.shape[:-1] + (self.num_observed,)).to(self.z.device)
         return out.expand(torch.Size(sample_shape) + out.shape)
 
     def log_prob(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.as_tensor(x)
+        x = torch.as_tensor(x, device=x.device if isinstance(x, torch.Tensor) else self.z.device)
         if x.shape[-1] != self.num_observed:
             raise ValueError(f"observed x has length {x.shape[-1]}, the model was built for {self.num_observed}")
         xs = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (also for the empty observation)
@@ -53,7 +53,8 @@ class ProjectionDelta(TorchDistribution):
         try:
             lift = self.projection.lifting(xs[0].cpu().numpy())
         except NotInImageError:
-            return torch.full(torch.broadcast_shapes(x.shape[:-1], self.batch_shape), float("-inf"))
+            shape = torch.broadcast_shapes(x.shape[:-1], self.batch_shape)
+            return torch.full(shape, float("-inf"), device=self.z.device)
         z = self.z
         s = torch.full(z.shape[:-1], lift.start, dtype=torch.long, device=z.device)
         for i in range(z.shape[-1]):
@@ -65,7 +66,7 @@ class ProjectionDelta(TorchDistribution):
         shape = torch.broadcast_shapes(x.shape[:-1], self.batch_shape)
         xs = x.expand(shape + x.shape[-1:]).reshape(math.prod(shape), x.shape[-1])
         zs = self.z.expand(shape + self.z.shape[-1:]).reshape(math.prod(shape), self.z.shape[-1])
-        out = torch.empty(xs.shape[0])
+        out = torch.empty(xs.shape[0], device=self.z.device)
         for i in range(xs.shape[0]):
             out[i] = ProjectionDelta(self.projection, zs[i : i + 1], self.num_observed).log_prob(xs[i])[0]
         return out.reshape(shape)

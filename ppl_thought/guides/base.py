@@ -26,6 +26,7 @@ from torch.distributions import constraints
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.lm.base import lm_device
 from ppl_thought.program import Program, is_program, particles
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection, as_id_array
@@ -64,11 +65,20 @@ class Sampler(Program, ABC):
             cache[key] = self.projection.domain(int(n))
         return cache[key]
 
+    @property
+    def device(self) -> torch.device:
+        """Where the sampler's tensors are made: its LM's device (``self.lm``), else its model's prior's, else CPU."""
+        for lm in (getattr(self, "lm", None), getattr(getattr(self, "model", None), "prior", None)):
+            if isinstance(lm, torch.nn.Module):
+                return lm_device(lm)
+        return torch.device("cpu")
+
     def x_ids(self, x) -> torch.Tensor:
-        """x as a 1-D LongTensor of ids (text, token strings, ids); non-observable tokens raise."""
+        """x as a 1-D LongTensor of ids on the sampler's device (text, token strings, ids); non-observable
+        tokens raise."""
         xa = as_id_array(x, self.projection.vocab, "observation x", unpad=True)
         self.lifting(xa)  # NotInImageError naming the problem
-        return torch.as_tensor(xa, dtype=torch.long)
+        return torch.as_tensor(xa, dtype=torch.long, device=self.device)
 
     def event_length(self, x) -> int:
         """L = ``projection.domain(|x|).max_len``: the event length of the model's site ``"z"``."""
@@ -79,7 +89,7 @@ class Sampler(Program, ABC):
         return int(L)
 
     def _check_z(self, z, L: int) -> torch.Tensor:
-        z = torch.as_tensor(z)
+        z = torch.as_tensor(z, device=z.device if isinstance(z, torch.Tensor) else self.device)
         if z.dtype in (torch.float16, torch.float32, torch.float64, torch.bool):
             raise MalformedSequenceError(f"latent sequences must hold integer ids, got dtype {z.dtype}")
         z = z.long()
@@ -92,7 +102,7 @@ class Sampler(Program, ABC):
                 raise MalformedSequenceError(f"latent sequence longer than the event length {L}")
             z = z[:, :L]
         elif z.shape[-1] < L:
-            z = torch.cat([z, torch.full((z.shape[0], L - z.shape[-1]), PAD_ID, dtype=torch.long)], -1)
+            z = torch.cat([z, torch.full((z.shape[0], L - z.shape[-1]), PAD_ID, dtype=torch.long, device=z.device)], -1)
         V = len(self.projection.vocab)
         if z.numel() and (z.min() < 0 or z.max() >= V):
             raise MalformedSequenceError(f"latent sequences contain ids outside the vocabulary [0, {V})")
@@ -123,7 +133,7 @@ class Sampler(Program, ABC):
         xt = self.x_ids(x)
         zt = self._check_z(z, self.event_length(xt))
         if zt.shape[0] == 0:
-            return torch.zeros(0)
+            return torch.zeros(0, device=zt.device)
         return self._log_prob(zt, xt)
 
     def token_log_probs(self, z, x) -> torch.Tensor:
@@ -269,10 +279,10 @@ class SamplerDistribution(TorchDistribution):
             return self._last[1]
         if self._last is not None and value is self._last[0] and not _needs_grad(self.sampler):
             return self._last[1]
-        value = torch.as_tensor(value)
+        value = torch.as_tensor(value, device=value.device if isinstance(value, torch.Tensor) else self.x.device)
         batch = value.shape[:-1]
         flat = self.sampler._check_z(value.reshape(-1, value.shape[-1]), self.L)
-        lp = self.sampler._log_prob(flat, self.x) if flat.shape[0] else torch.zeros(0)
+        lp = self.sampler._log_prob(flat, self.x) if flat.shape[0] else torch.zeros(0, device=flat.device)
         return lp.reshape(batch)
 
 

@@ -47,7 +47,8 @@ class _TableSampler(Sampler):
 
     def _sample(self, x, n):
         support, lq = self.table(x)
-        idx = torch.multinomial(lq.exp(), n, replacement=True) if n else torch.zeros(0, dtype=torch.long)
+        idx = torch.multinomial(lq.exp(), n, replacement=True) if n else torch.zeros(0, dtype=torch.long,
+                                                                                     device=lq.device)
         return support[idx], lq[idx]
 
     def _token_log_probs(self, z, x):
@@ -55,7 +56,7 @@ class _TableSampler(Sampler):
         support, lq = self.table(x)
         agree = torch.cumprod((z[:, None, :] == support[None]).long(), -1).bool()  # [n, K, L]: prefix <= i agrees
         mass = torch.logsumexp(lq[None, :, None].masked_fill(~agree, float("-inf")), 1)  # [n, L]
-        prev = torch.cat([torch.zeros(z.shape[0], 1), mass[:, :-1]], 1)
+        prev = torch.cat([torch.zeros(z.shape[0], 1, device=mass.device, dtype=mass.dtype), mass[:, :-1]], 1)
         step = torch.where(torch.isneginf(prev), torch.full_like(mass, float("-inf")), mass - prev)
         return torch.where(z != PAD_ID, step, torch.zeros_like(step))
 
@@ -63,7 +64,8 @@ class _TableSampler(Sampler):
         support, lq = self.table(x)
         eq = (z[:, None, :] == support[None, :, :]).all(-1)  # [n, K]
         hit = eq.any(-1)
-        return torch.where(hit, lq[eq.float().argmax(-1)], torch.full((z.shape[0],), float("-inf")))
+        return torch.where(hit, lq[eq.float().argmax(-1)], torch.full((z.shape[0],), float("-inf"), device=lq.device,
+                                                                      dtype=lq.dtype))
 
 
 class Posterior(_TableSampler):
@@ -117,9 +119,10 @@ class Inquisitive(_TableSampler):
             ok = torch.isfinite(lp)
             safe = torch.where(ok, lp, torch.zeros_like(lp))
             try:
-                grads = torch.autograd.grad(safe, params, grad_outputs=torch.eye(K), is_grads_batched=True,
+                eye = torch.eye(K, device=lp.device, dtype=lp.dtype)
+                grads = torch.autograd.grad(safe, params, grad_outputs=eye, is_grads_batched=True,
                                             retain_graph=True, allow_unused=True)
-                G = torch.cat([(g if g is not None else torch.zeros((K,) + p.shape)).reshape(K, -1)
+                G = torch.cat([(g if g is not None else p.new_zeros((K,) + p.shape)).reshape(K, -1)
                                for g, p in zip(grads, params)], 1)
             except RuntimeError:
                 rows = []
@@ -159,8 +162,9 @@ class TableState:
         K, L = support.shape
         self.lengths_k = (support != PAD_ID).sum(-1)
         T = num_observed(lift)
+        dev = support.device
         s = lift.start_states(K, support)
-        emitted = torch.empty(K, L + 1, dtype=torch.long)
+        emitted = torch.empty(K, L + 1, dtype=torch.long, device=dev)
         emitted[:, 0] = lift.num_emitted(s)
         for i in range(L):
             tok = support[:, i]
@@ -169,8 +173,8 @@ class TableState:
         ends = torch.stack([(emitted >= j).long().argmax(-1) for j in range(1, T)] + [self.lengths_k], -1) \
             if T > 0 else self.lengths_k[:, None]
         self.ends = ends  # [K, T]
-        self.consistent = torch.ones(n, K, dtype=torch.bool)
-        self.pos = torch.zeros(n, dtype=torch.long)
+        self.consistent = torch.ones(n, K, dtype=torch.bool, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
 
     def segment(self, until_emitted: int | None = None) -> TableSegment:
         j = self.ends.shape[1] if until_emitted is None else int(until_emitted)
@@ -227,7 +231,7 @@ class TableSegment(TorchDistribution):
         k = torch.multinomial(w, 1).squeeze(-1)
         end = st.ends[k, min(self.j, st.ends.shape[1] - 1)]
         width = int((end - self.pos).clamp(min=0).max()) if len(k) else 0
-        idx = self.pos[:, None] + torch.arange(width)[None]
+        idx = self.pos[:, None] + torch.arange(width, device=self.pos.device)[None]
         inside = idx < end[:, None]
         vals = st.support[k[:, None], idx.clamp(max=st.support.shape[1] - 1)]
         return torch.where(inside, vals, torch.full_like(vals, PAD_ID))

@@ -22,6 +22,7 @@ from ppl_thought.distributions.lm_sequence import LMSequence, concat
 from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import UnknownTokenError
 from ppl_thought.guides.base import Sampler
+from ppl_thought.lm.base import lm_device
 from ppl_thought.lm.gated import GatedLM
 from ppl_thought.projections.base import Projection
 from ppl_thought.vocab import EXPLAIN_ID, Vocab
@@ -38,7 +39,7 @@ class _LMSampler(Sampler):
         self.name = name
 
     def prompt(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dtype=torch.long, device=x.device)
 
     def seq(self, x: torch.Tensor) -> LMSequence:
         """Q(. | x) as an :class:`LMSequence` (masked, batched, KV-cached)."""
@@ -110,7 +111,7 @@ class Explanatory(_LMSampler):
 
     def prompt(self, x: torch.Tensor) -> torch.Tensor:
         """``x <explain> [mode_tag]`` (Section 5.6.2; the tag after ``<explain>`` as in Fig 5.2)."""
-        return torch.cat([x.long(), torch.tensor([EXPLAIN_ID]), torch.tensor(self._tag, dtype=torch.long)])
+        return torch.cat([x.long(), torch.tensor([EXPLAIN_ID] + self._tag, dtype=torch.long, device=x.device)])
 
 
 # ---------------------------------------------------------------------- program view
@@ -149,8 +150,8 @@ def explanatory_guide(
 
     def _ids(t):
         if isinstance(t, str) or (isinstance(t, (list, tuple)) and t and isinstance(t[0], str)):
-            return torch.tensor(vocab.encode(t), dtype=torch.long)
-        return torch.as_tensor(t, dtype=torch.long)
+            return torch.tensor(vocab.encode(t), dtype=torch.long, device=lm_device(lm))
+        return torch.as_tensor(t, dtype=torch.long, device=lm_device(lm))
 
     def guide(*args, **kwargs):
         raw = _arg(args, kwargs, observed)
@@ -160,7 +161,7 @@ def explanatory_guide(
                 "reads it (Def 3.9). Pass it, e.g. pyro.infer.Predictive(model, guide=guide, ...)(question, answer); "
                 "to generate answers use Predictive(model) without this guide")
         ans = _ids(raw)
-        parts = [ans, torch.tensor([EXPLAIN_ID] + tag, dtype=torch.long)]
+        parts = [ans, torch.tensor([EXPLAIN_ID] + tag, dtype=torch.long, device=ans.device)]
         if context is not None:
             parts.append(_ids(_arg(args, kwargs, context)))
         prompt = concat(*parts)

@@ -54,14 +54,15 @@ class HMMGuide(Program):
         if x is None:
             raise ValueError(f"{self!r} proposes hidden states given the observations: call it with x")
         xt = torch.as_tensor(x)
-        if self._key is not None and self._key.shape == xt.shape and torch.equal(self._key, xt.to("cpu")):
+        if self._key is not None and self._key.shape == xt.shape and torch.equal(self._key, xt.to(self._key.device)):
             return self._score
         T = self.hmm.program_length(x, None)
         xb = self.hmm.check_x(x)[0][0]
-        score = self.hmm.log_B.T[xb] if T else torch.zeros(0, self.hmm.num_states, dtype=DTYPE)
+        score = self.hmm.log_B.T[xb] if T else torch.zeros(0, self.hmm.num_states, dtype=DTYPE,
+                                                           device=self.hmm.device)
         if self.backward and T:
             score = score + self.hmm.backward(xb)
-        self._key, self._score = xt.detach().to("cpu").clone(), score
+        self._key, self._score = xt.detach().clone(), score
         return score
 
     def init(self, state: dict, x=None, length: int | None = None) -> None:
@@ -74,11 +75,11 @@ class HMMGuide(Program):
         score = self._scores(x)
         T = score.shape[0]
         if t >= T:
-            return all_done()
+            return all_done(self.hmm.device)
         prior = prior_logits(self.hmm, state, t)
         logits = prior + score[t]
         dead = torch.isneginf(logits).all(-1, keepdim=True)  # nothing explains x from here: use the prior
         logits = torch.where(dead, prior, logits)
         z = pyro.sample(f"z_{t}", dist.Categorical(logits=logits))
         state["z"] = z
-        return all_done() if t == T - 1 else None
+        return all_done(self.hmm.device) if t == T - 1 else None

@@ -34,6 +34,7 @@ import torch
 
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import NotInImageError
+from ppl_thought.inference.particles import engine_device
 from ppl_thought.lm.base import lm_device
 from ppl_thought.models.slow_thinking import pad_sequences
 from ppl_thought.vocab import PAD_ID
@@ -81,7 +82,7 @@ def _start(model, z0: torch.Tensor, num_observed, total: int) -> tuple[LMState, 
     lm, dev = model.prior, _device(model)
     dom = model.projection.domain(int(total))
     rule = TokenRule(dom, lm.vocab_size)
-    z0 = torch.as_tensor(z0, dtype=torch.long).to(dev)
+    z0 = torch.as_tensor(z0, dtype=torch.long, device=dev)
     max_len = dom.max_len if dom.max_len is not None else 1 << 30
     state = LMState.start(lm, z0.shape[0], rule=rule, max_len=max_len)
     until = num_observed.to(dev) if isinstance(num_observed, torch.Tensor) else int(num_observed)
@@ -165,6 +166,7 @@ def decode(model, sampler, x, method: str = "resampling", n: int = 16, max_new_t
     """
     if method not in METHODS:
         raise ValueError(f"unknown decoding method {method!r}; choose one of {METHODS}")
+    engine_device(model, sampler)  # DeviceMismatchError naming both devices
     xt = model.x_ids(x)
     model.projection.lifting(xt)  # NotInImageError for a prompt outside the image
     if method == "streaming":
@@ -235,8 +237,8 @@ def _next_token_loop(model, xt, max_new, num_samples, stop_at_eos, generator, di
             probs_log.append(p)
             a = sigma[torch.multinomial(p, 1, generator=generator)]
             out[s, t] = a[0]
-            a = int(a)  # the next prompt X^(t+1) is handed to the sampler
-            X = torch.cat([X, torch.tensor([a])])
+            a = int(a)  # the next prompt X^(t+1) is handed to the sampler (one host sync per token: it is input)
+            X = torch.cat([X, torch.tensor([a], device=X.device)])
             if stop_at_eos and a == model.vocab.eos_id:
                 break
     return Decoded(out, None, {"next_token_probs": probs_log, "sigma": sigma})
@@ -252,6 +254,7 @@ def next_token_distribution(model, sampler, x, n: int = 16, method: str = "unbia
     p = sum_i w_i p_m^(i) / sum_i w_i. (G.1) is self-normalised, so its bias is O(chi2 / n) (Prop G.2 bounds
     its mean squared error by (32 chi2 + 12) / n). ``"exact"``: Algorithm 1 (enumeration; small models only).
     """
+    engine_device(model, sampler)
     xt = model.x_ids(x)
     if method == "exact":
         with torch.no_grad():
@@ -295,12 +298,12 @@ def _algorithm1_step(model, xt, cache):
     sigma = [int(a) for a in proj.observable_ids]
     keys = list(cache)
     index = {key: i for i, key in enumerate(keys)}
-    lpz = torch.tensor([cache[key] for key in keys], dtype=torch.float64)
+    lpz = torch.tensor([cache[key] for key in keys], dtype=torch.float64, device="cpu")  # host: enumeration
     post = torch.softmax(lpz, 0)  # line 5
     zi, segs, ai, zss = [], [], [], []
     for j, a in enumerate(sigma):
         try:
-            lift = proj.lifting(torch.cat([xt, torch.tensor([a])]))
+            lift = proj.lifting(torch.cat([xt.cpu(), torch.tensor([a], device="cpu")]))
         except NotInImageError:
             continue
         for zs in lift.enumerate():
@@ -312,15 +315,15 @@ def _algorithm1_step(model, xt, cache):
             segs.append(zs[cut:])
             ai.append(j)
             zss.append(zs)
-    p = torch.zeros(len(sigma), dtype=torch.float64)
+    p = torch.zeros(len(sigma), dtype=torch.float64, device="cpu")
     new_terms: dict[int, dict[tuple[int, ...], float]] = {a: {} for a in sigma}
     if zi:
         N = len(xt)
-        state, _ = _start(model, pad_sequences(keys), N, N + 1)
+        state, _ = _start(model, pad_sequences(keys, device=_device(model)), N, N + 1)
         state.reorder(torch.tensor(zi, device=state.device))
-        lp_s = state.segment(until_emitted=N + 1).log_prob(pad_sequences(segs).to(state.device))  # line 4
+        lp_s = state.segment(until_emitted=N + 1).log_prob(pad_sequences(segs, device=state.device))  # line 4
         lp_s = lp_s.double().cpu()
-        zi_t, ai_t = torch.tensor(zi), torch.tensor(ai)
+        zi_t, ai_t = torch.tensor(zi, device="cpu"), torch.tensor(ai, device="cpu")
         ok = ~torch.isneginf(lp_s)
         p.index_add_(0, ai_t[ok], post[zi_t[ok]] * lp_s[ok].exp())  # line 6
         lp_zs = lpz[zi_t] + lp_s  # line 8: P(zs) = P(z) P(s | z)
@@ -343,7 +346,7 @@ def _exact_loop(model, xt, max_new, num_samples, stop_at_eos, generator) -> Deco
             probs_log.append(p)
             a = int(sigma[torch.multinomial(p, 1, generator=generator)])  # line 7
             out[s, t] = a
-            X = torch.cat([X, torch.tensor([a])])
+            X = torch.cat([X, torch.tensor([a], device=X.device)])
             cache = terms[a]  # line 8
             if stop_at_eos and a == model.vocab.eos_id:
                 break
@@ -363,8 +366,9 @@ def _log_marginals(model, sampler, xs: list[torch.Tensor], n: int) -> torch.Tens
         lqs.append(lq)
         lens.append(len(xk))
     width = max(z.shape[-1] for z in zs)
-    z = torch.cat([torch.nn.functional.pad(zk.cpu(), (0, width - zk.shape[-1]), value=PAD_ID) for zk in zs])
-    num = torch.tensor(lens).repeat_interleave(n)
+    dev = _device(model)
+    z = torch.cat([torch.nn.functional.pad(zk.to(dev), (0, width - zk.shape[-1]), value=PAD_ID) for zk in zs])
+    num = torch.tensor(lens, device=dev).repeat_interleave(n)
     _, lp = _start(model, z, num, max(lens))
     lw = _log_weights(lp, torch.cat([lq.to(lp.device) for lq in lqs])).reshape(len(xs), n)
     return torch.logsumexp(lw.double(), -1) - math.log(n)
@@ -376,7 +380,7 @@ def _best_of_k(model, sampler, xt, n, k, max_new, stop_at_eos, generator) -> Dec
     N = len(xt)
     state = _resample(model, sampler, xt, n, k, N + max_new, generator)
     z, toks = _continue(model, state, N, max_new, stop_at_eos, generator)
-    cands = [torch.cat([xt, y[y != PAD_ID].cpu()]) for y in toks]
+    cands = [torch.cat([xt, y[y != PAD_ID].to(xt.device)]) for y in toks]
     scores = _log_marginals(model, sampler, cands, n)
     best = int(torch.argmax(scores))
     return Decoded(toks[best: best + 1], z[best: best + 1], {"candidates": toks, "candidate_z": z, "scores": scores})

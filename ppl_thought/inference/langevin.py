@@ -342,7 +342,7 @@ class LangevinKernel(MCMCKernel):
         accept_prob = float(log_ratio.clamp(max=0.0).exp())
         divergent = (not finite) or float(log_ratio) < -_MAX_LOG_RATIO
         if self.adjust:
-            accepted = float(torch.rand(())) < accept_prob
+            accepted = float(torch.rand((), device="cpu")) < accept_prob  # the host decides (Pyro's MCMC loop)
         else:
             accepted = finite
         if accepted:
@@ -454,7 +454,7 @@ class Langevin:
         if self.seed is None:
             raise ValueError("Langevin.chain_seeds: no seed was given.")
         gen = torch.Generator().manual_seed(self.seed)
-        return torch.randint(0, 2**62, (self.num_chains,), generator=gen).tolist()
+        return torch.randint(0, 2**62, (self.num_chains,), generator=gen, device="cpu").tolist()
 
     def kernel(self, model: Callable) -> LangevinKernel:
         """A fresh kernel for one chain."""
@@ -516,9 +516,9 @@ class Langevin:
             chain_stats.append(stats)
         samples = {name: torch.cat([s[name] for s in chain_samples]) for name in chain_samples[0]}
         stats = {
-            "accept_prob": torch.tensor([s["accept_prob"] for s in chain_stats]),
-            "step_size": torch.tensor([s["step_size"] for s in chain_stats]),
-            "divergences": torch.tensor([s["divergences"] for s in chain_stats], dtype=torch.bool),
-            "potential_energy": torch.tensor([s["potential_energy"] for s in chain_stats]),
+            "accept_prob": torch.tensor([s["accept_prob"] for s in chain_stats], device="cpu"),
+            "step_size": torch.tensor([s["step_size"] for s in chain_stats], device="cpu"),
+            "divergences": torch.tensor([s["divergences"] for s in chain_stats], dtype=torch.bool, device="cpu"),
+            "potential_energy": torch.tensor([s["potential_energy"] for s in chain_stats], device="cpu"),
         }
         return Result(samples=samples, stats=stats, observed=_observed(model, args, kwargs), engine="langevin")

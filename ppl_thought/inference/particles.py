@@ -31,12 +31,14 @@ import torch
 from pyro.distributions.util import scale_and_mask
 from pyro.poutine.util import site_is_subsample
 
-from ppl_thought.errors import ProgramError, SiteMismatchError
+from ppl_thought.errors import DeviceMismatchError, ProgramError, SiteMismatchError
+from ppl_thought.lm.base import lm_device
 from ppl_thought.program import PARTICLES, collect_twists, is_program
 
 __all__ = [
-    "PARTICLES", "Particles", "StepOutput", "check_compatible", "check_sites", "find_max_plate_nesting", "latent_sites",
-    "log_ratio", "per_particle", "run_step", "sample_particles",
+    "PARTICLES", "Particles", "StepOutput", "check_compatible", "check_sites", "engine_device",
+    "find_max_plate_nesting", "latent_sites", "log_ratio", "per_particle", "program_device", "run_step",
+    "sample_particles",
 ]
 
 
@@ -90,11 +92,82 @@ def check_sites(model_trace, guide_trace, where: str = "") -> None:
                                     f"distribution has shape {tuple(mshape)}")
 
 
+_SCALARS = (int, float, str, bool, bytes, tuple, list, dict, set, torch.Tensor, type(None))
+
+
+def program_device(obj, _depth: int = 0) -> torch.device | None:
+    """The torch device a model or guide computes on, ``None`` if it does not say (a plain Pyro function).
+
+    Its ``device`` attribute when it has one (``SlowThinking``, ``HMM``, the samplers, ``LMSequence``'s LM),
+    else the device of the first LM (``torch.nn.Module``) among its attributes, else that of an attribute
+    that has one (a guide's model, an ``HMMGuide``'s HMM), two levels deep.
+    """
+    if obj is None:
+        return None
+    if isinstance(obj, torch.nn.Module):
+        return lm_device(obj)
+    owner = getattr(obj, "__self__", None)  # a bound method (e.g. ``ltm.conditioned_model``): its object's
+    if owner is not None and owner is not obj and _depth < 2:
+        return program_device(owner, _depth + 1)
+    try:
+        dev = getattr(obj, "device", None)
+    except Exception:  # a property that cannot answer
+        dev = None
+    if isinstance(dev, torch.device):
+        return dev
+    attrs = getattr(obj, "__dict__", None)
+    if not attrs:
+        return None
+    for v in attrs.values():
+        if isinstance(v, torch.nn.Module):
+            return lm_device(v)
+    if _depth < 2:
+        for v in attrs.values():
+            if isinstance(v, _SCALARS) or isinstance(v, type) or v is obj or not hasattr(v, "__dict__"):
+                continue
+            dev = program_device(v, _depth + 1)
+            if dev is not None:
+                return dev
+    return None
+
+
+def engine_device(model, guide=None, args: tuple = (), kwargs: dict | None = None) -> torch.device | None:
+    """The device an engine runs ``model`` and ``guide`` on: the one they say (:func:`program_device`), else
+    that of the first tensor among the data ``args`` / ``kwargs`` (a plain Pyro function's data), else ``None``.
+
+    Raises :class:`DeviceMismatchError` naming both devices when model and guide live on different devices
+    (before torch fails inside a forward pass with "Expected all tensors to be on the same device").
+    """
+    md, gd = program_device(model), program_device(guide)
+    if md is not None and gd is not None and not _same_device(md, gd):
+        raise DeviceMismatchError(
+            f"the model {type(model).__name__} is on device {md} but the guide {type(guide).__name__} is on "
+            f"device {gd}: move both to one device (e.g. lm.to({str(md)!r}) for the guide's LM)")
+    if md is not None or gd is not None:
+        return md if md is not None else gd
+    for v in list(args) + list((kwargs or {}).values()):
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return None
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are the same device when 0 is the current one."""
+    if a.type != b.type:
+        return False
+    if a.index == b.index or a.type != "cuda":
+        return a.index == b.index or a.type == "cpu"
+    cur = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
+
+
 def check_compatible(model, guide) -> None:
     """Refuse a guide built on another vocabulary or projection than the model's: its sequences would be
-    read with other token ids or another lifting, and the weights would be meaningless numbers."""
+    read with other token ids or another lifting, and the weights would be meaningless numbers; and a guide
+    on another device than the model's (:class:`DeviceMismatchError` naming both)."""
     if guide is None:
         return
+    engine_device(model, guide)
     mp, gp = getattr(model, "projection", None), getattr(guide, "projection", None)
     if mp is None or gp is None or mp is gp:
         return
@@ -206,21 +279,22 @@ def find_max_plate_nesting(model, guide, args: tuple = (), kwargs: dict | None =
     return depth
 
 
-def particle_plate(n: int, dim: int, groups: int = 1) -> pyro.plate:
+def particle_plate(n: int, dim: int, groups: int = 1, device: torch.device | None = None) -> pyro.plate:
     """The particle plate; one instance may be entered at every step of a run (Pyro plates are reusable).
 
     ``groups``: the plate's ``n`` rows are ``groups`` blocks of ``n // groups`` particles (grouped SMC);
-    programs read it with :func:`~ppl_thought.program.particle_groups`.
+    programs read it with :func:`~ppl_thought.program.particle_groups`. ``device``: where the plate's
+    index tensor is made (the model's device; ``None``: Pyro's default).
     """
-    plate = pyro.plate(PARTICLES, n, dim=dim)
+    plate = pyro.plate(PARTICLES, n, dim=dim, device=device)
     if groups != 1:
         plate.groups = int(groups)
     return plate
 
 
-def _in_plate(fn: Callable, n: int, dim: int, plate: pyro.plate | None = None) -> Callable:
+def _in_plate(fn: Callable, n: int, dim: int, plate: pyro.plate | None = None, device=None) -> Callable:
     def wrapped(*args, **kwargs):
-        with plate if plate is not None else particle_plate(n, dim):
+        with plate if plate is not None else particle_plate(n, dim, device=device):
             return fn(*args, **kwargs)
     return wrapped
 
@@ -262,14 +336,16 @@ def sample_particles(model: Callable, guide: Callable | None, n: int, *args, max
     Raises :class:`SiteMismatchError` when the guide's latent sites are not exactly the model's.
     """
     check_compatible(model, guide)
+    dev = engine_device(model, guide, args, kwargs)
     depth = find_max_plate_nesting(model, guide, args, kwargs) if max_plate_nesting is None else max_plate_nesting
     dim = -(int(depth) + 1)
     try:
         if guide is not None:
-            gtr = poutine.trace(_in_plate(guide, n, dim)).get_trace(*args, **kwargs)
-            mtr = poutine.trace(poutine.replay(_in_plate(model, n, dim), trace=gtr)).get_trace(*args, **kwargs)
+            gtr = poutine.trace(_in_plate(guide, n, dim, device=dev)).get_trace(*args, **kwargs)
+            mtr = poutine.trace(poutine.replay(_in_plate(model, n, dim, device=dev), trace=gtr)).get_trace(*args,
+                                                                                                       **kwargs)
         else:
-            mtr = poutine.trace(_in_plate(model, n, dim)).get_trace(*args, **kwargs)
+            mtr = poutine.trace(_in_plate(model, n, dim, device=dev)).get_trace(*args, **kwargs)
             gtr = None
     except RuntimeError as e:
         raise _duplicate_site_error(e) from None
@@ -277,9 +353,9 @@ def sample_particles(model: Callable, guide: Callable | None, n: int, *args, max
         check_sites(mtr, gtr)
         gtr.compute_log_prob()
     mtr.compute_log_prob()
-    log_p = per_particle(mtr, n)
-    log_q = per_particle(gtr, n, "latent") if gtr is not None else per_particle(mtr, n, "latent")
-    log_lik = per_particle(mtr, n, "observed")
+    log_p = per_particle(mtr, n, device=dev)
+    log_q = per_particle(gtr, n, "latent", dev) if gtr is not None else per_particle(mtr, n, "latent", dev)
+    log_lik = per_particle(mtr, n, "observed", dev)
     source = gtr if gtr is not None else mtr
     values = {k: s["value"] for k, s in latent_sites(source).items()}
     guide_params = set()
@@ -311,12 +387,13 @@ class StepOutput:
 
 
 def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, where: str,
-             plate: pyro.plate | None = None) -> StepOutput:
+             plate: pyro.plate | None = None, device: torch.device | None = None) -> StepOutput:
     """Run one step: ``guide_fn()`` (if any) under the particle plate, then ``model_fn()`` replayed on it.
 
     ``model_fn`` / ``guide_fn`` are closures over the program's state, ``t`` and the data; ``plate``
     (:func:`particle_plate`) is made once per run by the engine. The incremental weight is the step's
-    model log-probability minus the guide's (per particle), -inf where the model's is.
+    model log-probability minus the guide's (per particle), -inf where the model's is; ``device``: where a
+    step without sites puts its zero weights (the engine's device).
     """
     try:
         gtr = None
@@ -335,9 +412,9 @@ def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, wh
         check_sites(mtr, gtr, where)
     source = gtr if gtr is not None else mtr
     if gtr is not None:
-        log_w = log_ratio(per_particle(mtr, n), per_particle(gtr, n, "latent"))
+        log_w = log_ratio(per_particle(mtr, n, device=device), per_particle(gtr, n, "latent", device))
     else:
-        log_w = per_particle(mtr, n, "observed")
+        log_w = per_particle(mtr, n, "observed", device)
     values, token_steps = {}, 0
     for k, s in latent_sites(source).items():
         v = s["value"]

@@ -22,7 +22,13 @@ from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ProgramError, ZeroWeightsError
 from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.importance import log_marginal_stderr, not_in_image_result
-from ppl_thought.inference.particles import check_compatible, particle_plate, require_program, run_step
+from ppl_thought.inference.particles import (
+    check_compatible,
+    engine_device,
+    particle_plate,
+    require_program,
+    run_step,
+)
 from ppl_thought.inference.result import Result
 from ppl_thought.program import as_done, freeze_finished, reorder_state
 from ppl_thought.weights import effective_sample_size, log_mean_exp
@@ -39,24 +45,32 @@ def resample(weights: torch.Tensor, method: str = "systematic", generator: torch
 
     Weights ``[G, n]`` (G groups, one resampling each, batched: one ``searchsorted`` / ``multinomial``
     for all groups; residual loops over them) give indices ``[G, n]`` into each group's own row.
+
+    Device-generic: the uniforms are drawn on the weights' device (from ``generator``, or that device's
+    default generator), so no index leaves the device; a ``generator`` on another device (a CPU generator
+    for CUDA weights) draws there and the indices are moved to the weights' device.
     """
+    if generator is not None and not _same_type(generator.device, weights.device):
+        return resample(weights.to(generator.device), method, generator, size).to(weights.device)
     if weights.ndim == 2:
         return _resample_groups(weights, method, generator)
     n = weights.shape[0]
     m = n if size is None else int(size)
+    dev = weights.device
     w = weights.double() / weights.double().sum()
     if method == "multinomial":
         return torch.multinomial(w, m, replacement=True, generator=generator)
     cdf = torch.cumsum(w, 0)
     cdf[-1] = 1.0
+    ar = torch.arange(m, dtype=torch.float64, device=dev)
     if method == "stratified":
-        u = (torch.arange(m, dtype=torch.float64) + torch.rand(m, generator=generator, dtype=torch.float64)) / m
+        u = (ar + torch.rand(m, generator=generator, dtype=torch.float64, device=dev)) / m
     elif method == "systematic":
-        u = (torch.arange(m, dtype=torch.float64) + torch.rand(1, generator=generator, dtype=torch.float64)) / m
+        u = (ar + torch.rand(1, generator=generator, dtype=torch.float64, device=dev)) / m
     elif method == "residual":
         counts = torch.floor(m * w).long()
-        rest = m - int(counts.sum())
-        base = torch.repeat_interleave(torch.arange(n), counts)
+        rest = m - int(counts.sum())  # one host sync per resampling
+        base = torch.repeat_interleave(torch.arange(n, device=dev), counts)
         if rest == 0:
             return base
         res = m * w - counts
@@ -80,12 +94,16 @@ def _resample_groups(weights: torch.Tensor, method: str, generator: torch.Genera
     cdf[:, -1] = 1.0
     ar = torch.arange(n, dtype=torch.float64, device=w.device)
     if method == "stratified":
-        u = (ar + torch.rand(G, n, generator=generator, dtype=torch.float64).to(w.device)) / n
+        u = (ar + torch.rand(G, n, generator=generator, dtype=torch.float64, device=w.device)) / n
     elif method == "systematic":
-        u = (ar + torch.rand(G, 1, generator=generator, dtype=torch.float64).to(w.device)) / n
+        u = (ar + torch.rand(G, 1, generator=generator, dtype=torch.float64, device=w.device)) / n
     else:
         raise ConfigError(f"unknown resampling scheme {method!r}; choose one of {RESAMPLING}")
     return torch.searchsorted(cdf, u).clamp(max=n - 1)
+
+
+def _same_type(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type
 
 
 class SMC:
@@ -188,15 +206,17 @@ class SMC:
         depth = max(int(getattr(model, "max_plate_nesting", 0) or 0),
                     int(getattr(guide, "max_plate_nesting", 0) or 0) if guide is not None else 0)
         dim = -(depth + 1)
-        plate = particle_plate(N, dim, G)
+        device = engine_device(model, guide, args, kwargs)
+        plate = particle_plate(N, dim, G, device)
         sm: dict = {}
         sg: dict = {}
         name = type(model).__name__
         out = run_step(lambda: model.init(sm, *args, **kwargs),
                        (lambda: guide.init(sg, *args, **kwargs)) if guide is not None else None, N, dim, "in init",
-                       plate)
+                       plate, device)
         lw = out.log_w.clone()
-        dev = lw.device
+        dev = lw.device if device is None else device
+        lw = lw.to(dev)
         # read after init: a program may set its number of steps from the data there
         bound = model.max_steps if getattr(model, "max_steps", None) is not None else self.max_steps
         values: dict[str, list] = {}
@@ -215,7 +235,7 @@ class SMC:
             before = dict(sm) if any_finished else None
             out = run_step(lambda t=t: model.step(sm, t, *args, **kwargs),
                            (lambda t=t: guide.step(sg, t, *args, **kwargs)) if guide is not None else None,
-                           N, dim, f"in step {t}", plate)
+                           N, dim, f"in step {t}", plate, dev)
             if before is not None:
                 freeze_finished(before, sm, finished)
             self._record(values, seen, out.values, f"step {t}")
@@ -288,7 +308,7 @@ class SMC:
             local = resample(torch.softmax(lwg, -1), self.resampling, self.generator).to(dev)
             idx = local + (torch.arange(G, device=dev) * n)[:, None]
             return idx.view(-1), log_mean_exp(lwg)[:, None].expand(G, n).reshape(-1).clone()
-        sel = torch.tensor([g for g in range(G) if need[g]], device=dev)
+        sel = torch.tensor([g for g in range(G) if need[g]], dtype=torch.long, device=dev)
         local = resample(torch.softmax(lwg[sel], -1), self.resampling, self.generator).to(dev)
         idx = torch.arange(N := G * n, device=dev).view(G, n).clone()
         idx[sel] = local + sel[:, None] * n

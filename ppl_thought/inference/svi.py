@@ -31,9 +31,11 @@ def _log_marginal_stderr(log_w: torch.Tensor) -> torch.Tensor:
     """Delta-method standard error of log p_n: std(w) / (sqrt(n) mean(w)); inf if every weight is 0."""
     m = log_w.max()
     if not torch.isfinite(m):
-        return torch.tensor(float("inf"))
+        return torch.tensor(float("inf"), device=log_w.device)
     w = torch.exp(log_w - m)
-    return w.std(correction=1) / (math.sqrt(len(w)) * w.mean()) if len(w) > 1 else torch.tensor(float("nan"))
+    if len(w) < 2:
+        return torch.tensor(float("nan"), device=w.device)
+    return w.std(correction=1) / (math.sqrt(len(w)) * w.mean())
 
 
 def _warn_if_distributed() -> None:
@@ -137,7 +139,8 @@ class SVI:
             ref = next(v for v in values if v is not None)
             params[name] = torch.stack([v if v is not None else torch.full_like(ref, float("nan"))
                                         for v in values])
-        stats = {"losses": torch.tensor(losses), "objective": type(self.objective).__name__, "params": params}
+        stats = {"losses": torch.tensor(losses, device="cpu"),  # host floats (one per step)
+                 "objective": type(self.objective).__name__, "params": params}
         result = Result(samples={}, stats=stats, observed={"args": data, "kwargs": kwargs}, engine="SVI")
         if num_samples is None and not isinstance(self.objective, ParticleObjective):
             return result

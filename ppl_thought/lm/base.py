@@ -13,6 +13,9 @@ prompt encoded once and shared by n particles).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -70,11 +73,35 @@ def describe(x) -> str:
     return type(x).__name__
 
 
+_IDS_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("ppl_thought_ids_checked", default=False)
+
+
+@contextlib.contextmanager
+def ids_checked() -> Iterator[None]:
+    """Inside, LM calls skip the range check of :func:`check_token_ids` (its ``aminmax`` and the host sync of
+    reading it): for callers whose ids are in range by construction (sampled below ``vocab_size``) or were
+    checked once where they came in (the decoding loop, teacher-forced segments), so that a decode step does
+    not synchronise with the device. Shapes and dtypes are still checked."""
+    token = _IDS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _IDS_CHECKED.reset(token)
+
+
+def ids_are_checked() -> bool:
+    """Whether the caller is inside :func:`ids_checked` (an LM may then skip its own range test)."""
+    return _IDS_CHECKED.get()
+
+
 def check_token_ids(tokens, vocab_size: int) -> tuple[int, int]:
-    """``(B, T)`` of a LongTensor ``[B, T]`` of ids in ``[0, vocab_size)``, else a clear error (LM protocol)."""
+    """``(B, T)`` of a LongTensor ``[B, T]`` of ids in ``[0, vocab_size)``, else a clear error (LM protocol).
+
+    The range test reads ``aminmax`` on the host (one sync): skipped inside :func:`ids_checked`, where the
+    caller vouches for the ids (checked once where the user's input came in, not per decode step)."""
     if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.dtype not in TOKEN_DTYPES:
         raise MalformedSequenceError(f"tokens must be a LongTensor [B, T], got {describe(tokens)}")
-    if tokens.numel():
+    if tokens.numel() and not _IDS_CHECKED.get():
         lo, hi = torch.aminmax(tokens)
         if lo < 0 or hi >= vocab_size:
             bad = lo.item() if lo < 0 else hi.item()

@@ -9,6 +9,7 @@ from torch import nn
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
+from ppl_thought.lm.base import ids_are_checked
 from ppl_thought.vocab import BOS_ID
 
 
@@ -66,7 +67,7 @@ class Tabular(nn.Module):
             raise MalformedSequenceError(
                 f"tokens must be a LongTensor [B, T], got {tuple(tokens.shape)} {tokens.dtype}"
             )
-        if tokens.numel() and not _in_range(tokens, self.vocab_size):
+        if tokens.numel() and not ids_are_checked() and not _in_range(tokens, self.vocab_size):
             raise UnknownTokenError(f"token ids must lie in [0, {self.vocab_size})")
 
     def forward(self, tokens: torch.Tensor, cache: TabularCache | None = None,

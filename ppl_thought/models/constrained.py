@@ -18,6 +18,7 @@ import torch
 
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import ConfigError
+from ppl_thought.lm.base import lm_device
 from ppl_thought.program import Program, particles, twist
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.vocab import EOS_ID
@@ -65,7 +66,7 @@ class Constrained(Program):
 
     def init(self, state: dict, prompt: torch.Tensor | None = None) -> None:
         state["x"] = LMState.start(self.lm, particles(), prompt=prompt, rule=self.rule, max_len=self.max_tokens,
-                                   stop_ids=torch.tensor(self.stop_ids))
+                                   stop_ids=torch.tensor(self.stop_ids, device=lm_device(self.lm)))
 
     def log_mass(self, logits: torch.Tensor, s: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
         """log Z_t ``[n]``: the log of the LM's mass on the tokens the automaton admits in states ``s``, over its

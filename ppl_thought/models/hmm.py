@@ -110,9 +110,9 @@ def _particle_batch_shape() -> tuple[int, ...]:
     return (int(frame.size),) + (1,) * (-int(frame.dim) - 1)
 
 
-def all_done() -> torch.Tensor:
-    """Finished flags ``[n]`` for every particle (the last step)."""
-    return torch.ones(particles(), dtype=torch.bool)
+def all_done(device: torch.device | str = "cpu") -> torch.Tensor:
+    """Finished flags ``[n]`` for every particle (the last step), on ``device`` (the HMM's)."""
+    return torch.ones(particles(), dtype=torch.bool, device=device)
 
 
 def prior_logits(hmm: HMM, state: dict, t: int) -> torch.Tensor:
@@ -136,7 +136,8 @@ class HMM(Program):
 
     Observation sequences ``x`` are LongTensors of indices in ``[0, |Sigma|)``, either one
     sequence ``[T]`` or a batch ``[N, T]``; results then have no batch dimension or ``[N]``.
-    All computations run in float64 on the CPU.
+    All computations run in float64, on the CPU unless the HMM is moved with :meth:`to` (its tables, the
+    program's sites and every exact answer then live on that device).
 
     As a Pyro program (:class:`~ppl_thought.program.Program`, max_plate_nesting 0):
     ``hmm(x=None, length=None)`` runs :meth:`init` and every :meth:`step` in one trace and
@@ -177,6 +178,17 @@ class HMM(Program):
         self.observable_tokens = self.check_names(observable_tokens, K, "x", "observable_tokens")
         self.hidden_names = self.check_names(hidden_names, S, "h", "hidden_names")
 
+    @property
+    def device(self) -> torch.device:
+        """Where the tables live (CPU unless moved with :meth:`to`)."""
+        return self.A.device
+
+    def to(self, device: torch.device | str) -> HMM:
+        """Move the tables (A, B, lam and their logs) to ``device``, in place; returns the HMM."""
+        for name in ("A", "B", "lam", "log_A", "log_B", "log_lam"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
     @staticmethod
     def check_names(names: Sequence[str] | None, n: int, prefix: str, what: str) -> list[str]:
         if names is None:
@@ -216,7 +228,7 @@ class HMM(Program):
         if x.ndim not in (1, 2):
             raise MalformedSequenceError(f"{what} must be [T] or [N, T], got shape {tuple(x.shape)}")
         single = x.ndim == 1
-        x = x.detach().to("cpu", torch.long)
+        x = x.detach().to(self.device, torch.long)
         if single:
             x = x[None]
         K = self.num_observations
@@ -237,10 +249,11 @@ class HMM(Program):
         S = self.num_states
         B_T = self.B.T.contiguous()  # [K, S]: emission likelihood of each symbol
         prior = self.lam.expand(N, S)  # P(Z_t | x_{<t}): the one-step prediction of the hidden state
-        log_p = torch.zeros(N, dtype=DTYPE)
-        prefix = torch.empty(N, T, dtype=DTYPE)
-        filt = torch.empty(N, T, S, dtype=DTYPE) if want_filter else None
-        pred = torch.empty(N, T + 1, self.num_observations, dtype=DTYPE) if want_predictive else None
+        dev = self.device
+        log_p = torch.zeros(N, dtype=DTYPE, device=dev)
+        prefix = torch.empty(N, T, dtype=DTYPE, device=dev)
+        filt = torch.empty(N, T, S, dtype=DTYPE, device=dev) if want_filter else None
+        pred = torch.empty(N, T + 1, self.num_observations, dtype=DTYPE, device=dev) if want_predictive else None
         for t in range(T):
             if want_predictive:
                 pred[:, t] = prior @ self.B
@@ -264,7 +277,7 @@ class HMM(Program):
         """
         xb, single = self.check_x(x)
         if xb.shape[1] == 0:
-            out = torch.zeros(xb.shape[0], dtype=DTYPE)
+            out = torch.zeros(xb.shape[0], dtype=DTYPE, device=self.device)
         else:
             out = self._forward(xb)[0][:, -1]
         return out[0] if single else out
@@ -346,7 +359,7 @@ class HMM(Program):
         ``z`` and ``x`` of the same shape ``[T]`` or ``[N, T]``.
         """
         xb, single = self.check_x(x)
-        zb = torch.as_tensor(z).detach().to("cpu", torch.long)
+        zb = torch.as_tensor(z).detach().to(self.device, torch.long)
         zb = zb[None] if zb.ndim == 1 else zb
         if zb.shape != xb.shape:
             raise MalformedSequenceError(f"z has shape {tuple(zb.shape)} but x has {tuple(xb.shape)}")
@@ -357,7 +370,7 @@ class HMM(Program):
 
     def _log_joint(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if z.shape[1] == 0:
-            return torch.zeros(z.shape[0], dtype=DTYPE)
+            return torch.zeros(z.shape[0], dtype=DTYPE, device=self.device)
         out = self.log_lam[z[:, 0]] + self.log_B[z, x].sum(-1)
         if z.shape[1] > 1:
             out = out + self.log_A[z[:, :-1], z[:, 1:]].sum(-1)
@@ -377,10 +390,10 @@ class HMM(Program):
                 "use log_prob (the forward algorithm) instead"
             )
         if T == 0:
-            out = torch.zeros(N, dtype=DTYPE)
+            out = torch.zeros(N, dtype=DTYPE, device=self.device)
             return out[0] if single else out
-        paths = torch.tensor(list(itertools.product(range(S), repeat=T)), dtype=torch.long)
-        out = torch.full((N,), _NEG_INF, dtype=DTYPE)
+        paths = torch.tensor(list(itertools.product(range(S), repeat=T)), dtype=torch.long, device=self.device)
+        out = torch.full((N,), _NEG_INF, dtype=DTYPE, device=self.device)
         chunk = max(1, 2**20 // max(1, N * max(T, 1)))
         for start in range(0, paths.shape[0], chunk):
             p = paths[start : start + chunk]  # [P, T]
@@ -401,9 +414,9 @@ class HMM(Program):
         if num_sequences < 0 or length < 0:
             raise ValueError(f"num_sequences and length must be >= 0, got {num_sequences}, {length}")
         N, T = int(num_sequences), int(length)
-        z = torch.empty(N, T, dtype=torch.long)
+        z = torch.empty(N, T, dtype=torch.long, device=self.device)
         if N == 0 or T == 0:
-            return z, torch.empty(N, T, dtype=torch.long)
+            return z, torch.empty(N, T, dtype=torch.long, device=self.device)
         z[:, 0] = torch.multinomial(self.lam.expand(N, -1), 1, replacement=True, generator=generator)[:, 0]
         for t in range(1, T):
             z[:, t] = torch.multinomial(self.A[z[:, t - 1]], 1, generator=generator)[:, 0]
@@ -421,7 +434,7 @@ class HMM(Program):
         """
         xb, single = self.check_x(x)
         N, T = xb.shape
-        out = torch.zeros(N, T, self.num_states, dtype=DTYPE)
+        out = torch.zeros(N, T, self.num_states, dtype=DTYPE, device=self.device)
         log_B_T = self.log_B.T  # [K, S]
         for t in range(T - 2, -1, -1):
             nxt = log_B_T[xb[:, t + 1]] + out[:, t + 1]  # [N, S']: log B[z', x_{t+1}] + log beta_{t+1}(z')
@@ -471,15 +484,15 @@ class HMM(Program):
         """
         T = len(x) if x is not None else int(length)
         if t >= T:
-            return all_done()
+            return all_done(self.device)
         z = pyro.sample(f"z_{t}", dist.Categorical(logits=prior_logits(self, state, t)))
         state["z"] = z
         emit = dist.Categorical(logits=self.log_B[z])
         obs = None
         if x is not None:
-            obs = torch.as_tensor(x[t]).to("cpu", torch.long).expand(emit.batch_shape)
+            obs = torch.as_tensor(x[t]).to(self.device, torch.long).expand(emit.batch_shape)
         pyro.sample(f"x_{t}", emit, obs=obs)
-        return all_done() if t == T - 1 else None
+        return all_done(self.device) if t == T - 1 else None
 
     def posterior_guide(self) -> HMMGuide:
         """The exact posterior as a step-wise guide: ``z_t ~ P(z_t | z_{t-1}, x_0 .. x_{T-1})``.

@@ -39,6 +39,7 @@ import pyro.distributions as dist
 import torch
 from torch import nn
 
+from ppl_thought.distributions.lm_state import upcast
 from ppl_thought.errors import MalformedSequenceError
 from ppl_thought.guides.gaussian import LocalGaussianGuide
 from ppl_thought.lm.transformer import Transformer
@@ -168,7 +169,7 @@ class LatentThought(nn.Module):
                         max_rows: int = 4096) -> torch.Tensor:
         """log p(x_n | z, x_{<n}) per position ``[..., B, N]``; padding positions give 0."""
         tokens, mask = self.batch(tokens, mask)
-        logp = torch.log_softmax(self.logits(tokens, z, max_rows), dim=-1)
+        logp = torch.log_softmax(upcast(self.logits(tokens, z, max_rows)), dim=-1)  # float32 for half precision
         lp = logp.gather(-1, tokens.expand(*logp.shape[:-1]).unsqueeze(-1)).squeeze(-1)
         return torch.where(mask, lp, torch.zeros_like(lp))
 
@@ -189,7 +190,7 @@ class LatentThought(nn.Module):
 
     def log_prior(self, z: torch.Tensor) -> torch.Tensor:
         """log N(z; 0, I) summed over the event ``[L, N_z, d]``."""
-        return dist.Normal(0.0, 1.0).log_prob(z).flatten(-3).sum(-1)
+        return dist.Normal(z.new_zeros(()), z.new_ones(())).log_prob(z).flatten(-3).sum(-1)
 
     # -- Pyro programs ---------------------------------------------------------------------------------
 
@@ -199,7 +200,7 @@ class LatentThought(nn.Module):
         if register:
             pyro.module("ltm_decoder", self.decoder)
         zeros = torch.zeros(self.latent_shape, device=tokens.device)
-        with pyro.plate("sequences", B, dim=-1):
+        with pyro.plate("sequences", B, dim=-1, device=tokens.device):
             z = pyro.sample("z", dist.Normal(zeros, 1.0).to_event(3))
             logits = self.logits(tokens, z)
             pyro.sample("x", dist.Categorical(logits=logits).mask(mask).to_event(1), obs=tokens)

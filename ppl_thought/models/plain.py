@@ -21,6 +21,7 @@ import torch
 
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.errors import ProgramError
+from ppl_thought.lm.base import lm_device
 from ppl_thought.program import Program, Shared, particles
 from ppl_thought.projections.base import as_id_array
 from ppl_thought.projections.identity import Identity
@@ -55,8 +56,10 @@ class PlainLM(Program):
         self._domains: dict = {}
 
     def x_ids(self, x) -> torch.Tensor:
-        """x as a 1-D LongTensor of ids (accepts text, token strings, ids; right padding dropped)."""
-        return torch.as_tensor(as_id_array(x, self.vocab, "observation x", unpad=True), dtype=torch.long)
+        """x as a 1-D LongTensor of ids on the LM's device (accepts text, token strings, ids; right padding
+        dropped)."""
+        return torch.as_tensor(as_id_array(x, self.vocab, "observation x", unpad=True), dtype=torch.long,
+                               device=lm_device(self.lm))
 
     def x_dist(self, num_observed: int) -> LMSequence:
         """P_f masked to Sigma (Def 2.8 with the identity projection), ``num_observed`` tokens long."""

@@ -25,6 +25,7 @@ import torch
 
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.errors import NotInImageError, TooLargeToEnumerateError
+from ppl_thought.lm.base import lm_device
 from ppl_thought.models.plain import PlainLM
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.transforms.base import Transformed
@@ -32,14 +33,15 @@ from ppl_thought.transforms.projection_lift import ProjectionLift
 from ppl_thought.vocab import PAD_ID
 
 
-def pad_sequences(seqs, length: int | None = None, pad_id: int = PAD_ID) -> torch.Tensor:
-    """A list of 1-D id sequences -> a right-padded LongTensor ``[len(seqs), length]``."""
+def pad_sequences(seqs, length: int | None = None, pad_id: int = PAD_ID, device=None) -> torch.Tensor:
+    """A list of 1-D id sequences -> a right-padded LongTensor ``[len(seqs), length]`` (built on the host,
+    then moved to ``device`` in one copy)."""
     L = max((len(s) for s in seqs), default=0) if length is None else length
-    out = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    out = torch.full((len(seqs), L), pad_id, dtype=torch.long, device="cpu")
     for i, s in enumerate(seqs):
         if len(s):
-            out[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-    return out
+            out[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long, device="cpu")
+    return out if device is None else out.to(device)
 
 
 @dataclass
@@ -96,8 +98,14 @@ class SlowThinking(Transformed):
 
     # ------------------------------------------------------------------ the program
     def x_ids(self, x) -> torch.Tensor:
-        """x as a 1-D LongTensor of ids (accepts text, token strings, ids)."""
-        return torch.as_tensor(as_id_array(x, self.vocab, "observation x", unpad=True), dtype=torch.long)
+        """x as a 1-D LongTensor of ids on the prior's device (accepts text, token strings, ids)."""
+        return torch.as_tensor(as_id_array(x, self.vocab, "observation x", unpad=True), dtype=torch.long,
+                               device=self.device)
+
+    @property
+    def device(self) -> torch.device:
+        """The prior's device: where the program's tensors are made."""
+        return lm_device(self.prior)
 
     def z_dist(self, num_observed: int) -> LMSequence:
         """P_f masked to Dom(Proj) (Def 2.8), stopped once ``num_observed`` tokens are determined."""
@@ -110,17 +118,17 @@ class SlowThinking(Transformed):
         """(support ``[K, L]``, log P^{<=|z|}(z) ``[K]``) for every z in the lifting of x."""
         xt = self.x_ids(x)
         try:
-            lifting = self.projection.enumerate_lifting(xt.numpy(), limit=limit)
+            lifting = self.projection.enumerate_lifting(xt.cpu().numpy(), limit=limit)
         except TooLargeToEnumerateError as e:
             raise TooLargeToEnumerateError(
                 f"exact computation for |x| = {len(xt)} needs the whole lifting: {e}. Use an engine "
                 "(pt.infer.Importance / SMC) for long observations"
             ) from None
         dist = self.z_dist(len(xt))
-        support = pad_sequences(lifting, dist.max_len)
+        support = pad_sequences(lifting, dist.max_len, device=self.device)
         with torch.no_grad():
             lp = torch.cat([dist.log_prob(chunk) for chunk in support.split(4096)]) if len(support) else \
-                torch.zeros(0)
+                torch.zeros(0, device=self.device)
         return support, lp
 
     def exact_log_prob(self, x, limit: int = 20_000) -> torch.Tensor:
@@ -132,13 +140,13 @@ class SlowThinking(Transformed):
         try:
             _, lp = self.enumerate_log_joint(x, limit)
         except NotInImageError:
-            return torch.tensor(float("-inf"))
-        return torch.logsumexp(lp, 0) if len(lp) else torch.tensor(float("-inf"))
+            return torch.tensor(float("-inf"), device=self.device)
+        return torch.logsumexp(lp, 0) if len(lp) else torch.tensor(float("-inf"), device=self.device)
 
     def exact_posterior(self, x, limit: int = 20_000) -> EnumeratedPosterior:
         """Q_*(z | x) = P^{<=|z|}(z) / (Proj # P)^{<=|x|}(x) on the lifting of x, equation (2.24)."""
         support, lp = self.enumerate_log_joint(x, limit)
-        logz = torch.logsumexp(lp, 0) if len(lp) else torch.tensor(float("-inf"))
+        logz = torch.logsumexp(lp, 0) if len(lp) else torch.tensor(float("-inf"), device=self.device)
         if not torch.isfinite(logz):
             raise NotInImageError(
                 f"x = {self.vocab.decode(self.x_ids(x))!r} has probability 0 under Proj # P: no posterior"
