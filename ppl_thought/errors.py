@@ -108,3 +108,8 @@ class DependencyError(PPLThoughtError, ImportError):
 class MissingDependencyError(DependencyError, ConfigError):
     """An optional dependency is not installed (e.g. ``transformers`` for ``pt.lm.HuggingFace``): the message
     names the extra to install."""
+
+
+class ActiveLiftError(PPLThoughtError, ValueError):
+    """An active lifting model (Section 6) that cannot be built or used: a latent alphabet Omega with fewer
+    than two tokens or with the format markers, a latent sequence outside Omega^T, LMs on other vocabularies."""
