@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{'H(P*)':>7} {'H(X|Z) nats':>12} {'prefix-free':>11}"]
     for N, r in res["coding"].items():
         rows.append(f"{N:>3} {r['learned_objective']:>15.3f} {r['huffman_objective']:>15.3f} "
-                    f"{r['learned_length']:>13.3f} {r['huffman_length']:>13.3f} {r['entropy']:>7.3f} {r['h_x_given_z']:>12.4f} "
+                    f"{r['learned_length']:>13.3f} {r['huffman_length']:>13.3f} {r['entropy']:>7.3f} "
+                    f"{r['h_x_given_z']:>12.4f} "
                     f"{str(r['prefix_free']):>11}")
     print("\n".join(rows))
     print(json.dumps(res["criteria"]))
