@@ -169,7 +169,7 @@ def classify(call, phrase: str) -> tuple[str, str]:
 _WRITER = """
 import sys, torch
 from ppl_thought import io
-from ppl_thought.inference.result import Result
+from ppl_thought.inference.result import Result, save_result
 path, kind = sys.argv[1], sys.argv[2]
 print("ready", flush=True)
 i = 0
@@ -177,7 +177,8 @@ while True:
     i += 1
     w = torch.full((256, 256), float(i))
     if kind == "result":
-        io.save_result(path, Result(samples={"z": w}, log_weights=torch.zeros(8), log_marginal=torch.tensor(float(i))))
+        res = Result(samples={"z": w}, log_weights=torch.zeros(8), log_marginal=torch.tensor(float(i)))
+        save_result(path, res)
     else:
         io.save_checkpoint(path, {"w": w}, {"i": i})
 """
@@ -198,7 +199,7 @@ def kill_loop(kills: int, seed: int = 0) -> dict:
                 tried += 1
                 try:
                     if kind == "result":
-                        r = pt.io.load_result(path)
+                        r = pt.infer.load_result(path)
                         ok = float(r.samples["z"][0, 0]) == float(r.log_marginal)
                     else:
                         state, config, _ = pt.io.load_checkpoint(path)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ppl_thought.lm.transformer import KVCache, Transformer
+from ppl_thought.lm import KVCache, Transformer
 
 
 def decode(model: Transformer, batch: int, prompt_len: int, steps: int, latents=None) -> float:

@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ppl_thought.inference import DualRateTrainer, langevin_evaluate, slow_lr_schedule
 from ppl_thought.lm.transformer import Transformer
-from ppl_thought.models.latent_thought import DualRateTrainer, LatentThought, slow_lr_schedule
+from ppl_thought.models import LatentThought
 
 
 @dataclass
@@ -174,7 +175,7 @@ def run(cfg: Config, out_dir: str | None = None, progress: bool = True) -> dict:
     # Langevin (Eq. 4) vs variational Bayes on the same subset of test sequences.
     t = time.time()
     sub = test[:cfg.langevin_sequences]
-    lang = ltm.langevin_evaluate(sub, iw_samples=cfg.iw_samples, num_steps=cfg.langevin_steps,
+    lang = langevin_evaluate(ltm, sub, iw_samples=cfg.iw_samples, num_steps=cfg.langevin_steps,
                                  warmup_steps=cfg.langevin_warmup, num_chains=cfg.langevin_chains, seed=cfg.seed)
     torch.manual_seed(cfg.seed + 3000)
     vb_sub = ltm.evaluate(sub, num_steps=T_max, lr=fast_lr, elbo_samples=16, iw_samples=cfg.iw_samples)

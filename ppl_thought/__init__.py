@@ -11,7 +11,8 @@ A slow-thinking model is the tuple (Sigma, Omega, Proj, P, Q) of the static theo
     pt.models                     # SlowThinking (Proj # P_f), HMM (Def 2.2, Theorem 2.3)
     pt.data                       # synthetic tasks with exact answers (A5 cups-and-ball HMM)
     pt.infer                      # engines: Importance, SMC, SVI, Langevin, decode (Result)
-    pt.transforms                 # poutine-style model transforms (ActiveLift, Section 6)
+    pt.transforms                 # model transforms: ProjectionLift, Forgetful, Persistent, Ubiquitous, CostAware,
+                                  # ActiveLift (Section 6)
     pt.Program                    # the step-wise program protocol (init / step), pt.twist, pt.particles,
                                   # pt.particle_groups
 
@@ -36,10 +37,10 @@ _SUBMODULES = {
     "infer": "ppl_thought.inference",
     "inference": "ppl_thought.inference",
     "guides": "ppl_thought.guides",
-    "transforms": "ppl_thought.transforms",
     "diagnostics": "ppl_thought.diagnostics",
     "errors": "ppl_thought.errors",
     "io": "ppl_thought.io",
+    "transforms": "ppl_thought.transforms",
 }
 
 _ATTRIBUTES = {name: "ppl_thought.program" for name in ("Program", "Shared", "twist", "particles", "particle_groups")}

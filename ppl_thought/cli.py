@@ -107,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seeds", type=_positive_int, default=None,
                       help="Section 7 replicates (seeds --seed, --seed + 1, ...); default 3, or 1 with --quick")
     demo.set_defaults(func=_demo)
-    diag = sub.add_parser("diagnose", help="a short report and plots for a result file (netcdf or save_result dir)")
+    diag = sub.add_parser("diagnose", help="a short report and plots for a result file (netcdf or saved Result dir)")
     diag.add_argument("file", help="a netcdf from to_inference_data(...).to_netcdf (any result type), one of the "
-                                   "demo's .nc files, or a save_result directory")
+                                   "demo's .nc files, or a pt.infer.save_result directory")
     diag.add_argument("--out", default=None, help="folder for the plots (default: next to FILE)")
     diag.set_defaults(func=_diagnose)
     return p

@@ -20,8 +20,8 @@ import torch
 
 from ppl_thought.experiments.a5 import A5Config, run_a5
 from ppl_thought.experiments.sec7 import Sec7Config, run_sec7
-from ppl_thought.inference.result import log_mean_exp
 from ppl_thought.io import atomic_write, atomic_write_json
+from ppl_thought.weights import log_mean_exp
 
 
 def configs(quick: bool, n: int = 8) -> tuple[Sec7Config, A5Config]:

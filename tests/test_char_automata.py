@@ -464,7 +464,7 @@ def exact_log_z(lm, auto) -> float:
 def accepted(auto, z: torch.Tensor) -> torch.Tensor:
     """Membership in A of right-padded token rows ``[..., L]``."""
     rows = z.reshape(-1, z.shape[-1])
-    s = auto.start_states(rows.shape[0])
+    s = auto.start_states(rows.shape[0], rows)
     for i in range(rows.shape[1]):
         s = auto.advance(s, rows[:, i])
     return auto.is_final(s).reshape(z.shape[:-1])
@@ -480,7 +480,7 @@ class ConstrainedLM(pt.Program):
 
     def init(self, state):
         state["lm"] = LMSequence(self.lm, stop=EOS_ID, max_len=L).start(pt.particles())
-        state["q"] = self.auto.start_states(pt.particles())
+        state["q"] = self.auto.start_states(pt.particles(), "cpu")
 
     def step(self, state, t):
         lm = state["lm"]

@@ -268,7 +268,7 @@ def test_sec7_gating_trick_starts_as_fast_thinking_and_mixes_logits():
     p_fast * f(x x_r) + p_slow * f(x <s> y </s> x_r); without a gate P reads the latent format only."""
     from ppl_thought.distributions.lm_state import masked_log_softmax as _masked_log_softmax
     from ppl_thought.experiments.sec7 import Sec7
-    from ppl_thought.guides.explanatory import gate_mlp
+    from ppl_thought.lm.gated import gate_mlp
 
     task = permutation_choice_task(m=3, query_len=2, num_choices=3)
     cfg = Sec7Config(m=3, query_len=2, num_choices=3, d_model=16, n_layers=1, n_heads=2, pretrain_steps=0)

@@ -34,8 +34,7 @@ from ppl_thought.diagnostics import (
 )
 from ppl_thought.diagnostics.causal import ZeroWeightsError
 from ppl_thought.diagnostics.inference_data import bounded_num_draws, import_arviz
-from ppl_thought.inference import SMC, Importance, Langevin
-from ppl_thought.io import load_result, save_result
+from ppl_thought.inference import SMC, Importance, Langevin, load_result, save_result
 from ppl_thought.lm.tabular import Tabular
 from ppl_thought.models import SlowThinking
 from ppl_thought.projections import PauseToThink

@@ -17,7 +17,6 @@ from ppl_thought.errors import NotDisentangledError, NotInImageError
 from ppl_thought.guides import (
     Causal,
     Explanatory,
-    GatedLM,
     Identity,
     Inquisitive,
     Posterior,
@@ -25,7 +24,7 @@ from ppl_thought.guides import (
     SamplerDistribution,
     explanatory_guide,
 )
-from ppl_thought.lm import Tabular
+from ppl_thought.lm import GatedLM, Tabular
 from ppl_thought.models import SlowThinking
 from ppl_thought.projections import FirstTokenSwitch, PauseToThink, Product, QueryResponse, SparseThoughts
 from ppl_thought.projections import Identity as IdentityProj

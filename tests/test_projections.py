@@ -297,7 +297,7 @@ def test_batched_step_agrees_with_run(name, idx, seed):
         lens = np.array([len(z) for z in zs])
         runs = [a.run(z) for z in zs]
         s_np = np.full(len(zs), a.start)
-        s_t = a.start_states(len(zs))
+        s_t = a.start_states(len(zs), "cpu")
         for t in range(T + 1):
             want = np.array([r[min(t, len(r) - 1)] for r in runs])
             assert (s_np == want).all() and (s_t.numpy() == want).all()

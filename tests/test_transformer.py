@@ -11,9 +11,9 @@ from safetensors import safe_open
 
 import ppl_thought.io as ptio
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
+from ppl_thought.lm import KVCache, Transformer
 from ppl_thought.lm.base import LMCache
 from ppl_thought.lm.base import step as protocol_step
-from ppl_thought.lm.transformer import KVCache, Transformer
 
 V, D, L, H, NZ = 11, 16, 2, 2, 3
 ATOL = 1e-5

@@ -34,10 +34,12 @@ import numpy as np
 import torch
 
 from ppl_thought.arviz_compat import import_arviz
+from ppl_thought.draws import bounded_num_draws
 from ppl_thought.errors import DiagnosticError, UnsupportedResultError
-from ppl_thought.inference.result import Result, effective_sample_size, pareto_k, psis
+from ppl_thought.inference.result import Result, pareto_k, psis
 from ppl_thought.inference.smc import resample
 from ppl_thought.vocab import PAD_ID
+from ppl_thought.weights import effective_sample_size
 
 #: engines whose unweighted results are chains x draws of a Markov chain (others: independent draws)
 MCMC_ENGINES = ("langevin",)
@@ -46,31 +48,6 @@ MCMC_ENGINES = ("langevin",)
 PSIS_THRESHOLD = 0.5
 
 psis_khat = pareto_k  # the public name in ppl_thought.diagnostics (one implementation: inference/result.py)
-
-
-def bounded_num_draws(ess: float) -> int:
-    """The default size m of the equal-weight posterior of a weighted result: the largest m >= 1 with
-    m * max(1, log10 m) <= ``ess``.
-
-    ArviZ's ESS estimators (bulk, tail, mean, sd, quantile, local; Vehtari, Gelman, Simpson, Carpenter &
-    Buerkner 2021) bound the integrated autocorrelation time below by 1 / log10 N for N draws, so every
-    ``az.ess`` of N draws is at most N log10 N (and N for a constant variable). With N = m, no ESS that
-    ArviZ reports for the posterior can exceed the importance ESS of the weights: the resample carries no
-    more information than the weighted particles it copies. ``0`` when ``ess`` < 1 (no finite weight).
-    """
-    ess = float(ess)
-    if not ess >= 1.0:
-        return 0
-
-    def size(m: int) -> float:
-        return m * max(1.0, math.log10(m))
-
-    m = max(1, int(ess / max(1.0, math.log10(ess))))
-    while size(m + 1) <= ess:
-        m += 1
-    while m > 1 and size(m) > ess:
-        m -= 1
-    return m
 
 
 # ---------------------------------------------------------------------------------------------- small helpers

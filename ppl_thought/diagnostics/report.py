@@ -2,7 +2,7 @@
 
 FILE is a netcdf written by ``to_inference_data(result).to_netcdf(FILE)`` (any result type: Importance, SMC,
 Langevin, SVI, rejection samplers, decoding), one of the demo's ``.nc`` files, or a directory written by
-:func:`ppl_thought.io.save_result`. Anything else gets a :class:`~ppl_thought.errors.DiagnosticError` that
+:func:`ppl_thought.inference.save_result`. Anything else gets a :class:`~ppl_thought.errors.DiagnosticError` that
 says what the file is and what diagnose reads; an ArviZ netcdf written by another library is reported
 generically, with a note.
 """
@@ -25,13 +25,14 @@ MAX_PLOTTED = 4
 #: variables with more values per draw than this (e.g. a padded token sequence) are left out of the summary
 MAX_VALUES_PER_DRAW = 8
 READS = ("diagnose reads a netcdf from to_inference_data(...).to_netcdf, the demo's .nc files, or a directory "
-         "written by ppl_thought.io.save_result")
+         "written by ppl_thought.inference.save_result")
 
 
 def _load(path: Path):
     """(InferenceData, note): the note is set for an ArviZ file that another library wrote."""
     from ppl_thought.diagnostics.inference_data import load_inference_data, to_inference_data
-    from ppl_thought.io import CONFIG_FILE, is_saved_result, load_result
+    from ppl_thought.inference.result import is_saved_result, load_result
+    from ppl_thought.io import CONFIG_FILE
 
     if path.is_dir():
         if is_saved_result(path):
@@ -39,7 +40,8 @@ def _load(path: Path):
         if (path / CONFIG_FILE).is_file():
             raise DiagnosticError(f"{path} is a ppl_thought checkpoint (model weights, save_checkpoint), not a "
                                   f"result: nothing to diagnose. {READS}")
-        raise DiagnosticError(f"{path} is a directory but not a result saved by ppl_thought.io.save_result. {READS}")
+        raise DiagnosticError(f"{path} is a directory but not a result saved by ppl_thought.inference.save_result. "
+                              f"{READS}")
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
     try:

@@ -363,7 +363,7 @@ class LMSequence(TorchDistribution):
         auto = torch.empty(n, L + 1, dtype=torch.long, device=z.device)
         auto[:, 0] = self.constraint.start if self.constraint is not None else 0
         if self.constraint is not None:
-            table = self.constraint.torch_table(z.device)
+            table = self.constraint.device_table("table", z.device)
             for i in range(L):
                 auto[:, i + 1] = table[auto[:, i], z[:, i]]
         else:

@@ -93,7 +93,7 @@ class TokenRule:
             if self.constraint is None:
                 allowed = torch.ones(1, self.vocab_size, dtype=torch.bool, device=device)
             else:
-                allowed = (self.constraint.torch_table(device) >= 0).clone()
+                allowed = (self.constraint.device_table("table", device) >= 0).clone()
             allowed[:, PAD_ID] = False
             allowed[:, BOS_ID] = False
             self._tables[("allowed", str(device))] = allowed
@@ -156,8 +156,8 @@ class TokenRule:
                     return None
                 seg = final
             else:
-                final = self.constraint._torch("final", device)
-                seg = final if until is None else final | (self.constraint._torch("emitted", device) >= until)
+                final = self.constraint.device_table("final", device)
+                seg = final if until is None else final | (self.constraint.device_table("emitted", device) >= until)
             tabs = (seg, final)
             self._tables[key] = tabs
         return tabs

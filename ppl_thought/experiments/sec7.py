@@ -33,11 +33,11 @@ from tqdm.auto import tqdm
 from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
 from ppl_thought.distributions.lm_state import masked_log_softmax
 from ppl_thought.experiments.common import run_alone, score, set_lr, standard_error
-from ppl_thought.guides.explanatory import gate_mlp
-from ppl_thought.inference.result import log_mean_exp
 from ppl_thought.inference.trainer import clip_joint_, cosine_lr
 from ppl_thought.lm import Transformer
+from ppl_thought.lm.gated import gate_mlp
 from ppl_thought.projections import QueryResponse
+from ppl_thought.weights import log_mean_exp
 
 
 @dataclass
@@ -246,7 +246,7 @@ class Sec7:
 
     def log_p_parts(self, P: torch.nn.Module, q, y, r) -> tuple[torch.Tensor, torch.Tensor]:
         """(log P(y | x), log P(x_r | x y)) ``[B]`` each, masked to Dom(Proj) (Def 2.8). With the gating
-        trick (``P.gate``, :func:`~ppl_thought.guides.explanatory.gate_mlp`) the response logits are
+        trick (``P.gate``, :func:`~ppl_thought.lm.gated.gate_mlp`) the response logits are
         (L.1)/(L.2): p_fast * f(x x_r) + p_slow * f(x <s> y </s> x_r), gates from the features before the
         unembedding of both passes."""
         z = self._latent(q, y, r)

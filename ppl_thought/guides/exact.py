@@ -159,7 +159,7 @@ class TableState:
         K, L = support.shape
         self.lengths_k = (support != PAD_ID).sum(-1)
         T = num_observed(lift)
-        s = lift.start_states(K)
+        s = lift.start_states(K, support)
         emitted = torch.empty(K, L + 1, dtype=torch.long)
         emitted[:, 0] = lift.num_emitted(s)
         for i in range(L):

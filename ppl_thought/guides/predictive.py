@@ -22,60 +22,16 @@ predictive (Def 3.7); with the prior as LM it is Q_id (3.30).
 
 from __future__ import annotations
 
-import numpy as np
 import pyro
 import torch
 
 from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
-from ppl_thought.errors import NotDisentangledError
 from ppl_thought.guides.base import Sampler
 from ppl_thought.lm.base import lm_device
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection
-from ppl_thought.projections.product import Product
+from ppl_thought.projections.substitution import emission_substitution
 from ppl_thought.vocab import BOS_ID, PAD_ID
-
-
-def emission_substitution(projection: Projection) -> np.ndarray:
-    """int64 ``[V, V]``: ``sub[v, a]`` is the token that takes the segment slot of the emitting
-    token v but emits the observable a (``-1`` if none); the map behind (3.29).
-
-    A projection may define ``emission_substitution()`` itself; otherwise Product pairs (a, y)
-    map to (x, y), and for the other disentangled projections the emitting tokens must be the
-    observables themselves (checked on ``domain(2)``). Raises :class:`NotDisentangledError`
-    for a projection that is not disentangled (Def 3.5), e.g. FirstTokenSwitch (Remark 2.8).
-    """
-    if not getattr(projection, "is_disentangled", False):
-        raise NotDisentangledError(
-            f"{type(projection).__name__} is not disentangled (Def 3.5): its next-segment map depends on the "
-            "latent prefix, so the identity/predictive samplers (3.30), Def 3.7 are undefined; use Causal, "
-            "Explanatory or Posterior"
-        )
-    hook = getattr(projection, "emission_substitution", None)
-    if callable(hook):
-        return np.asarray(hook(), dtype=np.int64)
-    V = len(projection.vocab)
-    sub = np.full((V, V), -1, dtype=np.int64)
-    obs = projection.observable_ids
-    if isinstance(projection, Product):
-        to_obs, to_hid = projection.latent_to_observable, projection.latent_to_hidden
-        pairs = projection.latent_ids
-        for a_idx, a in enumerate(obs):
-            sub[pairs, a] = projection._pairs[a_idx, to_hid[pairs]]
-        assert (to_obs[pairs] >= 0).all()
-        return sub
-    d = projection.domain(2)
-    cur = np.repeat(d.emitted[:, None], V, 1)
-    nxt = d.next_state
-    emitting = (nxt >= 0) & (np.where(nxt >= 0, d.emitted[np.maximum(nxt, 0)], 0) > cur)
-    toks = np.unique(np.nonzero(emitting)[1])
-    if not np.isin(toks, obs).all():
-        raise NotDisentangledError(
-            f"{type(projection).__name__}: emitting tokens are not the observables themselves; define "
-            "projection.emission_substitution() -> [V, V] (the map of (3.29)) to use identity/predictive samplers"
-        )
-    sub[np.ix_(obs, obs)] = np.broadcast_to(obs[None, :], (len(obs), len(obs)))
-    return sub
 
 
 class MarginalizedDecoder(Sampler):
@@ -116,8 +72,8 @@ class MarginalizedDecoder(Sampler):
         mx = masked.max(-1, keepdim=True).values
         mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
         p = torch.exp(masked - mx)  # unnormalised, stable
-        nxt = D.torch_table(dev)[sD]  # [N, V]
-        em = D._torch("emitted", dev)
+        nxt = D.device_table("table", dev)[sD]  # [N, V]
+        em = D.device_table("emitted", dev)
         emitting = mD & (em[nxt] > em[sD][:, None])
         t = lift.num_emitted(sL).clamp(0, max(len(x) - 1, 0))
         xt = x.to(dev)[t] if len(x) else torch.zeros(N, dtype=torch.long, device=dev)

@@ -18,6 +18,11 @@ from ppl_thought.inference.importance import Importance as Importance
 from ppl_thought.inference.importance import ZeroWeightsError as ZeroWeightsError
 from ppl_thought.inference.langevin import Langevin as Langevin
 from ppl_thought.inference.langevin import LangevinKernel as LangevinKernel
+from ppl_thought.inference.latent_thought import DualRateTrainer as DualRateTrainer
+from ppl_thought.inference.latent_thought import fast_lr_schedule as fast_lr_schedule
+from ppl_thought.inference.latent_thought import langevin_evaluate as langevin_evaluate
+from ppl_thought.inference.latent_thought import langevin_posterior as langevin_posterior
+from ppl_thought.inference.latent_thought import slow_lr_schedule as slow_lr_schedule
 from ppl_thought.inference.objectives import GRPO as GRPO
 from ppl_thought.inference.objectives import SFT as SFT
 from ppl_thought.inference.objectives import Inquisitive as Inquisitive
@@ -30,6 +35,8 @@ from ppl_thought.inference.objectives import Sum as Sum
 from ppl_thought.inference.objectives import TwoSampler as TwoSampler
 from ppl_thought.inference.objectives import group_advantages as group_advantages
 from ppl_thought.inference.result import Result as Result
+from ppl_thought.inference.result import load_result as load_result
+from ppl_thought.inference.result import save_result as save_result
 from ppl_thought.inference.smc import SMC as SMC
 from ppl_thought.inference.svi import SVI as SVI
 from ppl_thought.inference.trainer import Trainer as Trainer

@@ -242,7 +242,7 @@ class VGB:
         if isinstance(value, ProcessVerifier):
             states, _ = value.states(pref)
             here = value.from_states(states, lengths).float()
-            table = value.automaton.torch_table(pref.device)  # [S + 1, V], row -1 = dead
+            table = value.automaton.device_table("table", pref.device)  # [S + 1, V], row -1 = dead
             child_states = table[states]
             kids = value.from_states(child_states.reshape(-1), (lengths + 1).repeat_interleave(Vsz)).float()
             kids = kids.reshape(-1, Vsz)

@@ -24,7 +24,8 @@ import torch
 from ppl_thought.checks import integer
 from ppl_thought.errors import NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
 from ppl_thought.inference.particles import check_compatible, sample_particles
-from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp, pareto_k
+from ppl_thought.inference.result import Result, pareto_k
+from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -239,7 +240,7 @@ def lifted_prefix_length(lifting, w: torch.Tensor) -> torch.Tensor:
     """Length ``[n]`` of the shortest prefix of each row of ``w [n, L]`` that the automaton accepts (its first
     final state): the z of a sample of Q(. | xy) restricted to x (Remark 3.5). Raises
     :class:`SiteMismatchError` if a row has none."""
-    table = lifting.torch_table(w.device)
+    table = lifting.device_table("table", w.device)
     n, L = w.shape
     s = lifting.start_states(n, w.device)
     k = torch.where(lifting.is_final(s), torch.zeros(n, dtype=torch.long, device=w.device),

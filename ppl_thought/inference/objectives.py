@@ -36,7 +36,7 @@ from ppl_thought.inference.particles import (
     per_particle,
     sample_particles,
 )
-from ppl_thought.inference.result import effective_sample_size, log_mean_exp
+from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 __all__ = [
     "GRPO",
@@ -196,16 +196,24 @@ class ParticleObjective(ELBO):
         """The estimated loss (no gradients)."""
         ctx = torch.enable_grad() if self.needs_grad_for_value else torch.no_grad()
         with ctx:
-            value, _ = self.surrogate(model, guide, *args, **kwargs)
+            value, _ = self.model_surrogate(model, guide, *args, **kwargs)
         return float(value)
+
+    def model_surrogate(self, model: Callable, guide: Callable, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`surrogate`, or the cost-aware loss (5.27) of a model transformed by
+        :class:`~ppl_thought.transforms.CostAware` (this objective's loss as the cross-entropy estimate)."""
+        cost = getattr(model, "cost_aware", None)
+        if cost is not None:
+            return cost.surrogate(self, model, guide, *args, **kwargs)
+        return self.surrogate(model, guide, *args, **kwargs)
 
     def differentiable_loss(self, model: Callable, guide: Callable, *args, **kwargs) -> torch.Tensor:
         """The surrogate (its gradient is the estimator; its value is not the loss)."""
-        return self.surrogate(model, guide, *args, **kwargs)[1]
+        return self.model_surrogate(model, guide, *args, **kwargs)[1]
 
     def loss_and_grads(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
         """The estimated loss; back-propagates the surrogate into every parameter it reaches."""
-        value, surr = self.surrogate(model, guide, *args, **kwargs)
+        value, surr = self.model_surrogate(model, guide, *args, **kwargs)
         if surr.requires_grad:
             surr.backward()
         return float(value)

@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-
-def log_mean_exp(log_w: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """log (1/n) sum_i exp(log_w_i), -inf (never NaN) when every weight is zero: estimator (3.2)."""
-    n = log_w.shape[dim]
-    return torch.logsumexp(log_w, dim=dim) - math.log(n)
-
-
-def effective_sample_size(log_w: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Importance ESS (sum w)^2 / sum w^2 from log weights; 0 when every weight is zero."""
-    a = torch.logsumexp(log_w, dim=dim)
-    b = torch.logsumexp(2 * log_w, dim=dim)
-    ess = torch.exp(2 * a - b)
-    return torch.where(torch.isneginf(a), torch.zeros_like(ess), ess)
+from ppl_thought.errors import CheckpointError
+from ppl_thought.io import CONFIG_FILE, load_checkpoint, save_checkpoint
+from ppl_thought.weights import effective_sample_size, log_mean_exp  # noqa: F401 (their old import path)
 
 
 def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,3 +167,76 @@ def _result_summary(self) -> str:
         lines.append(f"  stats.{k}: {text}")
     return "\n".join(lines)
 
+
+# ---------------------------------------------------------------------------------------------- saving
+RESULT_FORMAT = "ppl_thought.result/1"
+
+
+def _encode_tree(obj, key: str, tensors: dict[str, torch.Tensor]):
+    """A JSON tree for ``obj`` with tensors (and numpy arrays) moved into ``tensors`` under ``key``."""
+    if isinstance(obj, torch.Tensor | np.ndarray):
+        tensors[key] = torch.as_tensor(obj).detach().cpu()
+        return {"__tensor__": key}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {"__dict__": [[str(k), _encode_tree(v, f"{key}/{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, tuple | list):
+        items = [_encode_tree(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    return {"__repr__": repr(obj)}  # lossy: objects JSON cannot hold are kept as their repr
+
+
+def _decode_tree(obj, tensors: Mapping[str, torch.Tensor]):
+    if isinstance(obj, list):
+        return [_decode_tree(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__tuple__" in obj:
+            return tuple(_decode_tree(v, tensors) for v in obj["__tuple__"])
+        if "__dict__" in obj:
+            return {k: _decode_tree(v, tensors) for k, v in obj["__dict__"]}
+        if "__repr__" in obj:
+            return obj["__repr__"]
+    return obj
+
+
+def save_result(path: str | Path, result) -> Path:
+    """Write an engine :class:`Result` to directory ``path``.
+
+    Same layout and guarantees as :func:`ppl_thought.io.save_checkpoint` (safetensors for every tensor, JSON for the
+    rest, atomic writes, SHA-256 check): the config records ``{"kind": "ppl_thought.result/1",
+    "tree": ...}``. Values JSON cannot hold and that are not tensors are stored as their ``repr``
+    (e.g. strings passed as observed data survive; arbitrary objects do not). No pickle.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    fields = {name: getattr(result, name) for name in ("samples", "log_weights", "log_marginal",
+                                                       "log_marginal_stderr", "ancestry", "stats", "observed")}
+    tree = _encode_tree(fields, "result", tensors)
+    config = {"kind": RESULT_FORMAT, "engine": str(result.engine), "tree": tree}
+    return save_checkpoint(path, tensors, config)
+
+
+def is_saved_result(path: str | Path) -> bool:
+    """Whether ``path`` is a directory written by :func:`save_result`."""
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        return False
+    try:
+        header = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(header, dict) and isinstance(header.get("config"), dict) \
+        and header["config"].get("kind") == RESULT_FORMAT
+
+
+def load_result(path: str | Path):
+    """Read a :class:`Result` written by :func:`save_result`."""
+    state, config, _ = load_checkpoint(path)
+    if config.get("kind") != RESULT_FORMAT:
+        raise CheckpointError(f"{path} holds a checkpoint, not a saved Result ({RESULT_FORMAT})")
+    fields = _decode_tree(config["tree"], state)
+    return Result(engine=config.get("engine", ""), **fields)

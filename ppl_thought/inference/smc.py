@@ -23,10 +23,13 @@ from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, Pro
 from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.importance import log_marginal_stderr, not_in_image_result
 from ppl_thought.inference.particles import check_compatible, particle_plate, require_program, run_step
-from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
+from ppl_thought.inference.result import Result
 from ppl_thought.program import as_done, freeze_finished, reorder_state
+from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 RESAMPLING = ("multinomial", "stratified", "systematic", "residual")
+#: how a run is executed: Pyro traces of any program, or the static one-token step (inference/static_smc.py)
+BACKENDS = ("generic", "static")
 
 
 def resample(weights: torch.Tensor, method: str = "systematic", generator: torch.Generator | None = None,
@@ -115,6 +118,13 @@ class SMC:
             ESS and resampling are per group (only the groups whose ESS is under the threshold
             resample, ancestors from their own group), so each group's Z-hat is exactly the estimate
             of a separate run on its data.
+        backend: ``"generic"`` (default: any program, through Pyro traces) or ``"static"``: for programs whose
+            step is one LM token under a token automaton (:class:`~ppl_thought.models.Constrained`), the
+            per-token work (LM step on a static KV cache, mask, sampling, weight update, resampling decided
+            and gathered on the device) as one fixed step with no host sync until the end
+            (:mod:`ppl_thought.inference.static_smc`, docs/gpu.md); ``guide=None``, ``groups=1``, no twist.
+        graphs: with ``backend="static"``, capture that step as a CUDA graph (default: when the model is on
+            CUDA); on CPU the step runs eagerly.
 
     ``run(model, guide, *args, **kwargs) -> Result``: ``samples`` (every latent site, particles leading,
     plus ``model.outputs(state)``, e.g. ``"z"`` for SlowThinking), final ``log_weights``,
@@ -128,7 +138,8 @@ class SMC:
     """
 
     def __init__(self, num_particles: int, ess_threshold: float = 0.5, resampling: str = "systematic",
-                 generator: torch.Generator | None = None, max_steps: int = 10_000, groups: int = 1):
+                 generator: torch.Generator | None = None, max_steps: int = 10_000, groups: int = 1,
+                 backend: str = "generic", graphs: bool | None = None):
         try:
             g = integer("groups", groups)
         except ConfigError:
@@ -142,10 +153,21 @@ class SMC:
         self.generator = generator
         self.max_steps = integer("max_steps", max_steps)
         self.groups = g
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown SMC backend {backend!r}; choose one of {BACKENDS}")
+        if graphs is not None and not isinstance(graphs, bool):
+            raise ConfigError(f"graphs must be True, False or None (CUDA graphs when on CUDA), got {graphs!r}")
+        if graphs and backend != "static":
+            raise ConfigError("graphs=True needs backend='static' (the captured step is the static path's)")
+        self.backend, self.graphs = backend, graphs
 
     def run(self, model, guide, *args, **kwargs) -> Result:
         """Run SMC over the steps of ``model``; see the class docstring."""
         require_program(model, "model")
+        if self.backend == "static":
+            from ppl_thought.inference.static_smc import run_static
+
+            return run_static(self, model, guide, args, kwargs)
         check_compatible(model, guide)
         guide = as_step_guide(guide)
         require_program(guide, "guide")

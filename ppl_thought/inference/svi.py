@@ -23,7 +23,8 @@ from pyro.optim import PyroOptim
 from ppl_thought.errors import ConfigError
 from ppl_thought.inference.objectives import ParticleObjective
 from ppl_thought.inference.particles import sample_particles
-from ppl_thought.inference.result import Result, log_mean_exp
+from ppl_thought.inference.result import Result
+from ppl_thought.weights import log_mean_exp
 
 
 def _log_marginal_stderr(log_w: torch.Tensor) -> torch.Tensor:

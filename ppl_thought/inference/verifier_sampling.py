@@ -21,10 +21,11 @@ import torch
 from ppl_thought.checks import integer as check_count  # the one home of the check
 from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
 from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError, ZeroWeightsError
-from ppl_thought.inference.result import Result, effective_sample_size, log_mean_exp
+from ppl_thought.inference.result import Result
 from ppl_thought.inference.smc import resample
 from ppl_thought.lm.base import lm_device
 from ppl_thought.verifiers import ProcessVerifier
+from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 __all__ = ["RejectionSampling", "TokenwiseRejection", "VerifierSMC", "SamplingBudgetError",
            "UnsatisfiableConstraintError"]
@@ -241,7 +242,7 @@ class VerifierSMC:
         dev = lm_device(lm)
         n, L = self.num_particles, self.max_len
         aut = verifier.automaton
-        table = aut.torch_table(dev)
+        table = aut.device_table("table", dev)
         q = start_states(verifier, n, dev)
         rule = TokenRule(None, lm.vocab_size)
         state = LMState.start(lm, n, prompt=prompt, rule=rule, max_len=L, device=dev)

@@ -1,8 +1,11 @@
 """Autoregressive LMs with KV caches: ``forward(tokens, cache=None) -> (logits, cache)``."""
 
 from ppl_thought.lm.base import LMCache, step
+from ppl_thought.lm.gated import GatedCache, GatedLM
 from ppl_thought.lm.huggingface import HuggingFace
+from ppl_thought.lm.kv_cache import KVCache
 from ppl_thought.lm.tabular import Tabular, TabularCache
-from ppl_thought.lm.transformer import KVCache, Transformer
+from ppl_thought.lm.transformer import Transformer
 
-__all__ = ["HuggingFace", "Transformer", "KVCache", "Tabular", "TabularCache", "LMCache", "step"]
+__all__ = ["GatedCache", "GatedLM", "HuggingFace", "KVCache", "LMCache", "Tabular", "TabularCache", "Transformer",
+           "step"]

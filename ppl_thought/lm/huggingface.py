@@ -16,7 +16,7 @@ KVCache's buffers (preallocated and appended in place without gradients, ``torch
 caches are values (a forward never changes the cache it is given), ``reorder`` / ``expand`` gather rows
 (SMC resampling, one prompt shared by n particles) and ragged rows (``valid``) are handled with an
 explicit attention mask over the cached positions plus per-row ``position_ids`` kept in the cache
-(:func:`~ppl_thought.lm.transformer.ragged_rows`).
+(:func:`~ppl_thought.lm.kv_cache.ragged_rows`).
 
 ``transformers`` is imported only when an adapter is built; without it the error says which extra to
 install (``pip install 'ppl-thought[hf]'``).
@@ -33,7 +33,7 @@ from torch import nn
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError, MissingDependencyError
 from ppl_thought.lm.base import check_token_ids, describe, one_token
-from ppl_thought.lm.transformer import KVCache, check_positions, ragged_rows
+from ppl_thought.lm.kv_cache import KVCache, check_positions, ragged_rows
 from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID, TokenizerVocab, Vocab
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def _cache_view_class():
             pass
 
         def update(self, key_states, value_states, *args, **kwargs):
-            self.keys, self.values = self.kv._store(self.index, key_states, value_states)
+            self.keys, self.values = self.kv.store(self.index, key_states, value_states)
             return self.keys, self.values
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -252,7 +252,7 @@ class HuggingFace(nn.Module):
         if self.max_positions is not None:  # padding (valid=False) takes no position: defect 7 of issue 18
             check_positions(cache, valid, T, self.max_positions, "the model's max_position_embeddings")
         if cache is None:
-            cache = KVCache._empty(self.num_layers, None)
+            cache = KVCache.empty(self.num_layers, None)
         start = cache.length
         rows = None
         if valid is None and not cache.ragged:
@@ -273,12 +273,12 @@ class HuggingFace(nn.Module):
             raise ConfigError("gradient checkpointing runs the model without its cache: call "
                               "model.gradient_checkpointing_disable() before using it through pt.lm.HuggingFace")
         past = cache.num_cached
-        new = cache._append(T, self.max_positions or (1 << 20))
+        new = cache.append(T, self.max_positions or (1 << 20))
         out = self.model(input_ids=self._hf_input[tokens], past_key_values=_cache_view_class()(new, past),
                          attention_mask=mask, position_ids=positions, use_cache=True)
         logits = self.library_logits(out.logits)
-        new = new._finish(T, None, None)
-        return logits, (new if rows is None else new._with_rows(*rows))
+        new = new.finish(T, None, None)
+        return logits, (new if rows is None else new.with_rows(*rows))
 
     def step(self, tokens: torch.Tensor, cache: KVCache | None = None,
              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:

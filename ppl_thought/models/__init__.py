@@ -3,8 +3,8 @@ LatentThought (continuous z, LTM Sec 2.1)."""
 
 from ppl_thought.models.constrained import Constrained
 from ppl_thought.models.hmm import HMM
-from ppl_thought.models.latent_thought import DualRateTrainer, LatentThought, LocalGaussianGuide
+from ppl_thought.models.latent_thought import LatentThought
+from ppl_thought.models.plain import PlainLM
 from ppl_thought.models.slow_thinking import EnumeratedPosterior, SlowThinking, pad_sequences
 
-__all__ = ["SlowThinking", "Constrained", "EnumeratedPosterior", "HMM", "pad_sequences", "LatentThought",
-           "LocalGaussianGuide", "DualRateTrainer"]
+__all__ = ["SlowThinking", "PlainLM", "Constrained", "EnumeratedPosterior", "HMM", "pad_sequences", "LatentThought"]

@@ -41,6 +41,9 @@ class Constrained(Program):
 
     ``run(prompt)``: ``prompt`` holds 1-D token ids shared by every particle (encoded once, the cache
     expanded). Sites ``x_0, x_1, ...`` hold one token per particle per step; ``mass_t`` holds log Z_t.
+    Without a twist, ``pt.infer.SMC(n, backend="static")`` runs it as one fixed step per token on a static KV
+    cache, captured as a CUDA graph on a GPU (inference/static_smc.py, docs/gpu.md); both paths weight a step
+    with :meth:`log_mass`.
     """
 
     def __init__(self, lm: torch.nn.Module, constraint: Automaton, max_tokens: int,
@@ -58,17 +61,24 @@ class Constrained(Program):
         self.max_steps = max_tokens
         self.rule = TokenRule(constraint, lm.vocab_size)
         self.free = TokenRule(None, lm.vocab_size)  # the LM's own law: every token but <pad> and <bos>
+        self.stop_ids = (EOS_ID,)  # a particle ends after <eos> (or in a final state, or after max_tokens)
 
     def init(self, state: dict, prompt: torch.Tensor | None = None) -> None:
         state["x"] = LMState.start(self.lm, particles(), prompt=prompt, rule=self.rule, max_len=self.max_tokens,
-                                   stop_ids=torch.tensor([EOS_ID]))
+                                   stop_ids=torch.tensor(self.stop_ids))
+
+    def log_mass(self, logits: torch.Tensor, s: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        """log Z_t ``[n]``: the log of the LM's mass on the tokens the automaton admits in states ``s``, over its
+        mass on the tokens it may generate at all (Def 2.8's normaliser); 0 for ended rows (factor 1).
+        The weight of one step, shared by :meth:`step` and the static SMC path (inference/static_smc.py)."""
+        logits = logits.float()
+        admitted = torch.logsumexp(logits.masked_fill(~self.rule.allowed(s), float("-inf")), -1)
+        total = torch.logsumexp(logits.masked_fill(~self.free.allowed(s), float("-inf")), -1)
+        return torch.where(done, torch.zeros_like(admitted), admitted - total)
 
     def step(self, state: dict, t: int, prompt: torch.Tensor | None = None):
         x = state["x"]
-        logits = x.logits.float()
-        admitted = torch.logsumexp(logits.masked_fill(~self.rule.allowed(x.s), float("-inf")), -1)
-        total = torch.logsumexp(logits.masked_fill(~self.free.allowed(x.s), float("-inf")), -1)
-        log_z = torch.where(x.done, torch.zeros_like(admitted), admitted - total)  # ended rows: factor 1
+        log_z = self.log_mass(x.logits, x.s, x.done)
         tok = pyro.sample(f"x_{t}", x.next_token())
         x.extend(tok)
         pyro.factor(f"mass_{t}", log_z)

@@ -45,6 +45,7 @@ from ppl_thought.errors import MalformedSequenceError, TooLargeToEnumerateError,
 from ppl_thought.program import Program, particle_frame, particles, run_whole
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ppl_thought.guides.hmm import HMMGuide
     from ppl_thought.lm.tabular import Tabular
     from ppl_thought.projections.product import Product
 
@@ -109,12 +110,12 @@ def _particle_batch_shape() -> tuple[int, ...]:
     return (int(frame.size),) + (1,) * (-int(frame.dim) - 1)
 
 
-def _all_done() -> torch.Tensor:
+def all_done() -> torch.Tensor:
     """Finished flags ``[n]`` for every particle (the last step)."""
     return torch.ones(particles(), dtype=torch.bool)
 
 
-def _prior_logits(hmm: HMM, state: dict, t: int) -> torch.Tensor:
+def prior_logits(hmm: HMM, state: dict, t: int) -> torch.Tensor:
     """Logits of ``P(Z_t | Z_{t-1})``: ``log lam`` expanded to the particles at t = 0, else ``log A[z_{t-1}]``."""
     if t == 0:
         return hmm.log_lam.expand(_particle_batch_shape() + (hmm.num_states,))
@@ -173,11 +174,11 @@ class HMM(Program):
         self.A, self.B, self.lam = A, B, lam
         self.log_A, self.log_B, self.log_lam = _safe_log(A), _safe_log(B), _safe_log(lam)
         K = B.shape[1]
-        self.observable_tokens = self._names(observable_tokens, K, "x", "observable_tokens")
-        self.hidden_names = self._names(hidden_names, S, "h", "hidden_names")
+        self.observable_tokens = self.check_names(observable_tokens, K, "x", "observable_tokens")
+        self.hidden_names = self.check_names(hidden_names, S, "h", "hidden_names")
 
     @staticmethod
-    def _names(names: Sequence[str] | None, n: int, prefix: str, what: str) -> list[str]:
+    def check_names(names: Sequence[str] | None, n: int, prefix: str, what: str) -> list[str]:
         if names is None:
             return [f"{prefix}{i}" for i in range(n)]
         names = [str(s) for s in names]
@@ -202,7 +203,7 @@ class HMM(Program):
         return f"HMM(|Omega|={self.num_states}, |Sigma|={self.num_observations})"
 
     # ------------------------------------------------------------------ input checking
-    def _check_x(self, x, what: str = "observations x") -> tuple[torch.Tensor, bool]:
+    def check_x(self, x, what: str = "observations x") -> tuple[torch.Tensor, bool]:
         """x -> (LongTensor [N, T], whether the input was a single 1-D sequence)."""
         if not isinstance(x, torch.Tensor):
             x = torch.as_tensor(x)
@@ -261,7 +262,7 @@ class HMM(Program):
         ``x``: ``[T]`` -> 0-d tensor, or ``[N, T]`` -> ``[N]``. ``-inf`` for impossible sequences
         (never NaN); ``0`` for the empty sequence. ``O(N T |Omega|^2)``.
         """
-        xb, single = self._check_x(x)
+        xb, single = self.check_x(x)
         if xb.shape[1] == 0:
             out = torch.zeros(xb.shape[0], dtype=DTYPE)
         else:
@@ -270,7 +271,7 @@ class HMM(Program):
 
     def prefix_log_probs(self, x) -> torch.Tensor:
         """``log P(x_{<=t})`` for t = 1..T: ``[T]`` or ``[N, T]`` (the marginal of every prefix)."""
-        xb, single = self._check_x(x)
+        xb, single = self.check_x(x)
         out = self._forward(xb)[0]
         return out[0] if single else out
 
@@ -280,7 +281,7 @@ class HMM(Program):
         After an impossible prefix (P(x_{<=t}) = 0) the conditional law is undefined and the
         row is all zeros.
         """
-        xb, single = self._check_x(x)
+        xb, single = self.check_x(x)
         out = self._forward(xb, want_filter=True)[1]
         return out[0] if single else out
 
@@ -290,14 +291,14 @@ class HMM(Program):
         Row 0 is ``lam B`` (nothing observed yet); row t follows the prefix of length t, so
         ``predictive(x)[t, x[t]] = P(x_{t+1} | x_{<=t})``. Rows after an impossible prefix are zeros.
         """
-        xb, single = self._check_x(x)
+        xb, single = self.check_x(x)
         out = self._forward(xb, want_predictive=True)[2]
         return out[0] if single else out
 
     # ------------------------------------------------------------------ cross-entropy / entropy rate
     def per_token_nll(self, x) -> torch.Tensor:
         """``-log P(x) / T`` (nats per token) of each sequence: ``[N]`` (or 0-d for one sequence)."""
-        xb, single = self._check_x(x)
+        xb, single = self.check_x(x)
         T = xb.shape[1]
         if T == 0:
             raise MalformedSequenceError("per-token cross-entropy needs sequences of length >= 1")
@@ -344,7 +345,7 @@ class HMM(Program):
 
         ``z`` and ``x`` of the same shape ``[T]`` or ``[N, T]``.
         """
-        xb, single = self._check_x(x)
+        xb, single = self.check_x(x)
         zb = torch.as_tensor(z).detach().to("cpu", torch.long)
         zb = zb[None] if zb.ndim == 1 else zb
         if zb.shape != xb.shape:
@@ -367,7 +368,7 @@ class HMM(Program):
 
         Raises :class:`TooLargeToEnumerateError` when ``|Omega|^T`` exceeds ``limit``.
         """
-        xb, single = self._check_x(x)
+        xb, single = self.check_x(x)
         N, T = xb.shape
         S = self.num_states
         if S**T > limit:
@@ -418,7 +419,7 @@ class HMM(Program):
         ``P(x) = sum_z lam[z] B[z, x_0] beta_0(z)``. ``-inf`` (never NaN) where the rest of x
         cannot follow ``Z_t = z``. ``O(N T |Omega|^2)``.
         """
-        xb, single = self._check_x(x)
+        xb, single = self.check_x(x)
         N, T = xb.shape
         out = torch.zeros(N, T, self.num_states, dtype=DTYPE)
         log_B_T = self.log_B.T  # [K, S]
@@ -428,7 +429,7 @@ class HMM(Program):
         return out[0] if single else out
 
     # ------------------------------------------------------------------ the Pyro program (Def 2.2)
-    def _program_length(self, x, length: int | None) -> int:
+    def program_length(self, x, length: int | None) -> int:
         """T from ``x [T]`` or ``length`` (checked; x must be one sequence)."""
         if x is None:
             if length is None:
@@ -436,7 +437,7 @@ class HMM(Program):
             if int(length) < 0:
                 raise ValueError(f"length must be >= 0, got {length}")
             return int(length)
-        xb, single = self._check_x(x)
+        xb, single = self.check_x(x)
         if not single:
             raise MalformedSequenceError(
                 f"the HMM program observes one sequence x [T], got shape {tuple(xb.shape)}; "
@@ -460,7 +461,7 @@ class HMM(Program):
         ``max_steps`` is per call (T depends on x), so read it after ``init``, as
         :func:`~ppl_thought.program.run_whole` does.
         """
-        self.max_steps = max(1, self._program_length(x, length))
+        self.max_steps = max(1, self.program_length(x, length))
 
     def step(self, state: dict, t: int, x=None, length: int | None = None) -> torch.Tensor | None:
         """Step t of Def 2.2: ``z_t ~ lam`` (t = 0) or ``A[z_{t-1}]``, then ``x_t ~ B[z_t]`` (observed if x given).
@@ -470,15 +471,15 @@ class HMM(Program):
         """
         T = len(x) if x is not None else int(length)
         if t >= T:
-            return _all_done()
-        z = pyro.sample(f"z_{t}", dist.Categorical(logits=_prior_logits(self, state, t)))
+            return all_done()
+        z = pyro.sample(f"z_{t}", dist.Categorical(logits=prior_logits(self, state, t)))
         state["z"] = z
         emit = dist.Categorical(logits=self.log_B[z])
         obs = None
         if x is not None:
             obs = torch.as_tensor(x[t]).to("cpu", torch.long).expand(emit.batch_shape)
         pyro.sample(f"x_{t}", emit, obs=obs)
-        return _all_done() if t == T - 1 else None
+        return all_done() if t == T - 1 else None
 
     def posterior_guide(self) -> HMMGuide:
         """The exact posterior as a step-wise guide: ``z_t ~ P(z_t | z_{t-1}, x_0 .. x_{T-1})``.
@@ -487,6 +488,8 @@ class HMM(Program):
         (``lam`` instead of ``A[z_{t-1}]`` at t = 0), so every importance weight p(z, x) / q(z)
         equals ``P(x)`` (the forward algorithm's (3.1)): the zero-variance proposal.
         """
+        from ppl_thought.guides.hmm import HMMGuide
+
         return HMMGuide(self, backward=True)
 
     def filtering_guide(self) -> HMMGuide:
@@ -495,6 +498,8 @@ class HMM(Program):
         It looks at the current observation only (no backward messages); the incremental SMC
         weight is then ``P(x_t | z_{t-1}) = sum_z A[z_{t-1}, z] B[z, x_t]``.
         """
+        from ppl_thought.guides.hmm import HMMGuide
+
         return HMMGuide(self, backward=False)
 
     # ------------------------------------------------------------------ Theorem 2.3
@@ -505,50 +510,11 @@ class HMM(Program):
         sep: str = "|",
         trainable: bool = False,
     ) -> tuple[Product, Tabular]:
-        """The HMM as ``Proj # P_f`` with a bigram latent prior (Theorem 2.3, proof in App. E.2).
+        """The HMM as ``Proj # P_f`` with a bigram latent prior (Theorem 2.3): ``(projection, prior)``; see
+        :func:`ppl_thought.models.hmm_lifting.slow_thinking_parts`."""
+        from ppl_thought.models.hmm_lifting import slow_thinking_parts
 
-        Returns ``(projection, prior)``: ``projection = Product.build(observable, hidden, sep)``
-        (Example 2.2: latent tokens are the pairs ``f"{a}{sep}{g}"`` of an observation ``a`` and a
-        hidden state ``g``; Proj keeps ``a``) and ``prior``, an exact order-2
-        :class:`~ppl_thought.lm.tabular.Tabular` LM over the product vocabulary whose next-token
-        law is the Markov chain of the pairs:
-
-        - after ``<bos>``: ``P((a, g)) = lam[g] B[g, a]``;
-        - after ``(a, g)``: ``P((a', g')) = A[g, g'] B[g', a']`` (it does not depend on ``a``).
-
-        (The formula for P^O printed in App. E.2 is garbled; these are the laws the proof needs.)
-        Every other next token (observable-only tokens, specials, impossible pairs) has logit
-        ``-inf``. Contexts that never occur (observable-only tokens, specials other than ``<bos>``)
-        get the ``<bos>`` row, so no row is all ``-inf`` and nothing becomes NaN. Hence
-        ``Proj # P = P_{A,B,lam}``: summing the prior over the lifting of x gives the forward
-        algorithm's ``P(x)``.
-
-        Names default to the ones given at construction.
-        """
-        from ppl_thought.lm.tabular import Tabular
-        from ppl_thought.projections.product import Product
-        from ppl_thought.vocab import BOS_ID
-
-        obs = self._names(observable_tokens, self.num_observations, "x", "observable_tokens") \
-            if observable_tokens is not None else list(self.observable_tokens)
-        hid = self._names(hidden_names, self.num_states, "h", "hidden_names") \
-            if hidden_names is not None else list(self.hidden_names)
-        product = Product.build(list(obs), list(hid), sep=sep)
-        V = len(product.vocab)
-        pair = torch.tensor([[product.pair_id(a, g) for g in hid] for a in obs], dtype=torch.long)  # [K, S]
-        K, S = pair.shape
-        logits = torch.full((V, V), _NEG_INF, dtype=DTYPE)
-        # row (a, g), column (a', g'): log A[g, g'] + log B[g', a']   (independent of a)
-        step = self.log_A[:, :, None] + self.log_B[None, :, :]  # [g, g', a']
-        rows = pair[:, :, None, None].expand(K, S, K, S)  # (a, g, a', g')
-        cols = pair[None, None, :, :].expand(K, S, K, S)
-        vals = step.permute(0, 2, 1)[None].expand(K, S, K, S)  # [a, g, a', g'] <- step[g, g', a']
-        logits[rows.reshape(-1), cols.reshape(-1)] = vals.reshape(-1)
-        logits[BOS_ID, pair.reshape(-1)] = (self.log_lam[None, :] + self.log_B.T).reshape(-1)
-        never = torch.isneginf(logits).all(dim=-1)
-        logits[never] = logits[BOS_ID].clone()
-        prior = Tabular(2, V, logits.to(torch.get_default_dtype()), trainable=trainable)
-        return product, prior
+        return slow_thinking_parts(self, observable_tokens, hidden_names, sep, trainable)
 
     def as_slow_thinking(self, **kwargs):
         """``pt.models.SlowThinking(prior, projection)`` from :meth:`as_slow_thinking_parts` (Theorem 2.3)."""
@@ -568,65 +534,3 @@ class HMM(Program):
         """
         names = self.observable_tokens if observable_tokens is None else list(observable_tokens)
         return torch.tensor([projection.vocab.id(a) for a in names], dtype=torch.long)
-
-
-class HMMGuide(Program):
-    """A step-wise guide for :class:`HMM` sampling exactly the sites ``z_0 .. z_{T-1}`` (no x sites).
-
-    ``backward=True``: ``q(z_t | z_{t-1}) = P(z_t | z_{t-1}, x)`` (:meth:`HMM.posterior_guide`);
-    ``backward=False``: ``q(z_t | z_{t-1}) = P(z_t | z_{t-1}, x_t)`` (:meth:`HMM.filtering_guide`).
-    Called as ``guide(x)`` with the model's arguments (x is required). Where no hidden state
-    can explain the observations from ``z_{t-1}`` on (the conditional is undefined: P(x) = 0 or
-    a path the posterior never reaches), it falls back to the prior row ``A[z_{t-1}]`` (``lam``),
-    so nothing is NaN and the model's weight is ``-inf`` there. Sites and shapes as the model's
-    ``z_t``; log-probs float64.
-    """
-
-    max_plate_nesting = 0
-
-    def __init__(self, hmm: HMM, backward: bool):
-        self.hmm = hmm
-        self.backward = bool(backward)
-        self._key: torch.Tensor | None = None
-        self._score: torch.Tensor | None = None
-
-    def __repr__(self) -> str:
-        return f"HMMGuide({self.hmm!r}, {'posterior' if self.backward else 'filtering'})"
-
-    def __call__(self, x=None, length: int | None = None) -> dict:
-        """Run the guide as one Pyro trace (sites ``z_0 .. z_{T-1}``); returns the final state."""
-        return run_whole(self, x=x, length=length)
-
-    def _scores(self, x) -> torch.Tensor:
-        """``log B[:, x_t] (+ log beta_t)`` for each t: ``[T, |Omega|]`` (cached for the current x)."""
-        if x is None:
-            raise ValueError(f"{self!r} proposes hidden states given the observations: call it with x")
-        xt = torch.as_tensor(x)
-        if self._key is not None and self._key.shape == xt.shape and torch.equal(self._key, xt.to("cpu")):
-            return self._score
-        T = self.hmm._program_length(x, None)
-        xb = self.hmm._check_x(x)[0][0]
-        score = self.hmm.log_B.T[xb] if T else torch.zeros(0, self.hmm.num_states, dtype=DTYPE)
-        if self.backward and T:
-            score = score + self.hmm.backward(xb)
-        self._key, self._score = xt.detach().to("cpu").clone(), score
-        return score
-
-    def init(self, state: dict, x=None, length: int | None = None) -> None:
-        """Compute the per-step scores for x (backward messages for the posterior) and set ``max_steps = T``."""
-        self.max_steps = max(1, self.hmm._program_length(x, length))
-        self._scores(x)
-
-    def step(self, state: dict, t: int, x=None, length: int | None = None) -> torch.Tensor | None:
-        """Sample ``z_t`` from the proposal given ``state["z"] = z_{t-1}``; all-True flags at t = T - 1."""
-        score = self._scores(x)
-        T = score.shape[0]
-        if t >= T:
-            return _all_done()
-        prior = _prior_logits(self.hmm, state, t)
-        logits = prior + score[t]
-        dead = torch.isneginf(logits).all(-1, keepdim=True)  # nothing explains x from here: use the prior
-        logits = torch.where(dead, prior, logits)
-        z = pyro.sample(f"z_{t}", dist.Categorical(logits=logits))
-        state["z"] = z
-        return _all_done() if t == T - 1 else None

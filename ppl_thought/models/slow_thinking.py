@@ -8,8 +8,12 @@ over z is Q_* of (2.24); both are available exactly by enumeration for small mod
 
 It is also a :class:`~ppl_thought.program.Program` (SMC's view): step t samples the segment
 z^(t) of Lemma 2.1 at site ``f"z_{t}"`` (P_f masked to the domain, Def 2.8, until x_{t+1} is
-determined) and checks that it emits x_t (factor ``f"x_{t}"``: 0 or -inf). The product of the
+determined) and checks that it emits x_t (observed site ``f"x_{t}"``: 0 or -inf). The product of the
 step laws is the law of ``"z"``, so both views have the same joint.
+
+Both views are :class:`~ppl_thought.transforms.ProjectionLift` applied to the plain LM program
+:class:`~ppl_thought.models.PlainLM`: ``SlowThinking(prior, proj)`` is ``ProjectionLift(proj)(PlainLM(prior,
+vocab))`` with the exact answers below.
 """
 
 from __future__ import annotations
@@ -17,15 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyro
 import torch
 
 from ppl_thought.distributions.lm_sequence import LMSequence
-from ppl_thought.distributions.lm_state import LMState, TokenRule
-from ppl_thought.distributions.projected import ProjectionDelta
-from ppl_thought.errors import NotInImageError, ProgramError, TooLargeToEnumerateError
-from ppl_thought.program import Program, Shared, particles
+from ppl_thought.errors import NotInImageError, TooLargeToEnumerateError
+from ppl_thought.models.plain import PlainLM
 from ppl_thought.projections.base import Projection, as_id_array
+from ppl_thought.transforms.base import Transformed
+from ppl_thought.transforms.projection_lift import ProjectionLift
 from ppl_thought.vocab import PAD_ID
 
 
@@ -64,7 +67,7 @@ class EnumeratedPosterior:
         return {tuple(int(t) for t in row if t != PAD_ID): float(p) for row, p in zip(self.support, self.probs)}
 
 
-class SlowThinking(Program):
+class SlowThinking(Transformed):
     """The Pyro model of Proj # P_f with latent site ``"z"`` and observed site ``"x"``.
 
     Args:
@@ -74,6 +77,10 @@ class SlowThinking(Program):
     Call it as a Pyro model: ``model(x)`` with x a string, token list or 1-D LongTensor
     (observed), or ``model(None, length=n)`` to generate. Under a particle plate the z site
     carries the batch.
+
+    It is ``ProjectionLift(projection)(PlainLM(prior, vocab))``: the plain LM program under the lifting
+    transform (:mod:`ppl_thought.transforms`), the one home of the lifting, with the exact answers
+    (enumeration) added here.
     """
 
     def __init__(self, prior: torch.nn.Module, projection: Projection):
@@ -81,6 +88,8 @@ class SlowThinking(Program):
             raise ValueError(
                 f"prior vocab_size {prior.vocab_size} != projection vocabulary size {len(projection.vocab)}"
             )
+        plain = PlainLM(prior, projection.vocab, module_name="prior", state_key="z")
+        super().__init__(plain, ProjectionLift(projection))
         self.prior = prior
         self.projection = projection
         self.vocab = projection.vocab
@@ -92,66 +101,9 @@ class SlowThinking(Program):
 
     def z_dist(self, num_observed: int) -> LMSequence:
         """P_f masked to Dom(Proj) (Def 2.8), stopped once ``num_observed`` tokens are determined."""
-        return LMSequence(self.prior, constraint=self.projection.domain(num_observed), vocab=self.vocab)
+        return self.transform.latent_dist(self.inner.x_dist(num_observed), num_observed)
 
-    def __call__(self, x=None, length: int | None = None):
-        if x is None and length is None:
-            raise ValueError("give the observation x, or length= to generate")
-        xt = self.x_ids(x) if x is not None else None
-        n = len(xt) if xt is not None else int(length)
-        pyro.module("prior", self.prior)
-        z = pyro.sample("z", self.z_dist(n))
-        return pyro.sample("x", ProjectionDelta(self.projection, z, n), obs=xt)
-
-    model = __call__
-
-    # ------------------------------------------------------------------ the step-wise program (SMC)
-    def _cached(self, key, make):
-        cache = self.__dict__.setdefault("_step_cache", {})
-        if len(cache) > 256:
-            cache.clear()
-        if key not in cache:
-            cache[key] = make()
-        return cache[key]
-
-    def init(self, state: dict, x=None, length: int | None = None) -> None:
-        """State for the steps: the prior's :class:`LMState` under Dom(Proj) and the lifting state of x."""
-        if x is None:
-            raise ProgramError("the step-wise SlowThinking program needs the observation x (SMC conditions on it)")
-        xt = self.x_ids(x)
-        T = len(xt)
-        lift = self.projection.lifting(xt)  # cached by the projection
-        rule = self._cached(("rule", T), lambda: TokenRule(self.projection.domain(T), len(self.vocab)))
-        n = particles()
-        pyro.module("prior", self.prior)
-        st = LMState.start(self.prior, n, rule=rule, max_len=int(rule.constraint.max_len))
-        state["z"] = st
-        state["lift"] = lift.start_states(n, st.device)
-        state["num_observed"] = T
-        state["lifting"] = Shared(lift)
-
-    def step(self, state: dict, t: int, x=None, length: int | None = None):
-        """Segment z^(t) (Lemma 2.1) from the masked prior, then the check that it emits x_t."""
-        T = state["num_observed"]
-        st = state["z"]
-        last = t + 1 >= T
-        seg = pyro.sample(f"z_{t}", st.segment(until_emitted=None if last else t + 1))
-        st.extend(seg)
-        lift = state["lifting"].value
-        s = state["lift"]
-        for j in range(seg.shape[-1]):
-            s = lift.advance(s, seg[:, j])
-        state["lift"] = s
-        ok = lift.is_final(s) if last else lift.num_emitted(s) >= t + 1
-        pyro.factor(f"x_{t}", ok.float().log())  # 0 / -inf
-        return torch.ones(st.n, dtype=torch.bool, device=st.device) if last else None
-
-    def outputs(self, state: dict, x=None, length: int | None = None) -> dict:
-        """``{"z": [n, L]}``: the whole latent sequences, padded to the event length of ``"z"``."""
-        st = state["z"]
-        z = torch.full((st.n, st.max_len), PAD_ID, dtype=torch.long, device=st.device)
-        z[:, : st.tokens.shape[1]] = st.tokens[:, : st.max_len]
-        return {"z": z}
+    model = Transformed.__call__
 
     # ------------------------------------------------------------------ exact answers
     def enumerate_log_joint(self, x, limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:

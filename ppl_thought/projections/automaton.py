@@ -10,7 +10,9 @@ the prefix read so far determines (capped at |x| for a lifting); it gives the un
 decomposition of Lemma 2.1 and the step structure that SMC advances on.
 
 ``-1`` is the dead state: stepping it stays dead and its mask is empty. Every operation is
-vectorised over a batch of states (numpy or torch), so all particles move at once.
+vectorised over a batch of states, so all particles move at once. The tables are numpy; a batch of
+torch tensors (or jax arrays) is stepped with the same tables lent to its framework and device and
+cached per device (:mod:`ppl_thought.projections.arrays`), so this module imports neither framework.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
+
+from ppl_thought.projections.arrays import as_framework_array, table_key
 
 DEAD = -1
 
@@ -42,7 +45,7 @@ class Automaton:
     max_len: int | None = None
     name: str = "automaton"
     _table: np.ndarray = field(init=False, repr=False)
-    _torch_cache: dict = field(init=False, repr=False, default_factory=dict)
+    _device_cache: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         ns = np.asarray(self.next_state, dtype=np.int64)
@@ -80,66 +83,74 @@ class Automaton:
 
     # ------------------------------------------------------------------ batched stepping
     def step(self, states, tokens):
-        """States after reading ``tokens`` (same shape; numpy arrays or torch tensors)."""
-        if isinstance(states, torch.Tensor):
-            return self.torch_table(states.device)[states, tokens]
+        """States after reading ``tokens`` (same shape; numpy, torch or jax arrays)."""
+        if table_key(states) is not None:
+            return self.device_table("table", states)[states, tokens]
         return self._table[np.asarray(states), np.asarray(tokens)]
 
-    def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """:meth:`step` on tensors, except that ``<pad>`` (id 0, never admissible) keeps the state: one
-        gather steps a right-padded batch."""
-        return self._torch("advance", states.device)[states, tokens]
+    def advance(self, states, tokens):
+        """:meth:`step` on framework arrays, except that ``<pad>`` (id 0, never admissible) keeps the state:
+        one gather steps a right-padded batch."""
+        return self.device_table("advance", states)[states, tokens]
 
     def mask(self, states):
         """bool ``[..., V]``: admissible next tokens for a batch of states (dead -> all False)."""
-        if isinstance(states, torch.Tensor):
-            return self.torch_table(states.device)[states] >= 0
+        if table_key(states) is not None:
+            return self.device_table("table", states)[states] >= 0
         return self._table[np.asarray(states)] >= 0
 
     def is_final(self, states):
-        if isinstance(states, torch.Tensor):
-            fin = self._torch("final", states.device)
-            return (states >= 0) & fin[states]
+        if table_key(states) is not None:
+            return (states >= 0) & self.device_table("final", states)[states]
         s = np.asarray(states)
-        return (s >= 0) & np.concatenate([self.final, [False]])[s]
+        return (s >= 0) & self._host_table("final")[s]
 
     def num_emitted(self, states):
         """|Proj^{<w}| of the prefixes that led to ``states`` (dead -> -1)."""
-        if isinstance(states, torch.Tensor):
-            return self._torch("emitted", states.device)[states]
-        return np.concatenate([self.emitted, [-1]])[np.asarray(states)]
+        if table_key(states) is not None:
+            return self.device_table("emitted", states)[states]
+        return self._host_table("emitted")[np.asarray(states)]
 
-    def start_states(self, n: int, device: torch.device | str | None = None) -> torch.Tensor:
-        return torch.full((n,), self.start, dtype=torch.long, device=device)
+    def start_states(self, n: int, like=None):
+        """``n`` start states (int64) in the framework and on the device of ``like`` (an array, a torch
+        device, or a torch device name; numpy when ``None``)."""
+        return self.device_table("start", like).repeat(n)
 
-    # ------------------------------------------------------------------ torch views
-    def torch_table(self, device=None) -> torch.Tensor:
-        """The transition table with its dead row, as a LongTensor ``[S + 1, V]`` on ``device``."""
-        return self._torch("table", device)
+    # ------------------------------------------------------------------ tables on a device
+    def device_table(self, what: str, like):
+        """One of the tables, with the dead state as row ``-1``, in the framework and on the device of
+        ``like`` (cached per device):
 
-    def _torch(self, what: str, device) -> torch.Tensor:
-        t = self._torch_cache.get((what, device))  # a torch.device from a tensor: the common case
-        if t is not None:
-            return t
-        key = (what, str(torch.device(device) if device is not None else "cpu"))
-        t = self._torch_cache.get(key)
+        - ``"table"``: next states ``[S + 1, V]`` (the dead row is all ``-1``);
+        - ``"advance"``: the same, except that ``<pad>`` keeps a live state;
+        - ``"final"``: bool ``[S + 1]``; ``"emitted"``: int64 ``[S + 1]`` (dead -> -1);
+        - ``"start"``: int64 ``[1]`` holding the start state.
+        """
+        key = table_key(like)
+        if key is None:
+            return self._host_table(what)
+        t = self._device_cache.get((what, key))
         if t is None:
-            if what == "advance":
-                src = self._table.copy()
-                if (src[:-1, 0] >= 0).any():
-                    raise ValueError("this automaton reads id 0 as a token: <pad> cannot keep the state")
-                src[:-1, 0] = np.arange(src.shape[0] - 1)  # <pad> keeps a live state; the dead row stays dead
-            else:
-                src = {
-                    "table": self._table,
-                    "final": np.concatenate([self.final, [False]]),
-                    "emitted": np.concatenate([self.emitted, [-1]]),
-                }[what]
-            t = torch.as_tensor(src, device=device)
-            self._torch_cache[key] = t
-        if isinstance(device, torch.device):
-            self._torch_cache[(what, device)] = t
+            t = as_framework_array(self._host_table(what), key)
+            self._device_cache[(what, key)] = t
         return t
+
+    def _host_table(self, what: str) -> np.ndarray:
+        if what == "table":
+            return self._table
+        if what == "advance":
+            src = self._table.copy()
+            if (src[:-1, 0] >= 0).any():
+                raise ValueError("this automaton reads id 0 as a token: <pad> cannot keep the state")
+            src[:-1, 0] = np.arange(src.shape[0] - 1)  # <pad> keeps a live state; the dead row stays dead
+            return src
+        if what == "final":
+            return np.concatenate([self.final, [False]])
+        if what == "emitted":
+            return np.concatenate([self.emitted, [-1]])
+        if what == "start":
+            return np.array([self.start], dtype=np.int64)
+        raise ValueError(f"unknown automaton table {what!r}")
 
     # ------------------------------------------------------------------ single strings
     def run(self, z) -> np.ndarray:

@@ -13,9 +13,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from ppl_thought.errors import MalformedSequenceError, NotInDomainError, NotInImageError
+from ppl_thought.projections.arrays import host_array
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.vocab import Vocab
 
@@ -32,7 +32,7 @@ def as_id_array(seq, vocab: Vocab, what: str = "sequence", unpad: bool = False) 
         a = np.asarray(vocab.encode(list(seq)), dtype=np.int64)
     else:
         try:
-            a = np.asarray(seq.detach().cpu().numpy() if isinstance(seq, torch.Tensor) else seq)
+            a = np.asarray(host_array(seq))
         except (TypeError, ValueError):  # ragged nested lists, objects numpy cannot hold
             raise MalformedSequenceError(f"{what} must be a 1-D array of integer ids, got {seq!r}"[:300]) from None
         if a.size == 0:
@@ -130,8 +130,8 @@ class Projection(ABC):
         batch: a 2-D array/tensor padded with ``<pad>`` on the right, or a list of 1-D strings ->
         a list of 1-D arrays. Raises :class:`NotInDomainError` for a string outside Dom(Proj^{<w}).
         """
-        if isinstance(z, torch.Tensor) and z.ndim == 2 or isinstance(z, np.ndarray) and z.ndim == 2:
-            a = z.detach().cpu().numpy() if isinstance(z, torch.Tensor) else z
+        a = host_array(z)
+        if isinstance(a, np.ndarray) and a.ndim == 2:
             return [self.project(row[row != self.vocab.pad_id]) for row in a]
         if isinstance(z, list) and z and not isinstance(z[0], (str, int, np.integer)):
             return [self.project(row) for row in z]

@@ -25,54 +25,27 @@ data-training-inference thesis), and the products ``a & b`` (intersection) and `
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ppl_thought.errors import ConfigError, PatternError
-from ppl_thought.projections.regex import MAX_CODE, Intervals, char_set, parse
-
-DEAD = -1
-#: the most NFA states (Thompson construction) and DFA states (subset construction) a pattern may need
-MAX_NFA_STATES = 200_000
-MAX_DFA_STATES = 20_000
+from ppl_thought.errors import ConfigError
+from ppl_thought.projections.dfa_build import (
+    DEAD,
+    MAX_DFA_STATES,
+    MAX_NFA_STATES,
+    NFA,
+    bfs_order,
+    collect_sets,
+    compact_map,
+    minimise,
+    partition,
+    subset_construction,
+    trim,
+)
+from ppl_thought.projections.regex import Intervals, char_set, parse
 
 __all__ = ["CharDFA", "MAX_DFA_STATES", "MAX_NFA_STATES"]
-
-
-# ---------------------------------------------------------------------------------------------- class maps
-def _partition(sets: Sequence[Intervals]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cut the code points into classes by membership in ``sets``: (bounds [K], interval_class [K],
-    member [C, len(sets)] bool). Class 0 is the characters in no set (it exists even if empty)."""
-    n = len(sets)
-    if n == 0:
-        return np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, 0), bool)
-    pts = {0}
-    for s in sets:
-        for lo, hi in s:
-            pts.add(lo)
-            if hi < MAX_CODE:
-                pts.add(hi + 1)
-    bounds = np.array(sorted(pts), dtype=np.int64)
-    inside = np.zeros((len(bounds), n), dtype=bool)
-    for j, s in enumerate(sets):  # a loop over the pattern's sets, vectorised over intervals
-        if not s:
-            continue
-        los = np.array([lo for lo, _ in s], dtype=np.int64)
-        his = np.array([hi for _, hi in s], dtype=np.int64)
-        k = np.searchsorted(los, bounds, side="right") - 1
-        inside[:, j] = (k >= 0) & (bounds <= his[np.clip(k, 0, None)])
-    rows = np.concatenate([np.zeros((1, n), dtype=bool), inside])
-    member, inv = np.unique(rows, axis=0, return_inverse=True)  # the all-False row sorts first: class 0
-    return _compact_map(bounds, inv.ravel()[1:]) + (member,)
-
-
-def _compact_map(bounds: np.ndarray, interval_class: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Merge adjacent intervals of the same class."""
-    keep = np.concatenate([[True], interval_class[1:] != interval_class[:-1]])
-    return bounds[keep], interval_class[keep].astype(np.int64)
 
 
 def _merge_maps(a: CharDFA, b: CharDFA) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -83,7 +56,7 @@ def _merge_maps(a: CharDFA, b: CharDFA) -> tuple[np.ndarray, np.ndarray, np.ndar
     cb = b.interval_class[np.searchsorted(b.bounds, bounds, side="right") - 1]
     pairs = ca * b.num_classes + cb
     uniq, inv = np.unique(np.concatenate([[0], pairs]), return_inverse=True)
-    bounds, iclass = _compact_map(bounds, inv.ravel()[1:])
+    bounds, iclass = compact_map(bounds, inv.ravel()[1:])
     return bounds, iclass, uniq // b.num_classes, uniq % b.num_classes
 
 
@@ -198,12 +171,12 @@ class CharDFA:
         tree = parse(pattern)
         sets: list[Intervals] = []
         index: dict[Intervals, int] = {}
-        _collect_sets(tree, sets, index)
-        bounds, iclass, member = _partition(sets)
-        nfa = _NFA(pattern)
+        collect_sets(tree, sets, index)
+        bounds, iclass, member = partition(sets)
+        nfa = NFA(pattern)
         start, end = nfa.build(tree, index)
         set_classes = [np.nonzero(member[:, j])[0].tolist() for j in range(len(sets))]
-        delta, accepting = _subset_construction(nfa, start, end, set_classes, member.shape[0], pattern)
+        delta, accepting = subset_construction(nfa, start, end, set_classes, member.shape[0], pattern)
         return cls(delta, accepting, bounds, iclass, 0, f"/{pattern}/").minimal()
 
     @classmethod
@@ -217,7 +190,7 @@ class CharDFA:
         if ignore_case:
             for c in letters:
                 chars.update(x for x in (c.lower(), c.upper(), c.casefold()) if len(x) == 1)
-        bounds, iclass, _ = _partition([char_set("".join(sorted(chars)))])
+        bounds, iclass, _ = partition([char_set("".join(sorted(chars)))])
         delta = np.array([[0, DEAD]], dtype=np.int64)
         name = f"lipogram({letters}{', ignore_case' if ignore_case else ''})"
         return cls(delta, np.array([True]), bounds, iclass, 0, name).minimal()
@@ -243,7 +216,7 @@ class CharDFA:
             frontier = [st + (t,) for st in frontier for t in range(k)]
             stacks.extend(frontier)
         index = {st: i for i, st in enumerate(stacks)}
-        bounds, iclass, member = _partition([char_set(c) for c in pairs])
+        bounds, iclass, member = partition([char_set(c) for c in pairs])
         cls_of = [int(np.nonzero(member[:, j])[0][0]) for j in range(len(pairs))]
         delta = np.full((len(stacks), member.shape[0]), DEAD, dtype=np.int64)
         if ignore_other:
@@ -311,12 +284,12 @@ class CharDFA:
         """The trimmed, minimal, breadth-first-numbered equivalent automaton with merged classes."""
         used = np.zeros(self.num_classes, dtype=bool)
         used[self.interval_class] = True  # a class no character maps to (an empty class 0) leads nowhere
-        delta, accepting = _trim(np.where(used, self.delta, DEAD), self.accepting, self.start)
+        delta, accepting = trim(np.where(used, self.delta, DEAD), self.accepting, self.start)
         if delta is None:  # empty language: one dead-end start state
             return CharDFA(np.full((1, 1), DEAD), np.array([False]), np.zeros(1, np.int64),
                            np.zeros(1, np.int64), 0, self.name)
-        delta, accepting = _minimise(delta, accepting)
-        delta, accepting = _bfs_order(delta, accepting)
+        delta, accepting = minimise(delta, accepting)
+        delta, accepting = bfs_order(delta, accepting)
         # merge classes whose columns are equal; groups numbered by first appearance, so class 0 stays 0
         _, inv = np.unique(delta.T, axis=0, return_inverse=True)
         inv = inv.ravel().tolist()
@@ -324,201 +297,8 @@ class CharDFA:
         remap = np.array([new_id[g] for g in inv], dtype=np.int64)
         new_delta = np.empty((delta.shape[0], len(new_id)), dtype=np.int64)
         new_delta[:, remap] = delta
-        bounds, iclass = _compact_map(self.bounds, remap[self.interval_class])
+        bounds, iclass = compact_map(self.bounds, remap[self.interval_class])
         return CharDFA(new_delta, accepting, bounds, iclass, 0, self.name)
 
     def __repr__(self) -> str:
         return f"CharDFA({self.name}: {self.num_states} states x {self.num_classes} character classes)"
-
-
-# ---------------------------------------------------------------------------------------------- construction
-def _collect_sets(node, sets: list, index: dict) -> None:
-    kind = node[0]
-    if kind == "set":
-        if node[1] not in index:
-            index[node[1]] = len(sets)
-            sets.append(node[1])
-    elif kind in ("cat", "alt"):
-        for child in node[1]:
-            _collect_sets(child, sets, index)
-    else:  # rep
-        _collect_sets(node[1], sets, index)
-
-
-class _NFA:
-    """Thompson's epsilon-NFA: ``eps[s]`` (epsilon successors), ``edges[s]`` (set index, successor)."""
-
-    def __init__(self, pattern: str):
-        self.pattern = pattern
-        self.eps: list[list[int]] = []
-        self.edges: list[list[tuple[int, int]]] = []
-
-    def new(self) -> int:
-        if len(self.eps) >= MAX_NFA_STATES:
-            raise PatternError(f"pattern needs over {MAX_NFA_STATES} NFA states (nested repetition counts are "
-                               "too large)", self.pattern)
-        self.eps.append([])
-        self.edges.append([])
-        return len(self.eps) - 1
-
-    def build(self, node, index: dict) -> tuple[int, int]:
-        """(entry, exit) of the fragment of ``node``."""
-        kind = node[0]
-        if kind == "set":
-            a, b = self.new(), self.new()
-            self.edges[a].append((index[node[1]], b))
-            return a, b
-        if kind == "cat":
-            a = self.new()
-            cur = a
-            for child in node[1]:
-                s, e = self.build(child, index)
-                self.eps[cur].append(s)
-                cur = e
-            return a, cur
-        if kind == "alt":
-            a, b = self.new(), self.new()
-            for child in node[1]:
-                s, e = self.build(child, index)
-                self.eps[a].append(s)
-                self.eps[e].append(b)
-            return a, b
-        _, child, lo, hi = node  # rep: lo copies, then hi - lo optional copies (or a star)
-        a = self.new()
-        cur = a
-        for _ in range(lo):
-            s, e = self.build(child, index)
-            self.eps[cur].append(s)
-            cur = e
-        if hi is None:
-            s, e = self.build(child, index)
-            b = self.new()
-            self.eps[cur] += [s, b]
-            self.eps[e] += [s, b]
-            return a, b
-        b = self.new()
-        for _ in range(hi - lo):
-            s, e = self.build(child, index)
-            self.eps[cur] += [s, b]
-            cur = e
-        self.eps[cur].append(b)
-        return a, b
-
-    def closure(self, states) -> frozenset[int]:
-        seen = set(states)
-        stack = list(seen)
-        while stack:
-            for t in self.eps[stack.pop()]:
-                if t not in seen:
-                    seen.add(t)
-                    stack.append(t)
-        return frozenset(seen)
-
-
-def _subset_construction(nfa: _NFA, start: int, end: int, set_classes: list[list[int]], C: int,
-                         pattern: str) -> tuple[np.ndarray, np.ndarray]:
-    """The DFA of reachable NFA state sets (the empty set is the dead state -1)."""
-    first = nfa.closure([start])
-    ids = {first: 0}
-    order = [first]
-    rows = []
-    closures: dict[frozenset, frozenset] = {}
-    i = 0
-    while i < len(order):
-        targets: list[set[int]] = [set() for _ in range(C)]
-        for s in order[i]:
-            for j, dst in nfa.edges[s]:
-                for c in set_classes[j]:
-                    targets[c].add(dst)
-        row = np.full(C, DEAD, dtype=np.int64)
-        for c, tg in enumerate(targets):
-            if not tg:
-                continue
-            key = frozenset(tg)
-            d = closures.get(key)
-            if d is None:
-                d = closures[key] = nfa.closure(key)
-            if d not in ids:
-                if len(order) >= MAX_DFA_STATES:
-                    raise PatternError(f"pattern needs over {MAX_DFA_STATES} DFA states", pattern)
-                ids[d] = len(order)
-                order.append(d)
-            row[c] = ids[d]
-        rows.append(row)
-        i += 1
-    accepting = np.array([end in st for st in order], dtype=bool)
-    return np.stack(rows), accepting
-
-
-def _trim(delta: np.ndarray, accepting: np.ndarray, start: int):
-    """Keep the states reachable from ``start`` that can reach an accepting state; renumber (start first).
-    ``(None, None)`` when the start cannot reach acceptance (empty language)."""
-    S = delta.shape[0]
-    d = np.where(delta >= 0, delta, S)
-    reach = np.zeros(S + 1, dtype=bool)
-    reach[start] = True
-    while True:  # forward closure, vectorised over states
-        new = reach.copy()
-        new[d[reach[:S]].ravel()] = True
-        new[S] = False
-        if (new == reach).all():
-            break
-        reach = new
-    co = np.concatenate([accepting, [False]])
-    while True:  # backward closure
-        new = co.copy()
-        new[:S] |= co[d].any(1)
-        if (new == co).all():
-            break
-        co = new
-    keep = reach[:S] & co[:S]
-    if not keep[start]:
-        return None, None
-    idx = np.nonzero(keep)[0]
-    idx = np.concatenate([[start], idx[idx != start]])
-    new_id = np.full(S + 1, DEAD, dtype=np.int64)
-    new_id[idx] = np.arange(len(idx))
-    return new_id[d[idx]], accepting[idx]
-
-
-def _minimise(delta: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Moore's partition refinement on a trimmed DFA (state 0 the start); the quotient automaton."""
-    block = accepting.astype(np.int64)
-    count = len(np.unique(block))
-    while True:
-        nb = np.where(delta >= 0, block[np.clip(delta, 0, None)], -1)
-        sig = np.concatenate([block[:, None], nb], 1)
-        _, new = np.unique(sig, axis=0, return_inverse=True)
-        new = new.ravel()
-        c = int(new.max()) + 1
-        block = new
-        if c == count:
-            break
-        count = c
-    rep = np.zeros(count, dtype=np.int64)
-    rep[block[::-1]] = np.arange(len(block))[::-1]  # the first state of each block
-    q = np.where(delta[rep] >= 0, block[np.clip(delta[rep], 0, None)], DEAD)
-    # renumber so that the start's block is 0
-    perm = np.concatenate([[block[0]], np.setdiff1d(np.arange(count), [block[0]])])
-    inv = np.empty(count, dtype=np.int64)
-    inv[perm] = np.arange(count)
-    q = np.where(q >= 0, inv[np.clip(q, 0, None)], DEAD)[perm]
-    return q, accepting[rep][perm]
-
-
-def _bfs_order(delta: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Renumber states breadth-first from 0, successors in class order (a canonical numbering)."""
-    S = delta.shape[0]
-    new_id = np.full(S, DEAD, dtype=np.int64)
-    new_id[0] = 0
-    order = [0]
-    queue = deque([0])
-    while queue:
-        s = queue.popleft()
-        for t in delta[s].tolist():
-            if t >= 0 and new_id[t] < 0:
-                new_id[t] = len(order)
-                order.append(t)
-                queue.append(t)
-    idx = np.array(order)
-    return np.where(delta[idx] >= 0, new_id[np.clip(delta[idx], 0, None)], DEAD), accepting[idx]

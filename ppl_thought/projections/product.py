@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from ppl_thought.errors import NotInDomainError, UnknownTokenError
-from ppl_thought.projections._tables import PhaseMachine, phase_tables
 from ppl_thought.projections.automaton import DEAD
 from ppl_thought.projections.base import Projection
+from ppl_thought.projections.phase_tables import PhaseMachine, phase_tables
 from ppl_thought.vocab import EOS, Vocab
 
 
@@ -86,6 +86,11 @@ class Product(PhaseMachine, Projection):
     def latent_to_hidden(self) -> np.ndarray:
         """int64 ``[V]``: the index in ``hidden`` of each pair token (``-1`` for other ids)."""
         return self._to_hidden.copy()
+
+    @property
+    def pair_table(self) -> np.ndarray:
+        """int64 ``[|Sigma|, |Gamma|]``: the id of the latent token (a, g), observable index by hidden index."""
+        return self._pairs
 
     def pair_id(self, a: str | int, g: str | int) -> int:
         """The id of the latent token (a, g); ``a`` a token string or id, ``g`` a hidden value or index."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from ppl_thought.errors import NotInDomainError
-from ppl_thought.projections._tables import PhaseMachine, phase_tables, set_edges
 from ppl_thought.projections.base import Projection
+from ppl_thought.projections.phase_tables import PhaseMachine, phase_tables, set_edges
 from ppl_thought.vocab import Vocab
 
 

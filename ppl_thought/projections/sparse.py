@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from ppl_thought.errors import NotInDomainError, NotRegularError
-from ppl_thought.projections._tables import phase_tables, set_edges, unroll
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection, as_id_array
+from ppl_thought.projections.phase_tables import phase_tables, set_edges, unroll
 from ppl_thought.vocab import Vocab
 
 

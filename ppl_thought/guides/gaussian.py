@@ -1,0 +1,72 @@
+"""The local Gaussian guide of latent-thought models (latent-thought-models.txt, Eq. 5, Algorithm 1 line 6).
+
+Continuous thoughts z in R^{L x N_z x d} get a diagonal Gaussian q(z | x_i) = N(mu_i, diag(sigma_i^2)) per
+sequence; :meth:`ppl_thought.models.LatentThought.fit_local` fits it ("fast learning") and
+:class:`ppl_thought.inference.DualRateTrainer` re-initialises it for every mini-batch.
+"""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import torch
+
+from ppl_thought.errors import MalformedSequenceError
+
+__all__ = ["LocalGaussianGuide"]
+
+
+class LocalGaussianGuide:
+    max_plate_nesting = 1  # the "sequences" plate
+    """The local variational posterior of Eq. 5: q(z | x_i) = N(mu_i, diag(exp(log_var_i))), one per sequence.
+
+    ``loc`` and ``log_var`` are leaf tensors ``[B, n_layers, n_z, d_latent]`` (not in Pyro's param store:
+    they are re-initialised for every mini-batch, Algorithm 1 line 6). As a Pyro guide, ``guide(tokens,
+    mask=None)`` samples the site ``"z"`` inside the plate ``"sequences"``, matching
+    :meth:`LatentThought.model`.
+    """
+
+    def __init__(self, loc: torch.Tensor, log_var: torch.Tensor) -> None:
+        if loc.shape != log_var.shape or loc.ndim != 4:
+            raise MalformedSequenceError(
+                f"LocalGaussianGuide needs loc and log_var of one shape [B, L, N_z, d], got "
+                f"{tuple(loc.shape)} and {tuple(log_var.shape)}")
+        self.loc = loc
+        self.log_var = log_var
+
+    @classmethod
+    def init(cls, batch_size: int, latent_shape: tuple[int, int, int], init_log_var: float = 0.0,
+             device: torch.device | str | None = None) -> LocalGaussianGuide:
+        """mu = 0, log sigma^2 = ``init_log_var`` (0: the prior), as leaf tensors that require grad."""
+        loc = torch.zeros(batch_size, *latent_shape, device=device, requires_grad=True)
+        log_var = torch.full((batch_size, *latent_shape), float(init_log_var), device=device, requires_grad=True)
+        return cls(loc, log_var)
+
+    @property
+    def batch_size(self) -> int:
+        return self.loc.shape[0]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.loc, self.log_var]
+
+    def distribution(self, detach: bool = False) -> dist.Distribution:
+        """q as a Pyro distribution with batch shape ``[B]`` and event shape ``[L, N_z, d]``."""
+        loc, log_var = (self.loc.detach(), self.log_var.detach()) if detach else (self.loc, self.log_var)
+        return dist.Normal(loc, (0.5 * log_var).exp()).to_event(3)
+
+    def rsample(self, num_samples: int | None = None, detach: bool = False) -> torch.Tensor:
+        """Reparameterised draws: ``[B, ...]`` or ``[num_samples, B, ...]``."""
+        shape = () if num_samples is None else (num_samples,)
+        return self.distribution(detach).rsample(shape)
+
+    def kl_to_prior(self, detach: bool = False) -> torch.Tensor:
+        """KL(q || N(0, I)) per sequence ``[B]``, in closed form: 1/2 sum(mu^2 + sigma^2 - log sigma^2 - 1)."""
+        loc, log_var = (self.loc.detach(), self.log_var.detach()) if detach else (self.loc, self.log_var)
+        return 0.5 * (loc.pow(2) + log_var.exp() - log_var - 1.0).flatten(1).sum(-1)
+
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        n = 1 if tokens.ndim == 1 else tokens.shape[0]
+        if n != self.batch_size:
+            raise MalformedSequenceError(f"guide holds {self.batch_size} sequences but got {n}")
+        with pyro.plate("sequences", n, dim=-1):
+            return pyro.sample("z", self.distribution())

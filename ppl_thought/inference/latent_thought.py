@@ -1,0 +1,173 @@
+"""Inference and learning for latent-thought models (latent-thought-models.txt, Algorithm 1, Eq. 4).
+
+* :class:`DualRateTrainer`: dual-rate (fast-slow) learning, Algorithm 1, with the learning-rate schedules of
+  App. A.2 (:func:`fast_lr_schedule`, :func:`slow_lr_schedule`).
+* :func:`langevin_posterior`: p(z | x) for one sequence by Langevin dynamics (Eq. 4; MALA or ULA through
+  :class:`ppl_thought.inference.Langevin`), the decoder fixed; :func:`langevin_evaluate`: a perplexity bound
+  from those draws.
+
+The model itself (the generative program, its ELBO and bounds) is :class:`ppl_thought.models.LatentThought`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import pyro.distributions as dist
+import torch
+from pyro.infer.autoguide.initialization import init_to_sample
+
+from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.inference.langevin import Langevin
+from ppl_thought.inference.result import Result
+from ppl_thought.models.latent_thought import LatentThought, frozen
+
+__all__ = ["DualRateTrainer", "fast_lr_schedule", "langevin_evaluate", "langevin_posterior", "slow_lr_schedule"]
+
+
+def fast_lr_schedule(progress: float, start: float = 0.3, end: float = 0.34) -> float:
+    """The fast (local) learning rate of App. A.2: linear from 0.3 to 0.34 over training (progress in [0, 1])."""
+    progress = min(max(float(progress), 0.0), 1.0)
+    return start + (end - start) * progress
+
+
+def slow_lr_schedule(step: int, total: int, lr: float = 4e-4, lr_min: float = 4e-5, warmup: int = 0) -> float:
+    """The slow (decoder) learning rate of App. A.2: linear warmup, then cosine decay from lr to lr_min."""
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    span = max(total - warmup, 1)
+    t = min(max(step - warmup, 0) / span, 1.0)
+    return lr_min + 0.5 * (lr - lr_min) * (1.0 + math.cos(math.pi * t))
+
+
+# -- Langevin (Eq. 4) --------------------------------------------------------------------------------
+
+def langevin_posterior(ltm: LatentThought, tokens: torch.Tensor, mask: torch.Tensor | None = None, num_steps: int = 200,
+                       warmup_steps: int = 100, num_chains: int = 2, step_size: float = 0.01,
+                       adjust: bool = True, seed: int | None = None, progress: bool = False) -> Result:
+    """Sample p(z | x) for ONE sequence with Langevin dynamics (Eq. 4), the decoder fixed.
+
+    Runs :class:`ppl_thought.inference.Langevin` (MALA when ``adjust=True``: the Eq. 4 proposal plus a
+    Metropolis correction so the posterior is exactly invariant; ``adjust=False`` is Eq. 4 as written,
+    ULA) on :meth:`LatentThought.conditioned_model`.
+    ``Result.samples["z"]`` is ``[num_chains, num_steps, 1, L, N_z, d]``.
+    """
+    tokens2, mask2 = ltm.batch(tokens, mask)
+    if tokens2.shape[0] != 1:
+        raise MalformedSequenceError(f"langevin_posterior conditions on one sequence, got {tokens2.shape[0]}")
+    engine = Langevin(step_size=step_size, num_steps=num_steps, num_chains=num_chains, warmup_steps=warmup_steps,
+                      adjust=adjust, seed=seed, disable_progbar=not progress, init_strategy=init_to_sample,
+                      target_accept=0.57 if adjust else 0.85)
+    with frozen(ltm.decoder):
+        return engine.run(ltm.conditioned_model, None, tokens2, mask2)
+
+def langevin_evaluate(ltm: LatentThought, tokens: torch.Tensor, mask: torch.Tensor | None = None, iw_samples: int = 256,
+                      num_steps: int = 200, warmup_steps: int = 100, num_chains: int = 2,
+                      step_size: float = 0.01, adjust: bool = True, seed: int | None = None,
+                      var_floor: float = 1e-4) -> dict[str, Any]:
+    """A perplexity estimate from Langevin draws (Eq. 4), sequence by sequence.
+
+    For each sequence, fit a diagonal Gaussian (mean, variance of all kept draws, variance floored at
+    ``var_floor``) to the Langevin draws and use it as the proposal of the importance-weighted bound
+    (:meth:`LatentThought.iw_bound`, K = ``iw_samples``). Why this choice: MCMC draws carry no density, so they do not
+    give log p(x) directly (the harmonic-mean estimator from raw draws has infinite variance); an IW
+    bound stays a valid bound for *any* proposal, is consistent as K grows, and is never looser than the
+    ELBO of that same Gaussian (which is its K = 1 case). The draws thus enter only through the quality
+    of the proposal; a poorly mixed chain gives a looser (still valid in expectation) bound, never a
+    biased-low perplexity.
+    """
+    tokens2, mask2 = ltm.batch(tokens, mask)
+    bounds, accept = [], []
+    for i in range(tokens2.shape[0]):
+        res = langevin_posterior(ltm, tokens2[i], mask2[i], num_steps, warmup_steps, num_chains, step_size,
+                                      adjust, None if seed is None else seed + i)
+        z = res.samples["z"].reshape(-1, *ltm.latent_shape).detach()
+        loc, var = z.mean(0), z.var(0, unbiased=z.shape[0] > 1).clamp_min(var_floor)
+        proposal = dist.Normal(loc[None], var.sqrt()[None]).to_event(3)
+        bounds.append(float(ltm.iw_bound(tokens2[i:i + 1], proposal, iw_samples, mask2[i:i + 1])))
+        accept.append(float(res.stats["accept_prob"].mean()))
+    n_tokens = int(mask2.sum())
+    total = sum(bounds)
+    return {"log_marginal_bound": total, "num_tokens": n_tokens, "ppl": math.exp(-total / n_tokens),
+            "per_sequence": bounds, "mean_accept_prob": sum(accept) / len(accept)}
+
+
+class DualRateTrainer:
+    """Dual-rate (fast-slow) learning of an LTM, Algorithm 1.
+
+    For each mini-batch: re-initialise the local (mu, log sigma^2) of every sequence and take
+    ``inner_steps`` = T_fast Adam steps on the ELBO of Eq. 5 with the decoder frozen (fast learning, learning
+    rate linear from ``fast_lr[0]`` = 0.3 to ``fast_lr[1]`` = 0.34 over training, App. A.2); then one AdamW
+    step (betas 0.9, 0.95; gradient norm clipped to ``grad_clip``) on the decoder with the batch ELBO
+    L_batch = (1/B) sum_i L_i, z drawn from the optimised q with the local parameters detached (slow
+    learning; rate ``slow_lr`` with linear warmup then cosine decay to ``slow_lr_min``). The loss is
+    normalised per token. Metrics per step are appended to :attr:`history`.
+    """
+
+    def __init__(self, ltm: LatentThought, total_steps: int, inner_steps: int = 16,
+                 fast_lr: tuple[float, float] = (0.3, 0.34), slow_lr: float = 4e-4, slow_lr_min: float = 4e-5,
+                 warmup_steps: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0, num_samples: int = 1,
+                 inner_schedule: str = "constant", progress: bool = True) -> None:
+        if total_steps < 1 or inner_steps < 0:
+            raise ValueError(f"need total_steps >= 1 and inner_steps >= 0, got {total_steps}, {inner_steps}")
+        self.ltm, self.total_steps, self.inner_steps = ltm, total_steps, inner_steps
+        self.fast_lr, self.slow_lr, self.slow_lr_min, self.warmup_steps = fast_lr, slow_lr, slow_lr_min, warmup_steps
+        self.grad_clip, self.num_samples, self.inner_schedule, self.progress = (grad_clip, num_samples,
+                                                                                 inner_schedule, progress)
+        self.optimizer = torch.optim.AdamW(ltm.decoder.parameters(), lr=slow_lr, betas=(0.9, 0.95),
+                                           weight_decay=weight_decay)
+        self.step_count = 0
+        self.history: list[dict[str, float]] = []
+
+    def current_fast_lr(self) -> float:
+        return fast_lr_schedule(self.step_count / max(self.total_steps - 1, 1), *self.fast_lr)
+
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
+        """One iteration of Algorithm 1 (lines 3-15) on a mini-batch; returns its metrics."""
+        ltm = self.ltm
+        tokens2, mask2 = ltm.batch(tokens, mask)
+        fast = self.current_fast_lr()
+        slow = slow_lr_schedule(self.step_count, self.total_steps, self.slow_lr, self.slow_lr_min, self.warmup_steps)
+        guide = ltm.fit_local(tokens2, mask2, self.inner_steps, fast, self.inner_schedule, self.num_samples)
+        for g in self.optimizer.param_groups:
+            g["lr"] = slow
+        n_tokens = mask2.sum().clamp_min(1)
+        z = guide.rsample(self.num_samples, detach=True)
+        recon = ltm.log_likelihood(tokens2, z, mask2).mean(0)
+        kl = guide.kl_to_prior(detach=True)
+        loss = -(recon - kl).sum() / n_tokens
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(ltm.decoder.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.step_count += 1
+        loss = loss.detach()
+        metrics = {"step": self.step_count, "loss": float(loss), "elbo_ppl": math.exp(min(float(loss), 50.0)),
+                   "recon_per_token": float(recon.detach().sum() / n_tokens),
+                   "kl_per_token": float(kl.sum() / n_tokens),
+                   "fast_lr": fast, "slow_lr": slow, "grad_norm": float(gnorm)}
+        self.history.append(metrics)
+        return metrics
+
+    def fit(self, batches: Iterable[torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
+            num_steps: int | None = None) -> list[dict[str, float]]:
+        """Run :meth:`step` over ``batches`` (tensors or (tokens, mask) pairs), at most ``num_steps`` times
+        (default ``total_steps - steps taken``), with a tqdm progress bar."""
+        from tqdm.auto import tqdm
+
+        n = self.total_steps - self.step_count if num_steps is None else num_steps
+        bar = tqdm(total=n, disable=not self.progress, desc="LTM dual-rate")
+        it = iter(batches)
+        for _ in range(n):
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            tokens, mask = batch if isinstance(batch, tuple) else (batch, None)
+            m = self.step(tokens, mask)
+            bar.update(1)
+            bar.set_postfix(ppl=f"{m['elbo_ppl']:.3f}", kl=f"{m['kl_per_token']:.3f}")
+        bar.close()
+        return self.history

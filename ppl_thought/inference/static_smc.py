@@ -1,0 +1,290 @@
+"""SMC whose per-token work is one fixed step on a static KV cache, captured as a CUDA graph on a GPU
+(``pt.infer.SMC(n, backend="static")``; docs/gpu.md).
+
+The generic engine runs a program's step through Pyro (a trace per step) and reads a few numbers back
+to the host at every step (resampling decision, NaN and zero-weight checks, whether everyone has
+finished). On a GPU at small models that sets the pace, not the arithmetic. Programs whose step is one
+token of one LM under a token automaton (:class:`~ppl_thought.models.Constrained`) need none of that:
+a step is
+
+    logits -> log Z_t = program.log_mass(logits, s, done)      (the step's weight, e.g. Constrained's)
+           -> token ~ masked softmax (Def 2.8), inverse CDF with one uniform per row (sample_categorical)
+           -> automaton state, length, done flags
+           -> LM step on the static cache (lm/static_cache.py) -> next logits
+           -> log W += log Z_t; ESS; resampling decided on the device:
+              idx = where(ESS < threshold * n and not all done, ancestors, identity); every buffer
+              (KV cache, logits, states, tokens, weights) gathered by idx in place
+
+with the same arithmetic as the generic engine, SMC with adaptive resampling ((2.22): Z-hat =
+prod_t (1/n) sum_i W_{t-1}^i w_t^i, the weights of a resampled step set to their mean). The
+automaton tables are moved to the device once (``TokenRule``'s per-device tables). Nothing is read back
+to the host until the last step: the per-step ESS, resampling flags, ancestors and error flags (no
+admissible token, NaN weights, all weights zero) are written into device buffers and read once at
+the end, when the errors are raised. The price of deciding on the device is that the gather runs at
+every step (with the identity index when nobody resamples) and that the resampling uniform is drawn
+at every step (unless ``ess_threshold=0``).
+
+On CUDA (``graphs=None`` or ``True``) the step is captured once in a ``torch.cuda.CUDAGraph`` (the
+static cache then attends over its whole buffer) and replayed ``max_tokens`` times; the captured
+runner is kept on the engine and reused by later runs with the same program, particle count and
+prompt length. On CPU the same step runs eagerly (attention over the slots written so far), and the
+run gives bitwise the particles, weights and log Z-hat of the generic engine while no resampling
+happens (the same uniforms from the default generator, the same arithmetic); with resampling the
+random streams differ (the generic engine draws the resampling uniform only when it resamples) and
+the two agree in distribution (tests/test_static_decode.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ppl_thought.distributions.lm_state import sample_categorical
+from ppl_thought.errors import ConfigError, NumericalError, ZeroWeightsError
+from ppl_thought.lm.base import lm_device
+from ppl_thought.lm.static_cache import bos_context, static_decoder
+from ppl_thought.program import Program
+from ppl_thought.vocab import PAD_ID
+
+__all__ = ["StaticRunner", "run_static", "check_static_program"]
+
+#: resampling schemes the static path runs on the device (residual resampling has data-dependent shapes)
+STATIC_RESAMPLING = ("systematic", "stratified", "multinomial")
+
+
+def check_static_program(model: Any) -> None:
+    """A clear :class:`~ppl_thought.errors.ConfigError` unless ``model`` is a single-token LM step under an
+    automaton: ``lm``, ``rule`` (a ``TokenRule``), ``max_tokens``, ``stop_ids``, ``log_mass(logits, s, done)``,
+    no twist and no extra outputs (what :class:`~ppl_thought.models.Constrained` provides)."""
+    name = type(model).__name__
+    missing = [a for a in ("lm", "rule", "max_tokens", "stop_ids", "log_mass") if not hasattr(model, a)]
+    if missing:
+        raise ConfigError(f"SMC(backend='static') runs programs whose step is one LM token under a token automaton "
+                          f"(pt.models.Constrained); {name} lacks {missing}: use backend='generic'")
+    if getattr(model, "twist", None) is not None:
+        raise ConfigError(f"SMC(backend='static') does not run twists ({name} has one: a twist reads the growing "
+                          "token prefix, which a captured step cannot): use backend='generic'")
+    if isinstance(model, Program) and type(model).outputs is not Program.outputs:
+        raise ConfigError(f"{name} defines outputs(state), which the static path does not build: use "
+                          "backend='generic'")
+
+
+class StaticRunner:
+    """The buffers and the one-token step of a static SMC run of ``n`` particles of ``model`` after a prompt of
+    ``prompt_len`` tokens (see the module docstring). ``run(prompt)`` returns the host-side results."""
+
+    def __init__(self, model, n: int, prompt_len: int, ess_threshold: float, resampling: str,
+                 generator: torch.Generator | None, graphs: bool | None):
+        if resampling not in STATIC_RESAMPLING:
+            raise ConfigError(f"SMC(backend='static') resamples with one of {STATIC_RESAMPLING}, not {resampling!r}")
+        self.model, self.n, self.prompt_len = model, int(n), int(prompt_len)
+        lm, rule = model.lm, model.rule
+        dev = lm_device(lm)
+        self.device = dev
+        if graphs is None:
+            graphs = dev.type == "cuda"
+        if graphs and dev.type != "cuda":
+            raise ConfigError(f"graphs=True captures CUDA graphs; the model is on {dev}")
+        if generator is not None and generator.device.type != dev.type:
+            raise ConfigError(f"the resampling generator is on {generator.device}, the model on {dev}: pass a "
+                              "generator on the model's device")
+        self.graphs = bool(graphs)
+        self.threshold, self.resampling, self.generator = float(ess_threshold), resampling, generator
+        T = self.T = int(model.max_tokens)
+        self.V = V = int(lm.vocab_size)
+        # slots: <bos> + prompt, then one token fed per step (the last one's logits are never read)
+        self.decoder = static_decoder(lm, self.n, self.prompt_len + 1 + T)
+        self.rule = rule
+        ends = rule.end_tables(None, dev)
+        self.final = None if ends is None else ends[1]  # bool [S + 1] over automaton states
+        self.stop_ids = torch.as_tensor(model.stop_ids, dtype=torch.long).to(dev)
+        self.pad_row = torch.zeros(1, V, device=dev)
+        self.pad_row[0, PAD_ID] = 1.0
+        self.ar = torch.arange(self.n, device=dev)
+        self.ar64 = self.ar.double()
+        # the state of the run (written in place by the step)
+        self.s0 = rule.start(self.n, dev)
+        self.logits = torch.zeros(self.n, V, device=dev)
+        self.s = self.s0.clone()
+        self.lengths = torch.zeros(self.n, dtype=torch.long, device=dev)
+        self.done = torch.zeros(self.n, dtype=torch.bool, device=dev)
+        self.finished = torch.zeros(self.n, dtype=torch.bool, device=dev)
+        self.lw = torch.zeros(self.n, device=dev)
+        self.tokens = torch.zeros(self.n, T, dtype=torch.long, device=dev)
+        self.t = torch.zeros(1, dtype=torch.long, device=dev)
+        # per-step records, read once at the end
+        self.ess = torch.zeros(T, device=dev)
+        self.resampled = torch.zeros(T, dtype=torch.bool, device=dev)
+        self.ancestry = torch.zeros(T, self.n, dtype=torch.long, device=dev)
+        self.flags = torch.zeros(T, 4, dtype=torch.bool, device=dev)  # dead row, NaN weight, all zero, all done
+        self.graph = None
+
+    # -- the step -------------------------------------------------------------------------------------
+    def _ancestors(self, lw: torch.Tensor) -> torch.Tensor:
+        """Ancestor indices ``[n]`` from log weights (as :func:`~ppl_thought.inference.smc.resample`: float64
+        CDF, the last entry set to 1, ``searchsorted`` of the scheme's uniforms)."""
+        n, dev = self.n, self.device
+        w = torch.softmax(lw, 0).double()
+        w = w / w.sum()
+        cdf = torch.cumsum(w, 0)
+        cdf[-1:].fill_(1.0)
+        if self.resampling == "systematic":
+            u = (self.ar64 + torch.rand(1, generator=self.generator, dtype=torch.float64, device=dev)) / n
+        elif self.resampling == "stratified":
+            u = (self.ar64 + torch.rand(n, generator=self.generator, dtype=torch.float64, device=dev)) / n
+        else:  # multinomial: independent uniforms
+            u = torch.rand(n, generator=self.generator, dtype=torch.float64, device=dev)
+        return torch.searchsorted(cdf, u).clamp(max=n - 1)
+
+    def step(self) -> None:
+        """One token for every particle; every buffer updated in place (no host sync)."""
+        from ppl_thought.inference.result import effective_sample_size, log_mean_exp
+
+        model, rule, n, V, T = self.model, self.rule, self.n, self.V, self.T
+        logits, s, done = self.logits, self.s, self.done
+        active = ~done
+        log_z = model.log_mass(logits, s, done)  # the step's weight (Constrained: the mass factor log Z_t)
+        logq = rule.log_probs(logits, s)  # Def 2.8
+        probs = torch.where(active[:, None], logq.exp(), self.pad_row)
+        tok = sample_categorical(probs)  # <pad> for ended rows
+        dead = tok == V
+        tok = tok.clamp(max=V - 1)
+        s_new = rule.advance(s, tok)
+        lengths = self.lengths + active.long()
+        final = rule.is_final(s_new) if self.final is None else self.final[s_new]
+        seq_end = final | (lengths >= T) | torch.isin(tok, self.stop_ids)
+        done_new = done | (active & seq_end)
+        new_logits = self.decoder.step(tok)
+        finished = self.finished | done_new | (self.t == T - 1)
+        lw = self.lw + torch.where(self.finished, torch.zeros_like(log_z), log_z)
+        ess = effective_sample_size(lw)
+        all_done = finished.all()
+        t1 = self.t
+        if self.threshold > 0:
+            need = (ess < self.threshold * n) & ~all_done
+            idx = torch.where(need, self._ancestors(lw), self.ar)
+            lw = torch.where(need, log_mean_exp(lw).expand(n), lw)
+            self.decoder.reorder(idx)
+        else:
+            need = torch.zeros((), dtype=torch.bool, device=self.device)
+            idx = self.ar
+        self.tokens.index_copy_(1, t1, tok[:, None])
+        self.tokens.copy_(self.tokens.index_select(0, idx))
+        self.logits.copy_(new_logits.index_select(0, idx))
+        self.s.copy_(s_new.index_select(0, idx))
+        self.lengths.copy_(lengths.index_select(0, idx))
+        self.done.copy_(done_new.index_select(0, idx))
+        self.finished.copy_(finished.index_select(0, idx))
+        self.lw.copy_(lw)
+        self.ess.index_copy_(0, t1, ess.reshape(1))
+        self.resampled.index_copy_(0, t1, need.reshape(1))
+        self.ancestry.index_copy_(0, t1, idx[None])
+        flags = torch.stack([dead.any(), torch.isnan(lw).any(), torch.isneginf(lw).all(), all_done])
+        self.flags.index_copy_(0, t1, flags[None])
+        self.t.add_(1)
+
+    # -- running --------------------------------------------------------------------------------------
+    def _reset(self, ctx: torch.Tensor) -> None:
+        """Encode the prompt into the static cache and set every buffer to the start of a run, in place."""
+        self.logits.copy_(self.decoder.start(ctx))
+        self.s.copy_(self.s0)
+        self.lengths.zero_()
+        self.done.copy_(self.rule.is_final(self.s0) | (self.T == 0))
+        self.finished.zero_()
+        self.lw.zero_()
+        self.tokens.zero_()
+        self.t.zero_()
+        for buf in (self.ess, self.resampled, self.ancestry, self.flags):
+            buf.zero_()
+
+    def _capture(self, ctx: torch.Tensor) -> None:
+        """Warm up on a side stream and capture :meth:`step` in a CUDA graph (on buffers reset afterwards)."""
+        self.decoder.full = True
+        self._reset(ctx)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        self._reset(ctx)
+        graph = torch.cuda.CUDAGraph()
+        if self.generator is not None and hasattr(graph, "register_generator_state"):
+            graph.register_generator_state(self.generator)
+        with torch.cuda.graph(graph):
+            self.step()
+        self.graph = graph
+
+    def run(self, prompt: torch.Tensor | None) -> dict:
+        """One SMC run from ``prompt``; host-side results (one sync, at the end)."""
+        ctx = bos_context(prompt, self.device)
+        if ctx.shape[0] != self.prompt_len + 1:
+            raise ConfigError(f"this runner was built for prompts of {self.prompt_len} tokens, got {ctx.shape[0] - 1}")
+        if self.graphs and self.graph is None:
+            self._capture(ctx)
+        self._reset(ctx)
+        if self.graphs:
+            for _ in range(self.T):
+                self.graph.replay()
+        else:
+            for _ in range(self.T):
+                self.step()
+                if self.device.type == "cpu" and bool(self.flags[int(self.t) - 1, 3]):  # free on the host
+                    break
+        return self._collect()
+
+    def _collect(self) -> dict:
+        flags = self.flags.cpu()
+        done_at = flags[:, 3].nonzero()
+        steps = int(done_at[0]) + 1 if len(done_at) else self.T
+        name = type(self.model).__name__
+        for t in range(steps):
+            dead, nan, zero = (bool(x) for x in flags[t, :3])
+            if dead:
+                raise ValueError(f"rows have no admissible token of positive probability at step {t} of {name}: the "
+                                 "LM gives probability 0 to every token the constraint allows")
+            if nan:
+                raise NumericalError(f"NaN weights after step {t} of {name} (a log-probability is NaN or +inf)")
+            if zero:
+                raise ZeroWeightsError(f"SMC: all {self.n} particle weights are zero (log weight -inf) after step {t} "
+                                       f"of {name}: the proposal only produced values the model gives probability 0")
+        return {"tokens": self.tokens[:, :steps].clone(), "log_weights": self.lw.clone(), "steps": steps,
+                "ess": self.ess[:steps].tolist(), "resampled": [bool(r) for r in self.resampled[:steps].tolist()],
+                "ancestry": self.ancestry[:steps].clone()}
+
+
+def run_static(smc, model, guide, args: tuple, kwargs: dict):
+    """``SMC.run`` with ``backend="static"``: a :class:`~ppl_thought.inference.result.Result` like the generic
+    engine's (sites ``x_t``, final log weights, log Z-hat, ancestry, per-step ESS and resampling flags)."""
+    from ppl_thought.inference.importance import log_marginal_stderr
+    from ppl_thought.inference.result import Result, log_mean_exp
+
+    if guide is not None:
+        raise ConfigError("SMC(backend='static') proposes from the program itself (guide=None)")
+    if smc.groups != 1:
+        raise ConfigError("SMC(backend='static') runs one particle group (groups=1)")
+    check_static_program(model)
+    if len(args) > 1 or set(kwargs) - {"prompt"} or (args and "prompt" in kwargs):
+        raise ConfigError(f"SMC(backend='static') runs {type(model).__name__}(prompt) with one prompt argument")
+    prompt = kwargs["prompt"] if "prompt" in kwargs else (args[0] if args else None)
+    plen = 0 if prompt is None else int(torch.as_tensor(prompt).reshape(-1).shape[0])
+    key = (id(model), plen)
+    runners = smc.__dict__.setdefault("_static_runners", {})
+    entry = runners.get(key)
+    if entry is None or entry[0] is not model:
+        entry = (model, StaticRunner(model, smc.num_particles, plen, smc.ess_threshold, smc.resampling,
+                                     smc.generator, smc.graphs))
+        runners[key] = entry
+    runner = entry[1]
+    with torch.no_grad():
+        out = runner.run(prompt)
+    lw, steps = out["log_weights"], out["steps"]
+    samples = {f"x_{t}": out["tokens"][:, t] for t in range(steps)}
+    any_resampled = any(out["resampled"])
+    return Result(samples=samples, log_weights=lw, log_marginal=log_mean_exp(lw),
+                  log_marginal_stderr=log_marginal_stderr(lw) if not any_resampled else None,
+                  ancestry=out["ancestry"], observed={"args": args, "kwargs": kwargs}, engine="SMC",
+                  stats={"ess": out["ess"], "resampled": out["resampled"], "steps": steps, "token_steps": steps,
+                         "particle_steps": steps * smc.num_particles, "mode": "static", "groups": 1,
+                         "graphs": runner.graphs})

@@ -1,0 +1,52 @@
+"""ppl_thought.numpyro: the JAX / NumPyro backend (docs/numpyro.md). Never imports torch or pyro.
+
+The same programs as the torch side, as NumPyro programs over the same vocabularies and projections (their
+numpy automaton tables)::
+
+    import ppl_thought.numpyro as ptn
+    ptn.lm                       # LM protocol (lm.base.LM, reorder), Tabular n-gram (Transformer: lm.transformer)
+    ptn.dist                     # LMSequence (Def 2.8), ProjectionDelta: NumPyro distributions
+    ptn.models                   # SlowThinking (Proj # P_f), HMM (Def 2.2, forward algorithm (3.1))
+    ptn.guides                   # Identity (3.30), Predictive, Causal (3.33), Explanatory (Def 3.9), Posterior
+    ptn.infer                    # Importance (3.2), SMC, ELBO (for numpyro.infer.SVI), Result
+    ptn.handlers                 # ProjectionLift: a plain LM program -> Proj # P_f
+    ptn.to_inference_data        # ArviZ InferenceData with the weights kept as on the torch side
+
+Subpackages are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_SUBMODULES = {
+    "lm": "ppl_thought.numpyro.lm",
+    "dist": "ppl_thought.numpyro.distributions",
+    "distributions": "ppl_thought.numpyro.distributions",
+    "models": "ppl_thought.numpyro.models",
+    "guides": "ppl_thought.numpyro.guides",
+    "infer": "ppl_thought.numpyro.infer",
+    "handlers": "ppl_thought.numpyro.handlers",
+}
+_ATTRIBUTES = {
+    "to_inference_data": "ppl_thought.numpyro.inference_data",
+    "ProjectionLift": "ppl_thought.numpyro.handlers",
+}
+
+__all__ = [*_SUBMODULES, *_ATTRIBUTES]
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        mod = importlib.import_module(_SUBMODULES[name])
+        globals()[name] = mod
+        return mod
+    if name in _ATTRIBUTES:
+        value = getattr(importlib.import_module(_ATTRIBUTES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ppl_thought.numpyro' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_SUBMODULES) + list(_ATTRIBUTES))

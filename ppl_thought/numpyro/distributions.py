@@ -1,0 +1,431 @@
+"""NumPyro distributions over token sequences (the JAX twin of ppl_thought/distributions): :class:`LMSequence`
+(an LM decoded under a token automaton, Def 2.8) and :class:`ProjectionDelta` (x = Proj(z)).
+
+The automata are the projections' numpy tables (:class:`~ppl_thought.projections.Automaton`), read with
+``jnp.asarray``: :func:`tables` adds the dead row (index ``-1`` wraps onto it, so a dead state stays dead)
+and forbids ``<pad>`` and ``<bos>``. A *token rule* (:class:`TokenRule` and the guides' rules) turns the LM's
+next-token log-probabilities and a rule state into the masked law of the next token; one decoding loop
+(:func:`decode`, a ``lax.scan`` over positions with every particle a row of the batch and the KV cache
+carried) samples, and one teacher-forced pass (:func:`score`) scores. Both are pure functions of arrays:
+they run under ``jit``, ``vmap`` and ``grad``.
+
+Log-probabilities follow the masked parametrisation log softmax(f~(z_<i))_{z_i} of Def 2.8; a sequence's is
+their sum, (2.13) and (2.22). ``-inf`` outside the domain, never NaN.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro.distributions import Distribution, constraints
+
+from ppl_thought.checks import integer
+from ppl_thought.errors import ConfigError, MalformedSequenceError, NotInImageError, UnknownTokenError
+from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.projections.automaton import Automaton
+from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
+
+NEG_INF = -jnp.inf
+
+
+def const(a, dtype=None) -> jax.Array:
+    """A concrete jnp array even when called while a function is being traced (cached tables are built once
+    and outlive any trace)."""
+    with jax.ensure_compile_time_eval():
+        return jnp.asarray(a, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------- automaton tables
+class Tables:
+    """jnp views of an :class:`Automaton`: ``table [S+1, V]`` (the last row is the dead state, ``-1``),
+    ``allowed [S+1, V]`` (admissible next tokens Phi^{<=1} of (2.26), never ``<pad>``/``<bos>``),
+    ``final [S+1]``, ``emitted [S+1]`` (dead: ``-1``), ``start``, ``max_len``."""
+
+    def __init__(self, automaton: Automaton):
+        t = np.concatenate([automaton.next_state, np.full((1, automaton.vocab_size), -1)], 0)
+        allowed = t >= 0
+        allowed[:, PAD_ID] = False
+        allowed[:, BOS_ID] = False
+        self.automaton = automaton
+        self.table = const(t, jnp.int32)
+        self.allowed = const(allowed)
+        self.final = const(np.concatenate([automaton.final, [False]]))
+        self.emitted = const(np.concatenate([automaton.emitted, [-1]]), jnp.int32)
+        self.start = int(automaton.start)
+        self.max_len = automaton.max_len
+        self.num_states = automaton.num_states
+
+    def step(self, s, tok):
+        return self.table[s, tok]
+
+    def advance(self, s, tok):
+        """:meth:`step`, except that ``<pad>`` keeps the state (right-padded rows)."""
+        return jnp.where(tok == PAD_ID, s, self.table[s, tok])
+
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def tables(automaton: Automaton) -> Tables:
+    """The (cached) :class:`Tables` of an automaton."""
+    t = _TABLES.get(automaton)
+    if t is None:
+        t = _TABLES[automaton] = Tables(automaton)
+    return t
+
+
+def masked_log_softmax(logp: jax.Array, mask: jax.Array) -> jax.Array:
+    """log softmax over admissible tokens (Def 2.8); rows with none admissible are all -inf, never NaN."""
+    x = jnp.where(mask, logp, NEG_INF)
+    dead = ~jnp.any(mask & (logp > NEG_INF), -1, keepdims=True)
+    out = jax.nn.log_softmax(jnp.where(dead, 0.0, x), -1)
+    return jnp.where(dead | ~mask, NEG_INF, out)
+
+
+def tree_where(cond: jax.Array, a, b):
+    """``where(cond, a, b)`` leaf by leaf, ``cond [n]`` broadcast over each leaf's trailing axes."""
+    return jax.tree.map(lambda u, v: jnp.where(cond.reshape(cond.shape + (1,) * (u.ndim - 1)), u, v), a, b)
+
+
+# ---------------------------------------------------------------------------------------------- token rules
+class TokenRule:
+    """The masked softmax of Def 2.8 under an automaton (or none: every token but ``<pad>``/``<bos>``).
+
+    A rule's state is a pytree with the rows on axis 0; here one automaton state per row.
+    """
+
+    def __init__(self, constraint: Automaton | None, vocab_size: int):
+        self.constraint = constraint
+        self.vocab_size = int(vocab_size)
+        self.t = tables(constraint) if constraint is not None else None
+        free = np.ones(self.vocab_size, bool)
+        free[[PAD_ID, BOS_ID]] = False
+        self._free = const(free)
+
+    def start(self, n: int):
+        return jnp.full((n,), self.t.start if self.t is not None else 0, dtype=jnp.int32)
+
+    def mask(self, s):
+        return self.t.allowed[s] if self.t is not None else jnp.broadcast_to(self._free, s.shape + self._free.shape)
+
+    def log_probs(self, logp: jax.Array, s) -> jax.Array:
+        """log Q(next token | state) ``[n, V]``: the LM's log-probabilities masked and renormalised."""
+        return masked_log_softmax(logp, self.mask(s))
+
+    def step(self, s, tok):
+        return self.t.table[s, tok] if self.t is not None else s
+
+    def is_final(self, s) -> jax.Array:
+        return self.t.final[s] if self.t is not None else jnp.zeros(s.shape, bool)
+
+    def num_emitted(self, s) -> jax.Array:
+        if self.t is None:
+            raise MalformedSequenceError("counting observables needs a constraint automaton")
+        return self.t.emitted[s]
+
+
+# ---------------------------------------------------------------------------------------------- the loops
+def encode(lm: LM, params, prompt: np.ndarray, n: int, max_new: int, latents=None):
+    """Feed ``<bos> + prompt`` (shared by every row) into a fresh cache: ``(next log-probs [n, V], cache)``."""
+    ctx = jnp.asarray(np.concatenate([[BOS_ID], np.asarray(prompt, np.int64)]), dtype=jnp.int32)
+    cache = lm.init_cache(n, ctx.shape[0] + max_new)
+    logp, cache = lm.apply(params, cache, jnp.broadcast_to(ctx, (n, ctx.shape[0])), latents=latents)
+    return logp[:, -1], cache
+
+
+def sample_token(key: jax.Array, q: jax.Array, done: jax.Array) -> jax.Array:
+    """One categorical draw per row from log-probabilities ``q [n, V]`` (``<pad>`` for finished rows)."""
+    safe = jnp.where(done[:, None], 0.0, q)
+    return jnp.where(done, PAD_ID, jax.random.categorical(key, safe, -1)).astype(jnp.int32)
+
+
+def decode(key: jax.Array, lm: LM, params, rule, n: int, prompt: np.ndarray, max_len: int,
+           stop_ids: np.ndarray, latents=None) -> tuple[jax.Array, jax.Array]:
+    """Sample ``n`` sequences in one batched, KV-cached loop under ``rule``: ``(z int32 [n, max_len], log Q [n])``.
+
+    Every row draws from ``rule.log_probs`` until a stop token, a final state of the rule or ``max_len``;
+    finished rows feed nothing (``valid=False``) and are padded with ``<pad>``. ``lax.scan`` over positions.
+    """
+    logp, cache = encode(lm, params, prompt, n, max_len, latents)
+    s = rule.start(n)
+    done = rule.is_final(s) | (max_len == 0)
+    stops = jnp.asarray(np.asarray(stop_ids, np.int32))
+
+    def body(carry, k):
+        logp, cache, s, done, lp = carry
+        q = rule.log_probs(logp, s)
+        tok = sample_token(k, q, done)
+        lp = lp + jnp.where(done, 0.0, jnp.take_along_axis(q, tok[:, None], -1)[:, 0])
+        s = tree_where(done, s, rule.step(s, tok))
+        ends = jnp.isin(tok, stops) | rule.is_final(s)
+        feed = jnp.where(done, BOS_ID, tok)
+        nlogp, cache = lm.apply(params, cache, feed[:, None], valid=~done[:, None], latents=latents)
+        return (nlogp[:, 0], cache, s, done | ends, lp), tok
+
+    init = (logp, cache, s, done, jnp.zeros(n, jnp.float32))
+    (_, _, _, _, lp), toks = jax.lax.scan(body, init, jax.random.split(key, max_len))
+    return toks.T.reshape(n, max_len), lp
+
+
+def teacher_forced(lm: LM, params, prompt: np.ndarray, z: jax.Array, latents=None) -> jax.Array:
+    """The LM's next-token log-probabilities at each position of ``z [n, L]``: ``[n, L, V]`` (one pass)."""
+    n, L = z.shape
+    ctx = np.concatenate([[BOS_ID], np.asarray(prompt, np.int64)])
+    inputs = jnp.concatenate([jnp.broadcast_to(jnp.asarray(ctx, jnp.int32), (n, len(ctx))),
+                              z[:, : max(L - 1, 0)].astype(jnp.int32)], 1)
+    cache = lm.init_cache(n, inputs.shape[1])
+    logp, _ = lm.apply(params, cache, inputs, latents=latents)
+    return logp[:, len(ctx) - 1:]
+
+
+def score(rule, logp: jax.Array, z: jax.Array, max_len: int, stop_ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """Per-token log Q ``[n, L]`` (0 on padding) and completeness ``[n]`` of right-padded ``z [n, L]`` given the
+    LM's log-probabilities ``logp [n, L, V]`` at each position (the torch ``LMSequence._steps``)."""
+    n, L = z.shape
+    lengths = (z != PAD_ID).sum(-1)
+    stops = jnp.asarray(np.asarray(stop_ids, np.int32))
+    s0 = rule.start(n)
+
+    def body(s, inp):
+        lp_i, tok = inp
+        q = rule.log_probs(lp_i, s)
+        step = jnp.take_along_axis(q, tok[:, None], -1)[:, 0]
+        s1 = tree_where(tok == PAD_ID, s, rule.step(s, tok))
+        return s1, (step, rule.is_final(s1))
+
+    _, (steps, fin) = jax.lax.scan(body, s0, (jnp.swapaxes(logp, 0, 1), z.T))
+    steps, fin = steps.T, fin.T
+    pos = jnp.arange(L)
+    inside = pos[None] < lengths[:, None]
+    steps = jnp.where(inside, steps, 0.0)
+    ends = (jnp.isin(z, stops) | fin) & inside
+    any_end = ends.any(-1)
+    first_end = jnp.where(any_end, jnp.argmax(ends, -1), L)
+    start_final = rule.is_final(s0)
+    complete = jnp.where(start_final, lengths == 0,
+                         jnp.where(any_end, first_end == lengths - 1, lengths == max_len))
+    return steps, complete
+
+
+def check_ids(value, vocab_size: int, max_len: int, what: str = "sequence") -> np.ndarray | jax.Array:
+    """Validate a right-padded id array ``[..., L]`` (concrete values only; traced values pass unchecked)."""
+    if isinstance(value, jax.core.Tracer):
+        if value.shape[-1] > max_len:
+            raise MalformedSequenceError(f"{what} of length {value.shape[-1]} is over max_len={max_len}")
+        return value
+    a = np.asarray(value)
+    if a.ndim == 0:
+        raise MalformedSequenceError(f"{what} must have a sequence dimension")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise MalformedSequenceError(f"{what} must hold integer token ids, got dtype {a.dtype}")
+    if a.shape[-1] > max_len:
+        if (a[..., max_len:] != PAD_ID).any():
+            raise MalformedSequenceError(f"{what} of length {a.shape[-1]} is over max_len={max_len}")
+        a = a[..., :max_len]
+    if a.size and (a.min() < 0 or a.max() >= vocab_size):
+        raise UnknownTokenError(f"{what} contains ids outside the vocabulary [0, {vocab_size})")
+    nonpad = a != PAD_ID
+    if a.shape[-1] and (nonpad[..., 1:] & ~nonpad[..., :-1]).any():
+        raise MalformedSequenceError("padding inside a sequence: <pad> must only fill the end of a row")
+    return a.astype(np.int32)
+
+
+def pad_to(z, length: int):
+    """Right-pad (or cut padding off) ``z [..., L]`` to ``length`` columns."""
+    L = z.shape[-1]
+    if L >= length:
+        return z[..., :length]
+    return jnp.concatenate([z, jnp.full(z.shape[:-1] + (length - L,), PAD_ID, z.dtype)], -1)
+
+
+# ---------------------------------------------------------------------------------------------- LMSequence
+class LMSequence(Distribution):
+    """A distribution over right-padded token arrays ``[*batch, max_len]``: ``lm`` decoded under a constraint
+    automaton (Def 2.8), the NumPyro twin of ``ppl_thought.distributions.LMSequence`` (same semantics).
+
+    Args:
+        lm: a JAX LM (:class:`~ppl_thought.numpyro.lm.base.LM`).
+        prompt: 1-D ids (or text with ``vocab``) after ``<bos>``, shared by every row.
+        constraint: an :class:`~ppl_thought.projections.Automaton`; inadmissible logits are ``-inf`` before the
+            softmax and reaching a final state ends the sequence.
+        stop: token(s) that end a sequence (included in it).
+        max_len: the event length (default ``constraint.max_len``); a sequence that reaches it without a stop
+            is a complete outcome.
+        params: the LM's parameters (default ``lm.params``; a guide passes its ``numpyro.param`` values).
+        rule: a token rule replacing the masked softmax (the guides' samplers); default ``TokenRule(constraint)``.
+        latents: cross-attention inputs for ``lm.apply``.
+
+    ``sample`` runs :func:`decode` (all rows in one ``lax.scan``; the log-probabilities come back as NumPyro
+    intermediates, so a traced site is not scored twice); ``log_prob`` one teacher-forced pass. Both jit.
+    ``log_prob`` is ``-inf`` (never NaN) for sequences outside the constraint, incomplete ones and ones
+    continuing past their end; malformed concrete input raises an error naming the problem.
+    """
+
+    arg_constraints: dict = {}
+    support = constraints.independent(constraints.nonnegative_integer, 1)
+
+    def __init__(self, lm: LM, prompt=None, constraint: Automaton | None = None,
+                 stop: str | int | Sequence[str | int] | None = None, max_len: int | None = None,
+                 vocab: Vocab | None = None, batch_shape: tuple = (), *, params: Any = None, rule=None,
+                 latents=None, validate_args: bool | None = None):
+        self.lm = lm
+        self.vocab = vocab
+        self.vocab_size = int(lm.vocab_size)
+        if vocab is not None and len(vocab) != self.vocab_size:
+            raise ConfigError(f"vocab has {len(vocab)} tokens but the LM has vocab_size {self.vocab_size}")
+        if isinstance(prompt, str):
+            if vocab is None:
+                raise ConfigError("prompt is given as text; pass vocab= to LMSequence")
+            prompt = vocab.encode(prompt)
+        p = np.asarray([] if prompt is None else prompt)
+        if p.ndim != 1 or (p.size and not np.issubdtype(p.dtype, np.integer)):
+            raise MalformedSequenceError(f"prompt must be 1-D integer ids (shared by every row), got {p.shape} "
+                                         f"{p.dtype}")
+        p = p.astype(np.int64)
+        p = p[: np.flatnonzero(p != PAD_ID)[-1] + 1] if (p != PAD_ID).any() else p[:0]
+        if p.size and (p.min() < 0 or p.max() >= self.vocab_size):
+            raise UnknownTokenError(f"prompt contains ids outside the vocabulary [0, {self.vocab_size})")
+        self.prompt = p
+        if constraint is not None and constraint.vocab_size != self.vocab_size:
+            raise ConfigError(f"constraint automaton has {constraint.vocab_size} token columns, "
+                              f"LM has {self.vocab_size}")
+        self.constraint = constraint
+        self.stop_ids = self._stop_ids(stop)
+        if max_len is None:
+            if constraint is None or constraint.max_len is None:
+                raise ConfigError("LMSequence needs max_len (the constraint does not bound the length)")
+            max_len = constraint.max_len
+        self.max_len = integer("max_len", max_len, minimum=0)
+        self.params = lm.params if params is None else params
+        self.rule = rule if rule is not None else TokenRule(constraint, self.vocab_size)
+        self.latents = latents
+        super().__init__(tuple(batch_shape), (self.max_len,), validate_args=validate_args)
+
+    def _stop_ids(self, stop) -> np.ndarray:
+        if stop is None:
+            return np.zeros(0, np.int64)
+        items = list(stop) if isinstance(stop, (list, tuple, np.ndarray)) else [stop]
+        out = []
+        for s in items:
+            if isinstance(s, str):
+                if self.vocab is None:
+                    raise ConfigError(f"stop token {s!r} given as text; pass vocab= to LMSequence")
+                out.append(self.vocab.id(s))
+            else:
+                out.append(integer("a stop token id", int(s), minimum=0))
+        a = np.asarray(out, np.int64)
+        if a.size and a.max() >= self.vocab_size:
+            raise UnknownTokenError(f"stop tokens {a.tolist()} outside the vocabulary [0, {self.vocab_size})")
+        return a
+
+    def expand(self, batch_shape):
+        new = object.__new__(LMSequence)
+        new.__dict__.update(self.__dict__)
+        Distribution.__init__(new, tuple(batch_shape), self.event_shape, validate_args=False)
+        return new
+
+    # ------------------------------------------------------------------ Distribution API
+    def sample_with_log_prob(self, key: jax.Array, sample_shape: tuple = ()) -> tuple[jax.Array, jax.Array]:
+        """Draws ``[*sample_shape, *batch, max_len]`` and their log-probabilities, in one decoding loop."""
+        shape = tuple(sample_shape) + tuple(self.batch_shape)
+        n = int(np.prod(shape)) if shape else 1
+        z, lp = decode(key, self.lm, self.params, self.rule, n, self.prompt, self.max_len, self.stop_ids,
+                       self.latents)
+        return z.reshape(shape + (self.max_len,)), lp.reshape(shape)
+
+    def sample(self, key, sample_shape=()):
+        return self.sample_with_log_prob(key, sample_shape)[0]
+
+    def sample_with_intermediates(self, key, sample_shape=()):
+        z, lp = self.sample_with_log_prob(key, sample_shape)
+        return z, [lp]
+
+    def step_log_probs(self, value) -> tuple[jax.Array, jax.Array]:
+        """Per-token masked log-probabilities ``[..., L]`` (0 on padding) and completeness ``[...]``: the prefix
+        sums are log P(z_{<=k}) (Def 2.8). One teacher-forced pass."""
+        v = check_ids(value, self.vocab_size, self.max_len)
+        v = jnp.asarray(v, jnp.int32)
+        batch = v.shape[:-1]
+        flat = v.reshape((-1, v.shape[-1]))
+        if flat.shape[0] == 0 or flat.shape[1] == 0:
+            steps, complete = score(self.rule, jnp.zeros(flat.shape + (self.vocab_size,)), flat, self.max_len,
+                                    self.stop_ids)
+        else:
+            logp = teacher_forced(self.lm, self.params, self.prompt, flat, self.latents)
+            steps, complete = score(self.rule, logp, flat, self.max_len, self.stop_ids)
+        return steps.reshape(batch + (flat.shape[1],)), complete.reshape(batch)
+
+    def log_prob(self, value, intermediates=None):
+        """log P(value): the masked step log-probabilities summed (Def 2.8, (2.13)); ``-inf`` if incomplete."""
+        if intermediates:
+            return intermediates[0]
+        steps, complete = self.step_log_probs(value)
+        return jnp.where(complete, steps.sum(-1), NEG_INF)
+
+    def __repr__(self) -> str:
+        c = self.constraint.name if self.constraint is not None else None
+        return (f"LMSequence(lm={type(self.lm).__name__}, prompt_len={len(self.prompt)}, constraint={c}, "
+                f"stop={self.stop_ids.tolist()}, max_len={self.max_len}, batch_shape={tuple(self.batch_shape)})")
+
+
+# ---------------------------------------------------------------------------------------------- ProjectionDelta
+class ProjectionDelta(Distribution):
+    """x = Proj^{<w}(z) restricted to |x| = n (the observed site of Proj # P_f): ``log_prob(x)`` is 0 if z lies in
+    the lifting of x (Prop 2.3), else -inf, checked by running the lifting automaton over every row of z.
+
+    The observation must be concrete (the lifting automaton is a numpy table built from it); z may be traced.
+    ``sample`` projects z with the domain automaton's emitted counts (concrete z only).
+    """
+
+    arg_constraints: dict = {}
+    support = constraints.independent(constraints.nonnegative_integer, 1)
+
+    def __init__(self, projection, z, num_observed: int, validate_args=None):
+        self.projection = projection
+        self.z = z
+        self.num_observed = int(num_observed)
+        super().__init__(tuple(jnp.shape(z)[:-1]), (self.num_observed,), validate_args=validate_args)
+
+    def expand(self, batch_shape):
+        z = jnp.broadcast_to(self.z, tuple(batch_shape) + jnp.shape(self.z)[-1:])
+        return ProjectionDelta(self.projection, z, self.num_observed)
+
+    def sample(self, key, sample_shape=()):
+        if isinstance(self.z, jax.core.Tracer):
+            raise ConfigError("ProjectionDelta.sample projects concrete latent sequences (outside jit)")
+        flat = np.asarray(self.z).reshape(-1, np.shape(self.z)[-1])
+        out = np.full((flat.shape[0], self.num_observed), PAD_ID, np.int32)
+        for i, row in enumerate(self.projection.project(flat) if flat.shape[0] else []):
+            row = np.asarray(row)[: self.num_observed]
+            out[i, : len(row)] = row
+        out = jnp.asarray(out.reshape(tuple(self.batch_shape) + (self.num_observed,)))
+        return jnp.broadcast_to(out, tuple(sample_shape) + out.shape)
+
+    def log_prob(self, value, intermediates=None):
+        if isinstance(value, jax.core.Tracer):
+            raise ConfigError("ProjectionDelta needs the observation x as a concrete array (its lifting automaton "
+                              "is built from it): close over x instead of passing it through jit")
+        x = np.asarray(value)
+        if x.shape[-1:] != (self.num_observed,):
+            raise MalformedSequenceError(f"observed x has shape {x.shape}, the model was built for "
+                                         f"{self.num_observed} tokens")
+        rows = x.reshape(-1, self.num_observed)
+        shape = jnp.broadcast_shapes(x.shape[:-1], tuple(self.batch_shape))
+        if rows.shape[0] and not (rows == rows[:1]).all():
+            raise MalformedSequenceError("ProjectionDelta scores one observation x shared by every row")
+        try:
+            lift = tables(self.projection.lifting(rows[0] if rows.shape[0] else x.reshape(-1)))
+        except NotInImageError:
+            return jnp.full(shape, NEG_INF)
+        z = jnp.asarray(self.z, jnp.int32)
+
+        def body(s, tok):
+            return lift.advance(s, tok), None
+
+        s, _ = jax.lax.scan(body, jnp.full(z.shape[:-1], lift.start, jnp.int32), jnp.moveaxis(z, -1, 0))
+        return jnp.broadcast_to(jnp.where(lift.final[s], 0.0, NEG_INF), shape)

@@ -1,0 +1,350 @@
+"""Sampler families (Def 3.1) as NumPyro guides for the site ``"z"`` (torch twin: ppl_thought/guides).
+
+Every sampler Q(. | x) is supported exactly on the lifting of x and offers ``guide(x)`` (a NumPyro guide
+sampling ``"z"``), ``dist(x)`` (the NumPyro distribution of that site), ``sample_with_log_prob(key, x, n)``,
+``log_prob(z, x)`` and, for SMC, ``proposal(x)`` (the LM, parameters, prompt and token rule it decodes with).
+
+- :class:`Identity` (3.30) / :class:`Predictive` (Def 3.7): the thought decision with the next observable
+  marginalised (the emission substitution of (3.29)), then x_t forced (:class:`MarginalRule`).
+- :class:`Causal` (3.33): the LM decoded under the lifting automaton with the masked softmax (Def 2.8).
+- :class:`Explanatory` (Def 3.9, Section 5.6.2): the prompt ``x <explain> [mode tag]``, then the lifting.
+- :class:`Posterior`: Q_* of (2.24) by enumeration (a table over the lifting).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+from numpyro.distributions import Distribution, constraints
+
+from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
+from ppl_thought.numpyro.distributions import (
+    NEG_INF,
+    LMSequence,
+    TokenRule,
+    check_ids,
+    const,
+    masked_log_softmax,
+    tables,
+)
+from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.numpyro.params import param_tree
+from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections.base import Projection, as_id_array
+from ppl_thought.projections.substitution import emission_substitution
+from ppl_thought.vocab import EXPLAIN_ID, PAD_ID
+
+
+class Proposal(NamedTuple):
+    """What a sampler decodes with: ``lm`` (None for table samplers), its ``params``, a shared ``prompt``, the
+    token ``rule`` and the event length ``max_len`` (SMC steps it segment by segment)."""
+
+    lm: LM | None
+    params: Any
+    prompt: np.ndarray
+    rule: Any
+    max_len: int
+
+
+class Sampler:
+    """Base class of the NumPyro samplers Q(z | x) (Def 3.1). Subclasses implement :meth:`dist`."""
+
+    site = "z"
+    projection: Projection
+
+    def _cache(self) -> dict:
+        c = self.__dict__.get("_automata")
+        if c is None or len(c) > 256:
+            c = self.__dict__["_automata"] = {}
+        return c
+
+    def x_ids(self, x) -> np.ndarray:
+        xa = as_id_array(np.asarray(x) if isinstance(x, jax.Array) else x, self.projection.vocab,
+                         "observation x", unpad=True)
+        self.lifting(xa)  # NotInImageError naming the problem
+        return xa
+
+    def lifting(self, x) -> Automaton:
+        xa = np.asarray(x, np.int64)
+        key = ("lift", tuple(xa.tolist()))
+        c = self._cache()
+        if key not in c:
+            c[key] = self.projection.lifting(xa)
+        return c[key]
+
+    def domain(self, n: int) -> Automaton:
+        key = ("dom", int(n))
+        c = self._cache()
+        if key not in c:
+            c[key] = self.projection.domain(int(n))
+        return c[key]
+
+    def event_length(self, x) -> int:
+        """L = ``projection.domain(|x|).max_len``: the event length of the model's site ``"z"``."""
+        L = self.domain(len(x)).max_len
+        if L is None:
+            raise ConfigError(f"{type(self.projection).__name__}.domain({len(x)}) is unbounded: no event length")
+        return int(L)
+
+    def params(self) -> Any:
+        """The parameters the sampler decodes with (``numpyro.param`` sites when trainable, inside a trace)."""
+        return None
+
+    def dist(self, x, params: Any = None) -> Distribution:
+        raise NotImplementedError
+
+    def __call__(self, x=None, *args, **kwargs):
+        """The NumPyro guide: samples the site ``"z"``."""
+        if x is None:
+            raise ConfigError("a guide needs the observation x")
+        return numpyro.sample(self.site, self.dist(self.x_ids(x), self.params()))
+
+    guide = __call__
+
+    def sample_with_log_prob(self, key: jax.Array, x, n: int) -> tuple[jax.Array, jax.Array]:
+        """n draws Z ~ Q(. | x) (one batched decoding) and log Q(Z | x)."""
+        d = self.dist(self.x_ids(x))
+        z, inter = d.sample_with_intermediates(key, (int(n),))
+        return z, d.log_prob(z, inter)
+
+    def log_prob(self, z, x) -> jax.Array:
+        """log Q(z | x) ``[n]``: -inf outside the lifting of x, never NaN."""
+        xa = self.x_ids(x)
+        zz = check_ids(z, len(self.projection.vocab), self.event_length(xa), "latent z")
+        zz = jnp.asarray(zz)
+        zz = zz[None] if zz.ndim == 1 else zz
+        if zz.shape[-1] < self.event_length(xa):
+            zz = jnp.pad(zz, ((0, 0), (0, self.event_length(xa) - zz.shape[-1])))
+        return self.dist(xa).log_prob(zz)
+
+    def proposal(self, x, params: Any = None) -> Proposal:
+        raise NotImplementedError(f"{type(self).__name__} has no step-wise form")
+
+
+class _LMSampler(Sampler):
+    """An LM decoded under the lifting of x after a prompt; its parameters trainable under ``name``."""
+
+    def __init__(self, lm: LM, projection: Projection, name: str, trainable: bool = True):
+        if int(lm.vocab_size) != len(projection.vocab):
+            raise ConfigError(f"LM vocab_size {lm.vocab_size} != projection vocabulary size {len(projection.vocab)}")
+        self.lm, self.projection, self.name, self.trainable = lm, projection, name, bool(trainable)
+
+    def params(self) -> Any:
+        return param_tree(self.name, self.lm.params) if self.trainable else self.lm.params
+
+    def prompt(self, x: np.ndarray) -> np.ndarray:
+        return np.zeros(0, np.int64)
+
+    def rule(self, x: np.ndarray):
+        key = ("rule", tuple(x.tolist()))
+        c = self._cache()
+        if key not in c:
+            c[key] = TokenRule(self.lifting(x), len(self.projection.vocab))
+        return c[key]
+
+    def dist(self, x, params: Any = None) -> LMSequence:
+        x = np.asarray(x, np.int64)
+        return LMSequence(self.lm, prompt=self.prompt(x), constraint=self.lifting(x), max_len=self.event_length(x),
+                          params=params, rule=self.rule(x))
+
+    def proposal(self, x, params: Any = None) -> Proposal:
+        x = np.asarray(x, np.int64)
+        return Proposal(self.lm, self.lm.params if params is None else params, self.prompt(x), self.rule(x),
+                        self.event_length(x))
+
+
+class Causal(_LMSampler):
+    """The causal sampler (3.33), Def 3.8: ``LMSequence(lm, constraint=projection.lifting(x))``; the masked softmax
+    renormalises a thought against x_t, so segment t depends on x_t but never on x_>t."""
+
+    def __init__(self, lm: LM, projection: Projection, name: str = "causal_lm", trainable: bool = True):
+        super().__init__(lm, projection, name, trainable)
+
+
+class Explanatory(_LMSampler):
+    """The explanatory sampler (Def 3.9, Section 5.6.2): prompt ``x <explain> [mode_tag]`` (Fig 5.5, 5.2), then z
+    decoded under the lifting automaton of x, so each token of z may read all of x."""
+
+    def __init__(self, lm: LM, projection: Projection, mode_tag: str | None = None, name: str = "explanatory_lm",
+                 trainable: bool = True):
+        super().__init__(lm, projection, name, trainable)
+        v = projection.vocab
+        self.mode_tag = mode_tag
+        if mode_tag is not None and mode_tag not in v.specials:
+            raise UnknownTokenError(f"mode tag {mode_tag!r} must be an extra special of the vocabulary; specials "
+                                    f"are {list(v.specials)}")
+        self._tag = [] if mode_tag is None else [v.id(mode_tag)]
+
+    def prompt(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([np.asarray(x, np.int64), [EXPLAIN_ID], self._tag]).astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------- (3.30)
+class MarginalRule:
+    """The next-token rule of (3.30) for a disentangled Proj: the LM masked to Dom(Proj) (Def 2.8), the mass of
+    every emitting token v moved onto ``sub[v, x_t]`` (3.29), restricted to the lifting and renormalised.
+
+    State: ``(domain state [n], lifting state [n])``. The thought decision sees x_<t only (predictive, Def 3.7).
+    """
+
+    def __init__(self, projection: Projection, domain: Automaton, lifting: Automaton, x: np.ndarray):
+        self.D, self.Lf = tables(domain), tables(lifting)
+        self.x = const(np.asarray(x, np.int32) if len(x) else np.zeros(1, np.int32))
+        self.T = len(x)
+        self.sub = const(emission_substitution(projection), jnp.int32)
+        self.V = self.sub.shape[0]
+
+    def start(self, n: int):
+        return (jnp.full((n,), self.D.start, jnp.int32), jnp.full((n,), self.Lf.start, jnp.int32))
+
+    def log_probs(self, logp: jax.Array, s) -> jax.Array:
+        sD, sL = s
+        N, V = logp.shape
+        mD = self.D.allowed[sD]
+        masked = jnp.where(mD, logp, NEG_INF)
+        mx = masked.max(-1, keepdims=True)
+        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        p = jnp.where(mD, jnp.exp(masked - mx), 0.0)
+        nxt = self.D.table[sD]  # [N, V]
+        emitting = mD & (self.D.emitted[nxt] > self.D.emitted[sD][:, None])
+        t = jnp.clip(self.Lf.emitted[sL], 0, max(self.T - 1, 0))
+        sub = self.sub[:, self.x[t]].T  # [N, V]: sub[v, x_t]
+        tgt = jnp.where(emitting, sub, jnp.arange(V)[None])
+        tgt = jnp.where(tgt < 0, V, tgt)  # no substitute: the mass is dropped
+        q = jnp.zeros((N, V + 1), p.dtype).at[jnp.arange(N)[:, None], tgt].add(p)[:, :V]
+        q = q * self.Lf.allowed[sL]
+        return masked_log_softmax(jnp.log(jnp.where(q > 0, q, 1.0)), q > 0)
+
+    def step(self, s, tok):
+        return (self.D.table[s[0], tok], self.Lf.table[s[1], tok])
+
+    def is_final(self, s) -> jax.Array:
+        return self.Lf.final[s[1]]
+
+
+class Identity(_LMSampler):
+    """The identity sampler Q_id of (3.30), Def 3.6: the model's prior decoded with the next observable
+    marginalised out of each thought decision, then x_t forced. Needs a disentangled projection (Def 3.5)."""
+
+    def __init__(self, model):
+        super().__init__(model.prior, model.projection, name=model.name, trainable=False)
+        self.model = model
+        emission_substitution(model.projection)  # NotDisentangledError now, not at the first draw
+
+    def params(self) -> Any:
+        return self.model.prior_params()
+
+    def rule(self, x: np.ndarray):
+        key = ("marginal", tuple(x.tolist()))
+        c = self._cache()
+        if key not in c:
+            c[key] = MarginalRule(self.projection, self.domain(len(x)), self.lifting(x), x)
+        return c[key]
+
+
+class Predictive(Identity):
+    """A predictive sampler (Def 3.7) with its own trainable LM: the decision rule of :class:`Identity` ((3.30)
+    with ``lm`` in place of P), so the segment before x_t reads only x_<t and earlier segments (3.31)."""
+
+    def __init__(self, lm: LM, projection: Projection, name: str = "predictive_lm", trainable: bool = True):
+        _LMSampler.__init__(self, lm, projection, name, trainable)
+        emission_substitution(projection)
+
+    def params(self) -> Any:
+        return _LMSampler.params(self)
+
+
+# ---------------------------------------------------------------------------------------------- Q_* (2.24)
+class TableRule:
+    """Q(next token | prefix) from a table over the lifting (ratios of prefix masses): the step-wise form of
+    :class:`Posterior`. State: ``(rows of the table agreeing with the prefix [n, K], position [n], lifting state)``."""
+
+    def __init__(self, support: np.ndarray, log_probs: jax.Array, lifting: Automaton, vocab_size: int):
+        self.support = const(support, jnp.int32)
+        self.lq = const(log_probs)
+        self.Lf = tables(lifting)
+        self.V = int(vocab_size)
+
+    def start(self, n: int):
+        K = self.support.shape[0]
+        return (jnp.ones((n, K), bool), jnp.zeros((n,), jnp.int32), jnp.full((n,), self.Lf.start, jnp.int32))
+
+    def log_probs(self, logp, s) -> jax.Array:
+        agree, pos, _ = s
+        n, K = agree.shape
+        L = self.support.shape[1]
+        tok = self.support[:, jnp.clip(pos, 0, L - 1)].T  # [n, K]
+        w = jnp.where(agree & (pos[:, None] < L), jnp.exp(self.lq - self.lq.max())[None], 0.0)
+        q = jnp.zeros((n, self.V), w.dtype).at[jnp.arange(n)[:, None], tok].add(w)
+        q = q.at[:, PAD_ID].set(0.0)
+        return masked_log_softmax(jnp.log(jnp.where(q > 0, q, 1.0)), q > 0)
+
+    def step(self, s, tok):
+        agree, pos, sL = s
+        L = self.support.shape[1]
+        col = self.support[:, jnp.clip(pos, 0, L - 1)].T
+        return (agree & (col == tok[:, None]), pos + 1, self.Lf.table[sL, tok])
+
+    def is_final(self, s) -> jax.Array:
+        return self.Lf.final[s[2]]
+
+
+class TableDistribution(Distribution):
+    """A categorical law over the rows of ``support [K, L]`` with log-probabilities ``log_probs [K]``."""
+
+    arg_constraints: dict = {}
+    support = constraints.independent(constraints.nonnegative_integer, 1)
+
+    def __init__(self, support_rows: np.ndarray, log_probs: jax.Array, batch_shape: tuple = ()):
+        self.rows = jnp.asarray(support_rows, jnp.int32)
+        self.lq = jnp.asarray(log_probs)
+        super().__init__(tuple(batch_shape), (self.rows.shape[1],))
+
+    def expand(self, batch_shape):
+        return TableDistribution(self.rows, self.lq, tuple(batch_shape))
+
+    def sample(self, key, sample_shape=()):
+        idx = jax.random.categorical(key, self.lq, shape=tuple(sample_shape) + tuple(self.batch_shape))
+        return self.rows[idx]
+
+    def log_prob(self, value, intermediates=None):
+        v = jnp.asarray(value, jnp.int32)
+        if v.shape[-1] != self.rows.shape[1]:
+            raise MalformedSequenceError(f"latent z has {v.shape[-1]} columns, the table {self.rows.shape[1]}")
+        eq = (v[..., None, :] == self.rows).all(-1)  # [..., K]
+        return jnp.where(eq.any(-1), self.lq[jnp.argmax(eq, -1)], NEG_INF)
+
+
+class Posterior(Sampler):
+    """The posterior sampler Q_*(z | x) = P^{<=|z|}(z) / (Proj # P)^{<=|x|}(x), equation (2.24), by enumeration
+    (``model.exact_posterior``): every importance weight P(z) / Q_*(z) equals p(x)."""
+
+    def __init__(self, model, limit: int = 20_000):
+        self.model, self.projection, self.limit = model, model.projection, limit
+
+    def table(self, x) -> tuple[np.ndarray, jax.Array]:
+        x = np.asarray(x, np.int64)
+        key = ("table", tuple(x.tolist()))
+        c = self._cache()
+        if key not in c:
+            with jax.ensure_compile_time_eval():  # concrete even when first asked inside a trace
+                post = self.model.exact_posterior(x, self.limit)
+            c[key] = (post.support, post.log_probs)
+        return c[key]
+
+    def dist(self, x, params: Any = None) -> TableDistribution:
+        return TableDistribution(*self.table(x))
+
+    def proposal(self, x, params: Any = None) -> Proposal:
+        x = np.asarray(x, np.int64)
+        support, lq = self.table(x)
+        return Proposal(None, None, np.zeros(0, np.int64),
+                        TableRule(support, lq, self.lifting(x), len(self.projection.vocab)), self.event_length(x))
+
+
+__all__ = ["Causal", "Explanatory", "Identity", "MarginalRule", "Posterior", "Predictive", "Proposal", "Sampler",
+           "TableDistribution", "TableRule"]

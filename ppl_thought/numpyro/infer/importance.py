@@ -1,0 +1,123 @@
+"""Importance sampling, the estimator (3.2), as one jitted ``vmap`` over particles (torch twin:
+ppl_thought/inference/importance.py).
+
+Each particle runs the guide under ``seed`` and ``trace``, the model is replayed on the guide's values, and
+log w = log p(every model site) - log q(every guide site). For a slow-thinking model this is
+S_i = log P^{<=|Z_i|}(Z_i) - log Q(Z_i | x) and log p_n = logsumexp(S) - log n (3.2) is unbiased for p on the
+probability scale, with variance p^2 chi2(Q_* || Q) / n (3.4). ``guide=None`` proposes from the model itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro.handlers import replay, seed, trace
+
+from ppl_thought.checks import integer
+from ppl_thought.errors import NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
+from ppl_thought.numpyro.infer.result import Result, effective_sample_size, log_marginal_stderr, log_mean_exp
+
+
+def site_log_prob(site: dict) -> jax.Array:
+    """The summed log-density of one sample site (its intermediates reused when the sampler left them)."""
+    fn, value = site["fn"], site["value"]
+    lp = fn.log_prob(value, site["intermediates"]) if site.get("intermediates") else fn.log_prob(value)
+    if site.get("scale") is not None:
+        lp = site["scale"] * lp
+    return jnp.sum(lp)
+
+
+def _concrete(a):
+    return np.asarray(a) if isinstance(a, jax.Array) else a
+
+
+def log_weight_fn(model, guide, args: tuple, kwargs: dict):
+    """``key -> (log w, log p, log q, latent values)`` for one particle (vmap it over keys)."""
+
+    def one(key):
+        kq, kp = jax.random.split(key)
+        if guide is None:
+            m_tr = trace(seed(model, kq)).get_trace(*args, **kwargs)
+            log_p = sum((site_log_prob(s) for s in m_tr.values() if s["type"] == "sample" and s["is_observed"]),
+                        jnp.zeros(()))
+            values = {k: s["value"] for k, s in m_tr.items() if s["type"] == "sample" and not s["is_observed"]}
+            return log_p, log_p, jnp.zeros(()), values
+        g_tr = trace(seed(guide, kq)).get_trace(*args, **kwargs)
+        m_tr = trace(replay(seed(model, kp), trace=g_tr)).get_trace(*args, **kwargs)
+        latent = {k for k, s in m_tr.items() if s["type"] == "sample" and not s["is_observed"]}
+        proposed = {k for k, s in g_tr.items() if s["type"] == "sample" and not s["is_observed"]}
+        if not latent <= proposed:
+            raise SiteMismatchError(f"the guide does not propose the model's latent sites {sorted(latent - proposed)}")
+        log_q = sum((site_log_prob(s) for s in g_tr.values() if s["type"] == "sample" and not s["is_observed"]),
+                    jnp.zeros(()))
+        log_p = sum((site_log_prob(s) for s in m_tr.values() if s["type"] == "sample"), jnp.zeros(()))
+        values = {k: g_tr[k]["value"] for k in sorted(proposed)}
+        return jnp.where(jnp.isneginf(log_p), -jnp.inf, log_p - log_q), log_p, log_q, values
+
+    return one
+
+
+def summarise(log_w: jax.Array, what: str) -> dict[str, Any]:
+    """log Z-hat (3.2), its delta-method SE, ESS; NumericalError on NaN, ZeroWeightsError if every weight is 0."""
+    if bool(jnp.isnan(log_w).any()):
+        raise NumericalError(f"{what}: NaN log weights (a model or guide log-probability is NaN)")
+    if bool(jnp.isneginf(log_w).all()):
+        raise ZeroWeightsError(f"{what}: all {log_w.shape[-1]} importance weights are zero: the guide proposed no "
+                               "latent value the model can produce (support mismatch)")
+    return {"log_marginal": log_mean_exp(log_w), "log_marginal_stderr": log_marginal_stderr(log_w),
+            "ess": effective_sample_size(log_w)}
+
+
+def not_in_image_result(message: str, n: int, engine: str, observed: dict) -> Result:
+    """p(x) = 0 exactly (x outside the image of Proj): log Z-hat = -inf, every weight zero, with a warning."""
+    warnings.warn(message, stacklevel=3)
+    return Result(samples={}, log_weights=jnp.full((n,), -jnp.inf), log_marginal=jnp.asarray(-jnp.inf),
+                  log_marginal_stderr=jnp.asarray(0.0), stats={"message": message}, observed=observed, engine=engine)
+
+
+class Importance:
+    """Vectorised importance sampling, estimator (3.2): ``Importance(n).run(model, guide, *args, rng_key=key)``.
+
+    The per-particle trace (guide, then the model replayed on it) is ``vmap``-ed over ``n`` keys and ``jit``-ed;
+    the observation is a constant of the compiled function (the automata are built from it), so a new x
+    compiles anew (the compiled function is kept per model, guide and arguments).
+    Returns a :class:`Result`: ``log_weights [n]``, ``log_marginal``, ``log_marginal_stderr`` (delta method),
+    ``samples`` (the guide's latent sites), ``stats`` with ``ess``, ``log_p``, ``log_q``.
+    """
+
+    def __init__(self, num_particles: int):
+        self.num_particles = integer("num_particles", num_particles)
+        self._compiled: dict = {}
+
+    def compiled(self, model, guide, *args, **kwargs):
+        """The jitted ``keys [n, 2] -> (log w, log p, log q, values)`` for these arguments (cached)."""
+        args = tuple(_concrete(a) for a in args)
+        kwargs = {k: _concrete(v) for k, v in kwargs.items()}
+        key = (id(model), id(guide), tuple(np.asarray(a).tobytes() if a is not None else None for a in args),
+               tuple(sorted((k, np.asarray(v).tobytes()) for k, v in kwargs.items())))
+        if key not in self._compiled:
+            if len(self._compiled) > 32:
+                self._compiled.clear()
+            self._compiled[key] = jax.jit(jax.vmap(log_weight_fn(model, guide, args, kwargs)))
+        return self._compiled[key]
+
+    def run(self, model, guide, *args, rng_key: jax.Array | None = None, **kwargs) -> Result:
+        """Draw n particles from the guide, weight them by p/q, and estimate log p(data) by (3.2)."""
+        n = self.num_particles
+        observed = {"args": args, "kwargs": kwargs}
+        key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+        try:
+            projection = getattr(model, "projection", None)
+            if projection is not None and len(args) == 1 and args[0] is not None and hasattr(model, "x_ids"):
+                projection.lifting(model.x_ids(_concrete(args[0])))  # NotInImageError: p(x) = 0 exactly
+            log_w, log_p, log_q, values = self.compiled(model, guide, *args, **kwargs)(jax.random.split(key, n))
+        except NotInImageError as e:
+            return not_in_image_result(f"log p(x) = -inf: {e}", n, "Importance", observed)
+        stats = summarise(log_w, "Importance")
+        return Result(samples=dict(values), log_weights=log_w, log_marginal=stats.pop("log_marginal"),
+                      log_marginal_stderr=stats.pop("log_marginal_stderr"),
+                      stats={**stats, "log_p": log_p, "log_q": log_q}, observed=observed, engine="Importance")

@@ -1,0 +1,70 @@
+"""The result of the JAX engines: the names of ppl_thought/inference/result.py (``log_weights``, ``log_marginal``,
+``log_marginal_stderr``, ``ess``, ``samples``, ``ancestry``, ``stats``), with jnp arrays."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def log_mean_exp(log_w: jax.Array, axis: int = -1) -> jax.Array:
+    """log (1/n) sum_i exp(log_w_i), estimator (3.2); -inf (never NaN) when every weight is zero."""
+    return jax.scipy.special.logsumexp(log_w, axis) - math.log(log_w.shape[axis])
+
+
+def effective_sample_size(log_w: jax.Array, axis: int = -1) -> jax.Array:
+    """Importance ESS (sum w)^2 / sum w^2 from log weights; 0 when every weight is zero."""
+    a = jax.scipy.special.logsumexp(log_w, axis)
+    b = jax.scipy.special.logsumexp(2 * log_w, axis)
+    return jnp.where(jnp.isneginf(a), 0.0, jnp.exp(2 * a - jnp.where(jnp.isneginf(a), 0.0, b)))
+
+
+def log_marginal_stderr(log_w: jax.Array) -> jax.Array:
+    """Delta-method standard error of log p_n, sd(w) / (sqrt(n) mean(w)) ((3.4): var(p_n) = var(w) / n): with
+    normalised weights W_i, se = sqrt(sum_i (n W_i - 1)^2 / ((n - 1) n)); NaN for n < 2 or all weights zero."""
+    n = log_w.shape[-1]
+    if n < 2:
+        return jnp.asarray(jnp.nan)
+    rel = n * jax.nn.softmax(jnp.where(jnp.isneginf(log_w).all(-1, keepdims=True), 0.0, log_w), -1)
+    se = jnp.sqrt(((rel - 1) ** 2).sum(-1) / (n - 1) / n)
+    return jnp.where(jnp.isneginf(log_w).all(-1), jnp.nan, se)
+
+
+@dataclass
+class Result:
+    """Weighted particles: ``samples`` (site -> ``[num_particles, ...]``), ``log_weights [n]``, ``log_marginal``
+    (log Z-hat, (3.2) / SMC's product of mean incremental weights) with ``log_marginal_stderr``, ``ancestry``
+    (SMC: ``[steps, n]``), ``stats`` (engine statistics: ``ess`` per step, ``resampled``, ``log_p``, ``log_q``)."""
+
+    samples: dict[str, Any]
+    log_weights: jax.Array | None = None
+    log_marginal: jax.Array | None = None
+    log_marginal_stderr: jax.Array | None = None
+    ancestry: jax.Array | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    observed: dict[str, Any] = field(default_factory=dict)
+    engine: str = ""
+
+    @property
+    def ess(self) -> jax.Array | None:
+        """Importance ESS of the final weights."""
+        return None if self.log_weights is None else effective_sample_size(self.log_weights)
+
+    @property
+    def normalized_weights(self) -> jax.Array | None:
+        return None if self.log_weights is None else jax.nn.softmax(self.log_weights, -1)
+
+    def __repr__(self) -> str:
+        parts = [self.engine or "Result"]
+        if self.log_weights is not None:
+            parts.append(f"{self.log_weights.shape[-1]} particles")
+        if self.log_marginal is not None:
+            se = "" if self.log_marginal_stderr is None else f" +- {float(self.log_marginal_stderr):.2g}"
+            parts.append(f"log Z-hat {float(self.log_marginal):.4g}{se}")
+        if self.log_weights is not None:
+            parts.append(f"ESS {float(self.ess):.3g}")
+        return f"<{'; '.join(parts)}; sites: {', '.join(self.samples)}>"

@@ -1,0 +1,6 @@
+"""Ready NumPyro programs: SlowThinking (Proj # P_f, Def 2.8) and HMM (Def 2.2)."""
+
+from ppl_thought.numpyro.models.hmm import HMM
+from ppl_thought.numpyro.models.slow_thinking import EnumeratedPosterior, SlowThinking
+
+__all__ = ["HMM", "EnumeratedPosterior", "SlowThinking"]

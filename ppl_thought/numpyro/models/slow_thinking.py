@@ -1,0 +1,144 @@
+"""The slow-thinking model Proj # P_f as a NumPyro program (Sections 2.6.3, 3.7; torch twin:
+ppl_thought/models/slow_thinking.py).
+
+``SlowThinking(prior, projection)(x)`` samples the latent site ``"z" ~ LMSequence(prior,
+constraint=projection.domain(|x|))`` (the prior masked to Dom(Proj), Def 2.8) and observes ``"x" ~
+ProjectionDelta(projection, z)``. Its marginal likelihood is (2.22), its posterior Q_* of (2.24); both exactly
+by enumeration of the lifting for small models (:meth:`SlowThinking.exact_log_prob`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+
+from ppl_thought.errors import ConfigError, NotInImageError, TooLargeToEnumerateError
+from ppl_thought.numpyro.distributions import LMSequence, ProjectionDelta
+from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.numpyro.params import param_tree
+from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections.base import Projection, as_id_array
+from ppl_thought.vocab import PAD_ID
+
+
+def pad_sequences(seqs, length: int | None = None) -> np.ndarray:
+    """A list of 1-D id sequences -> a right-padded int32 array ``[len(seqs), length]``."""
+    L = max((len(s) for s in seqs), default=0) if length is None else int(length)
+    out = np.full((len(seqs), L), PAD_ID, np.int32)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = s
+    return out
+
+
+@dataclass
+class EnumeratedPosterior:
+    """Q_*(z | x) of (2.24) on the enumerated lifting: ``support [K, L]``, ``log_probs [K]`` (log-sum-exp 0),
+    ``log_marginal`` = log (Proj # P)^{<=|x|}(x) of (2.22), ``log_joint [K]`` = log P^{<=|z|}(z)."""
+
+    support: np.ndarray
+    log_probs: jax.Array
+    log_marginal: jax.Array
+    log_joint: jax.Array
+
+
+class SlowThinking:
+    """The NumPyro model of Proj # P_f with latent site ``"z"`` and observed site ``"x"``.
+
+    Args:
+        prior: the latent LM P_f (a JAX :class:`~ppl_thought.numpyro.lm.base.LM` over the projection's vocabulary).
+        projection: a :class:`~ppl_thought.projections.Projection` (shared with the torch side).
+        learn_prior: register the prior's parameters as ``numpyro.param`` sites ``"prior/i"`` (SVI trains them);
+            by default they are constants.
+
+    ``model(x)`` with x text, token strings or 1-D ids (concrete: the automata are built from its length and,
+    for the observed site, its tokens); ``model(None, length=n)`` generates.
+    """
+
+    def __init__(self, prior: LM, projection: Projection, learn_prior: bool = False, name: str = "prior"):
+        if int(prior.vocab_size) != len(projection.vocab):
+            raise ConfigError(f"prior vocab_size {prior.vocab_size} != projection vocabulary size "
+                              f"{len(projection.vocab)}")
+        self.prior = prior
+        self.projection = projection
+        self.vocab = projection.vocab
+        self.learn_prior = bool(learn_prior)
+        self.name = name
+        self._domains: dict[int, Automaton] = {}
+
+    def x_ids(self, x) -> np.ndarray:
+        """x as 1-D int64 ids (text, token strings, ids; right padding dropped)."""
+        return as_id_array(np.asarray(x) if isinstance(x, jax.Array) else x, self.vocab, "observation x", unpad=True)
+
+    def domain(self, n: int) -> Automaton:
+        """``projection.domain(n)``, cached (its jnp tables are cached with it)."""
+        if n not in self._domains:
+            self._domains[n] = self.projection.domain(int(n))
+        return self._domains[n]
+
+    def prior_params(self) -> Any:
+        return param_tree(self.name, self.prior.params) if self.learn_prior else self.prior.params
+
+    def z_dist(self, num_observed: int, params: Any = None) -> LMSequence:
+        """P_f masked to Dom(Proj) (Def 2.8), stopped once ``num_observed`` tokens are determined."""
+        return LMSequence(self.prior, constraint=self.domain(num_observed), vocab=self.vocab,
+                          params=self.prior.params if params is None else params)
+
+    def __call__(self, x=None, length: int | None = None):
+        if x is None and length is None:
+            raise ConfigError("give the observation x, or length= to generate")
+        xa = self.x_ids(x) if x is not None else None
+        n = len(xa) if xa is not None else int(length)
+        z = numpyro.sample("z", self.z_dist(n, self.prior_params()))
+        return numpyro.sample("x", ProjectionDelta(self.projection, z, n), obs=xa)
+
+    model = __call__
+
+    # ------------------------------------------------------------------ exact answers
+    def enumerate_log_joint(self, x, limit: int = 20_000) -> tuple[np.ndarray, jax.Array]:
+        """(support ``[K, L]``, log P^{<=|z|}(z) ``[K]``) over the lifting of x (one jitted teacher-forced pass)."""
+        xa = self.x_ids(x)
+        try:
+            lifting = self.projection.enumerate_lifting(xa, limit=limit)
+        except TooLargeToEnumerateError as e:
+            raise TooLargeToEnumerateError(
+                f"exact computation for |x| = {len(xa)} needs the whole lifting: {e}. Use an engine "
+                "(ptn.infer.Importance / SMC) for long observations") from None
+        n = len(xa)
+        dist = self.z_dist(n)
+        support = pad_sequences(lifting, dist.max_len)
+        K = len(support)
+        if not K:
+            return support, jnp.zeros(0)
+        fns = self.__dict__.setdefault("_log_prob_fns", {})
+        if n not in fns:  # one compiled scorer per |x| (its domain automaton); rows padded to a power of 2
+            fns[n] = jax.jit(lambda params, z, d=dist: d.log_prob(z) if params is None else
+                             LMSequence(d.lm, constraint=d.constraint, max_len=d.max_len, params=params).log_prob(z))
+        rows = np.full((1 << (K - 1).bit_length(), support.shape[1]), PAD_ID, np.int32)
+        rows[:K] = support
+        return support, fns[n](self.prior.params, jnp.asarray(rows))[:K]
+
+    def exact_log_prob(self, x, limit: int = 20_000) -> jax.Array:
+        """log (Proj # P)^{<=|x|}(x) = log sum_{z in lifting(x)} P^{<=|z|}(z), equation (2.22); -inf outside the
+        image of Proj."""
+        try:
+            _, lp = self.enumerate_log_joint(x, limit)
+        except NotInImageError:
+            return jnp.asarray(-jnp.inf)
+        return jax.scipy.special.logsumexp(lp) if lp.shape[0] else jnp.asarray(-jnp.inf)
+
+    def exact_posterior(self, x, limit: int = 20_000) -> EnumeratedPosterior:
+        """Q_*(z | x) = P^{<=|z|}(z) / (Proj # P)^{<=|x|}(x) on the lifting of x, equation (2.24)."""
+        support, lp = self.enumerate_log_joint(x, limit)
+        logz = jax.scipy.special.logsumexp(lp) if lp.shape[0] else jnp.asarray(-jnp.inf)
+        if not np.isfinite(float(logz)):
+            raise NotInImageError(f"x = {self.vocab.decode(self.x_ids(x))!r} has probability 0 under Proj # P")
+        return EnumeratedPosterior(support, lp - logz, logz, lp)
+
+    def __repr__(self) -> str:
+        return f"SlowThinking(prior={type(self.prior).__name__}, projection={self.projection!r})"
+

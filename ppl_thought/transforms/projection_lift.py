@@ -1,0 +1,237 @@
+"""``ProjectionLift(proj)``: a plain LM program becomes Proj # P_f (Sections 2.6.3, 3.7; Def 2.8, Lemma 2.1).
+
+The one home of the static lifting: :class:`~ppl_thought.models.SlowThinking` is this transform applied to
+the plain LM program :class:`~ppl_thought.models.PlainLM`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pyro
+import torch
+from pyro.distributions import TorchDistribution
+from torch.distributions import constraints
+
+from ppl_thought.distributions.lm_sequence import LMSequence
+from ppl_thought.distributions.lm_state import LMState, Segment, TokenRule
+from ppl_thought.distributions.projected import ProjectionDelta
+from ppl_thought.errors import TransformError
+from ppl_thought.program import Shared
+from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections.base import Projection
+from ppl_thought.transforms.base import Transform, rebuild
+from ppl_thought.vocab import PAD_ID
+
+__all__ = ["ProjectionLift", "SegmentCheck", "enumerate_log_joint", "exact_log_prob"]
+
+
+class SegmentCheck(TorchDistribution):
+    """The observed site x_t of a lifted step: log 1{the latent segment z^(t) emits x_t}, 0 or -inf per row.
+
+    Its value is the latent segment (what the program extends its LM state with); the log-probability is
+    the check computed when the segment was drawn (the lifting automaton of x, Prop 2.3), whatever value
+    it is asked about.
+    """
+
+    arg_constraints: dict = {}
+    support = constraints.independent(constraints.nonnegative_integer, 1)
+    ragged_event = True
+
+    def __init__(self, log_factor: torch.Tensor, validate_args=None):
+        self.log_factor = log_factor
+        super().__init__(log_factor.shape, torch.Size([1]), validate_args=False)
+
+    def expand(self, batch_shape, _instance=None):
+        batch_shape = torch.Size(batch_shape)
+        return self if batch_shape == self.batch_shape else SegmentCheck(self.log_factor.expand(batch_shape))
+
+    def log_prob(self, value) -> torch.Tensor:
+        return self.log_factor
+
+    def sample(self, sample_shape=()):  # pragma: no cover - the site is always observed
+        raise TransformError("a lifted observation site is observed; it has nothing to sample")
+
+
+_STEP = re.compile(r"^(.*)_(\d+)$")
+
+
+class ProjectionLift(Transform):
+    """Proj # P_f from a plain LM program: the sequence site ``site`` becomes a latent site ``latent`` drawn
+    from its LM masked to Dom(Proj) (Def 2.8), and its observation becomes the projection of the latent.
+
+    * Whole view: at ``pyro.sample(site, LMSequence(lm, ...), obs=x)`` the transform draws
+      ``z = pyro.sample(latent, LMSequence(lm, constraint=proj.domain(|x|)))`` (the same LM, prompt and
+      keyword arguments) and observes x under ``ProjectionDelta(proj, z, |x|)``: log 1{z in the lifting of
+      x}. The joint is P_f^{<=|z|}(z) 1{Proj(z) = x}, whose marginal is (2.22).
+    * Step view (:func:`~ppl_thought.transforms.sequence_start`): the site's LM state is started under the
+      domain automaton; at the observed step site ``f"{site}_{t}"`` the transform draws the segment
+      z^(t) of Lemma 2.1 at ``f"{latent}_{t}"`` (until x_{t+1} is determined, or the end of the lifting at
+      the last step), checks with the lifting automaton of x that it emits x_t (0 or -inf), and returns
+      z^(t) as the site's value, so the program extends its state with the latent segment. The product of
+      the step laws is the law of ``latent``: both views have the same joint.
+
+    ``model.projection`` of the transformed model is ``projection`` (the guides and engines read it).
+    """
+
+    def __init__(self, projection: Projection, site: str = "x", latent: str = "z"):
+        super().__init__()
+        if not isinstance(projection, Projection):
+            raise TransformError(f"ProjectionLift needs a Projection, got {type(projection).__name__}")
+        if site == latent:
+            raise TransformError(f"the latent site needs its own name (site and latent are both {site!r})")
+        self.projection = projection
+        self.site = site
+        self.latent = latent
+        self._domains: dict[int, tuple[Automaton, TokenRule]] = {}
+
+    @property
+    def provides(self) -> dict:
+        return {"projection": self.projection}
+
+    def __call__(self, model):
+        """Lift ``model``; a model that already has a projection is refused: the innermost lifting would take
+        the site and this one would find no LM site left (liftings do not commute, nor stack)."""
+        have = getattr(model, "projection", None)
+        if have is not None:
+            raise TransformError(f"the model is lifted already (by {have!r}); a second lifting of site {self.site!r} "
+                                 "would find no LM site: build one projection for both (e.g. a product automaton)")
+        return super().__call__(model)
+
+    # ------------------------------------------------------------------ the lifted law
+    def domain(self, num_observed: int) -> tuple[Automaton, TokenRule]:
+        """The domain automaton of Dom(Proj) fixing ``num_observed`` tokens and its token rule (cached)."""
+        n = int(num_observed)
+        if n not in self._domains:
+            if len(self._domains) > 256:
+                self._domains.clear()
+            dom = self.projection.domain(n)
+            self._domains[n] = (dom, TokenRule(dom, len(self.projection.vocab)))
+        return self._domains[n]
+
+    def latent_dist(self, dist: LMSequence, num_observed: int) -> LMSequence:
+        """The site's LM masked to Dom(Proj) (Def 2.8), stopped once ``num_observed`` tokens are determined."""
+        if dist.vocab_size != len(self.projection.vocab):
+            raise TransformError(f"site {self.site!r}: its LM has vocab_size {dist.vocab_size}, the projection's "
+                                 f"vocabulary {len(self.projection.vocab)} tokens")
+        return rebuild(dist, constraint=self.domain(num_observed)[0], vocab=self.projection.vocab, stop=None)
+
+    # ------------------------------------------------------------------ whole view
+    def _pyro_sample(self, msg) -> None:
+        if msg["infer"].get("_pt_lifted"):
+            return
+        fn = msg["fn"]
+        if msg["name"] == self.site and isinstance(fn, LMSequence):
+            self._lift_site(msg, fn)
+            return
+        if msg["is_observed"] and isinstance(fn, Segment) and getattr(fn.base, "_pt_lift", None) == self.key:
+            m = _STEP.match(msg["name"] or "")
+            if m is None or m.group(1) != self.site:
+                return
+            self._lift_step(msg, fn, int(m.group(2)))
+
+    def _lift_site(self, msg, fn: LMSequence) -> None:
+        obs = msg["value"] if msg["is_observed"] else None
+        n = int(torch.as_tensor(obs).shape[-1]) if obs is not None else int(fn.max_len)
+        z = pyro.sample(self.latent, self.latent_dist(fn, n))
+        msg["fn"] = ProjectionDelta(self.projection, z, n)
+        msg["infer"]["_pt_lifted"] = True
+
+    # ------------------------------------------------------------------ step view
+    def _pyro_sequence_start(self, msg) -> None:
+        if msg["name"] != self.site or msg["infer"].get("_pt_lifted"):
+            return
+        dist, n = msg["args"]
+        observed = msg["kwargs"].get("observed")
+        if observed is None:
+            raise TransformError(f"ProjectionLift: the step view of site {self.site!r} needs its observation "
+                                 "(sequence_start(..., observed=x))")
+        if self.state is None:
+            raise TransformError("ProjectionLift: a step view runs inside a Transformed program's init/step")
+        lift = self.projection.lifting(observed)  # NotInImageError for x outside the image
+        T = int(len(observed))
+        msg["args"] = (self.latent_dist(dist, T), n)
+        msg["kwargs"]["rule"] = self.domain(T)[1]
+        msg["infer"]["_pt_lifted"] = True
+        self.state[self.key] = {"s": lift.start_states(int(n), dist._device()), "num_observed": T,
+                                "lifting": Shared(lift)}
+
+    def _pyro_post_sequence_start(self, msg) -> None:
+        if msg["name"] == self.site and isinstance(msg["value"], LMState) and self.key in (self.state or {}):
+            msg["value"]._pt_lift = self.key
+
+    def _lift_step(self, msg, fn: Segment, t: int) -> None:
+        entry = self.state[self.key]
+        st = fn.base
+        T = entry["num_observed"]
+        last = t + 1 >= T
+        seg = pyro.sample(f"{self.latent}_{t}", st.segment(until_emitted=None if last else t + 1))
+        lift = entry["lifting"].value
+        s = entry["s"]
+        for j in range(seg.shape[-1]):
+            s = lift.advance(s, seg[:, j])
+        entry["s"] = s
+        ok = lift.is_final(s) if last else lift.num_emitted(s) >= t + 1
+        msg["fn"] = SegmentCheck(ok.float().log())  # 0 / -inf
+        msg["value"] = seg
+        msg["infer"]["_pt_lifted"] = True
+
+    def outputs(self, state: dict) -> dict:
+        """``{latent: [n, L]}``: the whole latent sequences, padded to the event length of the latent site."""
+        for v in state.values():
+            if isinstance(v, LMState) and getattr(v, "_pt_lift", None) == self.key:
+                z = torch.full((v.n, v.max_len), PAD_ID, dtype=torch.long, device=v.device)
+                z[:, : v.tokens.shape[1]] = v.tokens[:, : v.max_len]
+                return {self.latent: z}
+        return {}
+
+    def __repr__(self) -> str:
+        return f"ProjectionLift({self.projection!r})"
+
+
+# ---------------------------------------------------------------------------------------------- exact answers
+def enumerate_log_joint(model, x, latent: str = "z", limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
+    """(support ``[K, L]``, log p(z, x) ``[K]``) over every z in the lifting of x, for any model with a
+    projection (``model.projection``, e.g. one transformed by :class:`ProjectionLift`): the model's whole
+    view run ONCE with the latent site conditioned on all K liftings under a particle plate (2.22)."""
+    import pyro.poutine as poutine
+
+    from ppl_thought.projections.base import as_id_array
+
+    proj = getattr(model, "projection", None)
+    if proj is None:
+        raise TransformError("exact answers need a model with a projection (apply ProjectionLift)")
+    xa = as_id_array(x, proj.vocab, "observation x", unpad=True)
+    lifting = proj.enumerate_lifting(xa, limit=limit)
+    K = len(lifting)
+    L = max((len(z) for z in lifting), default=0)
+    support = torch.full((K, L), PAD_ID, dtype=torch.long)
+    for i, z in enumerate(lifting):
+        support[i, : len(z)] = torch.as_tensor(z, dtype=torch.long)
+    if K == 0:
+        return support, torch.zeros(0)
+    xt = torch.as_tensor(xa, dtype=torch.long)
+    with torch.no_grad(), poutine.block():
+        def run():
+            with pyro.plate("particles", K, dim=-1):
+                return model(xt)
+        tr = poutine.trace(poutine.condition(run, data={latent: support})).get_trace()
+        tr.compute_log_prob()
+        total = torch.zeros(K)
+        for site in tr.nodes.values():
+            if site["type"] == "sample":
+                lp = torch.as_tensor(site["log_prob"])  # [K] inside the plate (one row per lifting)
+                total = total + (lp if lp.ndim else lp.expand(K))
+        return support, total
+
+
+def exact_log_prob(model, x, latent: str = "z", limit: int = 20_000) -> torch.Tensor:
+    """log p(x) = log sum_{z in lifting(x)} p(z, x) by enumeration (2.22) for a transformed model; ``-inf``
+    outside the image of the projection."""
+    from ppl_thought.errors import NotInImageError
+
+    try:
+        _, lp = enumerate_log_joint(model, x, latent, limit)
+    except NotInImageError:
+        return torch.tensor(float("-inf"))
+    return torch.logsumexp(lp, 0) if len(lp) else torch.tensor(float("-inf"))
