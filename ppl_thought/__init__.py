@@ -11,7 +11,8 @@ A slow-thinking model is the tuple (Sigma, Omega, Proj, P, Q) of the static theo
     pt.models                     # SlowThinking (Proj # P_f), HMM (Def 2.2, Theorem 2.3)
     pt.data                       # synthetic tasks with exact answers (A5 cups-and-ball HMM)
     pt.infer                      # engines: Importance, SMC, SVI, Langevin, decode (Result)
-    pt.transforms                 # model transforms: ProjectionLift, Forgetful, Persistent, Ubiquitous, CostAware
+    pt.transforms                 # model transforms: ProjectionLift, Forgetful, Persistent, Ubiquitous, CostAware,
+                                  # ActiveLift (Section 6)
     pt.Program                    # the step-wise program protocol (init / step), pt.twist, pt.particles,
                                   # pt.particle_groups
 

@@ -118,3 +118,8 @@ class DeviceMismatchError(PPLThoughtError, ValueError):
 class TransformError(PPLThoughtError, ValueError):
     """A model transform (pt.transforms) cannot apply: no sequence site to act on, conflicting transforms
     (Persistent with Forgetful), a site without the vocabulary a transform needs."""
+
+
+class ActiveLiftError(TransformError):
+    """An active lifting model (Section 6) that cannot be built or used: a latent alphabet Omega with fewer
+    than two tokens or with the format markers, a latent sequence outside Omega^T, LMs on other vocabularies."""

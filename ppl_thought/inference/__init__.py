@@ -1,5 +1,15 @@
 from ppl_thought.errors import SamplingBudgetError as SamplingBudgetError
 from ppl_thought.errors import UnsatisfiableConstraintError as UnsatisfiableConstraintError
+from ppl_thought.inference.active import ActiveGenerative as ActiveGenerative
+from ppl_thought.inference.active import ActiveLifting as ActiveLifting
+from ppl_thought.inference.active import ConditionalSamplerLoss as ConditionalSamplerLoss
+from ppl_thought.inference.active import GeneratorLoss as GeneratorLoss
+from ppl_thought.inference.active import MinimumLengthCoding as MinimumLengthCoding
+from ppl_thought.inference.active import active_terms as active_terms
+from ppl_thought.inference.active import conditional_decode as conditional_decode
+from ppl_thought.inference.active import conditional_encode as conditional_encode
+from ppl_thought.inference.active import encode as encode
+from ppl_thought.inference.active import score_function_surrogate as score_function_surrogate
 from ppl_thought.inference.backtracking import VGB as VGB
 from ppl_thought.inference.backtracking import TokenwiseBacktracking as TokenwiseBacktracking
 from ppl_thought.inference.decoding import decode as decode
