@@ -22,7 +22,13 @@ from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ProgramError, ZeroWeightsError
 from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.importance import log_marginal_stderr, not_in_image_result
-from ppl_thought.inference.particles import check_compatible, particle_plate, require_program, run_step
+from ppl_thought.inference.particles import (
+    check_compatible,
+    check_steps,
+    particle_plate,
+    require_program,
+    run_step,
+)
 from ppl_thought.inference.result import Result
 from ppl_thought.program import as_done, freeze_finished, reorder_state
 from ppl_thought.weights import effective_sample_size, log_mean_exp
@@ -169,6 +175,7 @@ class SMC:
 
             return run_static(self, model, guide, args, kwargs)
         check_compatible(model, guide)
+        check_steps(model, guide)
         guide = as_step_guide(guide)
         require_program(guide, "guide")
         try:
