@@ -43,6 +43,11 @@ class SiteMismatchError(PPLThoughtError, ValueError):
     """A guide does not sample exactly the model's latent sites (a name or a shape differs)."""
 
 
+class ChunkMismatchError(SiteMismatchError):
+    """SMC got a model and a guide whose steps end at different places: one encodes forced segments in chunks
+    (``chunk > 0``, end of Section 5.6.2) and the other steps token by token."""
+
+
 class ZeroWeightsError(PPLThoughtError, ValueError):
     """Every importance weight is zero (log weight -inf): the estimate of p(x) would be 0."""
 

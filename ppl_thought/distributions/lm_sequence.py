@@ -22,7 +22,7 @@ from pyro.params.param_store import module_from_param_with_module_name, param_wi
 from torch.distributions import constraints
 
 from ppl_thought.checks import integer
-from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan, trim_padding, upcast
+from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan, chunk_size, trim_padding, upcast
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.projections.automaton import Automaton
@@ -123,6 +123,10 @@ class LMSequence(TorchDistribution):
         name: the name a trainable ``lm`` is registered under with ``pyro.module`` (:func:`register_lm`;
             by default the name its parameters have in the param store, else one derived from its type).
             Frozen LMs are not registered.
+        chunk: chunked encoding (end of Section 5.6.2) when sampling: runs of up to ``chunk`` forced tokens
+            (the one token the constraint admits, e.g. the text between sparse thoughts under a lifting) are
+            fed to the LM in one pass instead of one decoding step each; same samples and log-probabilities
+            as ``chunk=0`` (token by token, the default). See :class:`LMState`.
 
     ``<pad>`` and ``<bos>`` are never generated. Values are LongTensors ``[*batch, max_len]``.
     ``log_prob`` is ``-inf`` (never NaN) for sequences outside the constraint, incomplete
@@ -151,8 +155,10 @@ class LMSequence(TorchDistribution):
         validate_args: bool | None = None,
         *,
         name: str | None = None,
+        chunk: int = 0,
     ):
         self.lm = lm
+        self.chunk = chunk_size(chunk)
         self.vocab = vocab
         self.vocab_size = int(lm.vocab_size)
         if vocab is not None and len(vocab) != self.vocab_size:
@@ -245,7 +251,7 @@ class LMSequence(TorchDistribution):
         n = self.batch_shape.numel() if n is None else int(n)
         prompt = self._prompt_rows(self.batch_shape, n) if self.prompt.ndim > 1 else self.prompt
         return LMState._encode(self.lm, n, prompt, self.rule, self.max_len, self.stop_ids, self.lm_kwargs,
-                               self._device())
+                               self._device(), self.chunk)
 
     def lm_kwargs_for(self, n: int) -> dict:
         """LM keyword arguments with batched tensors (e.g. latents) matched to ``n`` rows."""

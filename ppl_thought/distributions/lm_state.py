@@ -23,11 +23,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
-from ppl_thought.errors import MalformedSequenceError, NumericalError
+from ppl_thought.errors import ConfigError, MalformedSequenceError, NumericalError
 from ppl_thought.lm.base import ids_checked, lm_device, match_rows
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
@@ -169,6 +170,59 @@ class TokenRule:
             self._tables[key] = tabs
         return tabs
 
+    def forced_runs(self, until: int | None, stop_ids: torch.Tensor, limit: int, device):
+        """Per-state tables of the *forced runs* of chunked encoding (end of Section 5.6.2), or ``None`` for rules
+        that are not one automaton state per row with the masked softmax of Def 2.8 (subclasses).
+
+        A token is forced in a state when it is the only admissible one there: the masked softmax gives it
+        probability 1 (log-probability 0) whatever the logits, so no decoding decision is made. From each
+        state the run follows forced tokens for at most ``limit`` tokens and stops before a token that would
+        end the segment (``until`` observables emitted, a final state) or the sequence, or that is a stop id;
+        the sampling loop then feeds the run in one pass of the LM. Returns (run length ``[S + 1]`` long,
+        tokens ``[S + 1, limit]`` (``<pad>`` past the run), states ``[S + 1, limit + 1]``: the state before each
+        run token and after the run (held once the run stops)); the last row is the dead state (no run).
+        Cached per (until, stop ids, limit, device).
+        """
+        if (self.constraint is None or type(self).log_probs is not TokenRule.log_probs
+                or type(self).step is not TokenRule.step or self.end_tables(until, device) is None):
+            return None
+        stops = tuple(int(t) for t in stop_ids.reshape(-1).tolist())
+        key = ("forced", until, stops, int(limit), str(device))
+        tabs = self._tables.get(key)
+        if tabs is None:
+            tabs = self._tables[key] = _forced_runs(self.constraint, self.vocab_size, until, stops, int(limit), device)
+        return tabs
+
+
+def _forced_runs(auto, vocab_size: int, until: int | None, stops: tuple, limit: int, device):
+    """The tables of :meth:`TokenRule.forced_runs`, built on the host (numpy, vectorised over states)."""
+    table = auto.device_table("table", None)  # [S + 1, V], the dead row all -1
+    n_states = table.shape[0]
+    allowed = table >= 0
+    allowed[:, PAD_ID] = False
+    allowed[:, BOS_ID] = False
+    single = allowed.sum(1) == 1
+    tok = np.where(single, allowed.argmax(1), PAD_ID)
+    nxt = np.where(single, table[np.arange(n_states), tok], n_states - 1)
+    final = auto.device_table("final", None)
+    seg_end = final if until is None else final | (auto.device_table("emitted", None) >= until)
+    safe = single & ~seg_end[nxt] & ~np.isin(tok, np.asarray(stops, dtype=np.int64))
+    safe[-1] = False
+    cur = np.arange(n_states)
+    going = np.ones(n_states, dtype=bool)
+    run_len = np.zeros(n_states, dtype=np.int64)
+    toks = np.full((n_states, limit), PAD_ID, dtype=np.int64)
+    states = np.empty((n_states, limit + 1), dtype=np.int64)
+    states[:, 0] = cur
+    for j in range(limit):
+        going = going & safe[cur]
+        toks[:, j] = np.where(going, tok[cur], PAD_ID)
+        cur = np.where(going, nxt[cur], cur)
+        run_len += going
+        states[:, j + 1] = cur
+    as_t = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
+    return as_t(run_len), as_t(toks), as_t(states)
+
 
 class LMState:
     """``n`` partial sequences of one LM (see the module docstring). Mutable: ``extend`` and ``reorder``
@@ -180,8 +234,10 @@ class LMState:
     """
 
     def __init__(self, lm, rule: TokenRule, max_len: int, stop_ids: torch.Tensor, lm_kwargs: dict | None,
-                 logits: torch.Tensor, cache, rule_state: torch.Tensor, context: torch.Tensor | None = None):
+                 logits: torch.Tensor, cache, rule_state: torch.Tensor, context: torch.Tensor | None = None,
+                 chunk: int = 0):
         self.lm = lm
+        self.chunk = chunk_size(chunk)
         self.rule = rule
         self.max_len = int(max_len)
         self.stop_ids = stop_ids.to(logits.device)
@@ -203,9 +259,15 @@ class LMState:
     @classmethod
     def start(cls, lm, n: int, prompt: torch.Tensor | None = None, rule: TokenRule | None = None,
               max_len: int = 1 << 30, stop_ids: torch.Tensor | None = None, lm_kwargs: dict | None = None,
-              device=None, name: str | None = None) -> LMState:
+              device=None, name: str | None = None, chunk: int = 0) -> LMState:
         """Encode ``<bos> + prompt`` (1-D, shared: encoded once and expanded; or ``[n, P]`` right-padded;
         ``[r, P]`` with r dividing n gives each prompt to n / r consecutive rows).
+
+        ``chunk = C > 0`` turns on chunked encoding (end of Section 5.6.2): while sampling, a run of up to C
+        forced tokens (the only admissible token of their automaton state, e.g. the text between two sparse
+        thoughts under the lifting of x) is fed to the LM in one pass with the token before it, instead of
+        one decoding step per token. The samples and log-probabilities are those of ``chunk=0`` (token by
+        token): see :meth:`Segment.sample_with_log_prob`.
 
         A trainable ``lm`` is registered with ``pyro.module`` (:func:`~ppl_thought.distributions.register_lm`;
         ``name`` or a name derived from its type) unless its parameters are in the param store already
@@ -214,10 +276,16 @@ class LMState:
         from ppl_thought.distributions.lm_sequence import register_lm  # lm_sequence imports this module
 
         register_lm(lm, name)
-        return cls._encode(lm, n, prompt, rule, max_len, stop_ids, lm_kwargs, device)
+        return cls._encode(lm, n, prompt, rule, max_len, stop_ids, lm_kwargs, device, chunk)
 
     @classmethod
-    def _encode(cls, lm, n: int, prompt, rule, max_len, stop_ids, lm_kwargs, device) -> LMState:
+    def _encode(cls, lm, n: int, prompt, rule, max_len, stop_ids, lm_kwargs, device, chunk: int = 0) -> LMState:
+        state = cls._encode_prompt(lm, n, prompt, rule, max_len, stop_ids, lm_kwargs, device)
+        state.chunk = chunk_size(chunk)
+        return state
+
+    @classmethod
+    def _encode_prompt(cls, lm, n: int, prompt, rule, max_len, stop_ids, lm_kwargs, device) -> LMState:
         device = device if device is not None else lm_device(lm)
         rule = rule if rule is not None else TokenRule(None, lm.vocab_size)
         stop_ids = stop_ids.to(device) if stop_ids is not None else torch.zeros(0, dtype=torch.long, device=device)
@@ -262,7 +330,8 @@ class LMState:
         return "valid" if self.context is None else "recompute"
 
     def __repr__(self) -> str:
-        return f"LMState(n={self.n}, lm={type(self.lm).__name__}, max_len={self.max_len}, mode={self.mode})"
+        return (f"LMState(n={self.n}, lm={type(self.lm).__name__}, max_len={self.max_len}, mode={self.mode}"
+                + (f", chunk={self.chunk})" if self.chunk else ")"))
 
     # ------------------------------------------------------------------ distributions over what comes next
     def segment(self, until_emitted: int | torch.Tensor | None = None, stop=None, max_tokens: int | None = None,
@@ -490,6 +559,9 @@ class Segment(TorchDistribution):
         full: dict[str, torch.Tensor] = {}  # per-row results of every row, written when rows are dropped
         blocks: list[tuple[torch.Tensor | None, list[torch.Tensor]]] = []  # (rows, token columns)
         cols: list[torch.Tensor] = []
+        runs = self._forced_runs(until)  # chunked encoding (end of 5.6.2): None when off or not available
+        ragged_cols = False  # a chunk gave rows runs of different lengths: <pad> inside columns, packed at the end
+        chunk_dead = torch.zeros((), dtype=torch.bool, device=dev)
 
         def write_back() -> None:
             live = {"logits": logits, "s": s, "lengths": lengths, "done": done, "lp": lp}
@@ -517,9 +589,20 @@ class Segment(TorchDistribution):
             still = active & ~seg_end
             need = active & ~done  # rows whose logits after this token will be read
             feed_all = (active | done).all() if valid_mode else need.all()
+            flags = [dead.any(), need.any(), still.any(), done.sum(), feed_all, need.all()]
+            if runs is not None:
+                # the forced run after this token, for the rows whose segment goes on: it never ends the
+                # segment nor the sequence (the tables stop before that), nor reaches max_len / max_tokens
+                r = torch.where(still, runs[0][s], torch.zeros_like(s))
+                r = torch.minimum(r, base.max_len - 1 - lengths).clamp_(min=0)
+                if self.max_tokens is not None:
+                    r = torch.minimum(r, self.max_tokens - 1 - count).clamp_(min=0)
+                r_max = r.max()
+                flags += [r_max, ((r == r_max) | done).all(), ((r == r_max) | ~still).all()]
             # the one host sync of the step
-            is_dead, any_need, any_still, n_done, all_valid, all_need = torch.stack(
-                [dead.any(), need.any(), still.any(), done.sum(), feed_all, need.all()]).tolist()
+            host = torch.stack([f.long() for f in flags]).tolist()
+            is_dead, any_need, any_still, n_done, all_valid, all_need = host[:6]
+            R, aligned, aligned_still = host[6:] if runs is not None else (0, True, True)
             if is_dead:
                 raise ValueError(f"{int(dead.sum())} rows have no admissible token of positive probability: "
                                  "the LM gives probability 0 to every token the constraint allows")
@@ -533,6 +616,8 @@ class Segment(TorchDistribution):
                 rows = keep if rows is None else rows[keep]
                 logits, s, lengths, done, lp = logits[keep], s[keep], lengths[keep], done[keep], lp[keep]
                 count, active, still, need, tok = count[keep], active[keep], still[keep], need[keep], tok[keep]
+                if runs is not None:
+                    r = r[keep]
                 if until is not None and until.ndim:
                     until = until[keep]
                 cache = cache.reorder(keep) if cache is not None else None
@@ -543,36 +628,73 @@ class Segment(TorchDistribution):
                       for k, v in kw.items()}
                 all_valid = bool(active.all())  # no row left has ended its sequence
                 all_need = bool(need.all())
-            if all_need:  # every row goes on: feed its token as it is, take every row's logits
-                fl, cache, context = base._feed(cache, context, tok[:, None], None, kw)
-                logits = fl[:, -1].to(logits.dtype)
+            # the block each row feeds: its token (where it is read), then its forced run (R columns)
+            if R:
+                m = tok.shape[0]
+                in_run = torch.arange(R, device=dev)[None] < r[:, None]  # [m, R]
+                run_states = runs[2][s]  # [m, limit + 1]: the state before each run token, then held
+                run_toks = torch.where(in_run, runs[1][s][:, :R], torch.zeros_like(in_run, dtype=torch.long))
+                before = run_states[:, :R]
+                s = run_states.gather(1, r[:, None]).squeeze(1)
+                lengths = lengths + r
+                if self.max_tokens is not None:
+                    count = count + r
+                len_bound += R
+                for j in range(R):  # the uniforms the token-by-token loop draws for these steps (unused there:
+                    torch.rand((m, 1), generator=generator, device=dev, dtype=probs.dtype)  # forced tokens)
+                    cols.append(run_toks[:, j])
+                ragged_cols = ragged_cols or not aligned_still
+                run_feed = torch.where(in_run, run_toks, torch.full_like(run_toks, BOS_ID))
+            if all_need and (not R or aligned):  # every row goes on: feed its token as it is, take every row's logits
+                block = tok[:, None] if not R else torch.cat([tok[:, None], run_feed], 1)
+                fl, cache, context = base._feed(cache, context, block, None, kw)
+                last = fl[:, -1]
+                if R:
+                    lp, chunk_dead = self._score_run(fl, before, run_toks, in_run, lp, chunk_dead)
+                logits = last.to(logits.dtype)
             elif any_need:
                 # the next logits of the rows that go on (also the post-state, for rows whose segment ended)
                 if valid_mode:
                     feed = torch.where(active, tok, torch.full_like(tok, BOS_ID))
-                    if all_valid and not getattr(cache, "ragged", False):
+                    if all_valid and not getattr(cache, "ragged", False) and (not R or aligned):
                         valid = None  # rows in lockstep: the dense path; ended rows' dummies are never read
                     else:  # rows at their own positions: an ended row is fed nothing (no position past its end)
                         valid = need if getattr(cache, "ragged", False) else active | done
                 else:
-                    feed, valid = tok, (None if all_valid else need)
-                fl, cache, context = base._feed(cache, context, feed[:, None],
-                                                None if valid is None else valid[:, None], kw)
-                logits = torch.where(need[:, None], fl[:, -1].to(logits.dtype), logits)
+                    feed, valid = tok, (None if all_valid and (not R or aligned) else need)
+                if R:
+                    feed = torch.cat([feed[:, None], run_feed], 1)
+                    if valid is not None:
+                        valid = torch.cat([valid[:, None], in_run & valid[:, None]], 1)
+                else:
+                    feed = feed[:, None]
+                    valid = None if valid is None else valid[:, None]
+                fl, cache, context = base._feed(cache, context, feed, valid, kw)
+                if R:
+                    lp, chunk_dead = self._score_run(fl, before, run_toks, in_run, lp, chunk_dead)
+                    last = fl.gather(1, r[:, None, None].expand(-1, 1, fl.shape[-1])).squeeze(1)
+                else:
+                    last = fl[:, -1]
+                logits = torch.where(need[:, None], last.to(logits.dtype), logits)
             if not any_still:
                 break
             active = still
+        if runs is not None and bool(chunk_dead):  # one more host sync per segment, with chunks only
+            raise ValueError("rows have no admissible token of positive probability: the LM gives probability "
+                             "0 to a forced token (the only one the constraint allows)")
         blocks.append((rows, cols))
         value = torch.zeros(n, sum(len(c) for _, c in blocks), dtype=torch.long, device=dev)
         at = 0
-        for r, c in blocks:
+        for r_, c in blocks:
             if c:
                 block = torch.stack(c, 1)
-                if r is None:
+                if r_ is None:
                     value[:, at:at + len(c)] = block
                 else:
-                    value[r, at:at + len(c)] = block
+                    value[r_, at:at + len(c)] = block
                 at += len(c)
+        if ragged_cols:  # runs of different lengths left <pad> inside rows: pack each row's tokens to the left
+            value = trim_padding(_left_pack(value))
         post = {"cache": cache, "context": context, "tokens": _append(snap["tokens"], snap["lengths"], value)}
         if rows is None:
             post.update(logits=logits, s=s, lengths=lengths, done=done, _step_lp=lp)
@@ -586,6 +708,26 @@ class Segment(TorchDistribution):
         check_no_nan(post["_step_lp"], base.lm)
         post["log_prob"] = snap["log_prob"] + post["_step_lp"]
         return value, post
+
+    def _forced_runs(self, until):
+        """The rule's forced-run tables for this segment (chunked encoding), or None (``chunk=0``, per-row
+        ``until``, rules without automaton tables)."""
+        base = self.base
+        if not base.chunk or (until is not None and until.ndim):
+            return None
+        stops = self.stop_ids if not self._base_stops else torch.cat([self.stop_ids, base.stop_ids])
+        return base.rule.forced_runs(None if until is None else int(until), stops, base.chunk, base.device)
+
+    def _score_run(self, fl, before, run_toks, in_run, lp, dead):
+        """Add the forced run tokens' log-probabilities to ``lp``: the masked softmax (Def 2.8) at each run
+        position from the chunk's logits (``fl[:, j]`` precede run token j), exactly 0 for a forced token with a
+        finite logit, as in the token-by-token loop (NaN stays NaN for :func:`check_no_nan`). Also returns
+        ``dead``: whether a run token has log-probability -inf (the LM gives 0 to the one admissible token)."""
+        m, R = run_toks.shape
+        logq = self.base.rule.log_probs(fl[:, :R].reshape(m * R, -1), before.reshape(m * R))
+        tl = logq.gather(-1, run_toks.reshape(m * R, 1)).reshape(m, R)
+        tl = torch.where(in_run, tl, torch.zeros_like(tl))
+        return lp + tl.sum(-1), dead | torch.isneginf(tl).any()
 
     # ------------------------------------------------------------------ scoring: one teacher-forced pass
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
@@ -758,6 +900,14 @@ def _gathered(post: dict) -> dict:
 
 def _col(mask: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return mask.reshape((-1,) + (1,) * (s.ndim - 1))
+
+
+def chunk_size(chunk) -> int:
+    """The ``chunk`` option: a non-negative int (0: token by token)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int | np.integer) or chunk < 0:
+        raise ConfigError(f"chunk must be a non-negative int (the longest run of forced tokens encoded in one "
+                          f"pass; 0: token by token), got {chunk!r}")
+    return int(chunk)
 
 
 def _needs_grad(lm) -> bool:

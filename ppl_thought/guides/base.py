@@ -27,8 +27,8 @@ from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import MalformedSequenceError
 from ppl_thought.lm.base import lm_device
-from ppl_thought.program import Program, is_program, particles
-from ppl_thought.projections.automaton import Automaton
+from ppl_thought.program import Program, Shared, is_program, particles
+from ppl_thought.projections.automaton import Automaton, step_ends
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.vocab import PAD_ID
 
@@ -182,14 +182,18 @@ class Sampler(Program, ABC):
         xt = self.x_ids(x)
         state["q"] = self.step_state(xt, particles())
         state["num_observed"] = len(xt)
+        state["step_ends"] = Shared(step_ends(self.lifting(xt), chunked=bool(getattr(self, "chunk", 0))))
 
     def step(self, state: dict, t: int, x=None, *args, **kwargs):
-        """Segment t of the lifting (Lemma 2.1): until x_{t+1} is determined; the last one until the end."""
+        """Segment t of the lifting (Lemma 2.1): until x_{t+1} is determined; the last one until the end.
+        With chunked encoding (``chunk > 0``) step t runs until ``step_ends[t]`` observables are determined
+        (:func:`~ppl_thought.projections.automaton.step_ends`: the forced segments that follow a step join it)."""
         q = state["q"]
-        T = state["num_observed"]
-        seg = pyro.sample(f"{self.site}_{t}", q.segment(until_emitted=segment_end(t, T)))
+        ends = state["step_ends"].value if "step_ends" in state else tuple(range(1, state["num_observed"] + 1))
+        last = t + 1 >= len(ends)
+        seg = pyro.sample(f"{self.site}_{t}", q.segment(until_emitted=None if last else ends[t]))
         q.extend(seg)
-        return torch.ones(seg.shape[0], dtype=torch.bool, device=seg.device) if t + 1 >= T else None
+        return torch.ones(seg.shape[0], dtype=torch.bool, device=seg.device) if last else None
 
 
 def num_observed(lifting: Automaton) -> int:
@@ -221,8 +225,9 @@ class SequenceGuide(Program):
             raise TypeError("a sequence guide must give an LMSequence constrained to the lifting of x")
         auto = seq.constraint
         state["q"] = LMState.start(seq.lm, particles(), prompt=seq.prompt, rule=TokenRule(auto, seq.vocab_size),
-                                   max_len=seq.max_len, stop_ids=seq.stop_ids, lm_kwargs=seq.lm_kwargs)
+                                   max_len=seq.max_len, stop_ids=seq.stop_ids, lm_kwargs=seq.lm_kwargs, chunk=seq.chunk)
         state["num_observed"] = num_observed(auto)
+        state["step_ends"] = Shared(step_ends(auto, chunked=bool(seq.chunk)))
 
     step = Sampler.step
 

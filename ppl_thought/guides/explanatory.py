@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ppl_thought.distributions.lm_sequence import LMSequence, concat
-from ppl_thought.distributions.lm_state import LMState
+from ppl_thought.distributions.lm_state import LMState, chunk_size
 from ppl_thought.errors import UnknownTokenError
 from ppl_thought.guides.base import Sampler
 from ppl_thought.lm.base import lm_device
@@ -31,12 +31,13 @@ from ppl_thought.vocab import EXPLAIN_ID, Vocab
 class _LMSampler(Sampler):
     """A sampler that is an LMSequence under the lifting automaton of x, after a prompt."""
 
-    def __init__(self, lm: nn.Module, projection: Projection, name: str):
+    def __init__(self, lm: nn.Module, projection: Projection, name: str, chunk: int = 0):
         if int(lm.vocab_size) != len(projection.vocab):
             raise ValueError(f"LM vocab_size {lm.vocab_size} != projection vocabulary size {len(projection.vocab)}")
         self.lm = lm
         self.projection = projection
         self.name = name
+        self.chunk = chunk_size(chunk)
 
     def prompt(self, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.long, device=x.device)
@@ -45,7 +46,7 @@ class _LMSampler(Sampler):
         """Q(. | x) as an :class:`LMSequence` (masked, batched, KV-cached)."""
         lift = self.lifting(x)
         return LMSequence(self.lm, prompt=self.prompt(x), constraint=lift, max_len=self.event_length(x),
-                          vocab=self.projection.vocab)
+                          vocab=self.projection.vocab, chunk=self.chunk)
 
     def _register(self) -> None:
         if any(p.requires_grad for p in self.lm.parameters()):
@@ -53,7 +54,8 @@ class _LMSampler(Sampler):
 
     def step_state(self, x: torch.Tensor, n: int) -> LMState:
         """Q(. | x) for ``n`` rows as an :class:`LMState`, decoded segment by segment (SMC)."""
-        return LMState.start(self.lm, n, prompt=self.prompt(x), rule=self.token_rule(x), max_len=self.event_length(x))
+        return LMState.start(self.lm, n, prompt=self.prompt(x), rule=self.token_rule(x), max_len=self.event_length(x),
+                             chunk=self.chunk)
 
     def _sample(self, x, n):
         return self.seq(x).sample_with_log_prob((n,))
@@ -70,11 +72,12 @@ class Causal(_LMSampler):
 
     The LM reads only the latent prefix; the masked softmax at each step renormalises over the
     tokens admissible in the lifting, so the segment that produces x_t depends on x_t (unlike
-    :class:`~.Predictive`) but not on x_>t.
+    :class:`~.Predictive`) but not on x_>t. ``chunk > 0``: chunked encoding of the forced tokens (see
+    :class:`Explanatory`).
     """
 
-    def __init__(self, lm: nn.Module, projection: Projection, name: str = "causal_lm"):
-        super().__init__(lm, projection, name)
+    def __init__(self, lm: nn.Module, projection: Projection, name: str = "causal_lm", chunk: int = 0):
+        super().__init__(lm, projection, name, chunk)
 
 
 class Explanatory(_LMSampler):
@@ -89,15 +92,18 @@ class Explanatory(_LMSampler):
         gating: ``True`` wraps ``lm`` in :class:`GatedLM` (App. L) for finetuning a plain LM; or
             pass a ready :class:`GatedLM`. With gating the sampler starts close to the LM reading z
             alone and learns to use x through the gate.
+        chunk: chunked encoding (end of 5.6.2): runs of up to ``chunk`` forced tokens (the text between sparse
+            thoughts) are fed to the LM in one pass when sampling (:class:`~ppl_thought.distributions.LMState`);
+            same samples and log Q as token by token (``chunk=0``, the default).
     """
 
     def __init__(self, lm: nn.Module, projection: Projection, mode_tag: str | None = None,
-                 gating: bool | GatedLM = False, name: str = "explanatory_lm"):
+                 gating: bool | GatedLM = False, name: str = "explanatory_lm", chunk: int = 0):
         if gating is True:
             lm = GatedLM(lm)
         elif isinstance(gating, GatedLM):
             lm = gating
-        super().__init__(lm, projection, name)
+        super().__init__(lm, projection, name, chunk)
         v = projection.vocab
         self.mode_tag = mode_tag
         self._tag: list[int] = []

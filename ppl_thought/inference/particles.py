@@ -31,12 +31,12 @@ import torch
 from pyro.distributions.util import scale_and_mask
 from pyro.poutine.util import site_is_subsample
 
-from ppl_thought.errors import DeviceMismatchError, ProgramError, SiteMismatchError
+from ppl_thought.errors import ChunkMismatchError, DeviceMismatchError, ProgramError, SiteMismatchError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import PARTICLES, collect_twists, is_program
 
 __all__ = [
-    "PARTICLES", "Particles", "StepOutput", "check_compatible", "check_sites", "engine_device",
+    "PARTICLES", "Particles", "StepOutput", "check_compatible", "check_sites", "check_steps", "engine_device",
     "find_max_plate_nesting", "latent_sites", "log_ratio", "per_particle", "program_device", "run_step",
     "sample_particles",
 ]
@@ -183,6 +183,22 @@ def check_compatible(model, guide) -> None:
         if differ:
             raise SiteMismatchError(f"the guide's {type(gp).__name__} differs from the model's in {differ}: "
                                     "the liftings differ; build both on the same projection")
+
+
+def check_steps(model, guide) -> None:
+    """SMC's check that the guide's steps end where the model's do: a model built with chunked encoding
+    (``chunk > 0``: forced segments join the step before them, end of 5.6.2) needs a guide built the same way,
+    and the other way round (:class:`~ppl_thought.errors.ChunkMismatchError` otherwise). Guides whose steps are
+    not known before ``init`` (``chunk`` is None or absent on a program without a projection) are not checked."""
+    if guide is None or getattr(model, "projection", None) is None or getattr(guide, "projection", None) is None:
+        return
+    mc, gc = getattr(model, "chunk", 0), getattr(guide, "chunk", 0)
+    if mc is None or gc is None or bool(mc) == bool(gc):
+        return
+    which = (f"the model encodes forced segments in chunks (chunk={mc}) and the guide steps token by token" if mc
+             else f"the guide encodes forced segments in chunks (chunk={gc}) and the model steps token by token")
+    raise ChunkMismatchError(f"SMC: {which}, so their steps end at different observables; build both with the "
+                             "same chunk (SlowThinking(prior, proj, chunk=C) with Causal(lm, proj, chunk=C))")
 
 
 def _differs(a, b) -> bool:

@@ -24,6 +24,7 @@ from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.importance import log_marginal_stderr, not_in_image_result
 from ppl_thought.inference.particles import (
     check_compatible,
+    check_steps,
     engine_device,
     particle_plate,
     require_program,
@@ -187,6 +188,7 @@ class SMC:
 
             return run_static(self, model, guide, args, kwargs)
         check_compatible(model, guide)
+        check_steps(model, guide)
         guide = as_step_guide(guide)
         require_program(guide, "guide")
         try:

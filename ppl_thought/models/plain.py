@@ -92,14 +92,20 @@ class PlainLM(Program):
         pyro.module(self.module_name, self.lm)
         state[self.state_key] = sequence_start(self.site, self.x_dist(len(xt)), particles(), observed=xt)
         state[f"{self.site}:observed"] = Shared(xt)
+        # where the steps end (observable counts): one token each, unless a transform set them at sequence_start
+        # (ProjectionLift(proj, chunk=C): the forced segments join the step before them, end of 5.6.2)
+        state.setdefault(f"{self.site}:step_ends", Shared(tuple(range(1, len(xt) + 1))))
 
     def step(self, state: dict, t: int, x=None, length: int | None = None):
-        """The segment that emits x_t (one token of x here; the latent segment z^(t) under ProjectionLift)."""
+        """The segment that emits x_t (one token of x here; the latent segment z^(t) under ProjectionLift), or
+        the tokens up to ``state[f"{site}:step_ends"][t]`` when a transform set coarser steps."""
         xt = state[f"{self.site}:observed"].value
+        ends = state[f"{self.site}:step_ends"].value
         st = state[self.state_key]
-        last = t + 1 >= len(xt)
-        obs = xt[t : t + 1].to(st.device).reshape(1, -1).expand(st.n, -1)  # [n, 0] for x = ""
-        seg = pyro.sample(f"{self.site}_{t}", st.segment(until_emitted=None if last else t + 1), obs=obs)
+        last = t + 1 >= len(ends)
+        lo, hi = (ends[t - 1] if t else 0), (len(xt) if last else ends[t])
+        obs = xt[lo:hi].to(st.device).reshape(1, -1).expand(st.n, hi - lo)  # [n, 0] for x = ""
+        seg = pyro.sample(f"{self.site}_{t}", st.segment(until_emitted=None if last else hi), obs=obs)
         st.extend(seg)
         return torch.ones(st.n, dtype=torch.bool, device=st.device) if last else None
 

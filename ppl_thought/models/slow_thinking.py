@@ -75,6 +75,10 @@ class SlowThinking(Transformed):
     Args:
         prior: the latent LM P_f (a :mod:`ppl_thought.lm` module over the projection's vocabulary).
         projection: a :class:`~ppl_thought.projections.Projection`.
+        chunk: chunked encoding for sparse thoughts (end of Section 5.6.2; ``0``: token by token): runs of up to
+            ``chunk`` forced tokens are encoded in one pass, and SMC steps begin only where a thought may start
+            (:class:`~ppl_thought.transforms.ProjectionLift`). Same law; pair it with a guide built with the
+            same ``chunk``.
 
     Call it as a Pyro model: ``model(x)`` with x a string, token list or 1-D LongTensor
     (observed), or ``model(None, length=n)`` to generate. Under a particle plate the z site
@@ -85,13 +89,13 @@ class SlowThinking(Transformed):
     (enumeration) added here.
     """
 
-    def __init__(self, prior: torch.nn.Module, projection: Projection):
+    def __init__(self, prior: torch.nn.Module, projection: Projection, chunk: int = 0):
         if int(prior.vocab_size) != len(projection.vocab):
             raise ValueError(
                 f"prior vocab_size {prior.vocab_size} != projection vocabulary size {len(projection.vocab)}"
             )
         plain = PlainLM(prior, projection.vocab, module_name="prior", state_key="z")
-        super().__init__(plain, ProjectionLift(projection))
+        super().__init__(plain, ProjectionLift(projection, chunk=chunk))
         self.prior = prior
         self.projection = projection
         self.vocab = projection.vocab

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ppl_thought.projections.arrays import as_framework_array, table_key
+from ppl_thought.vocab import BOS_ID, PAD_ID
 
 DEAD = -1
 
@@ -260,3 +261,27 @@ class AutomatonBuilder:
         return Automaton(
             np.stack(self._rows), np.array(self._final), np.array(self._emitted), start, max_len, self.name
         )
+
+
+def step_ends(lifting: Automaton, chunked: bool = False) -> tuple[int, ...]:
+    """Where the steps of a step-wise (SMC) program end, as observable counts: step k draws the latent tokens
+    until ``ends[k]`` observables are determined (the last step: until a final state of the lifting).
+
+    Token by token (``chunked=False``) step t is segment t of Lemma 2.1: ``(1, 2, ..., |x|)``. Chunked
+    (end of Section 5.6.2) a step also takes every following segment that is *forced*: one in which no live
+    state of the lifting admits more than one token (e.g. an observable x_t between two sparse thoughts, which
+    the lifting fixes), so a step begins only where a thought may start and the text after it is encoded
+    in one chunk. The product of the step laws is the same law of z either way (a coarser decomposition of
+    Lemma 2.1); SMC only resamples less often.
+    """
+    final = np.asarray(lifting.final, dtype=bool)
+    emitted = np.asarray(lifting.emitted, dtype=np.int64)
+    T = int(emitted[final].max()) if final.any() else 0
+    if not chunked:
+        return tuple(range(1, T + 1)) if T else (0,)
+    allowed = lifting.next_state >= 0
+    allowed[:, [PAD_ID, BOS_ID]] = False  # never tokens of z
+    free = (allowed.sum(1) > 1) & ~final
+    free_at = np.zeros(T + 1, dtype=bool)
+    np.logical_or.at(free_at, np.clip(emitted[free], 0, T), True)
+    return tuple(int(t) for t in range(1, T) if free_at[t]) + (T,)

@@ -43,7 +43,7 @@ def _start(dist: LMSequence, n: int, observed: torch.Tensor | None = None, rule:
     """The LM state of ``n`` rows at the start of the sequence site ``dist`` (``rule`` overrides its token rule)."""
     return LMState._encode(dist.lm, int(n), dist.prompt if dist.prompt.numel() else None,
                            rule if rule is not None else dist.rule, dist.max_len, dist.stop_ids, dist.lm_kwargs,
-                           dist._device())
+                           dist._device(), dist.chunk)
 
 
 _start_effect = effectful(_start, type="sequence_start")
@@ -65,10 +65,10 @@ def sequence_start(name: str, dist: LMSequence, n: int, observed: torch.Tensor |
 
 def rebuild(dist: LMSequence, **changes: Any) -> LMSequence:
     """A copy of the sequence distribution with some of its arguments changed (``lm``, ``constraint``,
-    ``max_len``, ``prompt``, ``lm_kwargs``): what a transform does to a site."""
+    ``max_len``, ``prompt``, ``lm_kwargs``, ``chunk``): what a transform does to a site."""
     args = {"lm": dist.lm, "prompt": dist.prompt, "constraint": dist.constraint, "stop": dist.stop_ids,
             "max_len": dist.max_len, "vocab": dist.vocab, "batch_shape": dist.batch_shape,
-            "lm_kwargs": dist.lm_kwargs, "name": dist.lm_name}
+            "lm_kwargs": dist.lm_kwargs, "name": dist.lm_name, "chunk": dist.chunk}
     unknown = set(changes) - set(args)
     if unknown:
         raise TransformError(f"rebuild: unknown LMSequence arguments {sorted(unknown)}")

@@ -14,11 +14,11 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
 from ppl_thought.distributions.lm_sequence import LMSequence
-from ppl_thought.distributions.lm_state import LMState, Segment, TokenRule
+from ppl_thought.distributions.lm_state import LMState, Segment, TokenRule, chunk_size
 from ppl_thought.distributions.projected import ProjectionDelta
 from ppl_thought.errors import TransformError
 from ppl_thought.program import Shared
-from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections.automaton import Automaton, step_ends
 from ppl_thought.projections.base import Projection
 from ppl_thought.transforms.base import Transform, rebuild
 from ppl_thought.vocab import PAD_ID
@@ -70,12 +70,20 @@ class ProjectionLift(Transform):
       the last step), checks with the lifting automaton of x that it emits x_t (0 or -inf), and returns
       z^(t) as the site's value, so the program extends its state with the latent segment. The product of
       the step laws is the law of ``latent``: both views have the same joint.
+    * ``chunk = C > 0``: chunked encoding for sparse thoughts (end of Section 5.6.2). The latent site's LM
+      state encodes runs of up to C forced tokens in one pass when it samples (:class:`LMState`), and the step
+      view joins every forced segment of the lifting (the text between two thoughts) to the step before it
+      (:func:`~ppl_thought.projections.automaton.step_ends`, written to ``state[f"{site}:step_ends"]``), so a
+      step begins only where a thought may start. Same joint; SMC resamples at those steps only. Run it
+      with a guide built with the same ``chunk`` (``pt.guides.Causal(lm, proj, chunk=C)``).
 
-    ``model.projection`` of the transformed model is ``projection`` (the guides and engines read it).
+    ``model.projection`` of the transformed model is ``projection`` (the guides and engines read it), and
+    ``model.chunk`` is ``chunk``.
     """
 
-    def __init__(self, projection: Projection, site: str = "x", latent: str = "z"):
+    def __init__(self, projection: Projection, site: str = "x", latent: str = "z", chunk: int = 0):
         super().__init__()
+        self.chunk = chunk_size(chunk)
         if not isinstance(projection, Projection):
             raise TransformError(f"ProjectionLift needs a Projection, got {type(projection).__name__}")
         if site == latent:
@@ -87,7 +95,7 @@ class ProjectionLift(Transform):
 
     @property
     def provides(self) -> dict:
-        return {"projection": self.projection}
+        return {"projection": self.projection, "chunk": self.chunk}
 
     def __call__(self, model):
         """Lift ``model``; a model that already has a projection is refused: the innermost lifting would take
@@ -114,7 +122,8 @@ class ProjectionLift(Transform):
         if dist.vocab_size != len(self.projection.vocab):
             raise TransformError(f"site {self.site!r}: its LM has vocab_size {dist.vocab_size}, the projection's "
                                  f"vocabulary {len(self.projection.vocab)} tokens")
-        return rebuild(dist, constraint=self.domain(num_observed)[0], vocab=self.projection.vocab, stop=None)
+        return rebuild(dist, constraint=self.domain(num_observed)[0], vocab=self.projection.vocab, stop=None,
+                       chunk=self.chunk or dist.chunk)
 
     # ------------------------------------------------------------------ whole view
     def _pyro_sample(self, msg) -> None:
@@ -155,6 +164,7 @@ class ProjectionLift(Transform):
         msg["infer"]["_pt_lifted"] = True
         self.state[self.key] = {"s": lift.start_states(int(n), dist._device()), "num_observed": T,
                                 "lifting": Shared(lift)}
+        self.state[f"{self.site}:step_ends"] = Shared(step_ends(lift, chunked=bool(self.chunk)))
 
     def _pyro_post_sequence_start(self, msg) -> None:
         if msg["name"] == self.site and isinstance(msg["value"], LMState) and self.key in (self.state or {}):
@@ -163,15 +173,15 @@ class ProjectionLift(Transform):
     def _lift_step(self, msg, fn: Segment, t: int) -> None:
         entry = self.state[self.key]
         st = fn.base
-        T = entry["num_observed"]
-        last = t + 1 >= T
-        seg = pyro.sample(f"{self.latent}_{t}", st.segment(until_emitted=None if last else t + 1))
+        ends = self.state[f"{self.site}:step_ends"].value
+        last = t + 1 >= len(ends)
+        seg = pyro.sample(f"{self.latent}_{t}", st.segment(until_emitted=None if last else ends[t]))
         lift = entry["lifting"].value
         s = entry["s"]
         for j in range(seg.shape[-1]):
             s = lift.advance(s, seg[:, j])
         entry["s"] = s
-        ok = lift.is_final(s) if last else lift.num_emitted(s) >= t + 1
+        ok = lift.is_final(s) if last else lift.num_emitted(s) >= ends[t]
         msg["fn"] = SegmentCheck(ok.float().log())  # 0 / -inf
         msg["value"] = seg
         msg["infer"]["_pt_lifted"] = True
