@@ -1,0 +1,38 @@
+"""What every JAX language model of ``ppl_thought.numpyro`` provides (the JAX LM protocol).
+
+An LM is parameters plus pure, jit-able functions. Caches are pytrees whose every leaf has the batch
+(particles) on axis 0, so resampling is ``reorder(cache, index)``. A sequence always starts with BOS
+(``ppl_thought.vocab.BOS_ID``) like on the torch side; the per-sequence log-probability of y_1..y_T is
+``sum_t log_probs[:, t-1, y_t]`` after feeding ``[BOS, y_1, ..., y_{T-1}]`` (the f(x) of (2.13)).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+class LM:
+    """A JAX language model: parameters plus pure, jit-able functions. Caches are pytrees whose every
+    leaf has the batch (particles) on axis 0, so resampling is `reorder(cache, index)`."""
+
+    vocab_size: int
+    params: Any  # pytree of jnp arrays (float32 by default)
+
+    def init_cache(self, batch: int, max_len: int) -> Any:
+        """An empty cache for `batch` rows and at most `max_len` tokens per row (static shapes)."""
+        raise NotImplementedError
+
+    def apply(self, params, cache, tokens, valid=None, latents=None) -> tuple[jax.Array, Any]:
+        """Feed tokens int32[B, T]; return (log_probs float32[B, T, V], new_cache): log_probs[:, t] is the
+        log-softmax of the next token after tokens[:, :t+1] (and everything already in the cache).
+        valid bool[B, T] (default all True): a False entry is not written to the cache and not attended to
+        (ragged rows; its output row is arbitrary but finite). latents float32[B, L, d_latent]: what
+        cross-attention reads (Transformer with d_latent set; ignored/error otherwise)."""
+        raise NotImplementedError
+
+
+def reorder(cache: Any, index: jax.Array) -> Any:
+    """Row ``i`` of the result is row ``index[i]`` of ``cache`` (SMC resampling; works under ``jit``)."""
+    return jax.tree.map(lambda a: a[index], cache)
