@@ -149,14 +149,14 @@ def init_params(key: jax.Array, config: dict) -> dict:
     norms 1 (same law, not the same draws)."""
     shapes = transformer_shapes(config)
     branches = config["n_layers"] * (3 if config["cross_attention"] else 2)
-    keys = jax.random.split(key, len(shapes))
-    state = {}
-    for k, (name, shape) in zip(keys, shapes.items()):
-        if name.endswith("norm.weight"):
-            state[name] = np.ones(shape, np.float32)
-            continue
+    sizes = [int(np.prod(shape)) for shape in shapes.values()]
+    noise = np.asarray(jax.random.normal(key, (sum(sizes),), jnp.float32))  # one draw, cut into tensors
+    state, offset = {}, 0
+    for (name, shape), size in zip(shapes.items(), sizes):
         std = 0.02 / np.sqrt(branches) if name.endswith(("out.weight", "down.weight")) else 0.02
-        state[name] = np.asarray(std * jax.random.normal(k, shape, jnp.float32))
+        state[name] = (np.ones(shape, np.float32) if name.endswith("norm.weight")
+                       else std * noise[offset:offset + size].reshape(shape))
+        offset += size
     if config["tie_embeddings"]:
         state["lm_head.weight"] = state["embed.weight"]
     return params_from_state(state, config)
@@ -191,6 +191,9 @@ class Transformer(LM):
         self.dropout, self.tie_embeddings = c["dropout"], c["tie_embeddings"]
         self.head_dim = d_model // n_heads
         self.rope_cos, self.rope_sin = rope_tables(self.head_dim, max_len, self.rope_base)
+        # apply checks its inputs in Python, then runs this: eager calls compile once per shape instead of
+        # op by op; inside a caller's jit it is inlined
+        self._forward = jax.jit(self._forward_impl)
         self.params = params if params is not None else init_params(
             key if key is not None else jax.random.PRNGKey(0), c)
 
@@ -243,6 +246,13 @@ class Transformer(LM):
         B, T, S = self._check(cache, tokens, valid, latents)
         if valid is None:
             valid = jnp.ones((B, T), bool)
+        return self._forward(params, cache, jnp.asarray(tokens), valid, latents)
+
+    def _forward_impl(self, params: dict, cache: dict, tokens: jax.Array, valid: jax.Array,
+                      latents: jax.Array | None) -> tuple[jax.Array, dict]:
+        """The computation of :meth:`apply` after its checks (compiled once per shape by ``jit``)."""
+        B, T = tokens.shape
+        S = cache["keys"][0].shape[1]
         pos0 = cache["positions"]
         count = valid.astype(jnp.int32)
         positions = pos0[:, None] + jnp.cumsum(count, axis=1) - count  # [B, T]: valid tokens before each
