@@ -17,7 +17,7 @@ protocol of ``ppl_thought.numpyro.lm.base``); linear weights are stored ``[in, o
 
 The KV cache works under ``jit``: static shapes, preallocated to ``max_len`` slots per row::
 
-    cache = {"keys": (L x [B, S, H, Dh]), "values": (L x [B, S, H, Dh]), "positions": int32 [B]}
+    cache = {"keys": (L x [B, H, S, Dh]), "values": (L x [B, H, S, Dh]), "positions": int32 [B]}
 
 every leaf with the batch on axis 0 (``reorder(cache, index)`` resamples it). A row's valid tokens sit at
 the slots of their positions: slot j holds the row's token at position j, ``positions[b]`` counts the
@@ -82,18 +82,20 @@ def rope_tables(head_dim: int, max_len: int, base: float) -> tuple[jax.Array, ja
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate the pairs (x_i, x_{i + Dh/2}) of ``x [B, T, H, Dh]`` by the angles ``cos, sin [B, T, 1, Dh/2]``."""
+    """Rotate the pairs (x_i, x_{i + Dh/2}) of ``x [B, H, T, Dh]`` by the angles ``cos, sin [B, 1, T, Dh/2]``."""
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """softmax(q k^T / sqrt(Dh)) v for ``q [B, T, H, Dh]``, ``k, v [B, S, H, Dh]``; ``mask [B, T, S]`` (True =
-    attend) must leave every query at least one key."""
-    scores = jnp.einsum("bthd,bshd->bhts", q, k, precision=PRECISION) / np.sqrt(q.shape[-1]).astype(np.float32)
+    """softmax(q k^T / sqrt(Dh)) v for ``q [B, H, T, Dh]``, ``k, v [B, H, S, Dh]`` -> ``[B, T, H * Dh]``;
+    ``mask [B, T, S]`` (True = attend) must leave every query at least one key. (Heads before positions, as
+    the cache stores them: the products are batched matmuls, with no transpose of the cache.)"""
+    scores = jnp.einsum("bhtd,bhsd->bhts", q, k, precision=PRECISION) / np.sqrt(q.shape[-1]).astype(np.float32)
     if mask is not None:
         scores = jnp.where(mask[:, None], scores, -jnp.inf)
-    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v, precision=PRECISION)
+    y = jnp.einsum("bhts,bhsd->bthd", jax.nn.softmax(scores, axis=-1), v, precision=PRECISION)
+    return y.reshape(*y.shape[:2], -1)
 
 
 def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
@@ -219,8 +221,11 @@ class Transformer(LM):
         if batch < 1 or not 1 <= S <= self.max_len:
             raise MalformedSequenceError(f"init_cache needs batch >= 1 and 1 <= max_len <= {self.max_len} "
                                          f"(the model's RoPE tables), got batch={batch}, max_len={max_len}")
-        zeros = jnp.zeros((batch, S, self.n_heads, self.head_dim), jnp.float32)
-        return {"keys": (zeros,) * self.n_layers, "values": (zeros,) * self.n_layers,
+        def zeros() -> jax.Array:  # a buffer per leaf: a jitted step may donate (update in place) each one
+            return jnp.zeros((batch, self.n_heads, S, self.head_dim), jnp.float32)
+
+        return {"keys": tuple(zeros() for _ in range(self.n_layers)),
+                "values": tuple(zeros() for _ in range(self.n_layers)),
                 "positions": jnp.zeros((batch,), jnp.int32)}
 
     # -- forward --------------------------------------------------------------------------------------
@@ -252,7 +257,7 @@ class Transformer(LM):
                       latents: jax.Array | None) -> tuple[jax.Array, dict]:
         """The computation of :meth:`apply` after its checks (compiled once per shape by ``jit``)."""
         B, T = tokens.shape
-        S = cache["keys"][0].shape[1]
+        S = cache["keys"][0].shape[2]
         pos0 = cache["positions"]
         count = valid.astype(jnp.int32)
         positions = pos0[:, None] + jnp.cumsum(count, axis=1) - count  # [B, T]: valid tokens before each
@@ -266,7 +271,7 @@ class Transformer(LM):
         if self.window is not None:
             mask &= j > q_pos - self.window
         rope = jnp.minimum(positions, self.max_len - 1)
-        cos, sin = self.rope_cos[rope][:, :, None], self.rope_sin[rope][:, :, None]  # [B, T, 1, Dh/2]
+        cos, sin = self.rope_cos[rope][:, None], self.rope_sin[rope][:, None]  # [B, 1, T, Dh/2]
 
         x = jnp.take(params["embed"], tokens, axis=0, mode="fill", fill_value=jnp.nan)  # NaN for bad ids
         rows = jnp.arange(B)[:, None]
@@ -274,14 +279,14 @@ class Transformer(LM):
         for i, block in enumerate(params["blocks"]):
             # self-attention: write this call's keys/values at their slots, attend over the whole cache
             q, k, v = jnp.split(linear(rms_norm(x, block["attn_norm"]), block["qkv"]), 3, axis=-1)
-            q, k, v = (a.reshape(B, T, self.n_heads, self.head_dim) for a in (q, k, v))
+            q, k, v = (a.reshape(B, T, self.n_heads, self.head_dim).transpose(0, 2, 1, 3) for a in (q, k, v))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k_all = cache["keys"][i].at[rows, slots].set(k, mode="drop")
-            v_all = cache["values"][i].at[rows, slots].set(v, mode="drop")
+            # [B, H, S, Dh][rows, :, slots] is [B, T, H, Dh] (advanced indices first)
+            k_all = cache["keys"][i].at[rows, :, slots].set(k.transpose(0, 2, 1, 3), mode="drop")
+            v_all = cache["values"][i].at[rows, :, slots].set(v.transpose(0, 2, 1, 3), mode="drop")
             keys.append(k_all)
             values.append(v_all)
-            y = attention(q, k_all, v_all, mask)
-            x = x + linear(y.reshape(B, T, self.d_model), block["out"])
+            x = x + linear(attention(q, k_all, v_all, mask), block["out"])
             if self.cross_attention:
                 x = x + self._cross(block, rms_norm(x, block["cross_norm"]), self._layer_latents(latents, i, B))
             x = x + swiglu(rms_norm(x, block["mlp_norm"]), block["gate_up"], block["down"])
@@ -307,11 +312,11 @@ class Transformer(LM):
     def _cross(self, block: dict, x: jax.Array, z: jax.Array) -> jax.Array:
         """Cross-attention (LTM Sec 2.1): queries from the tokens, keys/values from ``z [B, N_z, d_latent]``."""
         B, T, _ = x.shape
-        q = linear(x, block["cross_q"]).reshape(B, T, self.n_heads, self.head_dim)
+        q = linear(x, block["cross_q"]).reshape(B, T, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
         k, v = jnp.split(linear(z, block["cross_kv"]), 2, axis=-1)
-        k, v = (a.reshape(z.shape[0], z.shape[1], self.n_heads, self.head_dim) for a in (k, v))
+        k, v = (a.reshape(*z.shape[:2], self.n_heads, self.head_dim).transpose(0, 2, 1, 3) for a in (k, v))
         k, v = (jnp.broadcast_to(a, (B, *a.shape[1:])) for a in (k, v))
-        return linear(attention(q, k, v).reshape(B, T, self.d_model), block["cross_out"])
+        return linear(attention(q, k, v), block["cross_out"])
 
     @staticmethod
     def _layer_latents(latents: jax.Array, layer: int, B: int) -> jax.Array:
@@ -324,12 +329,12 @@ class Transformer(LM):
         B, T = tokens.shape
         if not isinstance(cache, dict) or set(cache) != {"keys", "values", "positions"} \
                 or len(cache["keys"]) != self.n_layers \
-                or cache["keys"][0].shape[2:] != (self.n_heads, self.head_dim):
+                or cache["keys"][0].shape[1::2] != (self.n_heads, self.head_dim):
             raise MalformedSequenceError("cache was not made by this model's init_cache "
                                          f"(n_layers={self.n_layers}, n_heads={self.n_heads})")
         if cache["positions"].shape != (B,):
             raise MalformedSequenceError(f"cache holds {cache['positions'].shape[0]} rows but tokens have {B}")
-        S = cache["keys"][0].shape[1]
+        S = cache["keys"][0].shape[2]
         if valid is not None and (getattr(valid, "shape", None) != (B, T) or valid.dtype != jnp.bool_):
             raise MalformedSequenceError(f"valid must be a bool array [B, T] = [{B}, {T}], got {_describe(valid)}")
         if not self.cross_attention:
