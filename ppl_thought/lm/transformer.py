@@ -381,53 +381,19 @@ class Transformer(nn.Module):
 
         A config that does not describe the saved tensors (keys that are no constructor argument, sizes that
         are not positive integers, another depth, width or tensor shape than saved) raises
-        :class:`~ppl_thought.errors.CheckpointError` naming it, checked on a skeleton on the ``meta`` device
-        before anything is allocated.
+        :class:`~ppl_thought.errors.CheckpointError` naming it, checked before anything is allocated
+        (:func:`ppl_thought.checkpoint.check_transformer_config`).
         """
-        import inspect
-
+        from ppl_thought.checkpoint import check_transformer_config
         from ppl_thought.errors import CheckpointError
         from ppl_thought.io import load_checkpoint
 
         state, config, _ = load_checkpoint(path, device=device)
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{path}: the config of a Transformer checkpoint is a JSON object, got {config!r}")
-        config = dict(config)
-        config.pop("vocab", None)
-        if config.pop("class", "Transformer") != "Transformer":
-            raise CheckpointError(f"{path} is not a Transformer checkpoint")
-        unknown = sorted(set(config) - set(inspect.signature(cls.__init__).parameters) - {"self"})
-        if unknown or "vocab_size" not in config:
-            raise CheckpointError(f"{path}: the config " + (f"has keys {unknown} that are not Transformer arguments"
-                                                             if unknown else "lacks vocab_size"))
-        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
-            v = config.get(k, 1)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise CheckpointError(f"{path}: config {k}={v!r} is not a positive integer")
-        # depth and width from the tensors first: a corrupted n_layers would build that many blocks
-        blocks = {k.split(".")[1] for k in state if k.startswith("blocks.")}
-        embed = state.get("embed.weight")
-        want = (config["vocab_size"], config.get("d_model", 64))
-        if len(blocks) != config.get("n_layers", 2) or embed is None or tuple(embed.shape) != want:
-            raise CheckpointError(
-                f"{path}: the config (n_layers={config.get('n_layers', 2)}, vocab_size, d_model = {want}) does not "
-                f"describe the saved tensors ({len(blocks)} blocks, embed.weight "
-                f"{None if embed is None else tuple(embed.shape)})")
-        try:
-            with torch.device("meta"):
-                skeleton = cls(**config)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: the config cannot build a Transformer: {e}") from None
-        expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-        saved = {k: tuple(v.shape) for k, v in state.items()}
-        if expected != saved:
-            bad = sorted(set(expected) ^ set(saved)) + sorted(k for k in set(expected) & set(saved)
-                                                              if expected[k] != saved[k])
-            raise CheckpointError(f"{path}: the saved tensors do not match the config (missing, unexpected or "
-                                  f"of another shape: {bad[:5]})")
+        # the torch-free check shared with ptn.lm.Transformer.load (one home for the format)
+        config = check_transformer_config(path, config, {k: tuple(v.shape) for k, v in state.items()})
         try:
             model = cls(**config).to(device)
-        except (RuntimeError, MemoryError) as e:  # e.g. RoPE tables for an absurd max_len
+        except (TypeError, ValueError, RuntimeError, MemoryError) as e:  # e.g. RoPE tables for an absurd max_len
             raise CheckpointError(f"{path}: the config cannot build a Transformer here: {e}"[:500]) from None
         model.load_state_dict(state)
         return model

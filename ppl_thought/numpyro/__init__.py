@@ -4,11 +4,11 @@ The same programs as the torch side, as NumPyro programs over the same vocabular
 numpy automaton tables)::
 
     import ppl_thought.numpyro as ptn
-    ptn.lm                       # LM protocol (lm.base.LM, reorder), Tabular n-gram (Transformer: lm.transformer)
+    ptn.lm                       # LM protocol (LM, reorder), Tabular n-gram, Transformer (loads torch checkpoints)
     ptn.dist                     # LMSequence (Def 2.8), ProjectionDelta: NumPyro distributions
-    ptn.models                   # SlowThinking (Proj # P_f), HMM (Def 2.2, forward algorithm (3.1))
+    ptn.models                   # SlowThinking (Proj # P_f), HMM (Def 2.2, forward algorithm (3.1)), LatentThought
     ptn.guides                   # Identity (3.30), Predictive, Causal (3.33), Explanatory (Def 3.9), Posterior
-    ptn.infer                    # Importance (3.2), SMC, ELBO (for numpyro.infer.SVI), Result
+    ptn.infer                    # Importance (3.2), SMC, ELBO (for numpyro.infer.SVI), Result, ULA / MALA kernels
     ptn.handlers                 # ProjectionLift: a plain LM program -> Proj # P_f
     ptn.to_inference_data        # ArviZ InferenceData with the weights kept as on the torch side
 

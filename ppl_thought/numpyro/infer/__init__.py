@@ -1,10 +1,12 @@
 """JAX engines: Importance (3.2) and SMC (Lemma 2.1) compiled with vmap / lax.scan / jit, the ELBO objective for
-``numpyro.infer.SVI``, and the :class:`Result` they return."""
+``numpyro.infer.SVI``, the :class:`Result` they return, and ULA / MALA (Langevin over continuous thoughts) as
+``numpyro.infer.MCMC`` kernels."""
 
 from ppl_thought.numpyro.infer.importance import Importance
+from ppl_thought.numpyro.infer.langevin import MALA, ULA, LangevinState
 from ppl_thought.numpyro.infer.result import Result, effective_sample_size, log_marginal_stderr, log_mean_exp
 from ppl_thought.numpyro.infer.smc import SMC, systematic_resample
 from ppl_thought.numpyro.infer.svi import ELBO
 
-__all__ = ["ELBO", "SMC", "Importance", "Result", "effective_sample_size", "log_marginal_stderr", "log_mean_exp",
-           "systematic_resample"]
+__all__ = ["ELBO", "MALA", "SMC", "ULA", "Importance", "LangevinState", "Result", "effective_sample_size",
+           "log_marginal_stderr", "log_mean_exp", "systematic_resample"]

@@ -34,6 +34,6 @@ class LM:
         raise NotImplementedError
 
 
-def reorder(cache, index):
-    """Gather the rows ``index`` of every leaf of a cache (or any batched pytree): resampling in SMC."""
+def reorder(cache: Any, index: jax.Array) -> Any:
+    """Row ``i`` of the result is row ``index[i]`` of ``cache`` (SMC resampling; works under ``jit``)."""
     return jax.tree.map(lambda a: a[index], cache)
