@@ -189,7 +189,7 @@ class LMSequence(TorchDistribution):
     # ------------------------------------------------------------------ set-up helpers
     def _stop_ids(self, stop) -> torch.Tensor:
         if stop is None:
-            return torch.zeros(0, dtype=torch.long, device=self._device())
+            return torch.zeros(0, dtype=torch.long, device=self.device)
         items = list(stop) if isinstance(stop, list | tuple | torch.Tensor) else [stop]
         out = []
         for s in items:
@@ -199,7 +199,7 @@ class LMSequence(TorchDistribution):
                 out.append(self.vocab.id(s))
             else:
                 out.append(integer("a stop token id", s.item() if isinstance(s, torch.Tensor) else s, minimum=0))
-        t = torch.tensor(out, dtype=torch.long, device=self._device())
+        t = torch.tensor(out, dtype=torch.long, device=self.device)
         self._check_range(t, "stop tokens")
         return t
 
@@ -215,7 +215,9 @@ class LMSequence(TorchDistribution):
         TorchDistribution.__init__(new, torch.Size(batch_shape), self.event_shape, validate_args=False)
         return new
 
-    def _device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:
+        """The LM's device: where samples, masks and log-probabilities are made."""
         return lm_device(self.lm)
 
     def _mask(self, auto: torch.Tensor) -> torch.Tensor:
@@ -238,7 +240,7 @@ class LMSequence(TorchDistribution):
     def _prompt_rows(self, batch: torch.Size, n: int) -> torch.Tensor:
         """Per-row prompts ``[n, P]`` right-padded: the batched prompt expanded to ``batch`` and repeated
         over the leading (sample) rows; row ``i`` of the ``n`` has prompt ``i % batch.numel()``."""
-        p = self.prompt.to(self._device())
+        p = self.prompt.to(self.device)
         rows = p.expand(batch + p.shape[-1:]).reshape(-1, p.shape[-1])
         if rows.shape[0] == 0 or n % rows.shape[0]:
             raise MalformedSequenceError(f"{rows.shape[0]} prompts for {n} rows")
@@ -250,8 +252,8 @@ class LMSequence(TorchDistribution):
         stop tokens, ``max_len`` and ``lm_kwargs``. ``start(n).segment()`` is this distribution, sampled."""
         n = self.batch_shape.numel() if n is None else int(n)
         prompt = self._prompt_rows(self.batch_shape, n) if self.prompt.ndim > 1 else self.prompt
-        return LMState._encode(self.lm, n, prompt, self.rule, self.max_len, self.stop_ids, self.lm_kwargs,
-                               self._device(), self.chunk)
+        return LMState.encode(self.lm, n, prompt, self.rule, self.max_len, self.stop_ids, self.lm_kwargs,
+                               self.device, self.chunk)
 
     def lm_kwargs_for(self, n: int) -> dict:
         """LM keyword arguments with batched tensors (e.g. latents) matched to ``n`` rows."""
@@ -264,7 +266,7 @@ class LMSequence(TorchDistribution):
         to ``max_len``."""
         shape = torch.Size(sample_shape) + self.batch_shape
         n = shape.numel()
-        device = self._device()
+        device = self.device
         z = torch.full((n, self.max_len), PAD_ID, dtype=torch.long, device=device)
         lp = torch.zeros(n, device=device)
         if n:
@@ -285,7 +287,7 @@ class LMSequence(TorchDistribution):
         if self.prompt.ndim > 1:  # one prompt per row: broadcast the value over the prompts' batch
             value = value.expand(torch.broadcast_shapes(value.shape[:-1], self.prompt.shape[:-1]) + value.shape[-1:])
         batch = value.shape[:-1]
-        device = self._device()
+        device = self.device
         # padding columns (<pad> in every row) are no tokens: the LM never reads them, so a value padded
         # wider than the LM's context is scored as long as its rows fit
         flat = trim_padding(value.reshape(batch.numel(), value.shape[-1]).to(device))
@@ -312,7 +314,7 @@ class LMSequence(TorchDistribution):
         return torch.is_grad_enabled() and any(p.requires_grad for p in self.lm.parameters())
 
     def _check_value(self, value) -> torch.Tensor:
-        value = torch.as_tensor(value, device=value.device if isinstance(value, torch.Tensor) else self._device())
+        value = torch.as_tensor(value, device=value.device if isinstance(value, torch.Tensor) else self.device)
         if value.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise MalformedSequenceError(f"LMSequence values must be integer token ids, got {value.dtype}")
         value = value.long()
@@ -348,7 +350,7 @@ class LMSequence(TorchDistribution):
         if self.prompt.ndim > 1:  # one prompt per row: broadcast the value over the prompts' batch
             value = value.expand(torch.broadcast_shapes(value.shape[:-1], self.prompt.shape[:-1]) + value.shape[-1:])
         batch = value.shape[:-1]
-        device = self._device()
+        device = self.device
         width = value.shape[-1]
         flat = trim_padding(value.reshape(batch.numel(), width).to(device))  # padding columns: no LM positions
         n, L = flat.shape

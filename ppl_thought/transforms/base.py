@@ -41,9 +41,9 @@ __all__ = ["Transform", "Transformed", "TransformedFunction", "compose", "rebuil
 # ---------------------------------------------------------------------------------------------- the step effect
 def _start(dist: LMSequence, n: int, observed: torch.Tensor | None = None, rule: TokenRule | None = None) -> LMState:
     """The LM state of ``n`` rows at the start of the sequence site ``dist`` (``rule`` overrides its token rule)."""
-    return LMState._encode(dist.lm, int(n), dist.prompt if dist.prompt.numel() else None,
+    return LMState.encode(dist.lm, int(n), dist.prompt if dist.prompt.numel() else None,
                            rule if rule is not None else dist.rule, dist.max_len, dist.stop_ids, dist.lm_kwargs,
-                           dist._device(), dist.chunk)
+                           dist.device, dist.chunk)
 
 
 _start_effect = effectful(_start, type="sequence_start")

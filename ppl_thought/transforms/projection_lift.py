@@ -162,7 +162,7 @@ class ProjectionLift(Transform):
         msg["args"] = (self.latent_dist(dist, T), n)
         msg["kwargs"]["rule"] = self.domain(T)[1]
         msg["infer"]["_pt_lifted"] = True
-        self.state[self.key] = {"s": lift.start_states(int(n), dist._device()), "num_observed": T,
+        self.state[self.key] = {"s": lift.start_states(int(n), dist.device), "num_observed": T,
                                 "lifting": Shared(lift)}
         self.state[f"{self.site}:step_ends"] = Shared(step_ends(lift, chunked=bool(self.chunk)))
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ppl_thought.distributions.lm_sequence import LMSequence
-from ppl_thought.distributions.lm_state import _left_pack, trim_padding
+from ppl_thought.distributions.lm_state import left_pack, trim_padding
 from ppl_thought.errors import TransformError
 from ppl_thought.projections.pause import PauseToThink
 from ppl_thought.transforms.base import Transform, rebuild
@@ -33,7 +33,7 @@ def forgetful_context(tokens: torch.Tensor) -> torch.Tensor:
     keep = _keep(tokens)
     last = _segment_ids(tokens)[:, -1:] if tokens.shape[1] else torch.zeros(tokens.shape[0], 1, dtype=torch.long)
     k = keep.gather(1, last[:, :, None].expand(-1, 1, tokens.shape[1])).squeeze(1)
-    return trim_padding(_left_pack(torch.where(k, tokens, torch.full_like(tokens, PAD_ID))))
+    return trim_padding(left_pack(torch.where(k, tokens, torch.full_like(tokens, PAD_ID))))
 
 
 def _segment_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ class ForgetfulLM(nn.Module):
         keep = _keep(tokens)
         J1 = keep.shape[1]
         rows = torch.where(keep, tokens[:, None, :], torch.full_like(tokens[:, None, :], PAD_ID))
-        packed = trim_padding(_left_pack(rows.reshape(n * J1, L)))
+        packed = trim_padding(left_pack(rows.reshape(n * J1, L)))
         kw = {k: (v.repeat_interleave(J1, 0) if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == n else v)
               for k, v in kwargs.items()}
         logits, _ = self.lm(packed, **kw)
