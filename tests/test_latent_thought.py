@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pyro
@@ -164,19 +162,17 @@ def test_langevin_posterior_runs_and_is_finite():
     assert math.isfinite(out["ppl"]) and out["ppl"] > 1.0
 
 
-def test_example_core_runs_tiny(tmp_path: Path):
-    path = Path(__file__).resolve().parents[1] / "examples" / "latent_thought_model.py"
-    spec = importlib.util.spec_from_file_location("latent_thought_model_example", path)
-    ex = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = ex
-    spec.loader.exec_module(ex)
-    res = ex.run(ex.TINY, str(tmp_path), progress=False)
+def test_experiment_runs_tiny(tmp_path: Path):
+    from ppl_thought.data.markov_mixture import MarkovMixture
+    from ppl_thought.experiments.latent_thought import LTMConfig, run_latent_thought
+
+    res = run_latent_thought(LTMConfig.tiny(), str(tmp_path), progress=False)
     for key in ("elbo_ppl_by_T", "ltm_ppl", "ar_window_ppl", "exact_ppl", "langevin_ppl"):
         assert key in res
     assert all(math.isfinite(v) for v in res["elbo_ppl_by_T"].values())
     assert res["exact_ppl"] >= 1.0 and math.isfinite(res["ltm_ppl"]) and math.isfinite(res["langevin_ppl"])
     assert Path(res["plot"]).exists()
     # exact log p(x) of the mixture sums to one over all sequences of length 2
-    data = ex.MarkovMixture(3, 2, 0.5, torch.Generator().manual_seed(0))
+    data = MarkovMixture(3, 2, 0.5, torch.Generator().manual_seed(0))
     xs = torch.cartesian_prod(torch.arange(3), torch.arange(3))
     assert data.log_prob(xs).exp().sum().item() == pytest.approx(1.0, abs=1e-5)
