@@ -26,7 +26,7 @@ from torch.distributions import constraints
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import MalformedSequenceError
-from ppl_thought.lm.base import lm_device
+from ppl_thought.lm.base import as_id_batch, lm_device
 from ppl_thought.program import Program, Shared, is_program, particles
 from ppl_thought.projections.automaton import Automaton, step_ends
 from ppl_thought.projections.base import Projection, as_id_array
@@ -89,14 +89,7 @@ class Sampler(Program, ABC):
         return int(L)
 
     def _check_z(self, z, L: int) -> torch.Tensor:
-        z = torch.as_tensor(z, device=z.device if isinstance(z, torch.Tensor) else self.device)
-        if z.dtype in (torch.float16, torch.float32, torch.float64, torch.bool):
-            raise MalformedSequenceError(f"latent sequences must hold integer ids, got dtype {z.dtype}")
-        z = z.long()
-        if z.ndim == 1:
-            z = z[None]
-        if z.ndim != 2:
-            raise MalformedSequenceError(f"latent sequences must be [n, L], got shape {tuple(z.shape)}")
+        z = as_id_batch(z, "latent sequences", None if isinstance(z, torch.Tensor) else self.device)
         if z.shape[-1] > L:
             if (z[:, L:] != PAD_ID).any():
                 raise MalformedSequenceError(f"latent sequence longer than the event length {L}")

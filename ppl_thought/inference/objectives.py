@@ -29,6 +29,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer import ELBO
 
+from ppl_thought.errors import MalformedSequenceError
 from ppl_thought.inference.particles import (
     PARTICLES,
     Particles,
@@ -36,6 +37,7 @@ from ppl_thought.inference.particles import (
     per_particle,
     sample_particles,
 )
+from ppl_thought.lm.base import as_id_batch
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 __all__ = [
@@ -288,14 +290,9 @@ class SFT(ParticleObjective):
             pt = self.particles(model, guide, *args, **kwargs)
             log_p = pt.log_p
         else:
-            seq = torch.as_tensor(sequences)
-            if seq.dtype.is_floating_point or seq.dtype == torch.bool:
-                raise ValueError(f"SFT sequences must be integer token ids, got dtype {seq.dtype}")
-            seq = seq.long()
-            if seq.ndim == 1:
-                seq = seq[None]
-            if seq.ndim != 2 or seq.shape[0] == 0:
-                raise ValueError(f"SFT sequences must be [B, L] with B >= 1, got shape {tuple(seq.shape)}")
+            seq = as_id_batch(sequences, "SFT sequences")
+            if seq.shape[0] == 0:
+                raise MalformedSequenceError(f"SFT sequences must be [B, L] with B >= 1, got shape {tuple(seq.shape)}")
             depth = self.plate_nesting(model, None, args, kwargs)
             conditioned = poutine.condition(self._in_plate(model, seq.shape[0], depth), data={self.site: seq})
             tr = poutine.trace(conditioned).get_trace(*args, **kwargs)

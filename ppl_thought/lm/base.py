@@ -66,6 +66,20 @@ def match_rows(kwargs: dict, n: int) -> dict:
 TOKEN_DTYPES = (torch.int64, torch.int32)
 
 
+def as_id_batch(x, what: str, device=None) -> torch.Tensor:
+    """Token ids as a LongTensor ``[B, L]`` (a 1-D row becomes ``[1, L]``) on ``device`` (default: where x is);
+    :class:`MalformedSequenceError` naming ``what`` for float / bool arrays or other shapes."""
+    t = torch.as_tensor(x, device=device if not isinstance(x, torch.Tensor) else None)
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise MalformedSequenceError(f"{what} must hold integer token ids, got dtype {t.dtype}")
+    t = t.long()
+    if t.ndim == 1:
+        t = t[None]
+    if t.ndim != 2:
+        raise MalformedSequenceError(f"{what} must be 1-D or [B, L] token ids, got shape {tuple(t.shape)}")
+    return t if device is None else t.to(device)
+
+
 def describe(x) -> str:
     """``"torch.float32 tensor of shape (2, 3)"`` or the type's name: for error messages."""
     if isinstance(x, torch.Tensor):

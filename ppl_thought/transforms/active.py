@@ -41,7 +41,7 @@ from ppl_thought.checks import integer
 from ppl_thought.distributions.lm_sequence import LMSequence, concat
 from ppl_thought.distributions.lm_state import masked_log_softmax
 from ppl_thought.errors import ActiveLiftError, MalformedSequenceError
-from ppl_thought.lm.base import lm_device
+from ppl_thought.lm.base import as_id_batch, lm_device
 from ppl_thought.projections.automaton import AutomatonBuilder
 from ppl_thought.vocab import BOS_ID, END_THINK_ID, EOS_ID, PAD_ID, THINK_ID, Vocab
 
@@ -148,14 +148,7 @@ class ActiveLift(Messenger):
         """x as right-padded ids ``[B, L]`` on the LM's device (text, a 1-D or a 2-D LongTensor)."""
         if isinstance(x, str):
             x = self.vocab.encode(x)
-        t = torch.as_tensor(x)
-        if t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise MalformedSequenceError(f"{what} must hold integer token ids, got dtype {t.dtype}")
-        t = t.long()
-        if t.ndim == 1:
-            t = t[None]
-        if t.ndim != 2:
-            raise MalformedSequenceError(f"{what} must be 1-D or [B, L] token ids, got shape {tuple(t.shape)}")
+        t = as_id_batch(x, what)
         self.vocab.check_ids(t, what)
         nonpad = t != PAD_ID
         if t.shape[-1] and (nonpad[:, 1:] & ~nonpad[:, :-1]).any():
