@@ -156,11 +156,11 @@ def test_transform_formats_and_importance_match_enumeration():
     with torch.no_grad():
         exact = torch.logsumexp(lift.prior_log_probs(zs).sum(-1) + lift.generator_log_probs(x, zs)[:, -1], 0)
         res = pt.infer.Importance(400).run(lifted, lift.guide, x)
-    assert abs(float(res.log_marginal) - float(exact)) < 4 * float(res.log_marginal_stderr) + 1e-3
-    # Q is a law on Omega^T, P too, and G(. | z) over complete x of length <= max_x_len sums to <= 1
-    lq = lift.sampler_log_probs(zs, x).sum(-1)
-    assert abs(float(lq.exp().sum()) - 1) < 1e-5
-    assert abs(float(lift.prior_log_probs(zs).sum(-1).exp().sum()) - 1) < 1e-5
+        assert abs(float(res.log_marginal) - float(exact)) < 4 * float(res.log_marginal_stderr) + 1e-3
+        # Q is a law on Omega^T, P too, and G(. | z) over complete x of length <= max_x_len sums to <= 1
+        lq = lift.sampler_log_probs(zs, x).sum(-1)
+        assert abs(float(lq.exp().sum()) - 1) < 1e-5
+        assert abs(float(lift.prior_log_probs(zs).sum(-1).exp().sum()) - 1) < 1e-5
 
 
 def test_score_continuation_dedup_equals_plain_pass():
