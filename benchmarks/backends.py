@@ -6,9 +6,11 @@ two frameworks); x of 8 tokens; N in {16, 64, 256} particles (``--quick``: 16, 2
 
     python benchmarks/backends.py [--quick] [--json FILE] [--repeats R]
 
-Figures are **particle-steps/s**: latent tokens decoded, summed over particles (the non-pad entries of the
-particles' latent sequences; the law of their length is the same on both sides), over the best wall time of
-``repeats`` runs after a warm-up. JAX's first call compiles: ``compile_s`` is the first call's time minus the
+Figures are **particle-steps/s**: N x L over the best wall time of ``repeats`` runs after a warm-up, where
+L = ``domain(|x|).max_len`` is the longest latent sequence Dom(Proj) allows for this x: one fixed workload for
+both backends (the tokens actually decoded are random and, after resampling, not those of the final
+particles), so the JAX / torch ratio is the ratio of wall times; ``seconds`` has the times themselves.
+JAX's first call compiles: ``compile_s`` is the first call's time minus the
 best steady-state time (a new x, or a new N, compiles anew; the same x and N reuse the compiled run).
 torch runs with ``torch.get_num_threads()`` intra-op threads, XLA with its own pool over the same cores.
 
@@ -53,10 +55,6 @@ def best_time(fn, repeats: int) -> tuple[float, float, object]:
     return first, best, out
 
 
-def tokens_of(z) -> int:
-    return int((np.asarray(z) != pt.vocab.PAD_ID).sum())
-
-
 def block(result) -> object:
     jax.block_until_ready(result.log_weights)
     return result
@@ -88,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     out: dict = {"benchmark": "backends", "workload": {"model": "SlowThinking(Transformer, PauseToThink(2))",
                                                        "guide": "Causal(Transformer)", "x_len": len(xt),
                                                        "arch": ARCH, "vocab_size": V},
-                 "unit": "particle-steps/s (latent tokens decoded, summed over particles)",
+                 "unit": "particle-steps/s: N x L (L = longest latent Dom(Proj) allows for x) / best wall time",
                  "n": list(ns), "repeats": repeats, "torch": torch.__version__, "jax": jax.__version__,
                  "torch_threads": torch.get_num_threads(), "jax_device": str(jax.devices()[0]),
                  "cpu_count": os.cpu_count(), "platform": platform.platform(),
@@ -113,6 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- the same runs, timed
     out["is"], out["smc"], out["compile_s"] = {}, {}, {"is": {}, "smc": {}}
     out["log_marginal"] = {"is": {}, "smc": {}}
+    out["seconds"] = {"is": {}, "smc": {}}
+    L = int(model_t.z_dist(len(xt)).max_len)
+    out["workload"]["latent_max_len"] = L
     key = jax.random.PRNGKey(0)
     for n in ns:
         engines = {"is": (pt.infer.Importance(n), ptn.infer.Importance(n)),
@@ -122,9 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
                 _, sec_t, res_t = best_time(lambda eng_t=eng_t: eng_t.run(model_t, guide_t, x), repeats)
             first_j, sec_j, res_j = best_time(
                 lambda eng_j=eng_j: block(eng_j.run(model_j, guide_j, x, rng_key=key)), repeats)
-            rate_t = tokens_of(res_t.samples["z"]) / sec_t
-            rate_j = tokens_of(res_j.samples["z"]) / sec_j
+            rate_t, rate_j = n * L / sec_t, n * L / sec_j
             out[name][str(n)] = {"torch": rate_t, "jax": rate_j, "ratio_jax_over_torch": rate_j / rate_t}
+            out["seconds"][name][str(n)] = {"torch": sec_t, "jax": sec_j}
             out["compile_s"][name][str(n)] = max(first_j - sec_j, 0.0)
             out["log_marginal"][name][str(n)] = {"torch": float(res_t.log_marginal),
                                                  "jax": float(np.asarray(res_j.log_marginal))}
