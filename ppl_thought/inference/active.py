@@ -272,7 +272,7 @@ class ConditionalSamplerLoss(ParticleObjective):
         rows_z = z.repeat(L - 1, 1)
         lq = lift.sampler_log_probs(rows_z, rows_x).sum(-1)
         loss = -lq.mean()
-        self.last_stats = {"objective": float(loss)}
+        self.last_stats = {"objective": float(loss.detach())}
         return loss.detach(), loss
 
 
