@@ -57,7 +57,7 @@ class UserPauseProgram(pt.Program):
         domain = self.projection.domain(T)
         state["z"] = LMState.start(self.lm, n, rule=TokenRule(domain, self.lm.vocab_size), max_len=domain.max_len)
         state["lifting"] = pt.Shared(self.projection.lifting(x))
-        state["s"] = state["lifting"].value.start_states(n)
+        state["s"] = state["lifting"].value.start_states(n, state["z"].device)
 
     def step(self, state, t, x):
         last = t + 1 == len(x)

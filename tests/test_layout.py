@@ -65,6 +65,10 @@ def test_automaton_tables_in_each_framework():
         arrays.append((A.start_states(64, jnp.zeros(1)), jnp.asarray))
     except ImportError:
         pass
+    # host start states read with torch tokens come back as torch (user programs: start_states(n), then step)
+    first = A.step(s_np, torch.as_tensor(rng.integers(0, A.vocab_size, 64)))
+    assert isinstance(first, torch.Tensor) and first.dtype == torch.long
+    assert isinstance(A.advance(s_np, torch.zeros(64, dtype=torch.long)), torch.Tensor)
     for _ in range(6):
         tok = rng.integers(0, A.vocab_size, 64)
         ref = A.step(s_np, tok)

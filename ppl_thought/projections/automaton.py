@@ -84,7 +84,9 @@ class Automaton:
 
     # ------------------------------------------------------------------ batched stepping
     def step(self, states, tokens):
-        """States after reading ``tokens`` (same shape; numpy, torch or jax arrays)."""
+        """States after reading ``tokens`` (same shape; numpy, torch or jax arrays). Numpy states (e.g.
+        ``start_states(n)``) read with framework tokens come back in the tokens' framework and device."""
+        states = _like_tokens(states, tokens)
         if table_key(states) is not None:
             return self.device_table("table", states)[states, tokens]
         return self._table[np.asarray(states), np.asarray(tokens)]
@@ -92,6 +94,7 @@ class Automaton:
     def advance(self, states, tokens):
         """:meth:`step` on framework arrays, except that ``<pad>`` (id 0, never admissible) keeps the state:
         one gather steps a right-padded batch."""
+        states = _like_tokens(states, tokens)
         return self.device_table("advance", states)[states, tokens]
 
     def mask(self, states):
@@ -285,3 +288,11 @@ def step_ends(lifting: Automaton, chunked: bool = False) -> tuple[int, ...]:
     free_at = np.zeros(T + 1, dtype=bool)
     np.logical_or.at(free_at, np.clip(emitted[free], 0, T), True)
     return tuple(int(t) for t in range(1, T) if free_at[t]) + (T,)
+
+
+def _like_tokens(states, tokens):
+    """Host (numpy) states moved to the framework and device of framework ``tokens``; otherwise unchanged."""
+    key = table_key(tokens)
+    if key is not None and table_key(states) is None:
+        return as_framework_array(np.asarray(states, dtype=np.int64), key)
+    return states
