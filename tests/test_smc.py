@@ -12,7 +12,7 @@ import ppl_thought as pt
 from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import ProgramError
 from ppl_thought.inference import SMC, ZeroWeightsError
-from ppl_thought.inference.smc import resample
+from ppl_thought.inference.resampling import resample
 
 X = "abab"
 

@@ -19,7 +19,7 @@ import torch
 import ppl_thought as pt
 from ppl_thought.errors import ConfigError, PPLThoughtError, ZeroWeightsError
 from ppl_thought.inference import SMC
-from ppl_thought.inference.smc import resample
+from ppl_thought.inference.resampling import resample
 from ppl_thought.weights import log_mean_exp
 
 A_ = torch.tensor([[0.7, 0.3, 0.0], [0.1, 0.6, 0.3], [0.4, 0.2, 0.4]])

@@ -36,8 +36,8 @@ import torch
 from ppl_thought.arviz_compat import import_arviz
 from ppl_thought.draws import bounded_num_draws
 from ppl_thought.errors import DiagnosticError, UnsupportedResultError
+from ppl_thought.inference.resampling import resample
 from ppl_thought.inference.result import Result, pareto_k, psis
-from ppl_thought.inference.smc import resample
 from ppl_thought.vocab import PAD_ID
 from ppl_thought.weights import effective_sample_size
 

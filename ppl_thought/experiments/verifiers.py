@@ -36,7 +36,7 @@ from ppl_thought.inference import (
     TokenwiseRejection,
     VerifierSMC,
 )
-from ppl_thought.inference.smc import resample
+from ppl_thought.inference.resampling import resample
 from ppl_thought.io import atomic_write_json
 from ppl_thought.lm import Tabular, Transformer
 from ppl_thought.projections.automaton import AutomatonBuilder

@@ -32,6 +32,7 @@ from pyro.distributions.util import scale_and_mask
 from pyro.poutine.util import site_is_subsample
 
 from ppl_thought.errors import ChunkMismatchError, DeviceMismatchError, ProgramError, SiteMismatchError
+from ppl_thought.inference.resampling import log_ratio
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import PARTICLES, collect_twists, is_program
 
@@ -210,11 +211,6 @@ def _differs(a, b) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- weights
-def log_ratio(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """log p - log q with -inf (never NaN) where p = 0."""
-    return torch.where(torch.isneginf(log_p), torch.full_like(log_p, float("-inf")), log_p - log_q)
-
-
 def particle_frame_dim(site) -> int | None:
     for f in site["cond_indep_stack"]:
         if f.name == PARTICLES:

@@ -30,81 +30,13 @@ from ppl_thought.inference.particles import (
     require_program,
     run_step,
 )
+from ppl_thought.inference.resampling import RESAMPLING, check_scheme, resample, resample_groups
 from ppl_thought.inference.result import Result
 from ppl_thought.program import as_done, freeze_finished, reorder_state
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
-RESAMPLING = ("multinomial", "stratified", "systematic", "residual")
 #: how a run is executed: Pyro traces of any program, or the static one-token step (inference/static_smc.py)
 BACKENDS = ("generic", "static")
-
-
-def resample(weights: torch.Tensor, method: str = "systematic", generator: torch.Generator | None = None,
-             size: int | None = None) -> torch.Tensor:
-    """Ancestor indices ``[size]`` (default ``n``) from normalised weights ``[n]`` (each scheme has
-    E[#offspring_i] = size * w_i; systematic and stratified indices come out in particle order).
-
-    Weights ``[G, n]`` (G groups, one resampling each, batched: one ``searchsorted`` / ``multinomial``
-    for all groups; residual loops over them) give indices ``[G, n]`` into each group's own row.
-
-    Device-generic: the uniforms are drawn on the weights' device (from ``generator``, or that device's
-    default generator), so no index leaves the device; a ``generator`` on another device (a CPU generator
-    for CUDA weights) draws there and the indices are moved to the weights' device.
-    """
-    if generator is not None and not _same_type(generator.device, weights.device):
-        return resample(weights.to(generator.device), method, generator, size).to(weights.device)
-    if weights.ndim == 2:
-        return _resample_groups(weights, method, generator)
-    n = weights.shape[0]
-    m = n if size is None else int(size)
-    dev = weights.device
-    w = weights.double() / weights.double().sum()
-    if method == "multinomial":
-        return torch.multinomial(w, m, replacement=True, generator=generator)
-    cdf = torch.cumsum(w, 0)
-    cdf[-1] = 1.0
-    ar = torch.arange(m, dtype=torch.float64, device=dev)
-    if method == "stratified":
-        u = (ar + torch.rand(m, generator=generator, dtype=torch.float64, device=dev)) / m
-    elif method == "systematic":
-        u = (ar + torch.rand(1, generator=generator, dtype=torch.float64, device=dev)) / m
-    elif method == "residual":
-        counts = torch.floor(m * w).long()
-        rest = m - int(counts.sum())  # one host sync per resampling
-        base = torch.repeat_interleave(torch.arange(n, device=dev), counts)
-        if rest == 0:
-            return base
-        res = m * w - counts
-        extra = torch.multinomial(res / res.sum(), rest, replacement=True, generator=generator)
-        return torch.cat([base, extra])
-    else:
-        raise ConfigError(f"unknown resampling scheme {method!r}; choose one of {RESAMPLING}")
-    return torch.searchsorted(cdf, u).clamp(max=n - 1)
-
-
-def _resample_groups(weights: torch.Tensor, method: str, generator: torch.Generator | None) -> torch.Tensor:
-    """:func:`resample` for every row of ``weights [G, n]`` at once: indices ``[G, n]`` within each row."""
-    G, n = weights.shape
-    w = weights.double()
-    w = w / w.sum(-1, keepdim=True)
-    if method == "multinomial":
-        return torch.multinomial(w, n, replacement=True, generator=generator)
-    if method == "residual":
-        return torch.stack([resample(w[g], method, generator) for g in range(G)])
-    cdf = torch.cumsum(w, -1)
-    cdf[:, -1] = 1.0
-    ar = torch.arange(n, dtype=torch.float64, device=w.device)
-    if method == "stratified":
-        u = (ar + torch.rand(G, n, generator=generator, dtype=torch.float64, device=w.device)) / n
-    elif method == "systematic":
-        u = (ar + torch.rand(G, 1, generator=generator, dtype=torch.float64, device=w.device)) / n
-    else:
-        raise ConfigError(f"unknown resampling scheme {method!r}; choose one of {RESAMPLING}")
-    return torch.searchsorted(cdf, u).clamp(max=n - 1)
-
-
-def _same_type(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type
 
 
 class SMC:
@@ -164,8 +96,7 @@ class SMC:
         except ConfigError:
             raise ConfigError(f"groups must be a positive int (the number of independent particle groups), "
                               f"got {groups!r}") from None
-        if not isinstance(resampling, str) or resampling not in RESAMPLING:
-            raise ConfigError(f"unknown resampling scheme {resampling!r}; choose one of {RESAMPLING}")
+        check_scheme(resampling)
         self.num_particles = integer("num_particles", num_particles)
         self.ess_threshold = fraction("ess_threshold (a fraction of num_particles)", ess_threshold)
         self.resampling = resampling
@@ -298,25 +229,10 @@ class SMC:
         )
 
     def _resample(self, lw: torch.Tensor, need: list[bool], dev) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global ancestor indices ``[G * n]`` and the new log weights for the groups in ``need``: each
-        resamples within its own rows (batched over groups) and its weights become its mean weight, so
-        prod_t of the group's mean incremental weights stays its Z-hat; the other groups keep theirs."""
-        n, G = self.num_particles, self.groups
-        if G == 1:
-            idx = resample(torch.softmax(lw, 0), self.resampling, self.generator).to(dev)
-            return idx, log_mean_exp(lw).expand(n).clone()
-        lwg = lw.view(G, n)
-        if all(need):
-            local = resample(torch.softmax(lwg, -1), self.resampling, self.generator).to(dev)
-            idx = local + (torch.arange(G, device=dev) * n)[:, None]
-            return idx.view(-1), log_mean_exp(lwg)[:, None].expand(G, n).reshape(-1).clone()
-        sel = torch.tensor([g for g in range(G) if need[g]], dtype=torch.long, device=dev)
-        local = resample(torch.softmax(lwg[sel], -1), self.resampling, self.generator).to(dev)
-        idx = torch.arange(N := G * n, device=dev).view(G, n).clone()
-        idx[sel] = local + sel[:, None] * n
-        lwg = lwg.clone()
-        lwg[sel] = log_mean_exp(lwg[sel])[:, None].expand(-1, n)
-        return idx.view(N), lwg.view(N)
+        """Global ancestors ``[G * n]`` and new log weights: each group in ``need`` resamples within its own rows
+        (:func:`~ppl_thought.inference.resampling.resample_groups`; the tests override this to show that a
+        wrong move fails)."""
+        return resample_groups(lw, need, self.groups, self.resampling, self.generator)
 
     def _zero_message(self, zero: list, t: int, name: str) -> str:
         n = self.num_particles
@@ -346,4 +262,4 @@ def _decoding_mode(state: dict) -> str | None:
     return None
 
 
-__all__ = ["SMC", "resample", "RESAMPLING"]
+__all__ = ["SMC", "RESAMPLING", "resample"]  # resample, RESAMPLING: defined in inference/resampling.py

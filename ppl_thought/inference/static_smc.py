@@ -42,6 +42,7 @@ import torch
 
 from ppl_thought.distributions.lm_state import sample_categorical
 from ppl_thought.errors import ConfigError, NumericalError, ZeroWeightsError
+from ppl_thought.inference.resampling import effective_sample_size, resample_groups
 from ppl_thought.lm.base import lm_device
 from ppl_thought.lm.static_cache import bos_context, static_decoder
 from ppl_thought.program import Program
@@ -102,7 +103,6 @@ class StaticRunner:
         self.pad_row = torch.zeros(1, V, device=dev)
         self.pad_row[0, PAD_ID] = 1.0
         self.ar = torch.arange(self.n, device=dev)
-        self.ar64 = self.ar.double()
         # the state of the run (written in place by the step)
         self.s0 = rule.start(self.n, dev)
         self.logits = torch.zeros(self.n, V, device=dev)
@@ -121,26 +121,8 @@ class StaticRunner:
         self.graph = None
 
     # -- the step -------------------------------------------------------------------------------------
-    def _ancestors(self, lw: torch.Tensor) -> torch.Tensor:
-        """Ancestor indices ``[n]`` from log weights (as :func:`~ppl_thought.inference.smc.resample`: float64
-        CDF, the last entry set to 1, ``searchsorted`` of the scheme's uniforms)."""
-        n, dev = self.n, self.device
-        w = torch.softmax(lw, 0).double()
-        w = w / w.sum()
-        cdf = torch.cumsum(w, 0)
-        cdf[-1:].fill_(1.0)
-        if self.resampling == "systematic":
-            u = (self.ar64 + torch.rand(1, generator=self.generator, dtype=torch.float64, device=dev)) / n
-        elif self.resampling == "stratified":
-            u = (self.ar64 + torch.rand(n, generator=self.generator, dtype=torch.float64, device=dev)) / n
-        else:  # multinomial: independent uniforms
-            u = torch.rand(n, generator=self.generator, dtype=torch.float64, device=dev)
-        return torch.searchsorted(cdf, u).clamp(max=n - 1)
-
     def step(self) -> None:
         """One token for every particle; every buffer updated in place (no host sync)."""
-        from ppl_thought.inference.result import effective_sample_size, log_mean_exp
-
         model, rule, n, V, T = self.model, self.rule, self.n, self.V, self.T
         logits, s, done = self.logits, self.s, self.done
         active = ~done
@@ -162,9 +144,8 @@ class StaticRunner:
         all_done = finished.all()
         t1 = self.t
         if self.threshold > 0:
-            need = (ess < self.threshold * n) & ~all_done
-            idx = torch.where(need, self._ancestors(lw), self.ar)
-            lw = torch.where(need, log_mean_exp(lw).expand(n), lw)
+            need = (ess < self.threshold * n) & ~all_done  # decided on the device
+            idx, lw = resample_groups(lw, need.reshape(1), 1, self.resampling, self.generator, inverse_cdf=True)
             self.decoder.reorder(idx)
         else:
             need = torch.zeros((), dtype=torch.bool, device=self.device)

@@ -21,8 +21,8 @@ import torch
 from ppl_thought.checks import integer as check_count  # the one home of the check
 from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
 from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError, ZeroWeightsError
+from ppl_thought.inference.resampling import resample
 from ppl_thought.inference.result import Result
-from ppl_thought.inference.smc import resample
 from ppl_thought.lm.base import lm_device
 from ppl_thought.verifiers import ProcessVerifier
 from ppl_thought.weights import effective_sample_size, log_mean_exp
