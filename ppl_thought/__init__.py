@@ -13,8 +13,8 @@ A slow-thinking model is the tuple (Sigma, Omega, Proj, P, Q) of the static theo
     pt.infer                      # engines: Importance, SMC, SVI, Langevin, decode (Result)
     pt.transforms                 # model transforms: ProjectionLift, Forgetful, Persistent, Ubiquitous, CostAware,
                                   # ActiveLift (Section 6)
-    pt.Program                    # the step-wise program protocol (init / step), pt.twist, pt.particles,
-                                  # pt.particle_groups
+    pt.Program                    # the step-wise program protocol (init / step); its four verbs pt.sample,
+                                  # pt.observe, pt.factor, pt.twist; pt.particles, pt.particle_groups
 
 Subpackages are imported on first use, so ``import ppl_thought`` stays light.
 """
@@ -43,7 +43,8 @@ _SUBMODULES = {
     "transforms": "ppl_thought.transforms",
 }
 
-_ATTRIBUTES = {name: "ppl_thought.program" for name in ("Program", "Shared", "twist", "particles", "particle_groups")}
+_ATTRIBUTES = {name: "ppl_thought.program" for name in ("Program", "Shared", "sample", "observe", "factor", "twist",
+                                                         "particles", "particle_groups")}
 
 __all__ = ["Vocab", "__version__", *_SUBMODULES, *_ATTRIBUTES]
 

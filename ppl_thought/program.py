@@ -39,8 +39,46 @@ from ppl_thought.errors import ProgramError
 
 PARTICLES = "particles"
 
-__all__ = ["PARTICLES", "PARTICLE_PLATES", "Program", "Shared", "as_done", "freeze_finished", "particle_frame",
-           "particle_groups", "particles", "reorder_state", "twist"]
+__all__ = ["OUTPUT", "PARTICLES", "PARTICLE_PLATES", "Program", "Shared", "as_done", "factor", "freeze_finished",
+           "is_output", "observe", "particle_frame", "particle_groups", "particles", "reorder_state", "sample", "twist"]
+
+
+# ---------------------------------------------------------------------------------------------- the four verbs
+#: the ``infer`` key that marks an output site: ``pt.observe(name, fn, None)``, a value the program generates
+OUTPUT = "output"
+
+
+def sample(name: str, fn, **kwargs) -> torch.Tensor:
+    """A latent site: ``pyro.sample(name, fn, **kwargs)`` (a guide proposes it; without one the program does).
+
+    ``pt.sample``, :func:`observe`, :func:`factor` and :func:`twist` are the four verbs of a program; they are
+    Pyro's primitives under the names of the theory, so Pyro code and Pyro handlers keep working on them.
+    """
+    return pyro.sample(name, fn, **kwargs)
+
+
+def observe(name: str, fn, value) -> torch.Tensor:
+    """Condition on data: ``pyro.sample(name, fn, obs=value)``; its log-probability enters every weight.
+
+    ``value=None`` makes the site an *output*: the program draws it from ``fn`` (no guide proposes it and its
+    log-probability is left out of the weights, where p/q cancels), engines return it in ``Result.samples``
+    and decoding reads it (the continuation of a prompt, (3.12)). So one program both scores data and
+    generates it: ``pt.observe(f"x_{t}", d, x[t] if t < len(x) else None)``.
+    """
+    if value is None:
+        return pyro.sample(name, fn, infer={OUTPUT: True})
+    return pyro.sample(name, fn, obs=value)
+
+
+def factor(name: str, log_factor) -> None:
+    """Multiply the program's density by exp(log_factor) ``[n]`` (``pyro.factor``): a hard constraint is
+    ``torch.where(ok, 0., -inf)``, a soft one any log-potential. Unlike :func:`twist` it changes the target."""
+    pyro.factor(name, torch.as_tensor(log_factor))
+
+
+def is_output(site: dict) -> bool:
+    """Whether a trace site is an output (:func:`observe` with ``value=None``)."""
+    return bool((site.get("infer") or {}).get(OUTPUT, False))
 
 
 # ---------------------------------------------------------------------------------------------- twists

@@ -34,20 +34,25 @@ from pyro.poutine.util import site_is_subsample
 from ppl_thought.errors import ChunkMismatchError, DeviceMismatchError, ProgramError, SiteMismatchError
 from ppl_thought.inference.resampling import log_ratio
 from ppl_thought.lm.base import lm_device
-from ppl_thought.program import PARTICLES, collect_twists, is_program
+from ppl_thought.program import PARTICLES, collect_twists, is_output, is_program
 
 __all__ = [
     "PARTICLES", "Particles", "StepOutput", "check_compatible", "check_sites", "check_steps", "engine_device",
-    "find_max_plate_nesting", "latent_sites", "log_ratio", "per_particle", "program_device", "run_step",
+    "find_max_plate_nesting", "latent_sites", "log_ratio", "output_sites", "per_particle", "program_device", "run_step",
     "sample_particles",
 ]
 
 
 # ---------------------------------------------------------------------------------------------- sites
 def latent_sites(trace) -> dict[str, dict]:
-    """The latent (not observed, not subsample) sample sites of a trace, by name."""
+    """The latent (not observed, not subsample, not output) sample sites of a trace, by name."""
     return {k: s for k, s in trace.nodes.items()
-            if s["type"] == "sample" and not s["is_observed"] and not site_is_subsample(s)}
+            if s["type"] == "sample" and not s["is_observed"] and not site_is_subsample(s) and not is_output(s)}
+
+
+def output_sites(trace) -> dict[str, dict]:
+    """The output sites of a trace (``pt.observe(name, fn, None)``: drawn by the program, out of the weights)."""
+    return {k: s for k, s in trace.nodes.items() if s["type"] == "sample" and is_output(s)}
 
 
 def _site_shape(site) -> tuple[torch.Size, bool]:
@@ -69,6 +74,10 @@ def check_sites(model_trace, guide_trace, where: str = "") -> None:
     missing = sorted(k for k in m if k not in g)
     extra = sorted(k for k in g if k not in model_trace.nodes)
     observed = sorted(k for k in g if k in model_trace.nodes and model_trace.nodes[k]["is_observed"])
+    outputs = sorted(k for k in g if k in model_trace.nodes and is_output(model_trace.nodes[k]))
+    if outputs:
+        raise SiteMismatchError(f"the guide samples site(s) {outputs}{at} that the model generates itself "
+                                "(pt.observe(name, fn, None)): a guide proposes latents only")
     if missing:
         raise SiteMismatchError(
             f"the guide does not sample the model's latent site(s) {missing}{at}: the model would draw them from "
@@ -238,8 +247,8 @@ def per_particle(trace, n: int, which: str = "all", device=None) -> torch.Tensor
     """
     total = None
     for site in trace.nodes.values():
-        if site["type"] != "sample" or site_is_subsample(site):
-            continue
+        if site["type"] != "sample" or site_is_subsample(site) or is_output(site):
+            continue  # an output is drawn from the program itself: its p / q cancels
         if which == "observed" and not site["is_observed"]:
             continue
         if which == "latent" and site["is_observed"]:
@@ -370,6 +379,7 @@ def sample_particles(model: Callable, guide: Callable | None, n: int, *args, max
     log_lik = per_particle(mtr, n, "observed", dev)
     source = gtr if gtr is not None else mtr
     values = {k: s["value"] for k, s in latent_sites(source).items()}
+    values.update({k: s["value"] for k, s in output_sites(mtr).items()})
     guide_params = set()
     if gtr is not None:
         guide_params = {id(_param_tensor(s["value"])) for s in gtr.nodes.values() if s["type"] == "param"}
@@ -428,7 +438,7 @@ def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, wh
     else:
         log_w = per_particle(mtr, n, "observed", device)
     values, token_steps = {}, 0
-    for k, s in latent_sites(source).items():
+    for k, s in {**latent_sites(source), **output_sites(mtr)}.items():
         v = s["value"]
         ev = len(s["fn"].event_shape)
         values[k] = (v, v.ndim - ev + dim if particle_frame_dim(s) is not None else None)
