@@ -36,6 +36,7 @@ import torch
 from pyro.poutine.runtime import _PYRO_STACK
 
 from ppl_thought.errors import ProgramError
+from ppl_thought.lm.base import lm_device
 
 PARTICLES = "particles"
 
@@ -239,6 +240,29 @@ class Program:
 
     max_plate_nesting: int = 0
     max_steps: int | None = None
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device the program computes on; engines make their particle plate and weights there.
+
+        Set it (``program.device = "cuda"``) or let it follow the program's LMs: by default it is the device
+        of the first ``torch.nn.Module`` stored on the program, else that of a program stored on it (a guide
+        wrapping its model), else ``None`` (the engine then uses its data's device, or the CPU).
+        """
+        dev = self.__dict__.get("_device")
+        if dev is not None:
+            return dev
+        inner = None
+        for v in vars(self).values():
+            if isinstance(v, torch.nn.Module):
+                return lm_device(v)
+            if inner is None and isinstance(v, Program) and v is not self:
+                inner = v
+        return None if inner is None else inner.device
+
+    @device.setter
+    def device(self, value) -> None:
+        self._device = None if value is None else torch.device(value)
 
     def init(self, state: dict, *args, **kwargs) -> None:
         """Set up ``state`` before step 0 (may sample sites; default: nothing)."""

@@ -26,6 +26,7 @@ from torch.utils._device import DeviceContext
 import ppl_thought as pt
 from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import DeviceMismatchError
+from ppl_thought.guides.hmm import HMMGuide
 from ppl_thought.projections import PauseToThink
 
 
@@ -92,7 +93,7 @@ def hmm(device, guide: str):
     A = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.7, 0.2], [0.2, 0.1, 0.7]], dtype=torch.float64)
     B = torch.tensor([[0.8, 0.2], [0.3, 0.7], [0.5, 0.5]], dtype=torch.float64)
     model = pt.models.HMM(A, B, torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)).to(device)
-    g = {"posterior": model.posterior_guide, "filtering": model.filtering_guide, "none": lambda: None}[guide]()
+    g = {"posterior": HMMGuide.posterior, "filtering": HMMGuide.filtering, "none": lambda m: None}[guide](model)
     return model, g, (torch.tensor([0, 1, 1, 0], device=device),)
 
 
@@ -212,7 +213,7 @@ def test_a_model_and_a_guide_on_different_devices_get_a_clear_error():
     hmm_model, _, (x,) = hmm("cpu", "none")
     other = pt.models.HMM(hmm_model.A, hmm_model.B, hmm_model.lam).to("meta")
     with pytest.raises(DeviceMismatchError, match="meta"):
-        pt.infer.SMC(4).run(hmm_model, other.posterior_guide(), x)
+        pt.infer.SMC(4).run(hmm_model, HMMGuide.posterior(other), x)
     assert issubclass(DeviceMismatchError, pt.errors.PPLThoughtError)
 
 

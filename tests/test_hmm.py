@@ -12,7 +12,9 @@ import torch
 from scipy.stats import chi2
 
 from ppl_thought.errors import MalformedSequenceError, TooLargeToEnumerateError, UnknownTokenError
+from ppl_thought.guides.hmm import HMMGuide
 from ppl_thought.models.hmm import HMM
+from ppl_thought.models.hmm_lifting import hmm_as_slow_thinking, slow_thinking_parts
 from ppl_thought.program import Program, reorder_state
 
 
@@ -228,7 +230,7 @@ def _tabular_log_prob(prior, z: tuple[int, ...]) -> float:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_theorem_2_3_product_prior_reproduces_hmm(seed):
     hmm = random_hmm(3, 2, seed, sparsity=0.3)
-    product, prior = hmm.as_slow_thinking_parts(observable_tokens=["a", "b"], hidden_names=["p", "q", "r"])
+    product, prior = slow_thinking_parts(hmm, observable_tokens=["a", "b"], hidden_names=["p", "q", "r"])
     assert not torch.isnan(prior.logits).any()
     assert not torch.isneginf(prior.logits).all(-1).any()
     obs_ids = hmm.observation_ids(product, ["a", "b"])
@@ -244,7 +246,7 @@ def test_theorem_2_3_product_prior_reproduces_hmm(seed):
 
 def test_theorem_2_3_pair_rows_are_the_pair_chain():
     hmm = random_hmm(2, 3, 4, sparsity=0.3)
-    product, prior = hmm.as_slow_thinking_parts()
+    product, prior = slow_thinking_parts(hmm)
     probs = torch.softmax(prior.logits.double(), -1)
     for x_name in hmm.observable_tokens:
         for g, g_name in enumerate(hmm.hidden_names):
@@ -264,7 +266,7 @@ def test_theorem_2_3_pair_rows_are_the_pair_chain():
 
 def test_as_slow_thinking_model_exact_log_prob():
     hmm = random_hmm(3, 2, 1, sparsity=0.3)
-    model = hmm.as_slow_thinking()
+    model = hmm_as_slow_thinking(hmm)
     ids = hmm.observation_ids(model.projection)
     for x in all_sequences(2, 3):
         got, want = float(model.exact_log_prob(ids[x])), float(hmm.log_prob(x))
@@ -318,7 +320,7 @@ def _estimate(log_w: torch.Tensor) -> tuple[float, float]:
 
 
 def _guide(hmm: HMM, kind: str):
-    return {"bootstrap": None, "filtering": hmm.filtering_guide(), "posterior": hmm.posterior_guide()}[kind]
+    return {"bootstrap": None, "filtering": HMMGuide.filtering(hmm), "posterior": HMMGuide.posterior(hmm)}[kind]
 
 
 def _sticky_hmm() -> HMM:
@@ -365,7 +367,7 @@ def test_program_outside_a_plate_and_errors():
     torch.testing.assert_close(tr.log_prob_sum(), hmm.log_joint(z, x))
     assert poutine.trace(hmm).get_trace([0, 1]).nodes["x_1"]["value"].item() == 1  # lists work
     # pyro's sequential Importance (no particle plate) with the posterior guide: every weight is log p(x)
-    imp = pyro.infer.Importance(hmm, hmm.posterior_guide(), num_samples=20).run(x)
+    imp = pyro.infer.Importance(hmm, HMMGuide.posterior(hmm), num_samples=20).run(x)
     torch.testing.assert_close(torch.stack(imp.log_weights).double(), hmm.log_prob(x).expand(20))
     # T = 0: one empty step, no sites
     assert not [s for s in poutine.trace(hmm).get_trace(length=0).nodes.values() if s["type"] == "sample"]
@@ -378,7 +380,7 @@ def test_program_outside_a_plate_and_errors():
     with pytest.raises(UnknownTokenError):
         hmm(torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="call it with x"):
-        hmm.filtering_guide()(length=3)
+        HMMGuide.filtering(hmm)(length=3)
 
 
 def test_backward_messages_give_the_forward_probability():
@@ -398,7 +400,7 @@ def test_posterior_guide_is_zero_variance(dim):
     for seed in (0, 1, 2):
         hmm = random_hmm(4, 3, seed, sparsity=0.4)
         x = hmm.sample(1, 7, generator=torch.Generator().manual_seed(seed))[1][0]
-        log_w = _is_log_weights(hmm, hmm.posterior_guide(), x, 256, seed, dim=dim)
+        log_w = _is_log_weights(hmm, HMMGuide.posterior(hmm), x, 256, seed, dim=dim)
         torch.testing.assert_close(log_w, hmm.log_prob(x).expand(256), rtol=0, atol=1e-5)
 
 
@@ -424,7 +426,7 @@ def test_wrong_estimators_fail_the_bound():
     est, se = _estimate(_is_log_weights(wrong_A, None, x, 4000, seed=0))
     assert abs(est - log_z) > 3 * se, (est, log_z, se)
     no_emission = poutine.block(hmm, hide_fn=lambda site: site["is_observed"])
-    est, se = _estimate(_is_log_weights(no_emission, hmm.filtering_guide(), x, 4000, seed=0))
+    est, se = _estimate(_is_log_weights(no_emission, HMMGuide.filtering(hmm), x, 4000, seed=0))
     assert abs(est - log_z) > 3 * se + 1, (est, log_z, se)
 
 

@@ -26,6 +26,7 @@ import torch
 
 import ppl_thought as pt
 from ppl_thought.distributions.lm_state import LMState, TokenRule
+from ppl_thought.guides.hmm import HMMGuide
 from ppl_thought.projections.automaton import Automaton
 
 VOCAB = pt.Vocab(["a", "b"])
@@ -163,7 +164,7 @@ def hmm():
 def build(model_kind: str, guide_kind: str):
     if model_kind == "hmm":
         model, x = hmm()
-        guide = {"posterior": model.posterior_guide(), "filtering": model.filtering_guide()}.get(guide_kind)
+        guide = {"posterior": HMMGuide.posterior(model), "filtering": HMMGuide.filtering(model)}.get(guide_kind)
         return model, guide, x, float(model.log_prob(x))
     if model_kind == "user":
         model, x = user_program()

@@ -40,6 +40,7 @@ import torch
 
 from ppl_thought.errors import MalformedSequenceError
 from ppl_thought.models.hmm import HMM, EntropyEstimate
+from ppl_thought.models.hmm_lifting import slow_thinking_parts
 from ppl_thought.vocab import Vocab
 
 #: Permutations of {1..5} as tuples ``p`` with ``p[v - 1] = sigma(v)``.
@@ -227,7 +228,7 @@ class A5Task:
 
     def as_slow_thinking_parts(self, sep: str = "|"):
         """``(Product projection, Tabular prior)`` with ``Proj # P = P_{A,B,lam}`` exactly (Theorem 2.3)."""
-        return self.hmm.as_slow_thinking_parts(sep=sep)
+        return slow_thinking_parts(self.hmm, sep=sep)
 
 
 def a5_hmm(reveal_prob: float = 0.5) -> A5Task:

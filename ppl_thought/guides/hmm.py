@@ -1,22 +1,17 @@
 """Step-wise guides for hidden Markov models: the exact posterior (backward algorithm) and the filtering proposal.
 
-:meth:`ppl_thought.models.HMM.posterior_guide` and :meth:`~ppl_thought.models.HMM.filtering_guide` return an
+:meth:`HMMGuide.posterior(hmm) <HMMGuide.posterior>` and :meth:`HMMGuide.filtering(hmm) <HMMGuide.filtering>` build an
 :class:`HMMGuide`; both are programs with the model's sites ``z_t`` (Def 2.2 step by step).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import pyro
 import pyro.distributions as dist
 import torch
 
-from ppl_thought.models.hmm import DTYPE, all_done, prior_logits
+from ppl_thought.models.hmm import DTYPE, HMM, all_done, prior_logits
 from ppl_thought.program import Program, run_whole
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ppl_thought.models.hmm import HMM
 
 __all__ = ["HMMGuide"]
 
@@ -25,8 +20,8 @@ class HMMGuide(Program):
     """A step-wise guide for :class:`~ppl_thought.models.HMM` sampling exactly the sites ``z_0 .. z_{T-1}``
     (no x sites).
 
-    ``backward=True``: ``q(z_t | z_{t-1}) = P(z_t | z_{t-1}, x)`` (:meth:`~ppl_thought.models.HMM.posterior_guide`);
-    ``backward=False``: ``q(z_t | z_{t-1}) = P(z_t | z_{t-1}, x_t)`` (:meth:`~ppl_thought.models.HMM.filtering_guide`).
+    ``backward=True``: ``q(z_t | z_{t-1}) = P(z_t | z_{t-1}, x)`` (:meth:`posterior`);
+    ``backward=False``: ``q(z_t | z_{t-1}) = P(z_t | z_{t-1}, x_t)`` (:meth:`filtering`).
     Called as ``guide(x)`` with the model's arguments (x is required). Where no hidden state
     can explain the observations from ``z_{t-1}`` on (the conditional is undefined: P(x) = 0 or
     a path the posterior never reaches), it falls back to the prior row ``A[z_{t-1}]`` (``lam``),
@@ -41,6 +36,25 @@ class HMMGuide(Program):
         self.backward = bool(backward)
         self._key: torch.Tensor | None = None
         self._score: torch.Tensor | None = None
+
+    @classmethod
+    def posterior(cls, hmm: HMM) -> HMMGuide:
+        """The exact posterior as a step-wise guide: ``z_t ~ P(z_t | z_{t-1}, x_0 .. x_{T-1})``.
+
+        By the backward algorithm, ``P(z_t | z_{t-1}, x) ∝ A[z_{t-1}, z_t] B[z_t, x_t] beta_t(z_t)``
+        (``lam`` instead of ``A[z_{t-1}]`` at t = 0), so every importance weight p(z, x) / q(z)
+        equals ``P(x)`` (the forward algorithm's (3.1)): the zero-variance proposal.
+        """
+        return cls(hmm, backward=True)
+
+    @classmethod
+    def filtering(cls, hmm: HMM) -> HMMGuide:
+        """The locally optimal SMC proposal ``z_t ~ P(z_t | z_{t-1}, x_t) ∝ A[z_{t-1}, z_t] B[z_t, x_t]``.
+
+        It looks at the current observation only (no backward messages); the incremental SMC
+        weight is then ``P(x_t | z_{t-1}) = sum_z A[z_{t-1}, z] B[z, x_t]``.
+        """
+        return cls(hmm, backward=False)
 
     def __repr__(self) -> str:
         return f"HMMGuide({self.hmm!r}, {'posterior' if self.backward else 'filtering'})"

@@ -102,43 +102,22 @@ def check_sites(model_trace, guide_trace, where: str = "") -> None:
                                     f"distribution has shape {tuple(mshape)}")
 
 
-_SCALARS = (int, float, str, bool, bytes, tuple, list, dict, set, torch.Tensor, type(None))
-
-
-def program_device(obj, _depth: int = 0) -> torch.device | None:
-    """The torch device a model or guide computes on, ``None`` if it does not say (a plain Pyro function).
-
-    Its ``device`` attribute when it has one (``SlowThinking``, ``HMM``, the samplers, ``LMSequence``'s LM),
-    else the device of the first LM (``torch.nn.Module``) among its attributes, else that of an attribute
-    that has one (a guide's model, an ``HMMGuide``'s HMM), two levels deep.
-    """
+def program_device(obj) -> torch.device | None:
+    """The torch device a model or guide computes on: its ``device`` attribute (:attr:`Program.device
+    <ppl_thought.program.Program.device>`, a sampler's, an LM's), that of a bound method's object, else
+    ``None`` (a plain Pyro function: the engine then reads its data's device)."""
     if obj is None:
         return None
     if isinstance(obj, torch.nn.Module):
         return lm_device(obj)
     owner = getattr(obj, "__self__", None)  # a bound method (e.g. ``ltm.conditioned_model``): its object's
-    if owner is not None and owner is not obj and _depth < 2:
-        return program_device(owner, _depth + 1)
+    if owner is not None and owner is not obj:
+        return program_device(owner)
     try:
         dev = getattr(obj, "device", None)
-    except Exception:  # a property that cannot answer
+    except Exception:  # noqa: BLE001 - a property that cannot answer says nothing
         dev = None
-    if isinstance(dev, torch.device):
-        return dev
-    attrs = getattr(obj, "__dict__", None)
-    if not attrs:
-        return None
-    for v in attrs.values():
-        if isinstance(v, torch.nn.Module):
-            return lm_device(v)
-    if _depth < 2:
-        for v in attrs.values():
-            if isinstance(v, _SCALARS) or isinstance(v, type) or v is obj or not hasattr(v, "__dict__"):
-                continue
-            dev = program_device(v, _depth + 1)
-            if dev is not None:
-                return dev
-    return None
+    return dev if isinstance(dev, torch.device) else None
 
 
 def engine_device(model, guide=None, args: tuple = (), kwargs: dict | None = None) -> torch.device | None:

@@ -17,16 +17,16 @@ latent tokens are pairs ``(x, z)`` of an observation and a hidden state (Example
 :class:`~ppl_thought.projections.product.Product` projection), Proj keeps the observation, and
 the latent model is the Markov chain of the pairs,
 ``P((x', z') | (x, z)) = A[z, z'] B[z', x']`` and ``P((x, z) | <bos>) = lam[z] B[z, x]``.
-:meth:`HMM.as_slow_thinking_parts` builds it as an exact :class:`~ppl_thought.lm.tabular.Tabular`
-bigram LM.
+:func:`ppl_thought.models.hmm_lifting.slow_thinking_parts` builds it as an exact
+:class:`~ppl_thought.lm.tabular.Tabular` bigram LM.
 
 The HMM is also a Pyro program and a :class:`~ppl_thought.program.Program` (Def 2.2 step by step):
 ``hmm(x)`` observes ``x [T]``, ``hmm(length=T)`` generates. Step ``t`` samples the hidden site
 ``f"z_{t}" ~ Categorical(lam if t == 0 else A[z_{t-1}])`` and the emission
 ``f"x_{t}" ~ Categorical(B[z_t])`` (observed when x is given); site log-probs are float64 and
-``-inf`` (never NaN) where A, B or lam has a zero. :meth:`HMM.posterior_guide` (backward
+``-inf`` (never NaN) where A, B or lam has a zero. ``pt.guides.HMMGuide.posterior(hmm)`` (backward
 algorithm: the exact ``P(z_t | z_{t-1}, x)``, zero-variance importance weights) and
-:meth:`HMM.filtering_guide` (the locally optimal SMC proposal ``P(z_t | z_{t-1}, x_t)``) are
+``pt.guides.HMMGuide.filtering(hmm)`` (the locally optimal SMC proposal ``P(z_t | z_{t-1}, x_t)``) are
 programs with the same sites ``z_t``; ``guide=None`` (the prior) is the bootstrap proposal.
 """
 
@@ -45,8 +45,6 @@ from ppl_thought.errors import MalformedSequenceError, TooLargeToEnumerateError,
 from ppl_thought.program import Program, particle_frame, particles, run_whole
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ppl_thought.guides.hmm import HMMGuide
-    from ppl_thought.lm.tabular import Tabular
     from ppl_thought.projections.product import Product
 
 DTYPE = torch.float64
@@ -130,7 +128,7 @@ class HMM(Program):
         B: ``[|Omega|, |Sigma|]`` row-stochastic emission matrix, ``B[z, x] = P(X_t=x | Z_t=z)``.
         lam: ``[|Omega|]`` initial distribution of ``Z_1``.
         observable_tokens: optional names of the observations (token strings, no whitespace),
-            used by :meth:`as_slow_thinking_parts`; default ``"x0", "x1", ...``.
+            used by :func:`~ppl_thought.models.hmm_lifting.slow_thinking_parts`; default ``"x0", "x1", ...``.
         hidden_names: optional names of the hidden states; default ``"h0", "h1", ...``.
         atol: tolerance on row sums; rows within it are renormalised exactly.
 
@@ -494,55 +492,13 @@ class HMM(Program):
         pyro.sample(f"x_{t}", emit, obs=obs)
         return all_done(self.device) if t == T - 1 else None
 
-    def posterior_guide(self) -> HMMGuide:
-        """The exact posterior as a step-wise guide: ``z_t ~ P(z_t | z_{t-1}, x_0 .. x_{T-1})``.
-
-        By the backward algorithm, ``P(z_t | z_{t-1}, x) ∝ A[z_{t-1}, z_t] B[z_t, x_t] beta_t(z_t)``
-        (``lam`` instead of ``A[z_{t-1}]`` at t = 0), so every importance weight p(z, x) / q(z)
-        equals ``P(x)`` (the forward algorithm's (3.1)): the zero-variance proposal.
-        """
-        from ppl_thought.guides.hmm import HMMGuide
-
-        return HMMGuide(self, backward=True)
-
-    def filtering_guide(self) -> HMMGuide:
-        """The locally optimal SMC proposal ``z_t ~ P(z_t | z_{t-1}, x_t) ∝ A[z_{t-1}, z_t] B[z_t, x_t]``.
-
-        It looks at the current observation only (no backward messages); the incremental SMC
-        weight is then ``P(x_t | z_{t-1}) = sum_z A[z_{t-1}, z] B[z, x_t]``.
-        """
-        from ppl_thought.guides.hmm import HMMGuide
-
-        return HMMGuide(self, backward=False)
-
-    # ------------------------------------------------------------------ Theorem 2.3
-    def as_slow_thinking_parts(
-        self,
-        observable_tokens: list[str] | None = None,
-        hidden_names: list[str] | None = None,
-        sep: str = "|",
-        trainable: bool = False,
-    ) -> tuple[Product, Tabular]:
-        """The HMM as ``Proj # P_f`` with a bigram latent prior (Theorem 2.3): ``(projection, prior)``; see
-        :func:`ppl_thought.models.hmm_lifting.slow_thinking_parts`."""
-        from ppl_thought.models.hmm_lifting import slow_thinking_parts
-
-        return slow_thinking_parts(self, observable_tokens, hidden_names, sep, trainable)
-
-    def as_slow_thinking(self, **kwargs):
-        """``pt.models.SlowThinking(prior, projection)`` from :meth:`as_slow_thinking_parts` (Theorem 2.3)."""
-        from ppl_thought.models.slow_thinking import SlowThinking
-
-        projection, prior = self.as_slow_thinking_parts(**kwargs)
-        return SlowThinking(prior, projection)
-
     def observation_ids(
         self, projection: Product, observable_tokens: list[str] | None = None
     ) -> torch.Tensor:
         """The vocabulary id of each observation index in a product projection's vocabulary: ``[|Sigma|]``.
 
         ``observation_ids(product)[x]`` turns an index sequence x into the id sequence that the
-        slow-thinking model of :meth:`as_slow_thinking_parts` observes (pass the same
+        slow-thinking model of :func:`~ppl_thought.models.hmm_lifting.slow_thinking_parts` observes (pass the same
         ``observable_tokens`` as there if you overrode them).
         """
         names = self.observable_tokens if observable_tokens is None else list(observable_tokens)

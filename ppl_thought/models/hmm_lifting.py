@@ -11,10 +11,11 @@ import torch
 
 from ppl_thought.lm.tabular import Tabular
 from ppl_thought.models.hmm import DTYPE, HMM
+from ppl_thought.models.slow_thinking import SlowThinking
 from ppl_thought.projections.product import Product
 from ppl_thought.vocab import BOS_ID
 
-__all__ = ["slow_thinking_parts"]
+__all__ = ["hmm_as_slow_thinking", "slow_thinking_parts"]
 
 
 def slow_thinking_parts(hmm: HMM, observable_tokens: list[str] | None = None, hidden_names: list[str] | None = None,
@@ -59,3 +60,10 @@ def slow_thinking_parts(hmm: HMM, observable_tokens: list[str] | None = None, hi
     logits[never] = logits[BOS_ID].clone()
     prior = Tabular(2, V, logits.to(torch.get_default_dtype()), trainable=trainable)
     return product, prior
+
+
+def hmm_as_slow_thinking(hmm: HMM, **kwargs) -> SlowThinking:
+    """The HMM as ``pt.models.SlowThinking(prior, projection)`` (Theorem 2.3) from :func:`slow_thinking_parts`
+    (``kwargs`` go there); its exact marginal likelihood is the forward algorithm's P(x)."""
+    projection, prior = slow_thinking_parts(hmm, **kwargs)
+    return SlowThinking(prior, projection)
