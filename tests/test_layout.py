@@ -92,3 +92,52 @@ def test_imports_flow_downward():
                        timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " 0 upward imports" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------- one resampler
+PKG = __import__("pathlib").Path(__file__).resolve().parents[1] / "ppl_thought"
+RESAMPLERS = {"inference/resampling.py", "numpyro/infer/resampling.py"}
+
+
+def resampling_functions(path) -> list[str]:
+    """Functions in ``path`` that draw ancestor indices: an inverse CDF (``cumsum`` then ``searchsorted`` in one
+    function) or a function named like a resampler."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            calls = {c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", "")
+                     for c in ast.walk(node) if isinstance(c, ast.Call)}
+            named = any(w in node.name.lower() for w in ("resampl", "systematic", "stratified", "ancestor"))
+            if {"cumsum", "searchsorted"} <= calls or (named and not node.name.startswith("test")):
+                found.append(f"{path.relative_to(PKG)}:{node.lineno} {node.name}")
+    return found
+
+
+def test_one_resampler_per_backend():
+    """Ancestor indices are drawn in inference/resampling.py (torch) and numpyro/infer/resampling.py (JAX) only;
+    engines call them (SMC._resample is the SMC's hook that calls resample_groups)."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = str(path.relative_to(PKG))
+        if rel not in RESAMPLERS:
+            hook = rel == "inference/smc.py"  # SMC._resample: the hook that calls resample_groups
+            bad += [f for f in resampling_functions(path) if not (hook and f.endswith(" _resample"))]
+    assert bad == [], f"resampling written outside the resampling modules: {bad}"
+    # and the check sees a copy: the resampling module itself is flagged by it
+    assert resampling_functions(PKG / "inference/resampling.py")
+
+
+def test_infer_exports_engines_not_training_helpers():
+    """pt.infer holds the engines and their result; training names live in pt.train."""
+    import ppl_thought as pt
+
+    names = set(pt.infer.__all__)
+    training = {"Trainer", "cosine_lr", "clip_joint_", "SFT", "GRPO", "R1Zero", "DualRateTrainer", "SVI",
+                "fast_lr_schedule", "slow_lr_schedule", "group_advantages", "ActiveLifting"}
+    assert not names & training, sorted(names & training)
+    assert len(names) <= 16, sorted(names)
+    assert {"Importance", "SMC", "decode", "Result"} <= names
+    assert {"Trainer", "SVI", "SFT"} <= set(pt.train.__all__)

@@ -191,7 +191,7 @@ def test_hmm_forward_backward_and_theorem_2_3_equal_torch():
     assert np.array_equal(np.isfinite(tb), np.isfinite(jb))
     assert abs(float(th.brute_force_log_prob(torch.as_tensor(x[0]))) - float(jh.log_prob(x[0]))) < 1e-5
     # Theorem 2.3: the same bigram table as the torch side, and Proj # P = P_{A,B,lam} exactly
-    tproj, tprior = th.as_slow_thinking_parts()
+    tproj, tprior = pt.models.slow_thinking_parts(th)
     jproj, jprior = jh.as_slow_thinking_parts()
     tl, jl = tprior.logits.numpy(), np.asarray(jprior.params["logits"])
     assert np.array_equal(np.isneginf(tl), np.isneginf(jl))
@@ -315,7 +315,9 @@ def test_to_inference_data_keeps_the_weights(pause_model):
     # the equal-weight posterior estimates the weighted mean of the thought length
     lengths = (np.asarray(res.samples["z"]) != 0).sum(-1)
     weighted = float((np.asarray(res.normalized_weights) * lengths).sum())
-    assert abs(float(idata.posterior["z_length"].mean()) - weighted) < 0.5
+    # over seeds of the resampling (one seed's 18 draws have sd ~0.7 around it): within 3 SE of the weighted mean
+    means = np.array([float(ptn.to_inference_data(res, seed=s).posterior["z_length"].mean()) for s in range(24)])
+    assert abs(means.mean() - weighted) < 3 * means.std(ddof=1) / math.sqrt(len(means))
 
 
 # ---------------------------------------------------------------------------------------------- import boundary

@@ -14,21 +14,16 @@ import math
 import warnings
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ppl_thought.arviz_compat import import_arviz
 from ppl_thought.draws import bounded_num_draws
 from ppl_thought.errors import DiagnosticError, UnsupportedResultError
+from ppl_thought.numpyro.infer.resampling import effective_sample_size, systematic_resample
 
 PSIS_THRESHOLD = 0.5
-
-
-def _ess(lw: np.ndarray) -> float:
-    if not np.isfinite(lw).any():
-        return 0.0
-    m = lw[np.isfinite(lw)].max()
-    w = np.exp(lw - m)
-    return float(w.sum() ** 2 / (w**2).sum())
 
 
 def psis(lw: np.ndarray) -> tuple[np.ndarray, float]:
@@ -47,14 +42,6 @@ def psis(lw: np.ndarray) -> tuple[np.ndarray, float]:
         smoothed, k = import_arviz().psislw(x.copy())
     out[fin] = smoothed
     return out, float(k) if np.isfinite(k) else math.nan
-
-
-def _systematic(log_w: np.ndarray, m: int, seed: int) -> np.ndarray:
-    w = np.exp(log_w - log_w[np.isfinite(log_w)].max())
-    cdf = np.cumsum(w / w.sum())
-    cdf[-1] = 1.0
-    u = (np.arange(m) + np.random.default_rng(seed).uniform()) / m
-    return np.minimum(np.searchsorted(cdf, u), len(log_w) - 1)
 
 
 def _vars(name: str, a: np.ndarray) -> dict[str, Any]:
@@ -89,13 +76,15 @@ def to_inference_data(result, num_draws: int | None = None, seed: int = 0, group
         se = None if se is None else np.asarray(se)[g]
         ancestry = None if ancestry is None else np.asarray(ancestry)[g]
     n = lw.size
-    ess = _ess(lw)
+    ess = float(effective_sample_size(jnp.asarray(lw)))
     smoothed, khat = psis(lw)
     use_psis = bool(np.isfinite(khat) and khat >= PSIS_THRESHOLD)
     w_log = smoothed if use_psis else lw
-    ess_used = min(ess, _ess(w_log))
+    ess_used = min(ess, float(effective_sample_size(jnp.asarray(w_log))))
     m = bounded_num_draws(ess_used) if num_draws is None else int(num_draws)
-    draws = _systematic(w_log, m, seed) if np.isfinite(lw).any() and m > 0 else np.zeros(0, np.int64)
+    draws = np.zeros(0, np.int64)
+    if np.isfinite(lw).any() and m > 0:
+        draws = np.asarray(systematic_resample(jax.random.PRNGKey(int(seed)), jnp.asarray(w_log), m))
     post, parts, stats = {}, {"log_weight": (("chain", "draw"), lw[None])}, {}
     for name, a in samples.items():
         if a.shape[:1] != (n,):

@@ -4,8 +4,9 @@
 
 from ppl_thought.numpyro.infer.importance import Importance
 from ppl_thought.numpyro.infer.langevin import MALA, ULA, LangevinState
-from ppl_thought.numpyro.infer.result import Result, effective_sample_size, log_marginal_stderr, log_mean_exp
-from ppl_thought.numpyro.infer.smc import SMC, systematic_resample
+from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, systematic_resample
+from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
+from ppl_thought.numpyro.infer.smc import SMC
 from ppl_thought.numpyro.infer.svi import ELBO
 
 __all__ = ["ELBO", "MALA", "SMC", "ULA", "Importance", "LangevinState", "Result", "effective_sample_size",

@@ -19,7 +19,8 @@ from numpyro.handlers import replay, seed, trace
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
-from ppl_thought.numpyro.infer.result import Result, effective_sample_size, log_marginal_stderr, log_mean_exp
+from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp
+from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 
 
 def site_log_prob(site: dict) -> jax.Array:

@@ -3,24 +3,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-
-def log_mean_exp(log_w: jax.Array, axis: int = -1) -> jax.Array:
-    """log (1/n) sum_i exp(log_w_i), estimator (3.2); -inf (never NaN) when every weight is zero."""
-    return jax.scipy.special.logsumexp(log_w, axis) - math.log(log_w.shape[axis])
-
-
-def effective_sample_size(log_w: jax.Array, axis: int = -1) -> jax.Array:
-    """Importance ESS (sum w)^2 / sum w^2 from log weights; 0 when every weight is zero."""
-    a = jax.scipy.special.logsumexp(log_w, axis)
-    b = jax.scipy.special.logsumexp(2 * log_w, axis)
-    return jnp.where(jnp.isneginf(a), 0.0, jnp.exp(2 * a - jnp.where(jnp.isneginf(a), 0.0, b)))
+from ppl_thought.numpyro.infer.resampling import effective_sample_size
 
 
 def log_marginal_stderr(log_w: jax.Array) -> jax.Array:

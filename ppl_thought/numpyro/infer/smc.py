@@ -27,17 +27,9 @@ from ppl_thought.checks import fraction, integer
 from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ZeroWeightsError
 from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, encode, sample_token, tables, tree_where
 from ppl_thought.numpyro.infer.importance import Importance, not_in_image_result
-from ppl_thought.numpyro.infer.result import Result, effective_sample_size, log_marginal_stderr, log_mean_exp
+from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, systematic_resample
+from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 from ppl_thought.numpyro.lm.base import reorder
-
-
-def systematic_resample(key: jax.Array, log_w: jax.Array) -> jax.Array:
-    """Ancestor indices ``[n]`` by systematic resampling (E[#offspring_i] = n W_i; indices in particle order)."""
-    n = log_w.shape[0]
-    cdf = jnp.cumsum(jax.nn.softmax(log_w))
-    cdf = cdf.at[-1].set(1.0)
-    u = (jnp.arange(n) + jax.random.uniform(key)) / n
-    return jnp.clip(jnp.searchsorted(cdf, u), 0, n - 1)
 
 
 def _take(q: jax.Array, tok: jax.Array) -> jax.Array:
@@ -145,7 +137,7 @@ class SMC:
                 alive = ~jnp.isneginf(lw).all()
                 flag = (ess < threshold * n) & ~last & alive
 
-                def resample(args):
+                def move(args):  # the adaptive-resampling move: ancestors, gathered state, weights at their mean
                     st, lw = args
                     idx = systematic_resample(k_res, lw)
                     return reorder(st, idx), jnp.full_like(lw, log_mean_exp(lw)), idx
@@ -154,7 +146,7 @@ class SMC:
                     st, lw = args
                     return st, lw, jnp.arange(n)
 
-                st, lw, idx = jax.lax.cond(flag, resample, keep, (st, lw))
+                st, lw, idx = jax.lax.cond(flag, move, keep, (st, lw))
                 return (st, lw, key), (ess, flag, idx)
 
             (st, lw, _), (ess, flags, anc) = jax.lax.scan(segment, (st, jnp.zeros(n), key), jnp.arange(T))
