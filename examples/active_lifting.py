@@ -2,7 +2,7 @@
 
 For N in {8, 16, 32}: a random P_* over N elements, Omega = {0, 1}; one Transformer plays the sampler Q,
 the latent model P and the decoder G (``pt.transforms.ActiveLift``), trained on (6.10) with the
-score-function estimator of ``pt.infer.active_terms``; the learned (6.12) value, expected code length,
+score-function estimator of ``pt.train.active_terms``; the learned (6.12) value, expected code length,
 H(X | Z) and prefix-freeness are computed exactly and set next to Huffman's code and the entropy bound.
 See ppl_thought/experiments/active_coding.py and docs/active-lifting.md.
 

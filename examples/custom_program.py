@@ -228,8 +228,8 @@ def train_guide(model, guide, swaps, answer, steps: int, particles: int, lr: flo
     """SVI on the guide's LM: the sampler loss (3.25), a policy gradient of KL(q || posterior)."""
     from tqdm.auto import tqdm
 
-    objective = pt.infer.SamplerPolicyGradient(particles)
-    svi = pt.infer.SVI(objective, {"lr": lr})
+    objective = pt.train.SamplerPolicyGradient(particles)
+    svi = pt.train.SVI(objective, {"lr": lr})
     losses, ess = [], []
     bar = tqdm(range(steps), desc="SVI (guide LM)", disable=not progress, mininterval=0.5)
     for _ in bar:

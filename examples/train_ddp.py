@@ -59,18 +59,18 @@ def dataset(objective: str, size: int = 64, seed: int = 123) -> list:
 
 def build(objective: str = "svi", seed: int = 0, batch_size: int = 4, lr: float = 0.05,
           checkpoint_dir: str | None = None, checkpoint_every: int = 0, progress: bool = False,
-          item_streams: bool = True, distributed: bool | None = None) -> pt.infer.Trainer:
+          item_streams: bool = True, distributed: bool | None = None) -> pt.train.Trainer:
     """The Trainer of this example (the same on every process; rank 0's initial weights are broadcast)."""
     prior, sampler = _bigram(seed, scale=1.0), _bigram(seed + 1, scale=1.0)
     model, guide = pt.models.SlowThinking(prior, PROJ), pt.guides.Causal(sampler, PROJ)
     if objective == "svi":
-        loss = pt.infer.Sum(pt.infer.OneSampler(8), pt.infer.SamplerPolicyGradient(8))
+        loss = pt.train.Sum(pt.train.OneSampler(8), pt.train.SamplerPolicyGradient(8))
         modules = {"prior": prior, "sampler": sampler}
     elif objective == "sft":
-        loss, modules = pt.infer.SFT(), {"prior": prior}
+        loss, modules = pt.train.SFT(), {"prior": prior}
     else:
         raise pt.errors.ConfigError(f"objective must be 'svi' or 'sft', got {objective!r}")
-    return pt.infer.Trainer(model, guide, loss, modules, optimizer=functools.partial(torch.optim.Adam, lr=lr),
+    return pt.train.Trainer(model, guide, loss, modules, optimizer=functools.partial(torch.optim.Adam, lr=lr),
                             clip_norm=1.0, batch_size=batch_size, checkpoint_dir=checkpoint_dir,
                             checkpoint_every=checkpoint_every, progress=progress,
                             seed=seed if item_streams else None, distributed=distributed)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None, callback: Callable | None = None) -> dic
         torch.manual_seed(args.seed + rank)  # this process's stream (a checkpoint keeps every rank's state)
     trainer = build(args.objective, args.seed, args.batch_size, args.lr, args.checkpoint_dir, args.checkpoint_every,
                     progress=not args.no_progress, item_streams=args.streams == "item")
-    latest = pt.infer.Trainer.latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    latest = pt.train.Trainer.latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
     if latest is not None:
         trainer.load(latest)
         if rank == 0:

@@ -10,7 +10,8 @@ A slow-thinking model is the tuple (Sigma, Omega, Proj, P, Q) of the static theo
     pt.dist                       # LMSequence: Pyro distribution over token sequences (Def 2.8)
     pt.models                     # SlowThinking (Proj # P_f), HMM (Def 2.2, Theorem 2.3)
     pt.data                       # synthetic tasks with exact answers (A5 cups-and-ball HMM)
-    pt.infer                      # engines: Importance, SMC, SVI, Langevin, decode (Result)
+    pt.infer                      # engines over any program: Importance, SMC, Langevin, decode (Result)
+    pt.train                      # training: SVI, the objectives of Sections 4, 6, 7, Trainer, LTM training
     pt.transforms                 # model transforms: ProjectionLift, Forgetful, Persistent, Ubiquitous, CostAware,
                                   # ActiveLift (Section 6)
     pt.Program                    # the step-wise program protocol (init / step); its four verbs pt.sample,
@@ -36,6 +37,8 @@ _SUBMODULES = {
     "data": "ppl_thought.data",
     "infer": "ppl_thought.inference",
     "inference": "ppl_thought.inference",
+    "train": "ppl_thought.training",
+    "training": "ppl_thought.training",
     "guides": "ppl_thought.guides",
     "diagnostics": "ppl_thought.diagnostics",
     "errors": "ppl_thought.errors",

@@ -68,7 +68,16 @@ def observe(name: str, fn, value) -> torch.Tensor:
     """
     if value is None:
         return pyro.sample(name, fn, infer={OUTPUT: True})
-    return pyro.sample(name, fn, obs=value)
+    v = torch.as_tensor(value)
+    # one value for every particle: broadcast it over the batch (a ragged sequence site keeps its own width)
+    shape = tuple(fn.batch_shape) + (tuple(v.shape[-1:]) if getattr(fn, "ragged_event", False) and fn.event_shape
+                                      else tuple(fn.event_shape))
+    if v.shape != shape:
+        try:
+            v = v.expand(shape)
+        except RuntimeError:
+            pass  # the distribution's own check names the problem
+    return pyro.sample(name, fn, obs=v)
 
 
 def factor(name: str, log_factor) -> None:

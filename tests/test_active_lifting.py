@@ -18,7 +18,8 @@ import torch
 
 import ppl_thought as pt
 from ppl_thought.errors import ActiveLiftError, MalformedSequenceError, PPLThoughtError
-from ppl_thought.inference.active import (
+from ppl_thought.lm import Transformer
+from ppl_thought.training.active import (
     ActiveLifting,
     ConditionalSamplerLoss,
     GeneratorLoss,
@@ -30,7 +31,6 @@ from ppl_thought.inference.active import (
     prefix_sums,
     reward_to_go,
 )
-from ppl_thought.lm import Transformer
 from ppl_thought.transforms import ActiveLift, score_continuation
 
 T = 2

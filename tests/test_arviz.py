@@ -29,11 +29,12 @@ from ppl_thought.cli import main as cli_main
 from ppl_thought.diagnostics import diagnose, to_inference_data
 from ppl_thought.diagnostics.inference_data import bounded_num_draws
 from ppl_thought.errors import DependencyError, DiagnosticError, PPLThoughtError, UnsupportedResultError
-from ppl_thought.inference import SMC, SVI, Importance, Langevin, OneSampler, decode
+from ppl_thought.inference import SMC, Importance, Langevin, decode
 from ppl_thought.inference.importance import not_in_image_result
 from ppl_thought.inference.result import Result, psis, save_result
 from ppl_thought.io import save_checkpoint
 from ppl_thought.models.latent_thought import LatentThought
+from ppl_thought.training import SVI, OneSampler
 
 matplotlib.use("Agg")  # before pyplot: plots run headless and every figure is closed after each test
 import matplotlib.pyplot as plt  # noqa: E402
@@ -271,7 +272,7 @@ def test_latent_thought_importance_smc_and_langevin_convert():
     idata = to_inference_data(s)
     assert idata.particles["ancestry"].shape == (1, 64, 6) and idata.posterior.attrs["num_draws"] >= 1
     summary_of(idata, var_names=["z"])
-    lang = pt.infer.langevin_posterior(ltm, tok, num_steps=12, warmup_steps=8, num_chains=2, seed=0)
+    lang = pt.train.langevin_posterior(ltm, tok, num_steps=12, warmup_steps=8, num_chains=2, seed=0)
     idata = to_inference_data(lang)
     assert idata.posterior["z"].shape[:2] == (2, 12) and "accept_prob" in idata.sample_stats
     assert "r_hat" in summary_of(idata, var_names=["z"]).columns

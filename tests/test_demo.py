@@ -15,7 +15,7 @@ from ppl_thought.demo import run_demo
 from ppl_thought.errors import MalformedSequenceError
 from ppl_thought.experiments.a5 import A5Config, A5Latent
 from ppl_thought.experiments.sec7 import Sec7Config, causal_gaps, latent_surrogate, sampler_surrogate
-from ppl_thought.inference.objectives import OneSampler, Particles, SamplerPolicyGradient
+from ppl_thought.training.objectives import OneSampler, Particles, SamplerPolicyGradient
 
 
 def _brute_p(task, q, r):
@@ -235,7 +235,7 @@ def test_sec7_formats_follow_query_response_projection():
 
 
 def test_cosine_lr_follows_app_l_schedule():
-    from ppl_thought.inference import cosine_lr
+    from ppl_thought.training import cosine_lr
 
     lrs = [cosine_lr(1.0, s, 100) for s in range(100)]
     assert lrs[0] == pytest.approx(0.2) and lrs[4] == pytest.approx(1.0)  # 5 warm-up steps: 0.2 .. 1.0

@@ -251,7 +251,7 @@ def _training(engine: str):
         model = pt.models.SlowThinking(prior, PROJ)
         guide = pt.guides.Causal(q, PROJ, name="q")
         start = [p.detach().clone() for p in (prior.logits, q.logits)]
-        objective = pt.infer.Sum(pt.infer.OneSampler(8), pt.infer.SamplerPolicyGradient(8))
+        objective = pt.train.Sum(pt.train.OneSampler(8), pt.train.SamplerPolicyGradient(8))
 
         def run():
             pyro.clear_param_store()
@@ -259,10 +259,10 @@ def _training(engine: str):
                 prior.logits.copy_(start[0])
                 q.logits.copy_(start[1])
             if engine == "svi":
-                res = pt.infer.SVI(objective, {"lr": 0.1}).run(model, guide, X.to(device), num_steps=3)
+                res = pt.train.SVI(objective, {"lr": 0.1}).run(model, guide, X.to(device), num_steps=3)
                 out = [res.stats["losses"], res.log_weights, res.samples]
             else:
-                t = pt.infer.Trainer(model, guide, objective, {"prior": prior, "sampler": q},
+                t = pt.train.Trainer(model, guide, objective, {"prior": prior, "sampler": q},
                                      optimizer=functools.partial(torch.optim.Adam, lr=0.1), clip_norm=0.5,
                                      batch_size=2, progress=False, seed=0)
                 out = [[{k: v for k, v in h.items() if k != "time"} for h in t.fit([X.to(device)] * 4, num_steps=2)]]
@@ -308,7 +308,7 @@ def _latent_thought(engine: str):
                     return pt.infer.SMC(8, generator=torch.Generator(device=device).manual_seed(0)).run(
                         LTMProgram(ltm), None, tok[0])
             if engine == "langevin":
-                from ppl_thought.inference.latent_thought import langevin_posterior
+                from ppl_thought.training.latent_thought import langevin_posterior
 
                 r = langevin_posterior(ltm, tok, num_steps=4, warmup_steps=3, num_chains=2, seed=0)
                 return [r.samples, r.stats.get("accept_prob")]

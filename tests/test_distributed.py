@@ -205,7 +205,7 @@ def test_killed_and_restarted_goes_on_to_the_uninterrupted_numbers(runs):
 
 def test_a_one_process_group_runs_the_collective_path_and_changes_nothing(tmp_path, monkeypatch):
     """distributed=True inside a process group of one (in this process): broadcast, all-reduce, the JSON
-    gathers and the collective save run, and give exactly the numbers of the plain Trainer. pt.infer.SVI, which
+    gathers and the collective save run, and give exactly the numbers of the plain Trainer. pt.train.SVI, which
     cannot average over processes, warns when the group has several."""
     example = _example()
     plain = example.build("svi", checkpoint_dir=tmp_path / "plain", checkpoint_every=2)
@@ -223,7 +223,7 @@ def test_a_one_process_group_runs_the_collective_path_and_changes_nothing(tmp_pa
             assert torch.equal(t.modules[name].logits, plain.modules[name].logits)
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
         with pytest.warns(UserWarning, match="Trainer"):
-            pt.infer.SVI(pt.infer.OneSampler(2), {"lr": 0.01}).run(t.model, t.guide, "ab", num_steps=1)
+            pt.train.SVI(pt.train.OneSampler(2), {"lr": 0.01}).run(t.model, t.guide, "ab", num_steps=1)
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()

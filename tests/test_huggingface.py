@@ -26,10 +26,11 @@ from ppl_thought.distributions import LMSequence
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import MalformedSequenceError, MissingDependencyError, UnknownTokenError, VocabularyError
 from ppl_thought.guides import Causal, Explanatory, Identity, Inquisitive, Posterior, Predictive
-from ppl_thought.inference import SMC, SVI, Importance, OneSampler, SamplerPolicyGradient, Sum
+from ppl_thought.inference import SMC, Importance
 from ppl_thought.lm import GatedLM, HuggingFace, KVCache
 from ppl_thought.models import SlowThinking
 from ppl_thought.projections import PauseToThink
+from ppl_thought.training import SVI, OneSampler, SamplerPolicyGradient, Sum
 from ppl_thought.vocab import BOS_ID, EOS_ID, EXPLAIN_ID, PAD_ID, THINK_ID, Vocab
 
 

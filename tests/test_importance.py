@@ -11,7 +11,8 @@ import torch
 from engine_helpers import VOCAB, ExactPosterior, LiftingSampler, pause_model, tabular
 
 from ppl_thought.distributions import LMSequence
-from ppl_thought.inference import Importance, ZeroWeightsError
+from ppl_thought.errors import ZeroWeightsError
+from ppl_thought.inference import Importance
 from ppl_thought.lm.tabular import Tabular
 from ppl_thought.models import SlowThinking
 from ppl_thought.projections import PauseToThink, QueryResponse

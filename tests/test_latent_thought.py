@@ -11,8 +11,8 @@ import torch
 
 from ppl_thought.errors import MalformedSequenceError
 from ppl_thought.guides import LocalGaussianGuide
-from ppl_thought.inference import DualRateTrainer, langevin_evaluate, langevin_posterior
 from ppl_thought.models import LatentThought
+from ppl_thought.training import DualRateTrainer, langevin_evaluate, langevin_posterior
 
 
 def _ltm(seed: int = 0, **kw) -> LatentThought:

@@ -8,7 +8,7 @@ import torch
 from _training_fixtures import X, exact_nll, exact_reverse_kl, problem
 
 from ppl_thought.errors import SiteMismatchError
-from ppl_thought.inference import (
+from ppl_thought.training import (
     GRPO,
     SFT,
     SVI,
@@ -21,7 +21,7 @@ from ppl_thought.inference import (
     TwoSampler,
     group_advantages,
 )
-from ppl_thought.inference.objectives import Particles, per_sample_grad_norms
+from ppl_thought.training.objectives import Particles, per_sample_grad_norms
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,8 @@ from engine_helpers import VOCAB, LiftingSampler, pause_model, tabular
 
 import ppl_thought as pt
 from ppl_thought.distributions.lm_state import LMState
-from ppl_thought.errors import ProgramError
-from ppl_thought.inference import SMC, ZeroWeightsError
+from ppl_thought.errors import ProgramError, ZeroWeightsError
+from ppl_thought.inference import SMC
 from ppl_thought.inference.resampling import resample
 
 X = "abab"

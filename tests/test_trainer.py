@@ -8,7 +8,7 @@ import pytest
 import torch
 from _training_fixtures import X, exact_nll, problem
 
-from ppl_thought.inference import OneSampler, SamplerPolicyGradient, Sum, Trainer, clip_joint_
+from ppl_thought.training import OneSampler, SamplerPolicyGradient, Sum, Trainer, clip_joint_
 
 
 @pytest.fixture(autouse=True)
@@ -102,7 +102,7 @@ def test_trainer_bad_input(tmp_path):
 def test_item_streams_make_the_samples_a_function_of_the_place_in_the_run(tmp_path):
     """seed=: item j of step t sees the stream item_seed(seed, t, j), whatever else was drawn before: the same
     losses after drawing from the global stream in between, and a resumed run repeats the uninterrupted one."""
-    from ppl_thought.inference.trainer import item_seed
+    from ppl_thought.training.trainer import item_seed
 
     assert len({item_seed(0, t, j) for t in range(20) for j in range(20)}) == 400
     assert item_seed(0, 3, 1) == item_seed(0, 3, 1) != item_seed(1, 3, 1)

@@ -323,7 +323,7 @@ def _mean_estimated_gradient(cost, seeds, n: int):
     inner = pt.models.SlowThinking(prior, proj)
     model = cost(inner)
     guide = pt.guides.Posterior(inner)
-    objective = pt.infer.OneSampler(num_particles=n)
+    objective = pt.train.OneSampler(num_particles=n)
     grads = []
     for seed in seeds:
         pyro.clear_param_store()
@@ -353,9 +353,9 @@ def test_cost_aware_runs_under_every_svi_objective(objective):
     inner = pt.models.SlowThinking(prior, proj)
     model = pt.transforms.CostAware(0.5, entropy=0.1)(inner)
     q = pt.guides.Causal(pt.lm.Tabular(2, V, torch.zeros(V, V), trainable=True), proj)
-    obj = {"one": lambda: pt.infer.OneSampler(4), "two": lambda: pt.infer.TwoSampler(pt.guides.Identity(inner), 4),
-           "r1": lambda: pt.infer.R1Zero(4), "sampler": lambda: pt.infer.SamplerPolicyGradient(4),
-           "sum": lambda: pt.infer.Sum(pt.infer.OneSampler(4), pt.infer.SamplerPolicyGradient(4))}[objective]()
+    obj = {"one": lambda: pt.train.OneSampler(4), "two": lambda: pt.train.TwoSampler(pt.guides.Identity(inner), 4),
+           "r1": lambda: pt.train.R1Zero(4), "sampler": lambda: pt.train.SamplerPolicyGradient(4),
+           "sum": lambda: pt.train.Sum(pt.train.OneSampler(4), pt.train.SamplerPolicyGradient(4))}[objective]()
     guide = pt.guides.Identity(inner) if objective == "r1" else q
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
@@ -400,7 +400,7 @@ def test_composed_transforms_run_every_engine_and_commute(request):
     assert abs(z.mean() - 1) < 3 * z.std(ddof=1) / np.sqrt(len(z)) + 0.05
     pyro.clear_param_store()
     q = pt.guides.Causal(pt.lm.Tabular(2, V, torch.zeros(V, V), trainable=True), proj)
-    svi = pt.infer.SVI(pt.infer.OneSampler(4), pyro.optim.Adam({"lr": 0.01}))
+    svi = pt.train.SVI(pt.train.OneSampler(4), pyro.optim.Adam({"lr": 0.01}))
     r = svi.run(models[0], q, x, num_steps=2)
     assert all(math.isfinite(v) for v in r.stats["losses"])
     with pytest.raises(TransformError, match="lifted already"):

@@ -17,14 +17,15 @@ import torch
 from scipy.stats import chisquare
 
 import ppl_thought as pt
-from ppl_thought.errors import ConfigError, MalformedSequenceError, PPLThoughtError, UnknownTokenError
-from ppl_thought.inference import (
-    RejectionSampling,
-    Result,
+from ppl_thought.errors import (
+    ConfigError,
+    MalformedSequenceError,
+    PPLThoughtError,
     SamplingBudgetError,
-    TokenwiseRejection,
+    UnknownTokenError,
     UnsatisfiableConstraintError,
 )
+from ppl_thought.inference import RejectionSampling, Result, TokenwiseRejection
 from ppl_thought.lm import Tabular
 from ppl_thought.projections.automaton import AutomatonBuilder
 from ppl_thought.verifiers import ProcessVerifier, dyck

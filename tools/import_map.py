@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("transforms", ("transforms",)),
     ("models/guides", ("models", "guides", "data")),
     ("inference", ("inference",)),
+    ("training", ("training",)),
     ("diagnostics", ("diagnostics",)),
     ("experiments", ("experiments", "demo")),
     ("cli", ("cli", "__init__", "__main__")),

@@ -29,10 +29,10 @@ from ppl_thought.data.a5 import OBSERVABLE_TOKENS, a5_hmm
 from ppl_thought.distributions.lm_state import masked_log_softmax
 from ppl_thought.experiments.common import run_alone, score, set_lr, standard_error
 from ppl_thought.inference.smc import SMC
-from ppl_thought.inference.trainer import clip_joint_, cosine_lr
 from ppl_thought.lm import Transformer
 from ppl_thought.program import Program, particle_groups, particles
 from ppl_thought.projections import Product
+from ppl_thought.training.trainer import clip_joint_, cosine_lr
 
 
 @dataclass

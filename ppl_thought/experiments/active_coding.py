@@ -7,7 +7,7 @@ Omega = {0, 1}. One Transformer plays the sampler Q (``x <s> z``), the latent mo
 decoder G (``z </s> x``) of an :class:`~ppl_thought.transforms.ActiveLift` with latent sequences of cut-off
 length T. Q and G are trained on the coding objective (6.10), min_{Q,G} sum_{t=0}^T E[-log G(x | Z_<=t)]
 (the decoder G plays P_*(x | z_<=t)), and P on (6.6), with the library's estimator
-(:func:`~ppl_thought.inference.active.active_terms`: score function with reward-to-go and a leave-one-out
+(:func:`~ppl_thought.training.active.active_terms`: score function with reward-to-go and a leave-one-out
 baseline for Q, pathwise for P and G). Every x is in every batch, weighted by P_*(x); n particles each.
 
 Evaluation is exact, by enumerating Omega^T for every x:
@@ -38,9 +38,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ppl_thought.experiments.common import run_alone, set_lr
-from ppl_thought.inference.active import active_terms
-from ppl_thought.inference.trainer import clip_joint_, cosine_lr
 from ppl_thought.lm import Transformer
+from ppl_thought.training.active import active_terms
+from ppl_thought.training.trainer import clip_joint_, cosine_lr
 from ppl_thought.transforms.active import ActiveLift
 from ppl_thought.vocab import Vocab
 

@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ppl_thought.data.markov_mixture import MarkovMixture
-from ppl_thought.inference import DualRateTrainer, langevin_evaluate, slow_lr_schedule
 from ppl_thought.lm.transformer import Transformer
 from ppl_thought.models import LatentThought
+from ppl_thought.training import DualRateTrainer, langevin_evaluate, slow_lr_schedule
 
 __all__ = ["LTMConfig", "ar_log_likelihood", "main", "plot", "run_latent_thought"]
 

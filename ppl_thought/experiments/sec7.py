@@ -10,8 +10,8 @@ pretrained LLM), repeated over ``Sec7Config.seeds`` replicates:
 
 - SFT (fast thinking): ``-log P(x_r | x)`` (the SFT loss of Section 7);
 - latent model P + predictive sampler Q(y | x): the latent loss (7.1) through
-  :class:`~ppl_thought.inference.objectives.OneSampler` ((3.17)/(5.20)) and the sampler loss (7.2)
-  through :class:`~ppl_thought.inference.objectives.SamplerPolicyGradient` ((3.25)/(5.24));
+  :class:`~ppl_thought.training.objectives.OneSampler` ((3.17)/(5.20)) and the sampler loss (7.2)
+  through :class:`~ppl_thought.training.objectives.SamplerPolicyGradient` ((3.25)/(5.24));
 - the same with the explanatory sampler Q(y | x x_r) (prompt ``x x_r <explain>``, Section 5.6.2).
 
 Test loss: (7.1) on held-out data with each method's own sampler and n samples, per response
@@ -33,10 +33,10 @@ from tqdm.auto import tqdm
 from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
 from ppl_thought.distributions.lm_state import masked_log_softmax
 from ppl_thought.experiments.common import run_alone, score, set_lr, standard_error
-from ppl_thought.inference.trainer import clip_joint_, cosine_lr
 from ppl_thought.lm import Transformer
 from ppl_thought.lm.gated import gate_mlp
 from ppl_thought.projections import QueryResponse
+from ppl_thought.training.trainer import clip_joint_, cosine_lr
 from ppl_thought.weights import log_mean_exp
 
 
@@ -89,7 +89,7 @@ def _logits_and_features(lm: Transformer, tokens: torch.Tensor) -> tuple[torch.T
 
 def latent_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """(7.1) per example, batched ``[B, n] -> [B]``: the surrogate of
-    :class:`~ppl_thought.inference.objectives.OneSampler` ((3.17)/(5.20)), -sum_i w_i log P(Y_i X_r | X),
+    :class:`~ppl_thought.training.objectives.OneSampler` ((3.17)/(5.20)), -sum_i w_i log P(Y_i X_r | X),
     w = softmax(log P - log Q) detached; its gradient is that of -log (1/n) sum_i P/U(Q). ``-inf``
     log P (impossible particles) get weight 0 and contribute 0, never NaN."""
     lw = (log_p - log_q).detach()
@@ -99,7 +99,7 @@ def latent_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
 
 def sampler_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """(7.2) per example, batched ``[B, n] -> [B]``: the plain policy gradient of
-    :class:`~ppl_thought.inference.objectives.SamplerPolicyGradient` ((3.25)/(5.24)) with rewards
+    :class:`~ppl_thought.training.objectives.SamplerPolicyGradient` ((3.25)/(5.24)) with rewards
     R_i = U(log P/Q) and the leave-one-out baseline: -1/(n-1) sum_i U(R_i - mean_j R_j) log Q(Y_i | .)."""
     rew = (log_p - log_q).detach()
     if not torch.isfinite(rew).all():

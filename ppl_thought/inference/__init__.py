@@ -1,47 +1,57 @@
-from ppl_thought.errors import SamplingBudgetError as SamplingBudgetError
-from ppl_thought.errors import UnsatisfiableConstraintError as UnsatisfiableConstraintError
-from ppl_thought.inference.active import ActiveGenerative as ActiveGenerative
-from ppl_thought.inference.active import ActiveLifting as ActiveLifting
-from ppl_thought.inference.active import ConditionalSamplerLoss as ConditionalSamplerLoss
-from ppl_thought.inference.active import GeneratorLoss as GeneratorLoss
-from ppl_thought.inference.active import MinimumLengthCoding as MinimumLengthCoding
-from ppl_thought.inference.active import active_terms as active_terms
-from ppl_thought.inference.active import conditional_decode as conditional_decode
-from ppl_thought.inference.active import conditional_encode as conditional_encode
-from ppl_thought.inference.active import encode as encode
-from ppl_thought.inference.active import score_function_surrogate as score_function_surrogate
+"""Engines over any program (``pt.infer``; docs/architecture.md, "Engines").
+
+Every engine takes a :class:`~ppl_thought.program.Program` (or, for the whole-trace engines, any Pyro model)
+with a guide, runs its particles as one batch and returns a :class:`Result`:
+
+* :class:`Importance` (estimator (3.2), Remark 3.4, (3.7)), :class:`SMC` (Lemma 2.1's segments or any
+  program's steps; twists, groups, four resampling schemes; ``backend="static"`` for one-token programs);
+* :func:`decode` (3.12)-(3.14), App. G's Algorithms 1-2, best-of-K; :func:`next_token_distribution` (G.1);
+* :class:`Langevin` / :class:`LangevinKernel` (ULA / MALA for continuous latents);
+* :func:`resample` and :data:`RESAMPLING`: the one resampler (:mod:`ppl_thought.inference.resampling`).
+
+Training (SVI, the objectives, the Trainer, active lifting, latent-thought training) is ``pt.train``; the
+verifier-guided samplers are ``pt.verifiers``.
+"""
+
 from ppl_thought.inference.backtracking import VGB as VGB
 from ppl_thought.inference.backtracking import TokenwiseBacktracking as TokenwiseBacktracking
+from ppl_thought.inference.decoding import Decoded as Decoded
 from ppl_thought.inference.decoding import decode as decode
 from ppl_thought.inference.decoding import next_token_distribution as next_token_distribution
 from ppl_thought.inference.importance import Importance as Importance
-from ppl_thought.inference.importance import ZeroWeightsError as ZeroWeightsError
 from ppl_thought.inference.langevin import Langevin as Langevin
 from ppl_thought.inference.langevin import LangevinKernel as LangevinKernel
-from ppl_thought.inference.latent_thought import DualRateTrainer as DualRateTrainer
-from ppl_thought.inference.latent_thought import fast_lr_schedule as fast_lr_schedule
-from ppl_thought.inference.latent_thought import langevin_evaluate as langevin_evaluate
-from ppl_thought.inference.latent_thought import langevin_posterior as langevin_posterior
-from ppl_thought.inference.latent_thought import slow_lr_schedule as slow_lr_schedule
-from ppl_thought.inference.objectives import GRPO as GRPO
-from ppl_thought.inference.objectives import SFT as SFT
-from ppl_thought.inference.objectives import Inquisitive as Inquisitive
-from ppl_thought.inference.objectives import OneSampler as OneSampler
-from ppl_thought.inference.objectives import ParticleObjective as ParticleObjective
-from ppl_thought.inference.objectives import R1Zero as R1Zero
-from ppl_thought.inference.objectives import SamplerPolicyGradient as SamplerPolicyGradient
-from ppl_thought.inference.objectives import SeparatePolicy as SeparatePolicy
-from ppl_thought.inference.objectives import Sum as Sum
-from ppl_thought.inference.objectives import TwoSampler as TwoSampler
-from ppl_thought.inference.objectives import group_advantages as group_advantages
+from ppl_thought.inference.resampling import RESAMPLING as RESAMPLING
+from ppl_thought.inference.resampling import resample as resample
 from ppl_thought.inference.result import Result as Result
 from ppl_thought.inference.result import load_result as load_result
 from ppl_thought.inference.result import save_result as save_result
 from ppl_thought.inference.smc import SMC as SMC
-from ppl_thought.inference.svi import SVI as SVI
-from ppl_thought.inference.trainer import Trainer as Trainer
-from ppl_thought.inference.trainer import clip_joint_ as clip_joint_
-from ppl_thought.inference.trainer import cosine_lr as cosine_lr
 from ppl_thought.inference.verifier_sampling import RejectionSampling as RejectionSampling
 from ppl_thought.inference.verifier_sampling import TokenwiseRejection as TokenwiseRejection
 from ppl_thought.inference.verifier_sampling import VerifierSMC as VerifierSMC
+
+__all__ = [
+    "Importance", "SMC", "Langevin", "LangevinKernel", "decode", "next_token_distribution", "Decoded", "Result",
+    "save_result", "load_result", "resample", "RESAMPLING",
+    # verifier-guided sampling (moving to pt.verifiers)
+    "RejectionSampling", "TokenwiseRejection", "VerifierSMC", "TokenwiseBacktracking", "VGB",
+]
+
+
+#: names that lived here before the engines were separated from training and verifier sampling
+_MOVED = {name: "pt.train" for name in (
+    "ActiveGenerative", "ActiveLifting", "ConditionalSamplerLoss", "GeneratorLoss", "MinimumLengthCoding",
+    "active_terms", "conditional_decode", "conditional_encode", "encode", "score_function_surrogate",
+    "DualRateTrainer", "fast_lr_schedule", "langevin_evaluate", "langevin_posterior", "slow_lr_schedule", "GRPO",
+    "SFT", "Inquisitive", "OneSampler", "ParticleObjective", "R1Zero", "SamplerPolicyGradient", "SeparatePolicy",
+    "Sum", "TwoSampler", "group_advantages", "SVI", "Trainer", "clip_joint_", "cosine_lr")}
+_MOVED.update({"ZeroWeightsError": "pt.errors", "SamplingBudgetError": "pt.errors",
+               "UnsatisfiableConstraintError": "pt.errors"})
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"pt.infer.{name} is now {_MOVED[name]}.{name} (pt.infer holds the engines; "
+                             "docs/architecture.md)")
+    raise AttributeError(f"module 'ppl_thought.inference' has no attribute {name!r}")

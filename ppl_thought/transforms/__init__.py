@@ -6,7 +6,7 @@
 - :class:`CostAware` ((5.26)-(5.27), 5.6.3): the cost-aware objective, thought length against likelihood.
 - :func:`chunked_sample` (end of 5.6.2): sparse thoughts decoded with the text between them in chunks.
 - :class:`ActiveLift` (Section 6): a learned sampler Q, latent prior P and generator G in one LM in place of a
-  fixed projection; its objectives are in :mod:`ppl_thought.inference.active`.
+  fixed projection; its objectives are in :mod:`ppl_thought.training.active`.
 - :func:`compose`, :func:`sequence_start`, :class:`Transform`, :class:`Transformed`: the machinery.
 """
 

@@ -26,7 +26,7 @@ sampler Q as a Pyro guide with the site ``"z"``. Every engine of the library run
 importance weights are P(z) G(x | z) / Q(z | x), the t = T term of (6.17)). The prefix quantities
 the objectives of Section 6 need (log P^{<=t}, log Q^{<=t}, log G^{<=t} for every t) come from one
 teacher-forced pass each: :meth:`ActiveLift.prior_log_probs`, :meth:`ActiveLift.sampler_log_probs`,
-:meth:`ActiveLift.generator_log_probs`; the objectives live in :mod:`ppl_thought.inference.active`.
+:meth:`ActiveLift.generator_log_probs`; the objectives live in :mod:`ppl_thought.training.active`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The ELBO for ``numpyro.infer.SVI`` with discrete sequence sites: the score-function estimator (the torch
-objectives' form, ppl_thought/inference/objectives.py) over vmapped particles with a leave-one-out baseline.
+objectives' form, ppl_thought/training/objectives.py) over vmapped particles with a leave-one-out baseline.
 
 ELBO = E_Q[log P(z, x) - log Q(z | x)] <= log p(x) (the bound of Section 3, tight at Q = Q_*, (2.24)). Its
 gradient in the guide's parameters phi is E_Q[(f(z) - b) grad log Q_phi(z | x)] + E_Q[grad f] with

@@ -13,7 +13,7 @@ Each objective then builds a *surrogate* scalar whose autograd gradient is the e
 paper, with the detach operators (written D / U / boxplus in the text) implemented by
 ``.detach()``. ``loss`` returns the value of the estimated loss (not of the surrogate);
 ``loss_and_grads`` also back-propagates the surrogate, so the objectives run under
-``pyro.infer.SVI`` as well as under :class:`~ppl_thought.inference.trainer.Trainer`.
+``pyro.infer.SVI`` as well as under :class:`~ppl_thought.training.trainer.Trainer`.
 
 Log-weights may be ``-inf`` (a particle outside the model's support); weights are then 0 and
 never NaN. Rewards that must be finite (policy gradients) raise a ValueError naming the problem.

@@ -46,7 +46,7 @@ import torch
 from ppl_thought.checks import integer
 from ppl_thought.distributions.lm_sequence import LMSequence, concat
 from ppl_thought.errors import ActiveLiftError
-from ppl_thought.inference.objectives import ParticleObjective
+from ppl_thought.training.objectives import ParticleObjective
 from ppl_thought.transforms.active import ActiveLift
 from ppl_thought.vocab import END_THINK_ID, EOS_ID, PAD_ID
 

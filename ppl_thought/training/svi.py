@@ -1,6 +1,6 @@
-"""The SVI engine: ``pt.infer.SVI(objective, optimizer).run(model, guide, *data, num_steps=...)``.
+"""The SVI engine: ``pt.train.SVI(objective, optimizer).run(model, guide, *data, num_steps=...)``.
 
-A thin layer over :class:`pyro.infer.SVI` (the objectives of :mod:`ppl_thought.inference.objectives`
+A thin layer over :class:`pyro.infer.SVI` (the objectives of :mod:`ppl_thought.training.objectives`
 are :class:`pyro.infer.ELBO` subclasses, so Pyro's own ``Trace_ELBO`` etc. work too). ``run`` returns a
 :class:`~ppl_thought.inference.result.Result` whose ``stats["losses"]`` holds one loss per step,
 ``stats["params"]`` the value of each small parameter after every step and, for particle objectives (or
@@ -21,9 +21,9 @@ from pyro.infer import ELBO
 from pyro.optim import PyroOptim
 
 from ppl_thought.errors import ConfigError
-from ppl_thought.inference.objectives import ParticleObjective
 from ppl_thought.inference.particles import sample_particles
 from ppl_thought.inference.result import Result
+from ppl_thought.training.objectives import ParticleObjective
 from ppl_thought.weights import log_mean_exp
 
 
@@ -46,8 +46,8 @@ def _warn_if_distributed() -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         import warnings
 
-        warnings.warn("pt.infer.SVI trains on this process alone (no gradient all-reduce): with "
-                      f"{dist.get_world_size()} processes each trains its own copy. Use pt.infer.Trainer, which "
+        warnings.warn("pt.train.SVI trains on this process alone (no gradient all-reduce): with "
+                      f"{dist.get_world_size()} processes each trains its own copy. Use pt.train.Trainer, which "
                       "averages the gradients over the process group", stacklevel=3)
 
 
@@ -55,18 +55,18 @@ class SVI:
     """Stochastic variational inference / training with any ``pyro.infer.ELBO`` objective.
 
     Args:
-        objective: e.g. :class:`~ppl_thought.inference.objectives.OneSampler` (3.17),
+        objective: e.g. :class:`~ppl_thought.training.objectives.OneSampler` (3.17),
             ``Sum(OneSampler(n), SamplerPolicyGradient(n))`` ((3.17) + (3.25)), or ``pyro.infer.Trace_ELBO()``.
         optimizer: a ``pyro.optim`` optimizer, or a dict of Adam arguments (``{"lr": 1e-2}``).
 
     Parameters are those the model and guide register with ``pyro.module`` / ``pyro.param`` (the
     global Pyro param store). For joint gradient clipping (App. L), checkpoints and metrics use
-    :class:`~ppl_thought.inference.trainer.Trainer`.
+    :class:`~ppl_thought.training.trainer.Trainer`.
     """
 
     def __init__(self, objective: ELBO, optimizer: PyroOptim | dict):
         if not isinstance(objective, ELBO):
-            raise TypeError(f"objective must be a pyro.infer.ELBO (e.g. pt.infer.OneSampler), got {objective!r}")
+            raise TypeError(f"objective must be a pyro.infer.ELBO (e.g. pt.train.OneSampler), got {objective!r}")
         if isinstance(optimizer, dict):
             optimizer = pyro.optim.Adam(optimizer)
         if not isinstance(optimizer, PyroOptim):
