@@ -7,9 +7,14 @@ import os
 import sys
 import tempfile
 
+import ppl_thought as pt
+from ppl_thought import __version__
+from ppl_thought.demo import json_default, run_demo
+from ppl_thought.diagnostics.report import diagnose
+from ppl_thought.io import atomic_write_json
+
 
 def _version() -> str:
-    from ppl_thought import __version__
 
     return __version__
 
@@ -17,7 +22,6 @@ def _version() -> str:
 def _info(args: argparse.Namespace) -> int:
     import importlib.metadata as md
 
-    import ppl_thought as pt
 
     print(f"ppl_thought {pt.__version__}")
     for dist in ("torch", "pyro-ppl", "numpyro", "jax", "arviz", "numpy"):
@@ -51,8 +55,6 @@ def _demo(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from ppl_thought.demo import json_default, run_demo
-    from ppl_thought.io import atomic_write_json
 
     results = run_demo(out=args.out, quick=args.quick, seed=args.seed, n=args.n, parts=tuple(args.parts),
                        seeds=args.seeds)
@@ -73,7 +75,6 @@ def _positive_int(text: str) -> int:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from ppl_thought.diagnostics.report import diagnose
 
     try:
         text, _ = diagnose(args.file, out=args.out)

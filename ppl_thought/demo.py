@@ -20,6 +20,7 @@ import torch
 
 from ppl_thought.experiments.a5 import A5Config, run_a5
 from ppl_thought.experiments.sec7 import Sec7Config, run_sec7
+from ppl_thought.inference.result import Result
 from ppl_thought.io import atomic_write, atomic_write_json
 from ppl_thought.weights import log_mean_exp
 
@@ -106,7 +107,6 @@ def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
         from ppl_thought.diagnostics import to_inference_data
     except ImportError:  # pragma: no cover - the diagnostics conversion is optional
         to_inference_data = None
-    from ppl_thought.inference.result import Result
 
     ours = {"inference_library": "ppl_thought"}
     written = []

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ppl_thought.diagnostics.plots import plot_causal_gap
 from ppl_thought.errors import ZeroWeightsError
+from ppl_thought.inference.importance import lifted_prefix_length
 
 
 def causal_gap(log_q: torch.Tensor, log_prior_thought: torch.Tensor, log_response: torch.Tensor,
@@ -82,7 +84,6 @@ class CausalGapTracker:
         return v
 
     def plot(self, path=None, others: dict[str, CausalGapTracker] | None = None):
-        from ppl_thought.diagnostics.plots import plot_causal_gap
 
         series = {self.label: (self.steps, self.values)}
         for name, t in (others or {}).items():
@@ -93,7 +94,6 @@ class CausalGapTracker:
 # ---------------------------------------------------------------------------------------------- drift
 def _prefix_marginal(model, x, t0: int, t: int, limit: int) -> dict[tuple[int, ...], float]:
     """Pi_{t0} # Q_*(.|x_{<=t}): the law of the prefix of Z ~ Q_*(.|x_{<=t}) in Proj^{-1}(x_{<=t0})."""
-    from ppl_thought.inference.importance import lifted_prefix_length
 
     xt = model.x_ids(x)
     post = model.exact_posterior(xt[:t], limit=limit)

@@ -36,6 +36,7 @@ import torch
 from ppl_thought.arviz_compat import import_arviz
 from ppl_thought.draws import bounded_num_draws
 from ppl_thought.errors import DiagnosticError, UnsupportedResultError
+from ppl_thought.inference.decoding import Decoded
 from ppl_thought.inference.resampling import resample
 from ppl_thought.inference.result import Result, pareto_k, psis
 from ppl_thought.vocab import PAD_ID
@@ -416,7 +417,6 @@ def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | No
     the particle each draw copies. ``-inf`` log weights stay ``-inf``; a result whose weights are all zero has
     an empty posterior.
     """
-    from ppl_thought.inference.decoding import Decoded
 
     g = _Groups()
     if isinstance(result, Decoded):

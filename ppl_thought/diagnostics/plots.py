@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ppl_thought.diagnostics.inference_data import psis_khat
+
 
 def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.6):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -34,7 +36,6 @@ def _save(fig, path: str | Path | None):
 def plot_weights(log_weights, path: str | Path | None = None, khat: float | None = None,
                  title: str = "importance weights"):
     """Sorted normalised importance weights (log scale) and the PSIS Pareto k against 0.5 / 0.7."""
-    from ppl_thought.diagnostics.inference_data import psis_khat
 
     lw = np.asarray(torch.as_tensor(log_weights, dtype=torch.float64)).reshape(-1)
     k = psis_khat(lw) if khat is None else float(khat)

@@ -17,7 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ppl_thought.diagnostics.inference_data import import_arviz, load_inference_data, to_inference_data
+from ppl_thought.diagnostics.plots import plot_ess, plot_trace, plot_weights
 from ppl_thought.errors import DiagnosticError
+from ppl_thought.inference.result import is_saved_result, load_result
+from ppl_thought.io import CONFIG_FILE
 
 #: at most this many rows of az.summary and variables in the posterior plot (a short report)
 MAX_ROWS = 12
@@ -30,9 +34,6 @@ READS = ("diagnose reads a netcdf from to_inference_data(...).to_netcdf, the dem
 
 def _load(path: Path):
     """(InferenceData, note): the note is set for an ArviZ file that another library wrote."""
-    from ppl_thought.diagnostics.inference_data import load_inference_data, to_inference_data
-    from ppl_thought.inference.result import is_saved_result, load_result
-    from ppl_thought.io import CONFIG_FILE
 
     if path.is_dir():
         if is_saved_result(path):
@@ -97,7 +98,6 @@ def _numeric_vars(ds) -> list[str]:
 
 
 def _summary_lines(idata, group: str, names: list[str]) -> list[str]:
-    from ppl_thought.diagnostics.inference_data import import_arviz
 
     az = import_arviz()
     with warnings.catch_warnings():
@@ -130,7 +130,6 @@ def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list
     (MCMC), ``<name>.loss.png`` (SVI), ``<name>.values.png`` (files without a posterior).
     Raises :class:`FileNotFoundError` or :class:`DiagnosticError` (a file that is not one of ours).
     """
-    from ppl_thought.diagnostics.plots import plot_ess, plot_trace, plot_weights
 
     path = Path(path)
     idata, note = _load(path)
@@ -224,7 +223,6 @@ def _posterior_plot(idata, names: list[str], out_dir: Path, stem: str, trace: bo
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ppl_thought.diagnostics.inference_data import import_arviz
 
     az = import_arviz()
     f = out_dir / f"{stem}.{'trace' if trace else 'posterior'}.png"

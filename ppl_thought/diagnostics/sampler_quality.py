@@ -17,7 +17,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ppl_thought.errors import DiagnosticError
+from ppl_thought.diagnostics.inference_data import psis_khat
+from ppl_thought.errors import DiagnosticError, TooLargeToEnumerateError
+from ppl_thought.inference.importance import Importance
 
 
 def _log_vectors(p, q, model=None, x=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,9 +143,6 @@ def sampler_report(model, sampler, x, n: int = 1000, seed: int | None = 0, limit
     The estimates come from one run of importance sampling with ``n`` particles (estimator (3.2)); the
     exact values enumerate the lifting of x (skipped, ``nan``, when it has more than ``limit`` sequences).
     """
-    from ppl_thought.diagnostics.inference_data import psis_khat
-    from ppl_thought.errors import TooLargeToEnumerateError
-    from ppl_thought.inference.importance import Importance
 
     if int(n) < 2:
         raise ValueError(f"sampler_report needs n >= 2 draws, got {n}")

@@ -29,7 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ppl_thought.diagnostics.plots import plot_scaling_law
 from ppl_thought.diagnostics.sampler_quality import chi2
+from ppl_thought.guides.exact import Inquisitive
 
 TASKS = ("encoding", "decoding", "gradient")
 _ALPHA = {"encoding": 1.0, "decoding": 0.5, "gradient": 1.0}  # error ~ n^-alpha
@@ -61,7 +63,6 @@ class ScalingLaw:
 
     def plot(self, path: str | Path | None = None):
         """A log-log plot of the measured error (with 2 standard errors) and the prediction."""
-        from ppl_thought.diagnostics.plots import plot_scaling_law
 
         return plot_scaling_law(self, path)
 
@@ -113,7 +114,6 @@ def scaling_law(model, sampler, x, task: str = "encoding", ns=(4, 8, 16, 32, 64)
     reps = int(reps)
     G = None
     if task == "gradient":
-        from ppl_thought.guides.exact import Inquisitive
 
         support, lj, G = Inquisitive(model, limit=limit).per_sequence_gradients(x)
         G = G.double()

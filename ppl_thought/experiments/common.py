@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ppl_thought.distributions.lm_state import masked_log_softmax
+from ppl_thought.io import atomic_write_json
 
 __all__ = ["score", "set_lr", "standard_error", "run_alone"]
 
@@ -35,7 +36,6 @@ def standard_error(x: np.ndarray) -> float:
 def run_alone(doc: str, run: Callable, config_cls, argv: list[str] | None = None) -> int:
     """The command line of one experiment: ``--quick`` (``config_cls.quick()``, the demo's quick sizes), ``--seed``,
     ``--json FILE``; prints the results (the demo's plots and ArviZ files are ``ppl-thought demo``'s job)."""
-    from ppl_thought.io import atomic_write_json
 
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the sizes of ``ppl-thought demo --quick``")

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ppl_thought.data.markov_mixture import MarkovMixture
+from ppl_thought.io import atomic_write_json
 from ppl_thought.lm.transformer import Transformer
 from ppl_thought.models import LatentThought
 from ppl_thought.training import DualRateTrainer, langevin_evaluate, slow_lr_schedule
@@ -203,7 +204,6 @@ def plot(results: dict, path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run alone: ``python -m ppl_thought.experiments.latent_thought [--quick] [--json FILE] [--out DIR]``."""
-    from ppl_thought.io import atomic_write_json
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")

@@ -32,6 +32,7 @@ from ppl_thought.inference.particles import (
 )
 from ppl_thought.inference.resampling import RESAMPLING, check_scheme, resample, resample_groups
 from ppl_thought.inference.result import Result
+from ppl_thought.inference.static_smc import run_static
 from ppl_thought.program import as_done, freeze_finished, reorder_state
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
@@ -115,7 +116,6 @@ class SMC:
         """Run SMC over the steps of ``model``; see the class docstring."""
         require_program(model, "model")
         if self.backend == "static":
-            from ppl_thought.inference.static_smc import run_static
 
             return run_static(self, model, guide, args, kwargs)
         check_compatible(model, guide)

@@ -38,9 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.checkpoint import check_transformer_config
+from ppl_thought.errors import CheckpointError, MalformedSequenceError, VocabularyError
+from ppl_thought.io import load_checkpoint, save_checkpoint
 from ppl_thought.lm.base import check_token_ids, describe, one_token
 from ppl_thought.lm.kv_cache import KVCache, check_positions, ragged_rows
+from ppl_thought.vocab import Vocab
 
 # ---------------------------------------------------------------------------------------------------------
 # Model
@@ -365,8 +368,6 @@ class Transformer(nn.Module):
 
         ``vocab`` (a :class:`~ppl_thought.vocab.Vocab` of ``vocab_size`` ids) is saved with the model, so
         that its ids can be read back as tokens: ``Transformer.load_vocab(path)``."""
-        from ppl_thought.errors import VocabularyError
-        from ppl_thought.io import save_checkpoint
 
         config = {"class": "Transformer", **self.config()}
         if vocab is not None:
@@ -384,9 +385,6 @@ class Transformer(nn.Module):
         :class:`~ppl_thought.errors.CheckpointError` naming it, checked before anything is allocated
         (:func:`ppl_thought.checkpoint.check_transformer_config`).
         """
-        from ppl_thought.checkpoint import check_transformer_config
-        from ppl_thought.errors import CheckpointError
-        from ppl_thought.io import load_checkpoint
 
         state, config, _ = load_checkpoint(path, device=device)
         # the torch-free check shared with ptn.lm.Transformer.load (one home for the format)
@@ -401,8 +399,6 @@ class Transformer(nn.Module):
     @staticmethod
     def load_vocab(path: str | Path):
         """The :class:`~ppl_thought.vocab.Vocab` saved with a model (``save(..., vocab=...)``), or None."""
-        from ppl_thought.io import load_checkpoint
-        from ppl_thought.vocab import Vocab
 
         _, config, _ = load_checkpoint(path)
         return Vocab.from_dict(config["vocab"]) if "vocab" in config else None

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ppl_thought.errors import TooLargeToEnumerateError
 from ppl_thought.projections.arrays import as_framework_array, table_key
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
@@ -183,7 +184,6 @@ class Automaton:
         Raises :class:`~ppl_thought.errors.TooLargeToEnumerateError` past ``limit`` strings or
         when the automaton accepts an unbounded language.
         """
-        from ppl_thought.errors import TooLargeToEnumerateError
 
         if self.max_len is None:
             raise TooLargeToEnumerateError(f"{self.name} accepts unboundedly long strings; cannot enumerate")
