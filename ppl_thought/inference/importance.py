@@ -103,9 +103,11 @@ class Importance:
         num_particles: n, the number of draws from the guide.
         log_normal_correction: report the log-normal estimate of Remark 3.4 as ``log_marginal``
             (the plain (3.2) estimate stays in ``stats["log_marginal_iid"]``).
-        fast: when the model is a :class:`~ppl_thought.models.SlowThinking` and the guide a sampler
-            (``sample_with_log_prob(x, n)``), sample z and log q in one decoding loop and score log P
-            with one teacher-forced pass instead of tracing. Same numbers as the trace path.
+        fast: when the model offers ``sampler_weights(guide, x, n) -> (samples, log_w [n], extra)`` (the
+            fast-path protocol; :meth:`~ppl_thought.models.SlowThinking.sampler_weights` samples z and log q in
+            one decoding loop and scores log P with one teacher-forced pass instead of tracing) and the guide is
+            a sampler (``sample_with_log_prob(x, n)``), take it for one observation ``x``. No engine tests the
+            model's class: any program offering the method gets the path. Same numbers as the trace path.
         max_plate_nesting: plates of the user program (found by tracing once when ``None``).
 
     ``run(model, guide, *args, **kwargs) -> Result``: ``log_weights [n]``, ``log_marginal`` (3.2),
@@ -125,14 +127,13 @@ class Importance:
     # ------------------------------------------------------------------ public API
     def run(self, model, guide, *args, **kwargs) -> Result:
         """Draw n particles from the guide, weight them by p/q, and estimate log p(data) by (3.2)."""
-        from ppl_thought.models.slow_thinking import SlowThinking
-
         observed = {"args": args, "kwargs": kwargs}
         check_compatible(model, guide)
+        fast = getattr(model, "sampler_weights", None) if self.fast else None
         try:
-            if self.fast and isinstance(model, SlowThinking) and hasattr(guide, "sample_with_log_prob") \
-                    and len(args) == 1 and not kwargs:
-                samples, log_w, extra = self._fast(model, guide, args[0])
+            if callable(fast) and callable(getattr(guide, "sample_with_log_prob", None)) and len(args) == 1 \
+                    and not kwargs:
+                samples, log_w, extra = fast(guide, args[0], self.num_particles)
             else:
                 samples, log_w, extra = self._traced(model, guide, args, kwargs)
         except NotInImageError as e:
@@ -157,23 +158,6 @@ class Importance:
             pt = sample_particles(model, guide, self.num_particles, *args,
                                   max_plate_nesting=self.max_plate_nesting, **kwargs)
         return pt.values, pt.log_w, {"log_p": pt.log_p, "log_q": pt.log_q, "log_likelihood": pt.log_likelihood}
-
-    def _fast(self, model, sampler, x):
-        """SlowThinking + sampler: z, log Q(z | x) in one decoding loop; log P(z) by one teacher-forced pass."""
-        xt = model.x_ids(x)
-        model.projection.lifting(xt)  # NotInImageError for x outside the image
-        n = self.num_particles
-        dist = model.z_dist(len(xt))
-        with torch.no_grad():
-            z, log_q = sampler.sample_with_log_prob(xt, n)
-            z = _pad_to(z, dist.max_len)
-            log_p = dist.log_prob(z)
-            from ppl_thought.distributions.projected import ProjectionDelta
-
-            log_lik = ProjectionDelta(model.projection, z, len(xt)).log_prob(xt)
-            log_p = log_p + log_lik
-        log_w = torch.where(torch.isneginf(log_p), torch.full_like(log_p, float("-inf")), log_p - log_q)
-        return {"z": z}, log_w, {"log_p": log_p, "log_q": log_q, "log_likelihood": log_lik.expand(n)}
 
     # ------------------------------------------------------------------ (3.7) and Remark 3.5
     def conditional_log_prob(self, model, sampler, x, y, shared: bool = True) -> Result:

@@ -21,11 +21,13 @@ import torch
 from ppl_thought.checks import integer as check_count  # the one home of the check
 from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
 from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError, ZeroWeightsError
-from ppl_thought.inference.resampling import resample
+from ppl_thought.inference.resampling import check_scheme
 from ppl_thought.inference.result import Result
+from ppl_thought.inference.smc import SMC
+from ppl_thought.inference.verified_lm import LocallyOptimalProposal, VerifiedLM, WeightedRejectionProposal
 from ppl_thought.lm.base import lm_device
+from ppl_thought.program import Program
 from ppl_thought.verifiers import ProcessVerifier
-from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 __all__ = ["RejectionSampling", "TokenwiseRejection", "VerifierSMC", "SamplingBudgetError",
            "UnsatisfiableConstraintError"]
@@ -196,30 +198,36 @@ class TokenwiseRejection:
 
 
 class VerifierSMC:
-    """Exact baselines for verifier-guided generation: SMC with the process verifier as twist.
+    """Exact baselines for verifier-guided generation: ``pt.infer.SMC`` on the program
+    :class:`~ppl_thought.inference.verified_lm.VerifiedLM` (the LM restricted to A, Defs 3.1.2-3.1.3),
+    with the proposal as its guide (docs/architecture.md, "Engines": one engine core).
 
     The target after ``i`` tokens is ``gamma_i(s) = p_O(s) V(s)`` (the LM times the perfect process
-    verifier, Def 3.1.3); at ``i = N`` it is ``p_O(s) 1(s in A)``, the restricted distribution, whose
-    normaliser is ``Z = P_O(A)``. Every particle's weight is ``gamma_i / (proposal)``, so the weighted
-    particles are properly weighted for the restricted distribution and ``exp(log_marginal)`` is an
-    unbiased estimate of ``P_O(A)`` (the usual SMC estimator, resampling when the ESS falls below
-    ``ess_threshold * n``). Proposals (``proposal=``):
+    verifier, Def 3.1.3, a factor of each step); at ``i = N`` it is ``p_O(s) 1(s in A)``, the restricted
+    distribution, whose normaliser is ``Z = P_O(A)``. SMC weighs each particle by ``gamma_i / (proposal)``,
+    so the weighted particles are properly weighted for the restricted distribution and
+    ``exp(log_marginal)`` is an unbiased estimate of ``P_O(A)`` (SMC's estimator, resampling when the ESS
+    falls below ``ess_threshold * n``). Proposals (``proposal=``), each a guide of the program:
 
-    * ``"lm"``: the bootstrap filter, ``t ~ O(. | s)``, incremental weight ``V(s o t)`` (0 or 1);
-    * ``"masked"``: the locally optimal proposal, ``t ~ O(. | s)`` restricted to completable tokens
-      (what tokenwise rejection samples, Def 3.1.5), incremental weight the local normaliser
-      ``Z_V(s) = sum_t O(t | s) V(s o t)`` computed from the verifier's table; it is exactly the factor
-      by which tokenwise rejection is biased (Prop 3.1.2), here corrected by the weight;
-    * ``"rejection"``: weighted rejection in the AWRS style, for verifiers that can only be asked about
-      one proposed token at a time: propose ``t ~ O(. | s)`` until two are accepted; the first accepted
-      token is an exact draw from the restricted local law, and with ``K`` proposals in all,
-      ``1 / (K - 1)`` is an unbiased estimate of ``Z_V(s)`` (the minimum-variance unbiased estimator of a
-      success probability from negative-binomial sampling), independent of which token was accepted.
-      Costs ``1 / Z_V`` times more oracle calls than the locally optimal proposal.
+    * ``"lm"``: the bootstrap filter (``guide=None``), ``t ~ O(. | s)``, incremental weight ``V(s o t)`` (0 or 1);
+    * ``"masked"``: :class:`~ppl_thought.inference.verified_lm.LocallyOptimalProposal`, ``t ~ O(. | s)``
+      restricted to completable tokens (what tokenwise rejection samples, Def 3.1.5), incremental weight the
+      local normaliser ``Z_V(s) = sum_t O(t | s) V(s o t)`` computed from the verifier's table; it is exactly
+      the factor by which tokenwise rejection is biased (Prop 3.1.2), here corrected by the weight;
+    * ``"rejection"``: :class:`~ppl_thought.inference.verified_lm.WeightedRejectionProposal`, weighted
+      rejection in the AWRS style, for verifiers that can only be asked about one proposed token at a time:
+      propose ``t ~ O(. | s)`` until two are accepted; the first accepted token is an exact draw from the
+      restricted local law, and with ``K`` proposals in all, ``1 / (K - 1)`` is an unbiased estimate of
+      ``Z_V(s)`` (the minimum-variance unbiased estimator of a success probability from negative-binomial
+      sampling), independent of which token was accepted. The guide's density at its draw is the random
+      ``O(t | s) (K - 1)`` (pseudo-marginal; see verified_lm.py). Costs ``1 / Z_V`` times more oracle calls
+      than the locally optimal proposal.
 
-    Returns a :class:`Result` with ``samples[site]`` ``[n, N]``, ``log_weights``, ``log_marginal`` (log Z-hat)
-    and ``stats``: ``lm_calls``, ``verifier_calls``, ``ess`` per step, ``resampled`` (steps at which it
-    resampled).
+    ``generator`` draws the proposals' tokens and SMC's resampling. Returns SMC's :class:`Result`
+    (``engine="VerifierSMC"``) with ``samples[site]`` ``[n, N]`` (and the per-token sites ``f"{site}_{i}"``),
+    ``log_weights``, ``log_marginal`` (log Z-hat) and ``stats``: ``lm_calls``, ``verifier_calls`` (Def 3.1.6:
+    a proposed token is one LM call, a verdict one verifier call), ``ess`` per step (a tensor ``[N]``),
+    ``resampled`` (the steps at which it resampled), ``proposal``, and SMC's own.
     """
 
     def __init__(self, num_particles: int, max_len: int, proposal: str = "masked", ess_threshold: float = 0.5,
@@ -232,89 +240,41 @@ class VerifierSMC:
             raise ConfigError(f"ess_threshold must lie in [0, 1], got {ess_threshold!r}")
         self.proposal = proposal
         self.ess_threshold = float(ess_threshold)
-        self.resample_method = resample_method
+        self.resample_method = check_scheme(resample_method)
         self.max_tries = check_count("max_tries", max_tries)
         self.site = site
+
+    def program(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
+                generator: torch.Generator | None = None) -> tuple[VerifiedLM, Program | None]:
+        """(model, guide) that :meth:`run` gives ``pt.infer.SMC``: :class:`VerifiedLM` and the proposal's guide."""
+        model = VerifiedLM(lm, verifier, prompt, self.site, generator)
+        if self.proposal == "lm":
+            return model, None
+        if self.proposal == "masked":
+            return model, LocallyOptimalProposal(lm, verifier, prompt, self.site, generator)
+        return model, WeightedRejectionProposal(lm, verifier, prompt, self.site, generator, max(self.max_tries, 2))
 
     def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
             generator: torch.Generator | None = None) -> Result:
         _check_common(self.num_particles, self.max_len, verifier, lm)
-        dev = lm_device(lm)
+        model, guide = self.program(lm, verifier, prompt, generator)
         n, L = self.num_particles, self.max_len
-        aut = verifier.automaton
-        table = aut.device_table("table", dev)
-        q = start_states(verifier, n, dev)
-        rule = TokenRule(None, lm.vocab_size)
-        state = LMState.start(lm, n, prompt=prompt, rule=rule, max_len=L, device=dev)
-        log_w = torch.zeros(n, device=dev)
-        log_z = torch.zeros((), device=dev)
-        out = torch.zeros(n, L, dtype=torch.long, device=dev)
-        lm_calls = torch.zeros((), dtype=torch.long, device=dev)
-        ver_calls = torch.zeros((), dtype=torch.long, device=dev)
-        ess_trace, resampled = [], []
-        for i in range(L):
-            probs = torch.exp(rule.log_probs(state.logits, state.s))
-            if self.proposal == "rejection":
-                tok, log_inc, calls = self._weighted_rejection(probs, q, i, verifier, generator)
-                lm_calls += calls
-                ver_calls += calls
-            else:
-                ok = verifier.from_states(table[q], i + 1)  # V(s o t) for every token: [n, V]
-                if self.proposal == "lm":
-                    tok = sample_categorical(probs, generator)
-                    log_inc = torch.log(ok.gather(1, tok[:, None])[:, 0].float())
-                    lm_calls += n
-                    ver_calls += n
-                else:
-                    good = probs * ok
-                    z_local = good.sum(-1)
-                    tok = sample_categorical(good, generator).clamp(max=lm.vocab_size - 1)
-                    log_inc = torch.log(z_local.float())
-                    lm_calls += n
-                    ver_calls += n * lm.vocab_size
-            log_w = log_w + log_inc
-            q = aut.step(q, tok)
-            out[:, i] = tok
-            if i + 1 < L:
-                state.extend(tok)
-            ess = effective_sample_size(log_w)
-            ess_trace.append(ess)
-            if bool(torch.isneginf(log_w).all()):
-                raise ZeroWeightsError(f"VerifierSMC: every particle was rejected at position {i}; "
-                                       "use proposal='masked' or more particles")
-            if i + 1 < L and bool(ess < self.ess_threshold * n):
-                log_z = log_z + log_mean_exp(log_w)
-                idx = resample(torch.softmax(log_w, 0), self.resample_method, generator).to(dev)
-                q, out = q[idx], out[idx]
-                state.reorder(idx)
-                log_w = torch.zeros(n, device=dev)
-                resampled.append(i)
-        log_z = log_z + log_mean_exp(log_w)
-        stats = {"lm_calls": int(lm_calls), "verifier_calls": int(ver_calls), "ess": torch.stack(ess_trace),
-                 "resampled": resampled, "proposal": self.proposal}
-        return Result(samples={self.site: out}, log_weights=log_w, log_marginal=log_z, stats=stats,
-                      engine="VerifierSMC")
-
-    def _weighted_rejection(self, probs, q, i, verifier, generator):
-        """Per row: propose from ``probs`` until two acceptances; (first accepted token, log(1/(K-1)), calls)."""
-        n = probs.shape[0]
-        dev = probs.device
-        first = torch.zeros(n, dtype=torch.long, device=dev)
-        accepted = torch.zeros(n, dtype=torch.long, device=dev)
-        tries = torch.zeros(n, dtype=torch.long, device=dev)
-        pending = torch.arange(n, device=dev)
-        aut = verifier.automaton
-        for _ in range(self.max_tries):
-            prop = sample_categorical(probs[pending], generator)
-            tries[pending] += 1
-            ok = verifier.from_states(aut.step(q[pending], prop), i + 1)
-            is_first = ok & (accepted[pending] == 0)
-            first[pending[is_first]] = prop[is_first]
-            accepted[pending] += ok.long()
-            pending = pending[accepted[pending] < 2]
-            if pending.numel() == 0:
-                break
+        smc = SMC(n, ess_threshold=self.ess_threshold, resampling=self.resample_method, generator=generator,
+                  max_steps=L)
+        try:
+            res = smc.run(model, guide)
+        except ZeroWeightsError as e:
+            raise ZeroWeightsError(f"VerifierSMC(proposal={self.proposal!r}): {e}; use proposal='masked' or more "
+                                   "particles") from None
+        if self.proposal == "rejection":
+            lm_calls = ver_calls = int(guide.calls)
         else:
-            raise SamplingBudgetError(f"VerifierSMC(proposal='rejection'): {pending.numel()} rows had fewer than two "
-                                      f"accepted proposals after {self.max_tries} at position {i}")
-        return first, -torch.log((tries - 1).float()), int(tries.sum())
+            lm_calls = n * L
+            ver_calls = n * L * (lm.vocab_size if self.proposal == "masked" else 1)
+        res.engine = "VerifierSMC"
+        res.stats.update({
+            "lm_calls": lm_calls, "verifier_calls": ver_calls,
+            "ess": torch.tensor(res.stats["ess"], dtype=torch.float32),
+            "resampled": [i for i, r in enumerate(res.stats["resampled"]) if r], "proposal": self.proposal,
+        })
+        return res

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ppl_thought.distributions.lm_sequence import LMSequence
-from ppl_thought.errors import NotInImageError, TooLargeToEnumerateError
+from ppl_thought.errors import NotInImageError, SiteMismatchError, TooLargeToEnumerateError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.models.plain import PlainLM
 from ppl_thought.projections.base import Projection, as_id_array
@@ -117,6 +117,31 @@ class SlowThinking(Transformed):
 
     model = Transformed.__call__
 
+    # ------------------------------------------------------------------ the sampler fast path
+    def sampler_weights(self, sampler, x, n: int) -> tuple[dict, torch.Tensor, dict]:
+        """Importance's fast path (the protocol of :class:`~ppl_thought.inference.Importance`, docs/architecture.md,
+        "Engines"): n particles of (3.2) from a sampler guide (``sample_with_log_prob(x, n)``, Def 3.1) without
+        tracing: z and log Q(z | x) in one decoding loop, log P^{<=|z|}(z) by one teacher-forced pass, and the
+        observation's delta log 1{Proj(z) = x}.
+
+        Returns ``(samples {"z": [n, L]}, log weights [n], extra)`` with ``extra`` the ``log_p``, ``log_q`` and
+        ``log_likelihood`` ``[n]`` the traced path reports; log w = log p - log q, -inf (never NaN) where p = 0.
+        Raises :class:`~ppl_thought.errors.NotInImageError` for x outside the image of Proj.
+        """
+        from ppl_thought.distributions.projected import ProjectionDelta
+
+        xt = self.x_ids(x)
+        self.projection.lifting(xt)  # NotInImageError for x outside the image
+        dist = self.z_dist(len(xt))
+        with torch.no_grad():
+            z, log_q = sampler.sample_with_log_prob(xt, n)
+            z = _pad_to(z, dist.max_len)
+            log_p = dist.log_prob(z)
+            log_lik = ProjectionDelta(self.projection, z, len(xt)).log_prob(xt)
+            log_p = log_p + log_lik
+        log_w = torch.where(torch.isneginf(log_p), torch.full_like(log_p, float("-inf")), log_p - log_q)
+        return {"z": z}, log_w, {"log_p": log_p, "log_q": log_q, "log_likelihood": log_lik.expand(n)}
+
     # ------------------------------------------------------------------ exact answers
     def enumerate_log_joint(self, x, limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
         """(support ``[K, L]``, log P^{<=|z|}(z) ``[K]``) for every z in the lifting of x."""
@@ -170,3 +195,14 @@ class SlowThinking(Transformed):
     def __repr__(self) -> str:
         return f"SlowThinking(prior={type(self.prior).__name__}, projection={self.projection!r})"
 
+
+def _pad_to(z: torch.Tensor, length: int) -> torch.Tensor:
+    """``z [..., S]`` right-padded (or cut, if only ``<pad>`` is cut) to the model's event length."""
+    if z.shape[-1] == length:
+        return z
+    if z.shape[-1] > length:
+        if (z[..., length:] != PAD_ID).any():
+            raise SiteMismatchError(f"sampled z of length {z.shape[-1]} exceeds the model's z length {length}")
+        return z[..., :length]
+    pad = torch.full(z.shape[:-1] + (length - z.shape[-1],), PAD_ID, dtype=z.dtype, device=z.device)
+    return torch.cat([z, pad], -1)

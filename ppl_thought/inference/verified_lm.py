@@ -1,0 +1,299 @@
+"""The LM conditioned on a verifier's constraint set, as a step-wise program, and its proposals as guides
+(thesis Defs 3.1.2-3.1.5; docs/architecture.md, "How a program is written" and "Engines").
+
+The constrained-generation task (Def 3.1.2) is (Sigma, A, O): the oracle O is an LM (Def 3.1.1) and
+``A subset Sigma^N`` is decided by the perfect process verifier V of Def 3.1.3
+(:class:`~ppl_thought.verifiers.ProcessVerifier`). :class:`VerifiedLM` is the restricted distribution
+
+    p(s) proportional to p_O(s) 1(s in A)        (Section 3.1.1)
+
+written as a :class:`~ppl_thought.program.Program`: step i draws token s_i from O(. | s_<i) (site
+``f"{site}_{i}"``) and adds the factor ``log V(s_<=i)`` (0 or -inf; site ``f"{site}_ok_{i}"``). Since V is
+monotone (V(s o t) = 1 implies V(s) = 1) and V = 1(. in A) on strings of length N, the product of the
+factors up to step i is V(s_<=i): the program's unnormalised density after i steps is gamma_i(s) = p_O(s)
+V(s), and after N steps p_O(s) 1(s in A), whose normaliser is Z = P_O(A). Every engine runs it:
+``pt.infer.SMC`` with ``guide=None`` is the bootstrap filter (incremental weight V(s o t)); Importance runs
+it as one trace (rejection sampling's weights 1(s in A)). The proposals are guides with the same sites:
+
+* :class:`LocallyOptimalProposal` (``proposal="masked"``): t ~ O(. | s) restricted to the tokens the verifier
+  accepts, renormalised: the law tokenwise rejection samples (Def 3.1.5). The engine's weight p / q is
+  the local mass Z_V(s) = sum_t O(t | s) V(s o t), the factor by which tokenwise rejection is biased
+  (Prop 3.1.2), here put back.
+* :class:`WeightedRejectionProposal` (``proposal="rejection"``): for verifiers asked about one proposed
+  token at a time. Propose t ~ O(. | s) until two are accepted (K proposals in all); the first accepted
+  token is an exact draw from the masked law, and 1 / (K - 1) is an unbiased estimate of Z_V(s) (the
+  minimum-variance unbiased estimator of a success probability from negative-binomial sampling),
+  independent of which token was accepted. In the guide protocol the proposal's density at its own draw
+  is the *random* density q-hat(t) = O(t | s) (K - 1) (a pseudo-marginal density: E[1 / q-hat(t) | t] =
+  Z_V(s) / O(t | s) = 1 / q(t) for the masked law q), so the engine's p / q-hat = 1 / (K - 1) and the
+  particles stay properly weighted. This is the one special case of the protocol here: the site's
+  ``log_prob`` is defined only at the value it drew (asking it to score another value is an error).
+
+:class:`~ppl_thought.inference.VerifierSMC` runs ``SMC(VerifiedLM, proposal)`` and adds the oracle-call
+counts of Def 3.1.6. Particles are a batch dimension: no loop over particles or the vocabulary; the
+LM state is KV-cached and stays on the LM's device; a step adds no host sync (the rejection proposal's
+rounds test whether rows are still pending, one sync per round, as tokenwise rejection does).
+"""
+
+from __future__ import annotations
+
+import pyro
+import torch
+from pyro.distributions import TorchDistribution
+from torch.distributions import constraints
+
+from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
+from ppl_thought.errors import (
+    ConfigError,
+    ProgramError,
+    SamplingBudgetError,
+    UnsatisfiableConstraintError,
+)
+from ppl_thought.lm.base import lm_device
+from ppl_thought.program import Program, particles
+from ppl_thought.verifiers import ProcessVerifier
+
+__all__ = ["LocallyOptimalProposal", "NextToken", "VerifiedLM", "WeightedRejectionProposal", "verifier_factor"]
+
+_LOWEST = torch.finfo(torch.float32).min
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+class NextToken(TorchDistribution):
+    """One token per row from log-probabilities ``[n, V]`` (-inf: impossible), as a Pyro distribution.
+
+    ``sample()`` draws by inversion (:func:`~ppl_thought.distributions.lm_state.sample_categorical`, from
+    ``generator`` when given; a row of zero mass draws the last id, which it scores -inf); ``log_prob(t)``
+    gathers ``log_probs[i, t_i]``. Batch shape ``[n]``, event shape ``()``.
+    """
+
+    arg_constraints: dict = {}
+    support = constraints.nonnegative_integer
+    has_rsample = False
+
+    def __init__(self, log_probs: torch.Tensor, generator: torch.Generator | None = None, validate_args=None):
+        self.log_probs = log_probs
+        self.generator = generator
+        super().__init__(batch_shape=log_probs.shape[:-1], event_shape=(), validate_args=False)
+
+    def expand(self, batch_shape, _instance=None):
+        batch_shape = torch.Size(batch_shape)
+        if batch_shape == self.batch_shape:
+            return self
+        return NextToken(self.log_probs.expand(batch_shape + self.log_probs.shape[-1:]), self.generator)
+
+    def sample(self, sample_shape=()) -> torch.Tensor:
+        if tuple(sample_shape):
+            raise ProgramError("NextToken draws one token per particle row; sample_shape is not supported")
+        lp = self.log_probs.reshape(-1, self.log_probs.shape[-1])
+        tok = sample_categorical(torch.exp(lp), self.generator).clamp(max=lp.shape[-1] - 1)
+        return tok.reshape(self.batch_shape)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        v = torch.as_tensor(value, device=self.log_probs.device).long()
+        return self.log_probs.gather(-1, v.unsqueeze(-1)).squeeze(-1)
+
+
+def verifier_factor(name: str, verifier: ProcessVerifier, states: torch.Tensor, length: int | torch.Tensor) -> None:
+    """``pyro.factor(name, log V(s))``: the process verifier of Def 3.1.3 as a factor (0 or -inf, never NaN)
+    on prefixes given by their automaton ``states [n]`` and ``length`` (their common length, or ``[n]``)."""
+    ok = verifier.from_states(states, length)
+    pyro.factor(name, torch.zeros(ok.shape, device=ok.device).masked_fill(~ok, float("-inf")))
+
+
+def _check_task(lm, verifier) -> int:
+    """N = the verifier's length; ConfigError unless the task (Def 3.1.2) is well formed for this LM."""
+    if not isinstance(lm, torch.nn.Module) or not hasattr(lm, "vocab_size"):
+        raise ConfigError(f"expected a ppl_thought LM (a torch module with vocab_size), got {type(lm).__name__}")
+    if not isinstance(verifier, ProcessVerifier):
+        raise ConfigError(f"expected a ProcessVerifier, got {type(verifier).__name__}")
+    if verifier.length is None:
+        raise ConfigError(f"{verifier} has no length: the verifier programs decide A subset Sigma^N; build it as "
+                          "ProcessVerifier(automaton, length=N)")
+    if verifier.automaton.vocab_size != lm.vocab_size:
+        raise ConfigError(f"the constraint automaton has {verifier.automaton.vocab_size} token columns but the LM "
+                          f"has vocab_size={lm.vocab_size}")
+    return verifier.length
+
+
+class _VerifierSteps(Program):
+    """What the program and its proposals share: the LM rows (KV-cached, :class:`LMState`), the automaton state
+    of each prefix (``state["q"]``), the tokens so far (``state["tokens"] [n, i]``), N steps."""
+
+    max_plate_nesting = 0
+
+    def __init__(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
+                 site: str = "z", generator: torch.Generator | None = None):
+        self.length = _check_task(lm, verifier)
+        if not isinstance(site, str) or not site:
+            raise ConfigError(f"site must be a non-empty string, got {site!r}")
+        self.lm, self.verifier, self.prompt, self.site, self.generator = lm, verifier, prompt, site, generator
+        self.max_steps = self.length
+        self.rule = TokenRule(None, lm.vocab_size)  # the LM's own law: every token but <pad> and <bos>
+
+    @property
+    def device(self) -> torch.device:
+        return lm_device(self.lm)
+
+    def init(self, state: dict, *args, **kwargs) -> None:
+        n, dev = particles(), self.device
+        q = self.verifier.automaton.start_states(n, dev)
+        if not bool(self.verifier.from_states(q[:1], 0)):  # one sync per run
+            raise UnsatisfiableConstraintError(f"{self.verifier} rejects the empty prefix: A has no string (FAIL)")
+        state["x"] = LMState.start(self.lm, n, prompt=self.prompt, rule=self.rule, max_len=self.length, device=dev)
+        state["q"] = q
+        state["tokens"] = torch.zeros(n, 0, dtype=torch.long, device=dev)
+
+    def log_next(self, state: dict) -> torch.Tensor:
+        """log O(. | s) ``[n, V]`` (Def 3.1.1; <pad> and <bos> never generated), float32."""
+        x = state["x"]
+        return self.rule.log_probs(x.logits, x.s)
+
+    def accepted(self, state: dict, t: int) -> torch.Tensor:
+        """V(s o t') for every token t' ``[n, V]`` (one gather in the verifier's table: V verifier calls a row)."""
+        table = self.verifier.automaton.device_table("table", state["q"])
+        return self.verifier.from_states(table[state["q"]], t + 1)
+
+    def advance(self, state: dict, t: int, tok: torch.Tensor):
+        """Append ``tok [n]``: automaton step, token buffer, one LM pass (skipped after the last token);
+        returns the finished flags of step ``t``."""
+        state["q"] = self.verifier.automaton.step(state["q"], tok)
+        state["tokens"] = torch.cat([state["tokens"], tok[:, None]], 1)
+        n = tok.shape[0]
+        if t + 1 >= self.length:
+            return torch.ones(n, dtype=torch.bool, device=tok.device)
+        x = state["x"]
+        logits, cache, context = x.feed(x.cache, x.context, tok[:, None], None)
+        x.logits, x.cache, x.context = logits[:, -1], cache, context
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- the program
+class VerifiedLM(_VerifierSteps):
+    """p(s) proportional to p_O(s) 1(s in A): an LM restricted to the constraint set of a process verifier
+    (Def 3.1.2, Def 3.1.3, Section 3.1.1), one token per step (see the module docstring).
+
+    Args:
+        lm: the oracle O (any ppl_thought LM: ``pt.lm.Tabular``, ``pt.lm.Transformer``, ``pt.lm.HuggingFace``).
+        verifier: a :class:`~ppl_thought.verifiers.ProcessVerifier` with a length N (``A subset Sigma^N``).
+        prompt: 1-D token ids shared by every particle (encoded once), or None.
+        site: the sites are ``f"{site}_{i}"`` (token i, the LM's law) and ``f"{site}_ok_{i}"`` (the factor
+            log V(s_<=i)); ``Result.samples[site]`` holds the strings ``[n, N]``.
+        generator: a ``torch.Generator`` the bootstrap draws its tokens from (default: torch's).
+
+    Under ``pt.infer.SMC(n).run(VerifiedLM(...), guide)``, ``exp(log_marginal)`` is unbiased for P_O(A) and the
+    weighted particles are properly weighted for the restricted distribution, with ``guide=None`` (bootstrap),
+    :class:`LocallyOptimalProposal` or :class:`WeightedRejectionProposal` (built on the same LM, verifier,
+    prompt and site).
+    """
+
+    def step(self, state: dict, t: int, *args, **kwargs):
+        tok = pyro.sample(f"{self.site}_{t}", NextToken(self.log_next(state), self.generator))
+        q = self.verifier.automaton.step(state["q"], tok)
+        verifier_factor(f"{self.site}_ok_{t}", self.verifier, q, t + 1)
+        return self.advance(state, t, tok)
+
+    def outputs(self, state: dict, *args, **kwargs) -> dict:
+        """``{site: tokens [n, N]}``."""
+        return {self.site: state["tokens"]}
+
+
+# ---------------------------------------------------------------------------------------------- proposals
+class LocallyOptimalProposal(_VerifierSteps):
+    """The locally optimal proposal of :class:`VerifiedLM` (``proposal="masked"``): token i from
+    q(t | s) = O(t | s) V(s o t) / Z_V(s), the law of tokenwise rejection (Def 3.1.5). The engine's weight
+    p / q = Z_V(s) = sum_t O(t | s) V(s o t) is the local mass that tokenwise rejection forgets (Prop 3.1.2).
+    Same arguments as :class:`VerifiedLM` (the generator draws the proposals)."""
+
+    def local_log_probs(self, state: dict, t: int) -> torch.Tensor:
+        """log q(. | s) ``[n, V]``: the LM masked to the accepted tokens, renormalised (-inf rows where Z_V = 0)."""
+        lq = self.log_next(state).masked_fill(~self.accepted(state, t), float("-inf"))
+        return lq - torch.logsumexp(lq, -1, keepdim=True).clamp(min=_LOWEST)
+
+    def step(self, state: dict, t: int, *args, **kwargs):
+        tok = pyro.sample(f"{self.site}_{t}", NextToken(self.local_log_probs(state, t), self.generator))
+        return self.advance(state, t, tok)
+
+
+class _RejectionDraw(NextToken):
+    """The weighted-rejection draw of :class:`WeightedRejectionProposal`: ``sample()`` runs the rounds;
+    ``log_prob`` of the value it drew is the pseudo-marginal density log O(t | s) + log(K - 1)."""
+
+    def __init__(self, proposal: WeightedRejectionProposal, state: dict, t: int):
+        super().__init__(proposal.log_next(state), proposal.generator)
+        self.proposal, self.q, self.t = proposal, state["q"], t
+        self._drawn: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def expand(self, batch_shape, _instance=None):
+        if torch.Size(batch_shape) != self.batch_shape:
+            raise ProgramError("the weighted-rejection proposal draws one token per particle row")
+        return self
+
+    def sample(self, sample_shape=()) -> torch.Tensor:
+        if tuple(sample_shape):
+            raise ProgramError("the weighted-rejection proposal draws one token per particle row")
+        tok, tries = self.proposal.draw(torch.exp(self.log_probs), self.q, self.t)
+        self._drawn = (tok, torch.log((tries - 1).float()))
+        return tok
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        if self._drawn is None or value is not self._drawn[0]:
+            raise ProgramError("the weighted-rejection proposal's density is a random estimate defined only at the "
+                               "token it drew (its site cannot be scored on another value)")
+        return super().log_prob(value) + self._drawn[1]
+
+
+class WeightedRejectionProposal(_VerifierSteps):
+    """Weighted rejection (AWRS style) as the proposal of :class:`VerifiedLM` (``proposal="rejection"``).
+
+    Per row, propose t ~ O(. | s) until two proposals are accepted by the verifier (K proposals); the
+    token is the first accepted one, an exact draw from the masked law, and the site's density is the random
+    q-hat(t) = O(t | s) (K - 1), so the engine's weight is p / q-hat = 1 / (K - 1), unbiased for Z_V(s)
+    (module docstring: E[1 / q-hat(t) | t] = 1 / q(t)). Costs 1 / Z_V times the oracle calls of
+    :class:`LocallyOptimalProposal`; ``calls`` (a device tensor, reset by ``init``) counts the proposals (each one
+    LM call and one verifier call, Def 3.1.6).
+
+    Args: as :class:`VerifiedLM`, plus ``max_tries`` (proposals per row and position before
+    :class:`~ppl_thought.errors.SamplingBudgetError`).
+    """
+
+    def __init__(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
+                 site: str = "z", generator: torch.Generator | None = None, max_tries: int = 10_000):
+        super().__init__(lm, verifier, prompt, site, generator)
+        if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 2:
+            raise ConfigError(f"max_tries must be an integer >= 2 (two acceptances are needed), got {max_tries!r}")
+        self.max_tries = max_tries
+        self.calls = torch.zeros((), dtype=torch.long)
+
+    def init(self, state: dict, *args, **kwargs) -> None:
+        super().init(state, *args, **kwargs)
+        self.calls = torch.zeros((), dtype=torch.long, device=self.device)
+
+    def draw(self, probs: torch.Tensor, q: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first accepted token ``[n]``, proposals K ``[n]``): rounds over the rows with fewer than two
+        acceptances, batched over those rows."""
+        n, dev = probs.shape[0], probs.device
+        aut, ver = self.verifier.automaton, self.verifier
+        first = torch.zeros(n, dtype=torch.long, device=dev)
+        accepted = torch.zeros(n, dtype=torch.long, device=dev)
+        tries = torch.zeros(n, dtype=torch.long, device=dev)
+        pending = torch.arange(n, device=dev)
+        for _ in range(self.max_tries):
+            prop = sample_categorical(probs[pending], self.generator).clamp(max=probs.shape[-1] - 1)
+            tries[pending] += 1
+            ok = ver.from_states(aut.step(q[pending], prop), t + 1)
+            is_first = ok & (accepted[pending] == 0)
+            first[pending[is_first]] = prop[is_first]
+            accepted[pending] += ok.long()
+            pending = pending[accepted[pending] < 2]
+            if pending.numel() == 0:  # the round's host sync
+                break
+        else:
+            raise SamplingBudgetError(f"weighted rejection: {pending.numel()} rows had fewer than two accepted "
+                                      f"proposals after {self.max_tries} at position {t}")
+        self.calls = self.calls + tries.sum()
+        return first, tries
+
+    def step(self, state: dict, t: int, *args, **kwargs):
+        tok = pyro.sample(f"{self.site}_{t}", _RejectionDraw(self, state, t))
+        return self.advance(state, t, tok)
