@@ -29,6 +29,7 @@ import pyro
 import pyro.poutine as poutine
 import torch
 from pyro.distributions.util import scale_and_mask
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from ppl_thought.errors import ChunkMismatchError, DeviceMismatchError, ProgramError, SiteMismatchError
@@ -61,11 +62,26 @@ def _site_shape(site) -> tuple[torch.Size, bool]:
     return fn.batch_shape + fn.event_shape, ragged
 
 
-def check_sites(model_trace, guide_trace, where: str = "") -> None:
+class OutputNames(Messenger):
+    """Records the names of the output sites a model runs (entered inside ``poutine.replay``, it sees a site
+    before replay overwrites its ``infer`` with the guide's, which hides the output mark)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def _pyro_sample(self, msg) -> None:
+        if is_output(msg):
+            self.names.add(msg["name"])
+
+
+def check_sites(model_trace, guide_trace, where: str = "", partial: bool = False, outputs=()) -> None:
     """Raise :class:`SiteMismatchError` unless the guide samples exactly the model's latent sites.
 
     Names must agree; shapes (batch + event) must agree, except the event width of ragged
-    sequence sites (``Segment``: segments have different lengths).
+    sequence sites (``Segment``: segments have different lengths). ``partial=True`` (decoding, (3.12)):
+    the guide may leave latent sites to the model, which draws them itself (see :func:`sample_particles`).
+    ``outputs``: the model's output sites (:class:`OutputNames`; under replay a guide's site hides the mark).
     """
     at = f" {where}" if where else ""
     m, g = latent_sites(model_trace), latent_sites(guide_trace)
@@ -74,11 +90,11 @@ def check_sites(model_trace, guide_trace, where: str = "") -> None:
     missing = sorted(k for k in m if k not in g)
     extra = sorted(k for k in g if k not in model_trace.nodes)
     observed = sorted(k for k in g if k in model_trace.nodes and model_trace.nodes[k]["is_observed"])
-    outputs = sorted(k for k in g if k in model_trace.nodes and is_output(model_trace.nodes[k]))
+    outputs = sorted(k for k in g if k in model_trace.nodes and (is_output(model_trace.nodes[k]) or k in outputs))
     if outputs:
         raise SiteMismatchError(f"the guide samples site(s) {outputs}{at} that the model generates itself "
                                 "(pt.observe(name, fn, None)): a guide proposes latents only")
-    if missing:
+    if missing and not partial:
         raise SiteMismatchError(
             f"the guide does not sample the model's latent site(s) {missing}{at}: the model would draw them from "
             f"its prior and the importance weights would be wrong (guide samples {sorted(g)}, model latents "
@@ -218,15 +234,16 @@ def site_log_prob(site) -> torch.Tensor:
     return lp
 
 
-def per_particle(trace, n: int, which: str = "all", device=None) -> torch.Tensor:
-    """Sum of site log-probs per particle ``[n]`` (``which``: "all", "observed" or "latent").
+def per_particle(trace, n: int, which: str = "all", device=None, skip=()) -> torch.Tensor:
+    """Sum of site log-probs per particle ``[n]`` (``which``: "all", "observed" or "latent"; the sites named in
+    ``skip`` are left out).
 
     A site inside the particle plate is summed over every dim but the plate's; a site outside it
     (a global) adds its total to every particle. Keeps the graph (for the SVI objectives).
     """
     total = None
     for site in trace.nodes.values():
-        if site["type"] != "sample" or site_is_subsample(site) or is_output(site):
+        if site["type"] != "sample" or site_is_subsample(site) or is_output(site) or site["name"] in skip:
             continue  # an output is drawn from the program itself: its p / q cancels
         if which == "observed" and not site["is_observed"]:
             continue
@@ -329,34 +346,45 @@ def _param_tensor(v: torch.Tensor) -> torch.Tensor:
 
 
 def sample_particles(model: Callable, guide: Callable | None, n: int, *args, max_plate_nesting: int | None = None,
-                     **kwargs) -> Particles:
+                     partial_guide: bool = False, **kwargs) -> Particles:
     """Run ``guide`` once for ``n`` particles under the particle plate, replay ``model`` on it and weigh.
 
     ``guide=None``: the model proposes its own latents (bootstrap; log q = its latent log-probs).
     Raises :class:`SiteMismatchError` when the guide's latent sites are not exactly the model's.
+
+    ``partial_guide=True`` (decoding, (3.12)-(3.14)): the guide may propose only some latent sites (those of
+    the prompt); the model draws the others itself, from its own conditional law given everything before
+    them, so their p / q cancels like an output's: ``log_p`` sums the observed sites and the guide's
+    latents, ``log_q`` the guide's latents (0 without a guide), and log w = log_p - log_q is still the
+    importance weight of the whole trace.
     """
     check_compatible(model, guide)
     dev = engine_device(model, guide, args, kwargs)
     depth = find_max_plate_nesting(model, guide, args, kwargs) if max_plate_nesting is None else max_plate_nesting
     dim = -(int(depth) + 1)
     try:
+        marks = OutputNames()
         if guide is not None:
             gtr = poutine.trace(_in_plate(guide, n, dim, device=dev)).get_trace(*args, **kwargs)
-            mtr = poutine.trace(poutine.replay(_in_plate(model, n, dim, device=dev), trace=gtr)).get_trace(*args,
-                                                                                                       **kwargs)
+            mtr = poutine.trace(poutine.replay(marks(_in_plate(model, n, dim, device=dev)), trace=gtr)).get_trace(
+                *args, **kwargs)
         else:
             mtr = poutine.trace(_in_plate(model, n, dim, device=dev)).get_trace(*args, **kwargs)
             gtr = None
     except RuntimeError as e:
         raise _duplicate_site_error(e) from None
     if gtr is not None:
-        check_sites(mtr, gtr)
+        check_sites(mtr, gtr, partial=partial_guide, outputs=marks.names)
         gtr.compute_log_prob()
     mtr.compute_log_prob()
-    log_p = per_particle(mtr, n, device=dev)
-    log_q = per_particle(gtr, n, "latent", dev) if gtr is not None else per_particle(mtr, n, "latent", dev)
+    drawn = _drawn_by_model(mtr, gtr) if partial_guide else ()
+    log_p = per_particle(mtr, n, device=dev, skip=drawn)
+    if gtr is not None:
+        log_q = per_particle(gtr, n, "latent", dev)
+    else:
+        log_q = torch.zeros_like(log_p) if partial_guide else per_particle(mtr, n, "latent", dev)
     log_lik = per_particle(mtr, n, "observed", dev)
-    source = gtr if gtr is not None else mtr
+    source = gtr if gtr is not None and not partial_guide else mtr
     values = {k: s["value"] for k, s in latent_sites(source).items()}
     values.update({k: s["value"] for k, s in output_sites(mtr).items()})
     guide_params = set()
@@ -365,6 +393,12 @@ def sample_particles(model: Callable, guide: Callable | None, n: int, *args, max
     params = [_param_tensor(s["value"]) for s in mtr.nodes.values()
               if s["type"] == "param" and id(_param_tensor(s["value"])) not in guide_params]
     return Particles(log_p, log_q.to(log_p.device), values, mtr, gtr, params, log_lik.to(log_p.device))
+
+
+def _drawn_by_model(model_trace, guide_trace) -> frozenset:
+    """The model's latent sites the guide did not propose (drawn by the model itself; ``partial_guide``)."""
+    g = guide_trace.nodes if guide_trace is not None else {}
+    return frozenset(k for k in latent_sites(model_trace) if k not in g)
 
 
 def _duplicate_site_error(e: RuntimeError) -> Exception:
@@ -385,10 +419,12 @@ class StepOutput:
     done: Any  # the model step's return value
     values: dict[str, tuple[torch.Tensor, int]]  # latent values and the position of their particle dim
     token_steps: int  # lockstep token steps of the sequence sites (for throughput figures)
+    outputs: list[str] = field(default_factory=list)  # the names among ``values`` that are output sites
 
 
 def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, where: str,
-             plate: pyro.plate | None = None, device: torch.device | None = None) -> StepOutput:
+             plate: pyro.plate | None = None, device: torch.device | None = None,
+             partial_guide: bool = False) -> StepOutput:
     """Run one step: ``guide_fn()`` (if any) under the particle plate, then ``model_fn()`` replayed on it.
 
     ``model_fn`` / ``guide_fn`` are closures over the program's state, ``t`` and the data; ``plate``
@@ -402,7 +438,8 @@ def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, wh
             gt = poutine.trace(_in_plate(guide_fn, n, dim, plate))
             gt()
             gtr = gt.trace
-        fn = _in_plate(model_fn, n, dim, plate)
+        marks = OutputNames()
+        fn = marks(_in_plate(model_fn, n, dim, plate))
         mt = poutine.trace(poutine.replay(fn, trace=gtr) if gtr is not None else fn)
         with collect_twists() as tw:
             done = mt()
@@ -410,21 +447,25 @@ def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, wh
     except RuntimeError as e:
         raise _duplicate_site_error(e) from None
     if gtr is not None:
-        check_sites(mtr, gtr, where)
+        check_sites(mtr, gtr, where, partial=partial_guide, outputs=marks.names)
     source = gtr if gtr is not None else mtr
     if gtr is not None:
-        log_w = log_ratio(per_particle(mtr, n, device=device), per_particle(gtr, n, "latent", device))
+        drawn = _drawn_by_model(mtr, gtr) if partial_guide else ()
+        log_w = log_ratio(per_particle(mtr, n, device=device, skip=drawn), per_particle(gtr, n, "latent", device))
     else:
         log_w = per_particle(mtr, n, "observed", device)
     values, token_steps = {}, 0
-    for k, s in {**latent_sites(source), **output_sites(mtr)}.items():
+    outs = output_sites(mtr)
+    # with a partial guide the model's trace holds every latent (the guide's replayed, and its own)
+    source = latent_sites(mtr if partial_guide else source)
+    for k, s in {**source, **outs}.items():
         v = s["value"]
         ev = len(s["fn"].event_shape)
         values[k] = (v, v.ndim - ev + dim if particle_frame_dim(s) is not None else None)
         if getattr(s["fn"], "ragged_event", False):
             token_steps += int(v.shape[-1]) if v.ndim > len(s["fn"].batch_shape) else 1
     psi = tw.log_psi
-    return StepOutput(log_w, psi, done, values, token_steps)
+    return StepOutput(log_w, psi, done, values, token_steps, list(outs))
 
 
 def require_program(obj, role: str) -> None:
