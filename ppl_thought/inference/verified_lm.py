@@ -53,7 +53,8 @@ from ppl_thought.lm.base import lm_device
 from ppl_thought.program import Program, particles
 from ppl_thought.verifiers import ProcessVerifier
 
-__all__ = ["LocallyOptimalProposal", "NextToken", "VerifiedLM", "WeightedRejectionProposal", "verifier_factor"]
+DRAWS = ("lm", "masked", "rejection")
+__all__ = ["DRAWS", "LocallyOptimalProposal", "NextToken", "VerifiedLM", "WeightedRejectionProposal", "verifier_factor"]
 
 _LOWEST = torch.finfo(torch.float32).min
 
@@ -154,6 +155,31 @@ class _VerifierSteps(Program):
         table = self.verifier.automaton.device_table("table", state["q"])
         return self.verifier.from_states(table[state["q"]], t + 1)
 
+    def weighted_rejection(self, probs: torch.Tensor, q: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first accepted token ``[n]``, proposals K ``[n]``): rounds over the rows with fewer than two
+        acceptances, batched over those rows."""
+        n, dev = probs.shape[0], probs.device
+        aut, ver = self.verifier.automaton, self.verifier
+        first = torch.zeros(n, dtype=torch.long, device=dev)
+        accepted = torch.zeros(n, dtype=torch.long, device=dev)
+        tries = torch.zeros(n, dtype=torch.long, device=dev)
+        pending = torch.arange(n, device=dev)
+        for _ in range(self.max_tries):
+            prop = sample_categorical(probs[pending], self.generator).clamp(max=probs.shape[-1] - 1)
+            tries[pending] += 1
+            ok = ver.from_states(aut.step(q[pending], prop), t + 1)
+            is_first = ok & (accepted[pending] == 0)
+            first[pending[is_first]] = prop[is_first]
+            accepted[pending] += ok.long()
+            pending = pending[accepted[pending] < 2]
+            if pending.numel() == 0:  # the round's host sync
+                break
+        else:
+            raise SamplingBudgetError(f"weighted rejection: {pending.numel()} rows had fewer than two accepted "
+                                      f"proposals after {self.max_tries} at position {t}")
+        self.calls = self.calls + tries.sum()
+        return first, tries
+
     def advance(self, state: dict, t: int, tok: torch.Tensor):
         """Append ``tok [n]``: automaton step, token buffer, one LM pass (skipped after the last token);
         returns the finished flags of step ``t``."""
@@ -180,6 +206,21 @@ class VerifiedLM(_VerifierSteps):
         site: the sites are ``f"{site}_{i}"`` (token i, the LM's law) and ``f"{site}_ok_{i}"`` (the factor
             log V(s_<=i)); ``Result.samples[site]`` holds the strings ``[n, N]``.
         generator: a ``torch.Generator`` the bootstrap draws its tokens from (default: torch's).
+        draw: how the program itself draws token i, each with a factor that keeps the density of the string
+            p_O(s) V(s) (so the target, Z and every engine's answer are the same):
+
+            * ``"lm"``: t ~ O(. | s), factor V(s o t) (0 or 1);
+            * ``"masked"``: t ~ O(. | s) V(s o t) / Z_V(s) (the locally optimal proposal, Def 3.1.5's law), factor
+              the local mass Z_V(s) (what tokenwise rejection forgets, Prop 3.1.2): q(t) Z_V = O(t) V;
+            * ``"rejection"``: weighted rejection (the first of two accepted proposals t ~ O, K proposals in all),
+              factor 1 / (K - 1), an unbiased estimate of Z_V(s): the same in expectation (random-weight SMC);
+              the site's density is the pseudo-marginal O(t | s) (K - 1) at its own draw.
+
+            Bootstrap SMC on ``draw="masked"`` is SMC with the locally optimal proposal in one LM pass per token
+            (what :class:`~ppl_thought.inference.VerifierSMC` runs); as guides of ``draw="lm"`` the same proposals
+            are :class:`LocallyOptimalProposal` and :class:`WeightedRejectionProposal` (two LM passes: the guide's
+            and the model's).
+        max_tries: proposals per row and position for ``draw="rejection"``.
 
     Under ``pt.infer.SMC(n).run(VerifiedLM(...), guide)``, ``exp(log_marginal)`` is unbiased for P_O(A) and the
     weighted particles are properly weighted for the restricted distribution, with ``guide=None`` (bootstrap),
@@ -187,10 +228,35 @@ class VerifiedLM(_VerifierSteps):
     prompt and site).
     """
 
+    def __init__(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
+                 site: str = "z", generator: torch.Generator | None = None, draw: str = "lm",
+                 max_tries: int = 10_000):
+        super().__init__(lm, verifier, prompt, site, generator)
+        if draw not in DRAWS:
+            raise ConfigError(f"draw must be one of {DRAWS}, got {draw!r}")
+        if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 2:
+            raise ConfigError(f"max_tries must be an integer >= 2 (two acceptances are needed), got {max_tries!r}")
+        self.draw, self.max_tries = draw, max_tries
+        self.calls = torch.zeros((), dtype=torch.long)
+
+    def init(self, state: dict, *args, **kwargs) -> None:
+        super().init(state, *args, **kwargs)
+        self.calls = torch.zeros((), dtype=torch.long, device=self.device)
+
     def step(self, state: dict, t: int, *args, **kwargs):
-        tok = pyro.sample(f"{self.site}_{t}", NextToken(self.log_next(state), self.generator))
-        q = self.verifier.automaton.step(state["q"], tok)
-        verifier_factor(f"{self.site}_ok_{t}", self.verifier, q, t + 1)
+        name, ok = f"{self.site}_{t}", f"{self.site}_ok_{t}"
+        if self.draw == "lm":  # t ~ O(. | s), factor V(s o t)
+            tok = pyro.sample(name, NextToken(self.log_next(state), self.generator))
+            verifier_factor(ok, self.verifier, self.verifier.automaton.step(state["q"], tok), t + 1)
+        elif self.draw == "masked":  # t ~ O(. | s) V(s o t) / Z_V(s), factor Z_V(s): the same density, one pass
+            lq = self.log_next(state).masked_fill(~self.accepted(state, t), float("-inf"))
+            log_z = torch.logsumexp(lq, -1)
+            tok = pyro.sample(name, NextToken(lq - log_z.clamp(min=_LOWEST)[:, None], self.generator))
+            pyro.factor(ok, log_z)
+        else:  # weighted rejection: the first of two accepted proposals, factor 1 / (K - 1) (unbiased for Z_V)
+            draw = _RejectionDraw(self, state, t)
+            tok = pyro.sample(name, draw)
+            pyro.factor(ok, -draw.log_k_minus_1)
         return self.advance(state, t, tok)
 
     def outputs(self, state: dict, *args, **kwargs) -> dict:
@@ -219,7 +285,7 @@ class _RejectionDraw(NextToken):
     """The weighted-rejection draw of :class:`WeightedRejectionProposal`: ``sample()`` runs the rounds;
     ``log_prob`` of the value it drew is the pseudo-marginal density log O(t | s) + log(K - 1)."""
 
-    def __init__(self, proposal: WeightedRejectionProposal, state: dict, t: int):
+    def __init__(self, proposal: _VerifierSteps, state: dict, t: int):
         super().__init__(proposal.log_next(state), proposal.generator)
         self.proposal, self.q, self.t = proposal, state["q"], t
         self._drawn: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -232,9 +298,16 @@ class _RejectionDraw(NextToken):
     def sample(self, sample_shape=()) -> torch.Tensor:
         if tuple(sample_shape):
             raise ProgramError("the weighted-rejection proposal draws one token per particle row")
-        tok, tries = self.proposal.draw(torch.exp(self.log_probs), self.q, self.t)
+        tok, tries = self.proposal.weighted_rejection(torch.exp(self.log_probs), self.q, self.t)
         self._drawn = (tok, torch.log((tries - 1).float()))
         return tok
+
+    @property
+    def log_k_minus_1(self) -> torch.Tensor:
+        """log(K - 1) ``[n]`` of the draw (K: the proposals it took)."""
+        if self._drawn is None:
+            raise ProgramError("the weighted-rejection draw has not been sampled yet")
+        return self._drawn[1]
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         if self._drawn is None or value is not self._drawn[0]:
@@ -268,31 +341,6 @@ class WeightedRejectionProposal(_VerifierSteps):
     def init(self, state: dict, *args, **kwargs) -> None:
         super().init(state, *args, **kwargs)
         self.calls = torch.zeros((), dtype=torch.long, device=self.device)
-
-    def draw(self, probs: torch.Tensor, q: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(first accepted token ``[n]``, proposals K ``[n]``): rounds over the rows with fewer than two
-        acceptances, batched over those rows."""
-        n, dev = probs.shape[0], probs.device
-        aut, ver = self.verifier.automaton, self.verifier
-        first = torch.zeros(n, dtype=torch.long, device=dev)
-        accepted = torch.zeros(n, dtype=torch.long, device=dev)
-        tries = torch.zeros(n, dtype=torch.long, device=dev)
-        pending = torch.arange(n, device=dev)
-        for _ in range(self.max_tries):
-            prop = sample_categorical(probs[pending], self.generator).clamp(max=probs.shape[-1] - 1)
-            tries[pending] += 1
-            ok = ver.from_states(aut.step(q[pending], prop), t + 1)
-            is_first = ok & (accepted[pending] == 0)
-            first[pending[is_first]] = prop[is_first]
-            accepted[pending] += ok.long()
-            pending = pending[accepted[pending] < 2]
-            if pending.numel() == 0:  # the round's host sync
-                break
-        else:
-            raise SamplingBudgetError(f"weighted rejection: {pending.numel()} rows had fewer than two accepted "
-                                      f"proposals after {self.max_tries} at position {t}")
-        self.calls = self.calls + tries.sum()
-        return first, tries
 
     def step(self, state: dict, t: int, *args, **kwargs):
         tok = pyro.sample(f"{self.site}_{t}", _RejectionDraw(self, state, t))

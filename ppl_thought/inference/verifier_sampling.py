@@ -24,7 +24,7 @@ from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableCo
 from ppl_thought.inference.resampling import check_scheme
 from ppl_thought.inference.result import Result
 from ppl_thought.inference.smc import SMC
-from ppl_thought.inference.verified_lm import LocallyOptimalProposal, VerifiedLM, WeightedRejectionProposal
+from ppl_thought.inference.verified_lm import VerifiedLM
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import Program
 from ppl_thought.verifiers import ProcessVerifier
@@ -200,21 +200,24 @@ class TokenwiseRejection:
 class VerifierSMC:
     """Exact baselines for verifier-guided generation: ``pt.infer.SMC`` on the program
     :class:`~ppl_thought.inference.verified_lm.VerifiedLM` (the LM restricted to A, Defs 3.1.2-3.1.3),
-    with the proposal as its guide (docs/architecture.md, "Engines": one engine core).
+    drawing its tokens by the proposal (``VerifiedLM(..., draw=proposal)``, bootstrap: one LM pass per token;
+    docs/architecture.md, "Engines": one engine core).
 
     The target after ``i`` tokens is ``gamma_i(s) = p_O(s) V(s)`` (the LM times the perfect process
     verifier, Def 3.1.3, a factor of each step); at ``i = N`` it is ``p_O(s) 1(s in A)``, the restricted
     distribution, whose normaliser is ``Z = P_O(A)``. SMC weighs each particle by ``gamma_i / (proposal)``,
     so the weighted particles are properly weighted for the restricted distribution and
     ``exp(log_marginal)`` is an unbiased estimate of ``P_O(A)`` (SMC's estimator, resampling when the ESS
-    falls below ``ess_threshold * n``). Proposals (``proposal=``), each a guide of the program:
+    falls below ``ess_threshold * n``). Proposals (``proposal=``; as guides of ``draw="lm"`` they are
+    :class:`~ppl_thought.inference.verified_lm.LocallyOptimalProposal` and
+    :class:`~ppl_thought.inference.verified_lm.WeightedRejectionProposal`, with the same answers):
 
     * ``"lm"``: the bootstrap filter (``guide=None``), ``t ~ O(. | s)``, incremental weight ``V(s o t)`` (0 or 1);
-    * ``"masked"``: :class:`~ppl_thought.inference.verified_lm.LocallyOptimalProposal`, ``t ~ O(. | s)``
+    * ``"masked"``: ``t ~ O(. | s)``
       restricted to completable tokens (what tokenwise rejection samples, Def 3.1.5), incremental weight the
       local normaliser ``Z_V(s) = sum_t O(t | s) V(s o t)`` computed from the verifier's table; it is exactly
       the factor by which tokenwise rejection is biased (Prop 3.1.2), here corrected by the weight;
-    * ``"rejection"``: :class:`~ppl_thought.inference.verified_lm.WeightedRejectionProposal`, weighted
+    * ``"rejection"``: weighted
       rejection in the AWRS style, for verifiers that can only be asked about one proposed token at a time:
       propose ``t ~ O(. | s)`` until two are accepted; the first accepted token is an exact draw from the
       restricted local law, and with ``K`` proposals in all, ``1 / (K - 1)`` is an unbiased estimate of
@@ -246,13 +249,10 @@ class VerifierSMC:
 
     def program(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
                 generator: torch.Generator | None = None) -> tuple[VerifiedLM, Program | None]:
-        """(model, guide) that :meth:`run` gives ``pt.infer.SMC``: :class:`VerifiedLM` and the proposal's guide."""
-        model = VerifiedLM(lm, verifier, prompt, self.site, generator)
-        if self.proposal == "lm":
-            return model, None
-        if self.proposal == "masked":
-            return model, LocallyOptimalProposal(lm, verifier, prompt, self.site, generator)
-        return model, WeightedRejectionProposal(lm, verifier, prompt, self.site, generator, max(self.max_tries, 2))
+        """(model, guide) that :meth:`run` gives ``pt.infer.SMC``: :class:`VerifiedLM` drawing its tokens by the
+        proposal (one LM pass per token), and ``None`` (the program proposes; its factors carry the weights)."""
+        return VerifiedLM(lm, verifier, prompt, self.site, generator, draw=self.proposal,
+                          max_tries=max(self.max_tries, 2)), None
 
     def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
             generator: torch.Generator | None = None) -> Result:
@@ -267,7 +267,7 @@ class VerifierSMC:
             raise ZeroWeightsError(f"VerifierSMC(proposal={self.proposal!r}): {e}; use proposal='masked' or more "
                                    "particles") from None
         if self.proposal == "rejection":
-            lm_calls = ver_calls = int(guide.calls)
+            lm_calls = ver_calls = int(model.calls)
         else:
             lm_calls = n * L
             ver_calls = n * L * (lm.vocab_size if self.proposal == "masked" else 1)
