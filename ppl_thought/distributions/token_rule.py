@@ -281,21 +281,40 @@ def skip_draws(n: int, steps: int, generator: torch.Generator | None, device, dt
 
 
 class TokenStep(NamedTuple):
-    """What :func:`token_step` returns (every field per row, ``[n]``)."""
+    """What :func:`token_step` returns (every field per row, ``[n]``). ``log_prob`` and ``going`` are computed
+    when read (a caller that needs neither, e.g. the static SMC step, pays for neither)."""
 
     #: the drawn token (long); ``<pad>`` for inactive rows; a dead row's draw (V) clamped to V - 1
     token: torch.Tensor
     #: the rule state after the token (``rule.advance``: inactive rows read ``<pad>`` and keep theirs); the
     #: given state when there is no rule
     state: torch.Tensor | None
-    #: log q(token) of the draw under ``log_probs`` (0 for inactive rows); None when only ``probs`` was given
-    log_prob: torch.Tensor | None
     #: a row whose law has no token of positive mass (no admissible token; inactive rows never are)
     dead: torch.Tensor
-    #: the previous done flags or the rows whose sequence ended at this token (None without ``ends``)
+    #: the previous done flags or the active rows whose sequence ended at this token (None without ``ends``)
     done: torch.Tensor | None
-    #: the active rows whose segment goes on after this token (None without ``ends``)
-    going: torch.Tensor | None
+    #: the rows whose segment ends at this token (any row; None without ``ends``)
+    segment_end: torch.Tensor | None
+    #: the law drawn from, ``[n, V]`` log-probabilities (None when only weights ``probs`` were given)
+    log_q: torch.Tensor | None
+    #: the active rows (None: all)
+    active: torch.Tensor | None
+
+    @property
+    def log_prob(self) -> torch.Tensor | None:
+        """log q(token) ``[n]`` of the draw, the step's term of (2.13) (0 for inactive rows; -inf for a dead row,
+        never NaN); None when only weights were given."""
+        if self.log_q is None:
+            return None
+        lp = self.log_q.gather(-1, self.token[:, None]).squeeze(-1)
+        return lp if self.active is None else lp.masked_fill_(~self.active, 0.0)
+
+    @property
+    def going(self) -> torch.Tensor | None:
+        """The active rows whose segment goes on after this token (None without ``ends``)."""
+        if self.segment_end is None:
+            return None
+        return ~self.segment_end if self.active is None else self.active & ~self.segment_end
 
 
 def _pad_row(V: int, device) -> torch.Tensor:
@@ -346,17 +365,11 @@ def token_step(rule: TokenRule | None, logits: torch.Tensor | None, state: torch
     tok = sample_categorical(probs, generator)
     dead = tok == V
     tok = tok.clamp_(max=V - 1)
-    lp = None
-    if log_probs is not None:
-        lp = log_probs.gather(-1, tok[:, None]).squeeze(-1)
-        if active is not None:
-            lp = lp.masked_fill_(~active, 0.0)
     new_state = rule.advance(state, tok) if rule is not None and state is not None else state
-    new_done = going = None
+    new_done = seg_end = None
     if ends is not None:
         out = ends(tok, new_state)
         seg_end, seq_end = out if isinstance(out, tuple) else (out, out)
         ended = seq_end if active is None else active & seq_end
         new_done = ended if done is None else done | ended
-        going = ~seg_end if active is None else active & ~seg_end
-    return TokenStep(tok, new_state, lp, dead, new_done, going)
+    return TokenStep(tok, new_state, dead, new_done, seg_end, log_probs, active)
