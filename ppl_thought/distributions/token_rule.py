@@ -124,7 +124,7 @@ class TokenRule:
     def inactive_row(self, device) -> torch.Tensor:
         """``[1, V]`` (default float dtype): all the mass on ``<pad>``, the law an inactive row draws from in
         :func:`token_step` (cached per device)."""
-        key = ("inactive", str(device), torch.get_default_dtype())
+        key = ("inactive", device, torch.get_default_dtype())  # (not str(device): read at every token)
         row = self._tables.get(key)
         if row is None:
             row = self._tables[key] = _pad_row(self.vocab_size, device)
