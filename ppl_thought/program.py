@@ -1,4 +1,5 @@
-"""``pt.Program``: the step-wise program protocol every engine speaks (ARCHITECTURE.md, "How a program is written").
+"""``pt.Program``: the step-wise program protocol every engine speaks (docs/architecture.md, "How a program is
+written").
 
 A program is Pyro's ``SMCFilter`` protocol, batched over particles::
 

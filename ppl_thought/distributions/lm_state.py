@@ -1,4 +1,4 @@
-"""The one decoding loop: a batched, KV-cached LM state stepped segment by segment (ARCHITECTURE.md,
+"""The one decoding loop: a batched, KV-cached LM state stepped segment by segment (docs/architecture.md,
 "Sequence sites").
 
 :class:`LMState` is where ``n`` partial sequences of one LM stand: next-token logits, the KV cache,
