@@ -1,4 +1,5 @@
-"""``pt.Program``: the step-wise program protocol every engine speaks (ARCHITECTURE.md, "How a program is written").
+"""``pt.Program``: the step-wise program protocol every engine speaks (docs/architecture.md, "How a program is
+written").
 
 A program is Pyro's ``SMCFilter`` protocol, batched over particles::
 
@@ -26,8 +27,9 @@ later sites.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pyro
@@ -40,7 +42,7 @@ from ppl_thought.lm.base import lm_device
 
 PARTICLES = "particles"
 
-__all__ = ["OUTPUT", "PARTICLES", "PARTICLE_PLATES", "Program", "Shared", "as_done", "factor", "freeze_finished",
+__all__ = ["OUTPUT", "PARTICLES", "PARTICLE_PLATES", "OneTokenStep", "Program", "Shared", "as_done", "factor", "freeze_finished",
            "is_output", "observe", "particle_frame", "particle_groups", "particles", "reorder_state", "sample", "twist"]
 
 
@@ -237,6 +239,35 @@ def freeze_finished(before: dict, after: dict, finished: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- program
+@dataclass(frozen=True)
+class OneTokenStep:
+    """What a program whose step is one token of one LM under a token automaton tells the static SMC backend
+    (:meth:`Program.one_token_step`; inference/static_smc.py, docs/architecture.md). Step t of such a program:
+
+        log Z_t = log_mass(logits, s, done)      the step's weight ``[n]`` (0 for ended rows), a pyro.factor
+        z_t ~ masked softmax of ``rule`` (Def 2.8), the rule state advanced
+        a row ends in a final state of ``rule``, after a token in ``stop_ids``, or after ``max_tokens`` tokens
+
+    (``pt.models.Constrained`` is one). The program's own ``step`` must do exactly this (the two backends give
+    the same particles and weights).
+
+    Attributes:
+        lm: the LM (``lm(tokens) -> (logits, cache)``) whose next-token logits are read.
+        rule: the :class:`~ppl_thought.distributions.TokenRule` of the automaton.
+        max_tokens: the most tokens a particle draws (the number of steps).
+        stop_ids: token ids after which a particle ends.
+        log_mass: ``log_mass(logits [n, V], s [n], done [n]) -> [n]``, the step's log weight.
+        twist: the program's twist (``pt.twist`` on the token prefix), if any; the static backend runs none.
+    """
+
+    lm: Any
+    rule: Any
+    max_tokens: int
+    stop_ids: tuple[int, ...]
+    log_mass: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    twist: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
 class Program:
     """Base class of step-wise programs (see the module docstring).
 
@@ -283,6 +314,12 @@ class Program:
     def outputs(self, state: dict, *args, **kwargs) -> dict:
         """Extra values for ``Result.samples`` read from the final state (default: none)."""
         return {}
+
+    def one_token_step(self) -> OneTokenStep | None:
+        """The program's step as one token of one LM under a token automaton (:class:`OneTokenStep`), which
+        ``SMC(backend="static")`` runs as one fixed step on a static KV cache; ``None`` (the default): not such a
+        program."""
+        return None
 
     # -- as a plain Pyro model -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

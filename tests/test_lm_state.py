@@ -270,6 +270,41 @@ def test_sample_categorical_is_exact_and_never_draws_mass_zero():
     assert sample_categorical(torch.zeros(2, 5), g).eq(5).all()
 
 
+def test_token_step_is_the_masked_draw_with_one_uniform_per_row():
+    """token_step (Def 2.8): active rows draw from the rule's masked softmax by inversion with one uniform each
+    (the same token as sample_categorical on the same stream), inactive rows draw <pad>, keep their state and
+    score 0, the rule state advances, the end flags follow ``ends``, a row with no admissible token is dead, and
+    the old import paths of sample_categorical still work."""
+    from ppl_thought.distributions import segment
+    from ppl_thought.distributions.token_rule import sample_categorical, token_step
+    from ppl_thought.vocab import PAD_ID
+
+    assert segment.sample_categorical is sample_categorical
+    auto = PROJ.lifting("ab")
+    rule = TokenRule(auto, V)
+    n = 200
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(n, V, generator=g)
+    s = rule.start(n, "cpu")
+    active = torch.rand(n, generator=g) < 0.7
+    done = torch.zeros(n, dtype=torch.bool)
+    step = token_step(rule, logits, s, active, torch.Generator().manual_seed(5),
+                      ends=lambda tok, s2: (tok == A, rule.is_final(s2)), done=done)
+    logq = rule.log_probs(logits, s)
+    ref = sample_categorical(logq.exp(), torch.Generator().manual_seed(5))
+    assert torch.equal(step.token[active], ref[active])
+    assert step.token[~active].eq(PAD_ID).all() and torch.equal(step.state[~active], s[~active])
+    assert torch.equal(step.state[active], auto.step(s[active], ref[active]))
+    assert torch.equal(step.log_prob[active], logq[active].gather(1, ref[active, None])[:, 0])
+    assert step.log_prob[~active].eq(0).all() and torch.isfinite(step.log_prob).all()
+    assert not step.dead.any()
+    assert torch.equal(step.going, active & (step.token != A))
+    assert torch.equal(step.done, active & rule.is_final(step.state))
+    blocked = torch.full((2, V), float("-inf"))  # no token of positive mass: dead, token clamped in range
+    dead = token_step(None, None, None, generator=g, log_probs=blocked)
+    assert dead.dead.all() and dead.token.lt(V).all() and dead.state is None and dead.done is None
+
+
 def test_automaton_advance_keeps_the_state_on_pad():
     vocab = Vocab(["a", "b"])
     auto = PauseToThink(vocab, max_thought_len=1).lifting("ab")

@@ -15,10 +15,13 @@ import pytest
 import torch
 
 import ppl_thought as pt
+from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.inference import SMC
 from ppl_thought.lm.static_cache import StaticKVCache, StaticTransformer, static_decoder, static_forward
+from ppl_thought.program import OneTokenStep
 from ppl_thought.projections import CharDFA, token_automaton, token_texts
+from ppl_thought.projections.automaton import AutomatonBuilder
 from ppl_thought.vocab import BOS_ID, EOS_ID
 
 VOCAB = pt.Vocab(["a", "b", "e", "ab", "be"])
@@ -219,6 +222,84 @@ def test_static_smc_log_z_is_unbiased(resampling):
     assert resampled >= 20
     assert abs(float(r.mean()) - 1) < 3 * se + 1e-3, (float(r.mean()), se)
     assert abs(1 / Z - 1) > 10 * se
+
+
+class AtMostOneE(pt.Program):
+    """A user-written one-token program (not a Constrained): the LM under a small hand-built automaton (at most
+    one "e" token, then <eos>), ended also by a stop id ("ab"), weighted by its own log_mass (the admitted mass
+    over the whole vocabulary's, and a penalty once the "e" is spent). It tells the static backend its step
+    through the protocol method one_token_step()."""
+
+    def __init__(self, lm, max_tokens: int):
+        b = AutomatonBuilder(lm.vocab_size, "at_most_one_e")
+        fresh, spent, end = b.add_state(), b.add_state(), b.add_state(final=True)
+        plain = [VOCAB.id(t) for t in ("a", "b", "ab")]
+        b.edge(fresh, plain, fresh)
+        b.edge(fresh, [VOCAB.id("e"), VOCAB.id("be")], spent)
+        b.edge(spent, plain, spent)
+        b.edge(fresh, [EOS_ID], end)
+        b.edge(spent, [EOS_ID], end)
+        self.lm, self.max_tokens, self.max_steps = lm, max_tokens, max_tokens
+        self.rule = TokenRule(b.build(), lm.vocab_size)
+        self.stop_ids = (VOCAB.id("ab"),)
+
+    def log_mass(self, logits, s, done):
+        logits = logits.float()
+        admitted = torch.logsumexp(logits.masked_fill(~self.rule.allowed(s), float("-inf")), -1)
+        w = admitted - torch.logsumexp(logits, -1) - 0.25 * (s == 1).float()
+        return torch.where(done, torch.zeros_like(w), w)
+
+    def init(self, state, prompt=None):
+        state["x"] = LMState.start(self.lm, pt.particles(), prompt=prompt, rule=self.rule, max_len=self.max_tokens,
+                                   stop_ids=torch.tensor(self.stop_ids))
+
+    def step(self, state, t, prompt=None):
+        x = state["x"]
+        log_w = self.log_mass(x.logits, x.s, x.done)
+        tok = pyro.sample(f"x_{t}", x.next_token())
+        x.extend(tok)
+        pyro.factor(f"w_{t}", log_w)
+        return torch.ones_like(x.done) if t + 1 == self.max_tokens else x.done.clone()
+
+    def one_token_step(self):
+        return OneTokenStep(self.lm, self.rule, self.max_tokens, self.stop_ids, self.log_mass)
+
+
+def test_static_smc_runs_a_user_program_through_the_protocol_method_bitwise_as_the_generic_engine():
+    """No Constrained, no isinstance: a pt.Program whose one_token_step() describes its step runs under
+    backend="static" with bitwise the particles, weights and log Z-hat of backend="generic" (no resampling)."""
+    program = AtMostOneE(model(), 6)
+    assert not isinstance(program, pt.models.Constrained)
+    prompt = torch.tensor(VOCAB.encode(["a", "b"]))
+    g, s = _both(program, prompt, 32, ess_threshold=0.0)
+    _assert_same(g, s)
+    assert s.stats["mode"] == "static"
+    tokens = torch.stack([s.samples[f"x_{t}"] for t in range(s.stats["steps"])], 1)
+    assert (tokens == VOCAB.id("ab")).any() and (tokens == EOS_ID).any()  # both ends happen: stop id, final state
+    assert ((tokens == VOCAB.id("e")) | (tokens == VOCAB.id("be"))).any()  # the automaton's second state is reached
+    assert len(set(s.log_weights.tolist())) > 4
+
+
+def test_static_smc_asks_the_protocol_method_not_the_attributes():
+    """A program with lm / rule / max_tokens / stop_ids / log_mass attributes but no one_token_step() (the base
+    class's returns None), and an object that is not a Program at all, are refused naming the method."""
+
+    class NoProtocol(AtMostOneE):
+        def one_token_step(self):
+            return pt.Program.one_token_step(self)
+
+    class NotAProgram:
+        def init(self, state, prompt=None):
+            pass
+
+        def step(self, state, t, prompt=None):
+            return None
+
+    prompt = torch.tensor(VOCAB.encode(["a"]))
+    for program in (NoProtocol(model(), 3), NotAProgram()):
+        with pytest.raises(ConfigError, match="one_token_step"):
+            SMC(4, backend="static").run(program, None, prompt)
+    assert pt.Program().one_token_step() is None
 
 
 def test_static_smc_refuses_what_it_does_not_run():

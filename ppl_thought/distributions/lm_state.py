@@ -1,4 +1,4 @@
-"""The one decoding loop: a batched, KV-cached LM state stepped segment by segment (ARCHITECTURE.md,
+"""The one decoding loop: a batched, KV-cached LM state stepped segment by segment (docs/architecture.md,
 "Sequence sites").
 
 :class:`LMState` is where ``n`` partial sequences of one LM stand: next-token logits, the KV cache,
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ppl_thought.distributions.segment import STATE_KEYS, Segment, check_no_nan, sample_categorical
+from ppl_thought.distributions.segment import STATE_KEYS, Segment, check_no_nan
 from ppl_thought.distributions.token_rule import (
     TokenRule,
     chunk_size,
@@ -30,6 +30,7 @@ from ppl_thought.distributions.token_rule import (
     left_pack,
     masked_log_softmax,
     nucleus,
+    sample_categorical,
     supports_valid,
     trim_padding,
     upcast,

@@ -6,13 +6,23 @@ segment as in (2.13).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
-from ppl_thought.distributions.token_rule import left_pack, per_row, trim_padding
+from ppl_thought.distributions.token_rule import (  # sample_categorical: re-exported from its old home
+    TokenStep,
+    left_pack,
+    per_row,
+    sample_categorical,
+    skip_draws,
+    token_step,
+    trim_padding,
+)
 from ppl_thought.errors import MalformedSequenceError, NumericalError
 from ppl_thought.lm.base import match_rows
 from ppl_thought.vocab import BOS_ID, PAD_ID
@@ -25,6 +35,60 @@ __all__ = ["STATE_KEYS", "Segment", "check_no_nan", "sample_categorical"]
 
 #: the fields of an LMState that a segment's sampling or scoring pass produces (``LMState.snapshot``)
 STATE_KEYS = ("logits", "cache", "context", "s", "tokens", "lengths", "log_prob", "done")
+
+
+@dataclass(slots=True)
+class _Loop:
+    """The state of :meth:`Segment._decode`'s sampling loop: the live rows (``rows``: their indices among the
+    ``n``, None while all are live) and their per-row quantities, the current step's token and flags, and the
+    results gathered so far (``full``: every row's, written when rows are dropped; ``blocks``: (rows, token
+    columns) per stretch of live rows)."""
+
+    rows: torch.Tensor | None
+    logits: torch.Tensor
+    cache: Any
+    context: torch.Tensor | None
+    s: torch.Tensor
+    lengths: torch.Tensor
+    done: torch.Tensor
+    count: torch.Tensor
+    lp: torch.Tensor
+    active: torch.Tensor  # rows drawing a token at this step (their segment goes on)
+    until: torch.Tensor | None
+    kw: dict
+    len_bound: int  # host bound on the lengths
+    chunk_dead: torch.Tensor  # a forced token had probability 0 (chunked encoding)
+    tok: torch.Tensor | None = None  # this step's token
+    still: torch.Tensor | None = None  # active rows whose segment goes on after this step
+    need: torch.Tensor | None = None  # rows whose logits after this step will be read
+    r: torch.Tensor | None = None  # this step's forced run lengths (chunked encoding)
+    full: dict = field(default_factory=dict)
+    blocks: list = field(default_factory=list)
+    cols: list = field(default_factory=list)
+    ragged_cols: bool = False  # a chunk gave rows runs of different lengths: <pad> inside columns
+
+
+class _Flags(NamedTuple):
+    """A sampling step's decisions, read from the device in one host sync (:meth:`Segment._host_flags`)."""
+
+    dead: bool
+    any_need: bool
+    any_still: bool
+    n_done: int
+    all_valid: bool
+    all_need: bool
+    R: int  # the longest forced run after this step's tokens (0: none, or no chunks)
+    aligned: bool  # every row that is not done has a run of length R
+    aligned_still: bool  # every row whose segment goes on has a run of length R
+
+
+class _Run(NamedTuple):
+    """The forced runs after a step's tokens (:meth:`Segment._forced_run`), ``[m, R]`` each."""
+
+    in_run: torch.Tensor
+    toks: torch.Tensor
+    before: torch.Tensor  # the rule state before each run token
+    feed: torch.Tensor  # what is fed: the run tokens, <bos> past a row's run
 
 
 class Segment(TorchDistribution):
@@ -148,147 +212,192 @@ class Segment(TorchDistribution):
         return out, post["_step_lp"]
 
     def _decode(self, active, generator, valid_mode):
-        base, snap = self.base, self.snap
-        rule, n, dev = base.rule, base.n, base.device
-        V = base.lm.vocab_size
-        pad_row = torch.zeros(1, V, device=dev)
-        pad_row[0, PAD_ID] = 1.0
-        # the live rows (all of them until some are dropped) and their per-row quantities
-        rows = None  # indices of the live rows among the n, None while all are live
-        logits, cache, context, s = snap["logits"], snap["cache"], snap["context"], snap["s"]
-        lengths, done = snap["lengths"], snap["done"]
-        count = torch.zeros(n, dtype=torch.long, device=dev)
-        lp = torch.zeros(n, device=dev)
-        until = self._until()
-        kw = match_rows(base.lm_kwargs, n)
-        len_bound = int(lengths.max())  # host bound on the lengths (one sync per segment)
-        full: dict[str, torch.Tensor] = {}  # per-row results of every row, written when rows are dropped
-        blocks: list[tuple[torch.Tensor | None, list[torch.Tensor]]] = []  # (rows, token columns)
-        cols: list[torch.Tensor] = []
-        runs = self._forced_runs(until)  # chunked encoding (end of 5.6.2): None when off or not available
-        ragged_cols = False  # a chunk gave rows runs of different lengths: <pad> inside columns, packed at the end
-        chunk_dead = torch.zeros((), dtype=torch.bool, device=dev)
-
-        def write_back() -> None:
-            live = {"logits": logits, "s": s, "lengths": lengths, "done": done, "lp": lp}
-            for k, v in live.items():
-                if rows is None:
-                    full[k] = v.clone()
-                else:
-                    full[k][rows] = v.to(full[k].dtype)
-
+        """The lockstep sampling loop of :meth:`sample_with_log_prob` on the rows ``active`` (the steps of a
+        segment, Lemma 2.1), one iteration per token: draw every live row's token from the masked softmax of
+        Def 2.8 (:meth:`_draw`), read the step's flags in one host sync (:meth:`_host_flags`), go on with the
+        rows whose sequence goes on once enough have ended (:meth:`_drop_ended`), take the forced run after the
+        token when chunking (:meth:`_forced_run`, end of Section 5.6.2), feed the LM (:meth:`_feed`). Then the
+        value and the post-state (:meth:`_finish`). Returns (value ``[n, S]``, post-state dict)."""
+        loop = self._loop_start(active)
+        runs = self._forced_runs(loop.until)  # chunked encoding (end of 5.6.2): None when off or not available
         while True:
-            logq = rule.log_probs(logits, s)
-            probs = torch.where(active[:, None], logq.exp(), pad_row)
-            tok = sample_categorical(probs, generator)  # <pad> where not active
-            dead = tok == V  # an active row with no admissible token of positive probability
-            tok = tok.clamp_(max=V - 1)
-            lp = lp + logq.gather(-1, tok[:, None]).squeeze(-1).masked_fill_(~active, 0.0)
-            s = rule.advance(s, tok)  # inactive rows drew <pad>
-            lengths = lengths + active.long()
-            if self.max_tokens is not None:
-                count = count + active.long()
-            cols.append(tok)
-            len_bound += 1
-            seg_end, seq_end = self._ends(tok, s, count, lengths, until, len_bound)
-            done = done | (active & seq_end)
-            still = active & ~seg_end
-            need = active & ~done  # rows whose logits after this token will be read
-            feed_all = (active | done).all() if valid_mode else need.all()
-            flags = [dead.any(), need.any(), still.any(), done.sum(), feed_all, need.all()]
-            if runs is not None:
-                # the forced run after this token, for the rows whose segment goes on: it never ends the
-                # segment nor the sequence (the tables stop before that), nor reaches max_len / max_tokens
-                r = torch.where(still, runs[0][s], torch.zeros_like(s))
-                r = torch.minimum(r, base.max_len - 1 - lengths).clamp_(min=0)
-                if self.max_tokens is not None:
-                    r = torch.minimum(r, self.max_tokens - 1 - count).clamp_(min=0)
-                r_max = r.max()
-                flags += [r_max, ((r == r_max) | done).all(), ((r == r_max) | ~still).all()]
-            # the one host sync of the step
-            host = torch.stack([f.long() for f in flags]).tolist()
-            is_dead, any_need, any_still, n_done, all_valid, all_need = host[:6]
-            R, aligned, aligned_still = host[6:] if runs is not None else (0, True, True)
-            if is_dead:
-                raise ValueError(f"{int(dead.sum())} rows have no admissible token of positive probability: "
+            step = self._draw(loop, generator)
+            flags = self._host_flags(loop, step, runs, valid_mode)
+            if flags.dead:
+                raise ValueError(f"{int(step.dead.sum())} rows have no admissible token of positive probability: "
                                  "the LM gives probability 0 to every token the constraint allows")
-            m = done.shape[0]
-            if any_still and n_done > self.drop_fraction * m:
-                # go on with the rows whose sequence goes on (waiting rows included)
-                write_back()
-                blocks.append((rows, cols))
-                cols = []
-                keep = (~done).nonzero().squeeze(-1)
-                rows = keep if rows is None else rows[keep]
-                logits, s, lengths, done, lp = logits[keep], s[keep], lengths[keep], done[keep], lp[keep]
-                count, active, still, need, tok = count[keep], active[keep], still[keep], need[keep], tok[keep]
-                if runs is not None:
-                    r = r[keep]
-                if until is not None and until.ndim:
-                    until = until[keep]
-                cache = cache.reorder(keep) if cache is not None else None
-                if context is not None:
-                    context = context[keep]
-                    context = context[:, : int((context != PAD_ID).sum(-1).max())]
-                kw = {k: (v[keep] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == m else v)
-                      for k, v in kw.items()}
-                all_valid = bool(active.all())  # no row left has ended its sequence
-                all_need = bool(need.all())
-            # the block each row feeds: its token (where it is read), then its forced run (R columns)
-            if R:
-                m = tok.shape[0]
-                in_run = torch.arange(R, device=dev)[None] < r[:, None]  # [m, R]
-                run_states = runs[2][s]  # [m, limit + 1]: the state before each run token, then held
-                run_toks = torch.where(in_run, runs[1][s][:, :R], torch.zeros_like(in_run, dtype=torch.long))
-                before = run_states[:, :R]
-                s = run_states.gather(1, r[:, None]).squeeze(1)
-                lengths = lengths + r
-                if self.max_tokens is not None:
-                    count = count + r
-                len_bound += R
-                for j in range(R):  # the uniforms the token-by-token loop draws for these steps (unused there:
-                    torch.rand((m, 1), generator=generator, device=dev, dtype=probs.dtype)  # forced tokens)
-                    cols.append(run_toks[:, j])
-                ragged_cols = ragged_cols or not aligned_still
-                run_feed = torch.where(in_run, run_toks, torch.full_like(run_toks, BOS_ID))
-            if all_need and (not R or aligned):  # every row goes on: feed its token as it is, take every row's logits
-                block = tok[:, None] if not R else torch.cat([tok[:, None], run_feed], 1)
-                fl, cache, context = base.feed(cache, context, block, None, kw)
-                last = fl[:, -1]
-                if R:
-                    lp, chunk_dead = self._score_run(fl, before, run_toks, in_run, lp, chunk_dead)
-                logits = last.to(logits.dtype)
-            elif any_need:
-                # the next logits of the rows that go on (also the post-state, for rows whose segment ended)
-                if valid_mode:
-                    feed = torch.where(active, tok, torch.full_like(tok, BOS_ID))
-                    if all_valid and not getattr(cache, "ragged", False) and (not R or aligned):
-                        valid = None  # rows in lockstep: the dense path; ended rows' dummies are never read
-                    else:  # rows at their own positions: an ended row is fed nothing (no position past its end)
-                        valid = need if getattr(cache, "ragged", False) else active | done
-                else:
-                    feed, valid = tok, (None if all_valid and (not R or aligned) else need)
-                if R:
-                    feed = torch.cat([feed[:, None], run_feed], 1)
-                    if valid is not None:
-                        valid = torch.cat([valid[:, None], in_run & valid[:, None]], 1)
-                else:
-                    feed = feed[:, None]
-                    valid = None if valid is None else valid[:, None]
-                fl, cache, context = base.feed(cache, context, feed, valid, kw)
-                if R:
-                    lp, chunk_dead = self._score_run(fl, before, run_toks, in_run, lp, chunk_dead)
-                    last = fl.gather(1, r[:, None, None].expand(-1, 1, fl.shape[-1])).squeeze(1)
-                else:
-                    last = fl[:, -1]
-                logits = torch.where(need[:, None], last.to(logits.dtype), logits)
-            if not any_still:
+            if flags.any_still and flags.n_done > self.drop_fraction * loop.done.shape[0]:
+                flags = self._drop_ended(loop, flags)
+            run = self._forced_run(loop, runs, flags.R, flags.aligned_still, generator, step.log_q.dtype) \
+                if flags.R else None
+            self._feed(loop, flags, run, valid_mode)
+            if not flags.any_still:
                 break
-            active = still
-        if runs is not None and bool(chunk_dead):  # one more host sync per segment, with chunks only
+            loop.active = loop.still
+        return self._finish(loop, runs)
+
+    def _loop_start(self, active) -> _Loop:
+        """The sampling loop's state at the start of the segment: every row live, the snapshot's quantities."""
+        base, snap = self.base, self.snap
+        n, dev = base.n, base.device
+        return _Loop(rows=None, logits=snap["logits"], cache=snap["cache"], context=snap["context"], s=snap["s"],
+                     lengths=snap["lengths"], done=snap["done"], count=torch.zeros(n, dtype=torch.long, device=dev),
+                     lp=torch.zeros(n, device=dev), active=active, until=self._until(),
+                     kw=match_rows(base.lm_kwargs, n),
+                     len_bound=int(snap["lengths"].max()),  # host bound on the lengths (one sync per segment)
+                     chunk_dead=torch.zeros((), dtype=torch.bool, device=dev))
+
+    def _draw(self, loop: _Loop, generator) -> TokenStep:
+        """One token for every live row (:func:`~ppl_thought.distributions.token_rule.token_step`): drawn from the
+        masked softmax log softmax(f~(z_<i)) of Def 2.8 (``<pad>`` for rows whose segment has ended), its
+        log-probability added to the segment's (2.13), the rule state advanced, and where the segment and the
+        sequence end (:meth:`_ends`: the segments of Lemma 2.1 end in a state of the constraint, at a stop id or
+        after ``max_tokens``). Updates ``loop`` (token, rule state, lengths, done, the rows that go on)."""
+        inc = loop.active.long()
+        lengths = loop.lengths + inc
+        count = loop.count + inc if self.max_tokens is not None else loop.count
+        loop.len_bound += 1
+        ends = partial(self._ends, count=count, lengths=lengths, until=loop.until, len_bound=loop.len_bound)
+        step = token_step(self.base.rule, loop.logits, loop.s, loop.active, generator, ends=ends, done=loop.done)
+        loop.lp = loop.lp + step.log_prob
+        loop.tok, loop.s, loop.lengths, loop.count, loop.done, loop.still = (
+            step.token, step.state, lengths, count, step.done, step.going)
+        loop.need = loop.active & ~loop.done  # rows whose logits after this token will be read
+        loop.cols.append(step.token)
+        return step
+
+    def _host_flags(self, loop: _Loop, step: TokenStep, runs, valid_mode: bool) -> _Flags:
+        """The step's decisions, read in its one host sync: a dead row, rows to feed, rows that go on, rows that
+        ended their sequence, whether every row is fed as it is; with chunks (end of 5.6.2) the length ``r`` of
+        each row's forced run after its token (``loop.r``), the longest ``R`` and whether the runs are aligned."""
+        base = self.base
+        active, done, still, need = loop.active, loop.done, loop.still, loop.need
+        feed_all = (active | done).all() if valid_mode else need.all()
+        flags = [step.dead.any(), need.any(), still.any(), done.sum(), feed_all, need.all()]
+        if runs is not None:
+            # the forced run after this token, for the rows whose segment goes on: it never ends the
+            # segment nor the sequence (the tables stop before that), nor reaches max_len / max_tokens
+            s, lengths = loop.s, loop.lengths
+            r = torch.where(still, runs[0][s], torch.zeros_like(s))
+            r = torch.minimum(r, base.max_len - 1 - lengths).clamp_(min=0)
+            if self.max_tokens is not None:
+                r = torch.minimum(r, self.max_tokens - 1 - loop.count).clamp_(min=0)
+            r_max = r.max()
+            loop.r = r
+            flags += [r_max, ((r == r_max) | done).all(), ((r == r_max) | ~still).all()]
+        host = torch.stack([f.long() for f in flags]).tolist()  # the one host sync of the step
+        R, aligned, aligned_still = host[6:] if runs is not None else (0, True, True)
+        return _Flags(bool(host[0]), bool(host[1]), bool(host[2]), host[3], bool(host[4]), bool(host[5]), R,
+                      bool(aligned), bool(aligned_still))
+
+    def _drop_ended(self, loop: _Loop, flags: _Flags) -> _Flags:
+        """Go on with the rows whose sequence goes on (waiting rows included): the results of every row so far are
+        written back (:meth:`_write_back`), and every per-row quantity, the KV cache (``cache.reorder``), the
+        contexts and the LM keyword arguments keep the live rows only. Returns the flags of the rows kept."""
+        m = loop.done.shape[0]
+        self._write_back(loop)
+        loop.blocks.append((loop.rows, loop.cols))
+        loop.cols = []
+        keep = (~loop.done).nonzero().squeeze(-1)
+        loop.rows = keep if loop.rows is None else loop.rows[keep]
+        for name in ("logits", "s", "lengths", "done", "lp", "count", "active", "still", "need", "tok"):
+            setattr(loop, name, getattr(loop, name)[keep])
+        if loop.r is not None:
+            loop.r = loop.r[keep]
+        if loop.until is not None and loop.until.ndim:
+            loop.until = loop.until[keep]
+        loop.cache = loop.cache.reorder(keep) if loop.cache is not None else None
+        if loop.context is not None:
+            context = loop.context[keep]
+            loop.context = context[:, : int((context != PAD_ID).sum(-1).max())]
+        loop.kw = {k: (v[keep] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == m else v)
+                   for k, v in loop.kw.items()}
+        # no row left has ended its sequence
+        return flags._replace(all_valid=bool(loop.active.all()), all_need=bool(loop.need.all()))
+
+    def _write_back(self, loop: _Loop) -> None:
+        """Write the live rows' results (logits, rule state, lengths, done, log-probability) into ``loop.full``,
+        the per-row results of every row (all of them the first time)."""
+        live = {"logits": loop.logits, "s": loop.s, "lengths": loop.lengths, "done": loop.done, "lp": loop.lp}
+        for k, v in live.items():
+            if loop.rows is None:
+                loop.full[k] = v.clone()
+            else:
+                loop.full[k][loop.rows] = v.to(loop.full[k].dtype)
+
+    def _forced_run(self, loop: _Loop, runs, R: int, aligned_still: bool, generator, dtype) -> _Run:
+        """The forced run after each row's token (chunked encoding, end of Section 5.6.2): ``loop.r`` tokens that
+        the constraint allows alone, taken from the rule's tables without drawing. The rule state, lengths and
+        counts move past the run; the uniforms the token-by-token loop would draw for these steps are skipped
+        (:func:`~ppl_thought.distributions.token_rule.skip_draws`), so the random stream is that loop's."""
+        s, r = loop.s, loop.r
+        m = s.shape[0]
+        in_run = torch.arange(R, device=s.device)[None] < r[:, None]  # [m, R]
+        run_states = runs[2][s]  # [m, limit + 1]: the state before each run token, then held
+        run_toks = torch.where(in_run, runs[1][s][:, :R], torch.zeros_like(in_run, dtype=torch.long))
+        loop.s = run_states.gather(1, r[:, None]).squeeze(1)
+        loop.lengths = loop.lengths + r
+        if self.max_tokens is not None:
+            loop.count = loop.count + r
+        loop.len_bound += R
+        skip_draws(m, R, generator, s.device, dtype)  # forced tokens: the loop's draws, unused
+        loop.cols.extend(run_toks[:, j] for j in range(R))
+        loop.ragged_cols = loop.ragged_cols or not aligned_still
+        run_feed = torch.where(in_run, run_toks, torch.full_like(run_toks, BOS_ID))
+        return _Run(in_run, run_toks, run_states[:, :R], run_feed)
+
+    def _feed(self, loop: _Loop, flags: _Flags, run: _Run | None, valid_mode: bool) -> None:
+        """Feed each live row's block (its token where it is read, then its forced run) to the LM in one pass and
+        keep the next-token logits of the rows that go on; rows in lockstep take the LM's dense path. The forced
+        run tokens are scored from the chunk's logits (:meth:`_score_run`, Def 2.8)."""
+        base = self.base
+        tok, need, active, done = loop.tok, loop.need, loop.active, loop.done
+        aligned = run is None or flags.aligned
+        if flags.all_need and aligned:  # every row goes on: feed its token as it is, take every row's logits
+            block = tok[:, None] if run is None else torch.cat([tok[:, None], run.feed], 1)
+            fl, loop.cache, loop.context = base.feed(loop.cache, loop.context, block, None, loop.kw)
+            last = fl[:, -1]
+            if run is not None:
+                loop.lp, loop.chunk_dead = self._score_run(fl, run.before, run.toks, run.in_run, loop.lp,
+                                                           loop.chunk_dead)
+            loop.logits = last.to(loop.logits.dtype)
+        elif flags.any_need:
+            # the next logits of the rows that go on (also the post-state, for rows whose segment ended)
+            ragged = getattr(loop.cache, "ragged", False)
+            if valid_mode:
+                feed = torch.where(active, tok, torch.full_like(tok, BOS_ID))
+                if flags.all_valid and not ragged and aligned:
+                    valid = None  # rows in lockstep: the dense path; ended rows' dummies are never read
+                else:  # rows at their own positions: an ended row is fed nothing (no position past its end)
+                    valid = need if ragged else active | done
+            else:
+                feed, valid = tok, (None if flags.all_valid and aligned else need)
+            if run is not None:
+                feed = torch.cat([feed[:, None], run.feed], 1)
+                if valid is not None:
+                    valid = torch.cat([valid[:, None], run.in_run & valid[:, None]], 1)
+            else:
+                feed = feed[:, None]
+                valid = None if valid is None else valid[:, None]
+            fl, loop.cache, loop.context = base.feed(loop.cache, loop.context, feed, valid, loop.kw)
+            if run is not None:
+                loop.lp, loop.chunk_dead = self._score_run(fl, run.before, run.toks, run.in_run, loop.lp,
+                                                           loop.chunk_dead)
+                last = fl.gather(1, loop.r[:, None, None].expand(-1, 1, fl.shape[-1])).squeeze(1)
+            else:
+                last = fl[:, -1]
+            loop.logits = torch.where(need[:, None], last.to(loop.logits.dtype), loop.logits)
+
+    def _finish(self, loop: _Loop, runs) -> tuple[torch.Tensor, dict]:
+        """The sampled value ``[n, S]`` (the token columns of every block of rows, scattered back to the ``n``
+        rows; rows left-packed when forced runs of different lengths left ``<pad>`` inside them) and the
+        post-state, whose cache is gathered back to ``n`` rows only when it is used (``_src``)."""
+        base, snap = self.base, self.snap
+        n, dev = base.n, base.device
+        if runs is not None and bool(loop.chunk_dead):  # one more host sync per segment, with chunks only
             raise ValueError("rows have no admissible token of positive probability: the LM gives probability "
                              "0 to a forced token (the only one the constraint allows)")
-        blocks.append((rows, cols))
+        blocks = loop.blocks + [(loop.rows, loop.cols)]
         value = torch.zeros(n, sum(len(c) for _, c in blocks), dtype=torch.long, device=dev)
         at = 0
         for r_, c in blocks:
@@ -299,17 +408,19 @@ class Segment(TorchDistribution):
                 else:
                     value[r_, at:at + len(c)] = block
                 at += len(c)
-        if ragged_cols:  # runs of different lengths left <pad> inside rows: pack each row's tokens to the left
+        if loop.ragged_cols:  # runs of different lengths left <pad> inside rows: pack each row's tokens to the left
             value = trim_padding(left_pack(value))
-        post = {"cache": cache, "context": context, "tokens": _append(snap["tokens"], snap["lengths"], value)}
-        if rows is None:
-            post.update(logits=logits, s=s, lengths=lengths, done=done, _step_lp=lp)
+        post = {"cache": loop.cache, "context": loop.context,
+                "tokens": _append(snap["tokens"], snap["lengths"], value)}
+        if loop.rows is None:
+            post.update(logits=loop.logits, s=loop.s, lengths=loop.lengths, done=loop.done, _step_lp=loop.lp)
         else:
-            write_back()
+            self._write_back(loop)
+            full = loop.full
             post.update(logits=full["logits"], s=full["s"], lengths=full["lengths"], done=full["done"],
                         _step_lp=full["lp"])
             src = torch.zeros(n, dtype=torch.long, device=dev)  # ended rows: any live row's cache
-            src[rows] = torch.arange(len(rows), device=dev)
+            src[loop.rows] = torch.arange(len(loop.rows), device=dev)
             post["_src"] = src
         check_no_nan(post["_step_lp"], base.lm)
         post["log_prob"] = snap["log_prob"] + post["_step_lp"]
@@ -470,22 +581,6 @@ def check_no_nan(log_prob: torch.Tensor, lm) -> None:
             if isinstance(lm, torch.nn.Module) else []
         where = f": non-finite parameters {bad[:5]}" if bad else " (NaN logits)"
         raise NumericalError(f"{type(lm).__name__} gave NaN log-probabilities{where}")
-
-
-def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per row of ``probs [n, V]`` (unnormalised, non-negative) by inversion: the first index
-    whose cumulative mass exceeds u * total, u ~ U[0, 1). An index of mass 0 is never drawn (its
-    cumulative mass equals the previous one), and u * total is kept below the total, so a row with
-    positive mass draws in range; a row of zero mass draws V (callers test for it); float64 rows are
-    drawn in float64. One uniform per
-    row: a few times cheaper than ``torch.multinomial`` on CPU for small vocabularies, and one pass over
-    the row for large ones."""
-    cdf = probs.cumsum(-1)
-    # u * total' with total' = total (1 - 2^-22) < total after rounding, and u < 1: u * total' <= total'
-    # (a relative 2^-22 of the last index's mass is given to the earlier ones)
-    below = cdf[:, -1:] * (1.0 - 2.0 ** -22)
-    u = torch.rand(below.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * below
-    return (cdf <= u).sum(-1)
 
 
 def _gathered(post: dict) -> dict:

@@ -4,12 +4,16 @@
 once: the 0 / -inf bias of the masked softmax log softmax(f~(z_<i)) of Def 2.8, the advance of the automaton
 state, segment ends (``end_tables``) and the forced runs of chunked encoding (end of Section 5.6.2). The
 tables come from the automaton's numpy tables (``Automaton.device_table``), cached per device. Also the
-small token-array helpers every decoding path shares.
+small token-array helpers every decoding path shares, the inverse-CDF draw (:func:`sample_categorical`) and
+the one token step every sampler runs (:func:`token_step`: masked softmax, draw, automaton advance, end flags;
+docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -17,8 +21,8 @@ import torch
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
-__all__ = ["TokenRule", "chunk_size", "generated_tokens", "left_pack", "masked_log_softmax", "nucleus", "per_row",
-           "supports_valid", "trim_padding", "upcast"]
+__all__ = ["TokenRule", "TokenStep", "chunk_size", "generated_tokens", "left_pack", "masked_log_softmax", "nucleus",
+           "per_row", "sample_categorical", "skip_draws", "supports_valid", "token_step", "trim_padding", "upcast"]
 
 
 def upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -116,6 +120,15 @@ class TokenRule:
         # (faster than log_softmax for small vocabularies on CPU); an all -inf row has normaliser -inf:
         # clamped to the lowest float it leaves the row -inf instead of NaN
         return x - torch.logsumexp(x, -1, keepdim=True).clamp(min=_LOWEST)
+
+    def inactive_row(self, device) -> torch.Tensor:
+        """``[1, V]`` (default float dtype): all the mass on ``<pad>``, the law an inactive row draws from in
+        :func:`token_step` (cached per device)."""
+        key = ("inactive", device, torch.get_default_dtype())  # (not str(device): read at every token)
+        row = self._tables.get(key)
+        if row is None:
+            row = self._tables[key] = _pad_row(self.vocab_size, device)
+        return row
 
     def step(self, s: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         return s if self.constraint is None else self.constraint.step(s, tok)
@@ -240,3 +253,123 @@ def left_pack(t: torch.Tensor) -> torch.Tensor:
     keep = t != PAD_ID
     order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
     return torch.gather(t, -1, order)
+
+
+# ---------------------------------------------------------------------------------------------- the token step
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of ``probs [n, V]`` (unnormalised, non-negative) by inversion: the first index
+    whose cumulative mass exceeds u * total, u ~ U[0, 1). An index of mass 0 is never drawn (its
+    cumulative mass equals the previous one), and u * total is kept below the total, so a row with
+    positive mass draws in range; a row of zero mass draws V (callers test for it); float64 rows are
+    drawn in float64. One uniform per
+    row: a few times cheaper than ``torch.multinomial`` on CPU for small vocabularies, and one pass over
+    the row for large ones."""
+    cdf = probs.cumsum(-1)
+    # u * total' with total' = total (1 - 2^-22) < total after rounding, and u < 1: u * total' <= total'
+    # (a relative 2^-22 of the last index's mass is given to the earlier ones)
+    below = cdf[:, -1:] * (1.0 - 2.0 ** -22)
+    u = torch.rand(below.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * below
+    return (cdf <= u).sum(-1)
+
+
+def skip_draws(n: int, steps: int, generator: torch.Generator | None, device, dtype: torch.dtype) -> None:
+    """Draw (and drop) the uniforms that ``steps`` calls of :func:`sample_categorical` on ``n`` rows of ``dtype``
+    would draw: a sampler that skips token steps whose outcome is known (the forced runs of chunked encoding,
+    end of Section 5.6.2) keeps the random stream of the token-by-token loop."""
+    for _ in range(steps):
+        torch.rand((n, 1), generator=generator, device=device, dtype=dtype)
+
+
+class TokenStep(NamedTuple):
+    """What :func:`token_step` returns (every field per row, ``[n]``). ``log_prob`` and ``going`` are computed
+    when read (a caller that needs neither, e.g. the static SMC step, pays for neither)."""
+
+    #: the drawn token (long); ``<pad>`` for inactive rows; a dead row's draw (V) clamped to V - 1
+    token: torch.Tensor
+    #: the rule state after the token (``rule.advance``: inactive rows read ``<pad>`` and keep theirs); the
+    #: given state when there is no rule
+    state: torch.Tensor | None
+    #: a row whose law has no token of positive mass (no admissible token; inactive rows never are)
+    dead: torch.Tensor
+    #: the previous done flags or the active rows whose sequence ended at this token (None without ``ends``)
+    done: torch.Tensor | None
+    #: the rows whose segment ends at this token (any row; None without ``ends``)
+    segment_end: torch.Tensor | None
+    #: the law drawn from, ``[n, V]`` log-probabilities (None when only weights ``probs`` were given)
+    log_q: torch.Tensor | None
+    #: the active rows (None: all)
+    active: torch.Tensor | None
+
+    @property
+    def log_prob(self) -> torch.Tensor | None:
+        """log q(token) ``[n]`` of the draw, the step's term of (2.13) (0 for inactive rows; -inf for a dead row,
+        never NaN); None when only weights were given."""
+        if self.log_q is None:
+            return None
+        lp = self.log_q.gather(-1, self.token[:, None]).squeeze(-1)
+        return lp if self.active is None else lp.masked_fill_(~self.active, 0.0)
+
+    @property
+    def going(self) -> torch.Tensor | None:
+        """The active rows whose segment goes on after this token (None without ``ends``)."""
+        if self.segment_end is None:
+            return None
+        return ~self.segment_end if self.active is None else self.active & ~self.segment_end
+
+
+def _pad_row(V: int, device) -> torch.Tensor:
+    row = torch.zeros(1, V, device=device)
+    row[0, PAD_ID] = 1.0
+    return row
+
+
+Ends = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+
+
+def token_step(rule: TokenRule | None, logits: torch.Tensor | None, state: torch.Tensor | None,
+               active: torch.Tensor | None = None, generator: torch.Generator | None = None, *,
+               log_probs: torch.Tensor | None = None, probs: torch.Tensor | None = None,
+               ends: Ends | None = None, done: torch.Tensor | None = None) -> TokenStep:
+    """One token for every row: the masked softmax of Def 2.8, one inverse-CDF draw per row
+    (:func:`sample_categorical`), the automaton advance and the end flags (docs/architecture.md, "Sequence
+    sites"). The one token step of every sampler (the segment loop, the static SMC step, the verifier engines).
+
+    Args:
+        rule: the token rule whose state ``state`` is stepped (``rule.advance``) and, unless ``log_probs`` is
+            given, whose masked softmax log softmax(f~(z_<i)) (Def 2.8) of ``logits [n, V]`` is the law drawn from.
+            ``None``: no automaton (``state`` is returned as it is).
+        active: bool ``[n]`` or None (all active): inactive rows draw ``<pad>`` (from :meth:`TokenRule.inactive_row`,
+            so that every row draws its one uniform: the random stream does not depend on which rows are active),
+            get log-probability 0 and keep their state.
+        generator: the draws' generator (default: torch's).
+        log_probs: ``[n, V]`` the law to draw from when it is not the rule's (a nucleus, the LM's own law while
+            a verifier's automaton is stepped); the draw's log-probability is read from it.
+        probs: ``[n, V']`` unnormalised non-negative weights drawn from as they are (no ``exp``: a sampler whose
+            weights are not log-probabilities, e.g. VGB's walk moves, or that reuses ``exp(log q)`` on a subset of
+            rows); overrides the law of ``log_probs`` / ``rule`` for the draw.
+        ends: ``ends(token, new_state)`` -> the rows whose segment ends after the token, or (segment ends,
+            sequence ends) when the two differ (``None``: no end flags).
+        done: the rows whose sequence had ended before (``None``: none); ``TokenStep.done`` adds the active rows
+            whose sequence ends at this token.
+
+    Random stream: exactly one uniform per row, in the row order, from ``generator``.
+    """
+    if probs is None:
+        if log_probs is None:
+            log_probs = rule.log_probs(logits, state)
+        probs = log_probs.exp()
+        if active is not None:
+            inactive = rule.inactive_row(probs.device) if rule is not None else _pad_row(probs.shape[-1], probs.device)
+            probs = torch.where(active[:, None], probs, inactive)
+    V = probs.shape[-1]
+    tok = sample_categorical(probs, generator)
+    dead = tok == V
+    tok = tok.clamp_(max=V - 1)
+    new_state = rule.advance(state, tok) if rule is not None and state is not None else state
+    new_done = seg_end = None
+    if ends is not None:
+        out = ends(tok, new_state)
+        seg_end, seq_end = out if isinstance(out, tuple) else (out, out)
+        ended = seq_end if active is None else active & seq_end
+        new_done = ended if done is None else done | ended
+    return TokenStep(tok, new_state, dead, new_done, seg_end, log_probs, active)

@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 
 from ppl_thought.checks import integer as check_count
-from ppl_thought.distributions.lm_state import generated_tokens, masked_log_softmax, nucleus, sample_categorical
+from ppl_thought.distributions.lm_state import generated_tokens, masked_log_softmax, nucleus
+from ppl_thought.distributions.token_rule import token_step
 from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError
 from ppl_thought.inference.result import Result
 from ppl_thought.lm.base import lm_device
@@ -154,7 +155,9 @@ class TokenwiseBacktracking:
             active = torch.nonzero((rows.lengths < D) & ~ended).squeeze(-1)
             if active.numel() == 0:
                 break
-            tok = sample_categorical(nucleus(rows.log_probs(active), self.top_p).exp(), generator)
+            # line 4: t ~ O(prompt o s) (its nucleus with top_p < 1), no automaton (the verifier is asked below)
+            tok = token_step(None, None, None, generator=generator,
+                             log_probs=nucleus(rows.log_probs(active), self.top_p)).token
             rows.push(active, tok)
             lm_calls[active] += 1
             ended[active] = tok == EOS_ID
@@ -301,7 +304,9 @@ class VGB:
                 w = torch.cat([up[:, None], pi * kids], 1)
                 lazy = torch.rand(idx.shape[0], generator=generator, device=dev) < 0.5
                 move = ~lazy & (w.sum(-1) > 0)
-                choice = sample_categorical(w, generator)
+                # the walk's move as a token step over {parent} + Sigma (index 0: up, a + 1: child y o a) drawn from
+                # its weights as they are; a row of weight 0 (its draw clamped) does not move
+                choice = token_step(None, None, None, generator=generator, probs=w).token
                 go_up, go_down = move & (choice == 0), move & (choice > 0)
                 rows.pop(idx[go_up], 1)
                 rows.push(idx[go_down], choice[go_down] - 1)

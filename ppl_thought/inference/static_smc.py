@@ -4,12 +4,14 @@
 The generic engine runs a program's step through Pyro (a trace per step) and reads a few numbers back
 to the host at every step (resampling decision, NaN and zero-weight checks, whether everyone has
 finished). On a GPU at small models that sets the pace, not the arithmetic. Programs whose step is one
-token of one LM under a token automaton (:class:`~ppl_thought.models.Constrained`) need none of that:
-a step is
+token of one LM under a token automaton need none of that; they say so with
+:meth:`Program.one_token_step() <ppl_thought.program.Program.one_token_step>`, which returns the step's
+parts (:class:`~ppl_thought.program.OneTokenStep`: lm, rule, max_tokens, stop_ids, log_mass;
+:class:`~ppl_thought.models.Constrained` is one; no isinstance test of a model class). A step is
 
-    logits -> log Z_t = program.log_mass(logits, s, done)      (the step's weight, e.g. Constrained's)
-           -> token ~ masked softmax (Def 2.8), inverse CDF with one uniform per row (sample_categorical)
-           -> automaton state, length, done flags
+    logits -> log Z_t = spec.log_mass(logits, s, done)         (the step's weight, e.g. Constrained's)
+           -> token_step (distributions/token_rule.py): token ~ masked softmax (Def 2.8), inverse CDF
+              with one uniform per row, automaton state, done flags; length
            -> LM step on the static cache (lm/static_cache.py) -> next logits
            -> log W += log Z_t; ESS; resampling decided on the device:
               idx = where(ESS < threshold * n and not all done, ancestors, identity); every buffer
@@ -36,17 +38,17 @@ the two agree in distribution (tests/test_static_decode.py).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
-from ppl_thought.distributions.lm_state import sample_categorical
+from ppl_thought.distributions.token_rule import token_step
 from ppl_thought.errors import ConfigError, NumericalError, ZeroWeightsError
 from ppl_thought.inference.resampling import effective_sample_size, resample_groups
 from ppl_thought.lm.base import lm_device
 from ppl_thought.lm.static_cache import bos_context, static_decoder
-from ppl_thought.program import Program
-from ppl_thought.vocab import PAD_ID
+from ppl_thought.program import OneTokenStep, Program
 
 __all__ = ["StaticRunner", "run_static", "check_static_program"]
 
@@ -54,33 +56,42 @@ __all__ = ["StaticRunner", "run_static", "check_static_program"]
 STATIC_RESAMPLING = ("systematic", "stratified", "multinomial")
 
 
-def check_static_program(model: Any) -> None:
-    """A clear :class:`~ppl_thought.errors.ConfigError` unless ``model`` is a single-token LM step under an
-    automaton: ``lm``, ``rule`` (a ``TokenRule``), ``max_tokens``, ``stop_ids``, ``log_mass(logits, s, done)``,
-    no twist and no extra outputs (what :class:`~ppl_thought.models.Constrained` provides)."""
+def check_static_program(model: Any) -> OneTokenStep:
+    """The program's one-token step (:meth:`~ppl_thought.program.Program.one_token_step`), or a clear
+    :class:`~ppl_thought.errors.ConfigError` unless ``model`` is a single-token LM step under an automaton with no
+    twist and no extra outputs (e.g. :class:`~ppl_thought.models.Constrained`)."""
     name = type(model).__name__
-    missing = [a for a in ("lm", "rule", "max_tokens", "stop_ids", "log_mass") if not hasattr(model, a)]
-    if missing:
-        raise ConfigError(f"SMC(backend='static') runs programs whose step is one LM token under a token automaton "
-                          f"(pt.models.Constrained); {name} lacks {missing}: use backend='generic'")
-    if getattr(model, "twist", None) is not None:
+    ask = getattr(model, "one_token_step", None)
+    spec = ask() if callable(ask) else None
+    if spec is None:
+        why = "does not define one_token_step()" if not callable(ask) else "has one_token_step() returning None"
+        raise ConfigError(f"SMC(backend='static') runs programs whose step is one LM token under a token automaton, "
+                          f"described by Program.one_token_step() -> OneTokenStep (pt.models.Constrained has it); "
+                          f"{name} {why}: use backend='generic'")
+    if not isinstance(spec, OneTokenStep):
+        raise ConfigError(f"{name}.one_token_step() must return a ppl_thought.program.OneTokenStep or None, got "
+                          f"{type(spec).__name__}")
+    if spec.twist is not None:
         raise ConfigError(f"SMC(backend='static') does not run twists ({name} has one: a twist reads the growing "
                           "token prefix, which a captured step cannot): use backend='generic'")
     if isinstance(model, Program) and type(model).outputs is not Program.outputs:
         raise ConfigError(f"{name} defines outputs(state), which the static path does not build: use "
                           "backend='generic'")
+    return spec
 
 
 class StaticRunner:
-    """The buffers and the one-token step of a static SMC run of ``n`` particles of ``model`` after a prompt of
-    ``prompt_len`` tokens (see the module docstring). ``run(prompt)`` returns the host-side results."""
+    """The buffers and the one-token step of a static SMC run of ``n`` particles of ``model`` (whose step is
+    ``spec``, :meth:`~ppl_thought.program.Program.one_token_step`) after a prompt of ``prompt_len`` tokens (see the
+    module docstring). ``run(prompt)`` returns the host-side results."""
 
     def __init__(self, model, n: int, prompt_len: int, ess_threshold: float, resampling: str,
-                 generator: torch.Generator | None, graphs: bool | None):
+                 generator: torch.Generator | None, graphs: bool | None, spec: OneTokenStep | None = None):
         if resampling not in STATIC_RESAMPLING:
             raise ConfigError(f"SMC(backend='static') resamples with one of {STATIC_RESAMPLING}, not {resampling!r}")
         self.model, self.n, self.prompt_len = model, int(n), int(prompt_len)
-        lm, rule = model.lm, model.rule
+        self.spec = spec = check_static_program(model) if spec is None else spec
+        lm, rule = spec.lm, spec.rule
         dev = lm_device(lm)
         self.device = dev
         if graphs is None:
@@ -92,16 +103,14 @@ class StaticRunner:
                               "generator on the model's device")
         self.graphs = bool(graphs)
         self.threshold, self.resampling, self.generator = float(ess_threshold), resampling, generator
-        T = self.T = int(model.max_tokens)
+        T = self.T = int(spec.max_tokens)
         self.V = V = int(lm.vocab_size)
         # slots: <bos> + prompt, then one token fed per step (the last one's logits are never read)
         self.decoder = static_decoder(lm, self.n, self.prompt_len + 1 + T)
         self.rule = rule
         ends = rule.end_tables(None, dev)
         self.final = None if ends is None else ends[1]  # bool [S + 1] over automaton states
-        self.stop_ids = torch.as_tensor(model.stop_ids, dtype=torch.long).to(dev)
-        self.pad_row = torch.zeros(1, V, device=dev)
-        self.pad_row[0, PAD_ID] = 1.0
+        self.stop_ids = torch.as_tensor(spec.stop_ids, dtype=torch.long).to(dev)
         self.ar = torch.arange(self.n, device=dev)
         # the state of the run (written in place by the step)
         self.s0 = rule.start(self.n, dev)
@@ -123,20 +132,13 @@ class StaticRunner:
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> None:
         """One token for every particle; every buffer updated in place (no host sync)."""
-        model, rule, n, V, T = self.model, self.rule, self.n, self.V, self.T
+        rule, n, T = self.rule, self.n, self.T
         logits, s, done = self.logits, self.s, self.done
         active = ~done
-        log_z = model.log_mass(logits, s, done)  # the step's weight (Constrained: the mass factor log Z_t)
-        logq = rule.log_probs(logits, s)  # Def 2.8
-        probs = torch.where(active[:, None], logq.exp(), self.pad_row)
-        tok = sample_categorical(probs)  # <pad> for ended rows
-        dead = tok == V
-        tok = tok.clamp(max=V - 1)
-        s_new = rule.advance(s, tok)
+        log_z = self.spec.log_mass(logits, s, done)  # the step's weight (Constrained: the mass factor log Z_t)
         lengths = self.lengths + active.long()
-        final = rule.is_final(s_new) if self.final is None else self.final[s_new]
-        seq_end = final | (lengths >= T) | torch.isin(tok, self.stop_ids)
-        done_new = done | (active & seq_end)
+        step = token_step(rule, logits, s, active, ends=partial(self._ends, lengths=lengths), done=done)  # Def 2.8
+        tok, s_new, dead, done_new = step.token, step.state, step.dead, step.done  # <pad> for ended rows
         new_logits = self.decoder.step(tok)
         finished = self.finished | done_new | (self.t == T - 1)
         lw = self.lw + torch.where(self.finished, torch.zeros_like(log_z), log_z)
@@ -164,6 +166,11 @@ class StaticRunner:
         flags = torch.stack([dead.any(), torch.isnan(lw).any(), torch.isneginf(lw).all(), all_done])
         self.flags.index_copy_(0, t1, flags[None])
         self.t.add_(1)
+
+    def _ends(self, tok: torch.Tensor, s_new: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Where a particle's sequence ends after ``tok``: a final state, ``max_tokens`` tokens, a stop id."""
+        final = self.rule.is_final(s_new) if self.final is None else self.final[s_new]
+        return final | (lengths >= self.T) | torch.isin(tok, self.stop_ids)
 
     # -- running --------------------------------------------------------------------------------------
     def _reset(self, ctx: torch.Tensor) -> None:
@@ -245,7 +252,7 @@ def run_static(smc, model, guide, args: tuple, kwargs: dict):
         raise ConfigError("SMC(backend='static') proposes from the program itself (guide=None)")
     if smc.groups != 1:
         raise ConfigError("SMC(backend='static') runs one particle group (groups=1)")
-    check_static_program(model)
+    spec = check_static_program(model)
     if len(args) > 1 or set(kwargs) - {"prompt"} or (args and "prompt" in kwargs):
         raise ConfigError(f"SMC(backend='static') runs {type(model).__name__}(prompt) with one prompt argument")
     prompt = kwargs["prompt"] if "prompt" in kwargs else (args[0] if args else None)
@@ -255,7 +262,7 @@ def run_static(smc, model, guide, args: tuple, kwargs: dict):
     entry = runners.get(key)
     if entry is None or entry[0] is not model:
         entry = (model, StaticRunner(model, smc.num_particles, plen, smc.ess_threshold, smc.resampling,
-                                     smc.generator, smc.graphs))
+                                     smc.generator, smc.graphs, spec))
         runners[key] = entry
     runner = entry[1]
     with torch.no_grad():

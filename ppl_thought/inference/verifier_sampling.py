@@ -20,6 +20,7 @@ import torch
 
 from ppl_thought.checks import integer as check_count  # the one home of the check
 from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
+from ppl_thought.distributions.token_rule import token_step
 from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError, ZeroWeightsError
 from ppl_thought.inference.resampling import check_scheme
 from ppl_thought.inference.result import Result
@@ -166,6 +167,7 @@ class TokenwiseRejection:
         aut = verifier.automaton
         q = start_states(verifier, n, dev)
         rule = TokenRule(None, lm.vocab_size)
+        checked = TokenRule(aut, lm.vocab_size)  # the verifier's automaton, stepped by each proposal
         state = LMState.start(lm, n, prompt=prompt, rule=rule, max_len=L, device=dev)
         calls = torch.zeros(n, dtype=torch.long, device=dev)
         out = torch.zeros(n, L, dtype=torch.long, device=dev)
@@ -174,10 +176,12 @@ class TokenwiseRejection:
             tok = torch.zeros(n, dtype=torch.long, device=dev)
             pending = torch.arange(n, device=dev)
             for _ in range(self.max_tries):
-                prop = sample_categorical(probs[pending], generator)  # one oracle call per pending row
+                # one oracle call per pending row: the token step drawing from O (not the verifier's mask) and
+                # stepping the verifier's automaton; a row of O with no mass is never accepted
+                prop = token_step(checked, None, q[pending], generator=generator, probs=probs[pending])
                 calls[pending] += 1
-                ok = verifier.from_states(aut.step(q[pending], prop), i + 1)  # one verifier call each
-                tok[pending[ok]] = prop[ok]
+                ok = verifier.from_states(prop.state, i + 1) & ~prop.dead  # one verifier call each
+                tok[pending[ok]] = prop.token[ok]
                 pending = pending[~ok]
                 if pending.numel() == 0:
                     break

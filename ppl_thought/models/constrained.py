@@ -19,7 +19,7 @@ import torch
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import ConfigError
 from ppl_thought.lm.base import lm_device
-from ppl_thought.program import Program, particles, twist
+from ppl_thought.program import OneTokenStep, Program, particles, twist
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.vocab import EOS_ID
 
@@ -76,6 +76,12 @@ class Constrained(Program):
         admitted = torch.logsumexp(logits.masked_fill(~self.rule.allowed(s), float("-inf")), -1)
         total = torch.logsumexp(logits.masked_fill(~self.free.allowed(s), float("-inf")), -1)
         return torch.where(done, torch.zeros_like(admitted), admitted - total)
+
+    def one_token_step(self) -> OneTokenStep:
+        """This program's step for the static SMC backend (inference/static_smc.py): one token of ``lm`` under the
+        constraint's masked softmax (Def 2.8), weighted by :meth:`log_mass`, ended by ``<eos>``, a final state or
+        ``max_tokens``."""
+        return OneTokenStep(self.lm, self.rule, self.max_tokens, self.stop_ids, self.log_mass, self.twist)
 
     def step(self, state: dict, t: int, prompt: torch.Tensor | None = None):
         x = state["x"]
