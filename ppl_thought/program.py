@@ -42,8 +42,9 @@ from ppl_thought.lm.base import lm_device
 
 PARTICLES = "particles"
 
-__all__ = ["OUTPUT", "PARTICLES", "PARTICLE_PLATES", "OneTokenStep", "Program", "Shared", "as_done", "factor", "freeze_finished",
-           "is_output", "observe", "particle_frame", "particle_groups", "particles", "reorder_state", "sample", "twist"]
+__all__ = ["OUTPUT", "PARTICLES", "PARTICLE_PLATES", "OneTokenStep", "Program", "Shared", "as_done", "factor",
+           "freeze_finished", "is_output", "observe", "particle_frame", "particle_groups", "particles", "reorder_state",
+           "sample", "twist"]
 
 
 # ---------------------------------------------------------------------------------------------- the four verbs

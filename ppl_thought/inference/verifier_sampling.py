@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ppl_thought.checks import integer as check_count  # the one home of the check
-from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
+from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.distributions.token_rule import token_step
 from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableConstraintError, ZeroWeightsError
 from ppl_thought.inference.resampling import check_scheme
