@@ -12,6 +12,7 @@ A slow-thinking model is the tuple (Sigma, Omega, Proj, P, Q) of the static theo
     pt.data                       # synthetic tasks with exact answers (A5 cups-and-ball HMM)
     pt.infer                      # engines over any program: Importance, SMC, Langevin, decode (Result)
     pt.train                      # training: SVI, the objectives of Sections 4, 6, 7, Trainer, LTM training
+    pt.verifiers                  # verifier-guided generation: VerifiedLM, VerifierSMC, rejection, backtracking
     pt.transforms                 # model transforms: ProjectionLift, Forgetful, Persistent, Ubiquitous, CostAware,
                                   # ActiveLift (Section 6)
     pt.Program                    # the step-wise program protocol (init / step); its four verbs pt.sample,
@@ -44,6 +45,7 @@ _SUBMODULES = {
     "errors": "ppl_thought.errors",
     "io": "ppl_thought.io",
     "transforms": "ppl_thought.transforms",
+    "verifiers": "ppl_thought.verifiers",
 }
 
 _ATTRIBUTES = {name: "ppl_thought.program" for name in ("Program", "Shared", "sample", "observe", "factor", "twist",

@@ -370,8 +370,7 @@ def test_streaming_and_non_results_are_refused_clearly():
 
 
 def test_rejection_samplers_results_convert():
-    from ppl_thought.inference import RejectionSampling, TokenwiseRejection
-    from ppl_thought.verifiers import ProcessVerifier, dyck
+    from ppl_thought.verifiers import ProcessVerifier, RejectionSampling, TokenwiseRejection, dyck
 
     brackets = pt.Vocab(["(", ")", "[", "]"])
     g = torch.Generator().manual_seed(0)

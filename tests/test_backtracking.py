@@ -31,10 +31,9 @@ from test_verifiers import (
 )
 
 from ppl_thought.errors import ConfigError, UnsatisfiableConstraintError
-from ppl_thought.inference import VGB, TokenwiseBacktracking, TokenwiseRejection, VerifierSMC
-from ppl_thought.inference.backtracking import TabularValue
 from ppl_thought.projections.automaton import AutomatonBuilder
-from ppl_thought.verifiers import ProcessVerifier
+from ppl_thought.verifiers import VGB, ProcessVerifier, TokenwiseBacktracking, TokenwiseRejection, VerifierSMC
+from ppl_thought.verifiers.backtracking import TabularValue
 from ppl_thought.vocab import PAD_ID
 
 

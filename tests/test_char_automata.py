@@ -569,7 +569,7 @@ def test_rejection_sampling_with_a_lifted_verifier():
     verifier = ProcessVerifier.from_char_dfa(CharDFA.from_regex("(ab|\\(\\))+"), token_texts(VOCAB), length=2)
     auto = verifier.automaton
     torch.manual_seed(0)
-    res = pt.infer.RejectionSampling(800, max_len=2).run(lm, verifier)
+    res = pt.verifiers.RejectionSampling(800, max_len=2).run(lm, verifier)
     z = res.samples["z"]
     support = sorted({tuple(r) for r in z.tolist()})
     for r in support:

@@ -326,14 +326,14 @@ def _verifier(engine: str):
 
         def run():
             if engine == "rejection":
-                return pt.infer.RejectionSampling(20, 4).run(lm, ver)
+                return pt.verifiers.RejectionSampling(20, 4).run(lm, ver)
             if engine == "tokenwise":
-                return pt.infer.TokenwiseRejection(20, 4).run(lm, ver)
+                return pt.verifiers.TokenwiseRejection(20, 4).run(lm, ver)
             if engine == "verifier_smc":
-                return pt.infer.VerifierSMC(20, 4).run(lm, ver)
+                return pt.verifiers.VerifierSMC(20, 4).run(lm, ver)
             if engine == "backtracking":
-                return pt.infer.TokenwiseBacktracking(20, 4, quota=2, stride=1).run(lm, ver)
-            return pt.infer.VGB(20, 4, num_steps=40).run(lm, ver)
+                return pt.verifiers.TokenwiseBacktracking(20, 4, quota=2, stride=1).run(lm, ver)
+            return pt.verifiers.VGB(20, 4, num_steps=40).run(lm, ver)
         return run
     return case
 

@@ -100,8 +100,8 @@ RESAMPLERS = {"inference/resampling.py", "numpyro/infer/resampling.py"}
 
 
 def resampling_functions(path) -> list[str]:
-    """Functions in ``path`` that draw ancestor indices: an inverse CDF (``cumsum`` then ``searchsorted`` in one
-    function) or a function named like a resampler."""
+    """Functions in ``path`` that define a resampling scheme: an inverse CDF (``cumsum`` then ``searchsorted`` in
+    one function) or a function named after a scheme or its ancestors."""
     import ast
 
     tree = ast.parse(path.read_text())
@@ -110,7 +110,7 @@ def resampling_functions(path) -> list[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             calls = {c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", "")
                      for c in ast.walk(node) if isinstance(c, ast.Call)}
-            named = any(w in node.name.lower() for w in ("resampl", "systematic", "stratified", "ancestor"))
+            named = any(w in node.name.lower() for w in ("systematic", "stratified", "residual", "ancestor"))
             if {"cumsum", "searchsorted"} <= calls or (named and not node.name.startswith("test")):
                 found.append(f"{path.relative_to(PKG)}:{node.lineno} {node.name}")
     return found
@@ -118,13 +118,11 @@ def resampling_functions(path) -> list[str]:
 
 def test_one_resampler_per_backend():
     """Ancestor indices are drawn in inference/resampling.py (torch) and numpyro/infer/resampling.py (JAX) only;
-    engines call them (SMC._resample is the SMC's hook that calls resample_groups)."""
+    engines call them."""
     bad = []
     for path in sorted(PKG.rglob("*.py")):
-        rel = str(path.relative_to(PKG))
-        if rel not in RESAMPLERS:
-            hook = rel == "inference/smc.py"  # SMC._resample: the hook that calls resample_groups
-            bad += [f for f in resampling_functions(path) if not (hook and f.endswith(" _resample"))]
+        if str(path.relative_to(PKG)) not in RESAMPLERS:
+            bad += resampling_functions(path)
     assert bad == [], f"resampling written outside the resampling modules: {bad}"
     # and the check sees a copy: the resampling module itself is flagged by it
     assert resampling_functions(PKG / "inference/resampling.py")

@@ -66,3 +66,4 @@ def test_first_program_matches_the_exact_answer():
         se = float(res.log_marginal_stderr) if res.log_marginal_stderr is not None else 0.05
         assert abs(float(res.log_marginal) - exact) < 3 * se + 0.02, (float(res.log_marginal), exact, se)
     assert math.isfinite(exact)
+    assert ns["out"].outputs["answer"].shape == (1,)  # decode: the answer the program generated

@@ -30,15 +30,15 @@ from test_verifiers import ALPHABET, BRACKETS, bracket_lm
 import ppl_thought as pt
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import ProgramError, ZeroWeightsError
-from ppl_thought.inference.verified_lm import (
+from ppl_thought.verifiers import ProcessVerifier, dyck
+from ppl_thought.verifiers.program import (
     LocallyOptimalProposal,
     NextToken,
     VerifiedLM,
     WeightedRejectionProposal,
     _RejectionDraw,
 )
-from ppl_thought.inference.verifier_sampling import VerifierSMC
-from ppl_thought.verifiers import ProcessVerifier, dyck
+from ppl_thought.verifiers.sampling import VerifierSMC
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 OPEN = BRACKETS.id("(")

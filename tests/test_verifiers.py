@@ -25,10 +25,10 @@ from ppl_thought.errors import (
     UnknownTokenError,
     UnsatisfiableConstraintError,
 )
-from ppl_thought.inference import RejectionSampling, Result, TokenwiseRejection
+from ppl_thought.inference import Result
 from ppl_thought.lm import Tabular
 from ppl_thought.projections.automaton import AutomatonBuilder
-from ppl_thought.verifiers import ProcessVerifier, dyck
+from ppl_thought.verifiers import ProcessVerifier, RejectionSampling, TokenwiseRejection, dyck
 
 BRACKETS = pt.Vocab(["(", ")", "[", "]"])
 BITS = pt.Vocab(["0", "1"])

@@ -20,7 +20,7 @@ import torch
 
 from ppl_thought.errors import ConfigError
 from ppl_thought.projections.automaton import Automaton
-from ppl_thought.verifiers import ProcessVerifier, dyck
+from ppl_thought.verifiers.process import ProcessVerifier, dyck
 from ppl_thought.vocab import Vocab
 
 __all__ = ["DyckTask"]

@@ -29,18 +29,18 @@ import torch
 from ppl_thought.data.dyck import DyckTask
 from ppl_thought.distributions.lm_state import generated_tokens
 from ppl_thought.experiments.common import score
-from ppl_thought.inference import (
+from ppl_thought.inference.resampling import resample
+from ppl_thought.io import atomic_write_json
+from ppl_thought.lm import Tabular, Transformer
+from ppl_thought.projections.automaton import AutomatonBuilder
+from ppl_thought.verifiers import (
     VGB,
+    ProcessVerifier,
     RejectionSampling,
     TokenwiseBacktracking,
     TokenwiseRejection,
     VerifierSMC,
 )
-from ppl_thought.inference.resampling import resample
-from ppl_thought.io import atomic_write_json
-from ppl_thought.lm import Tabular, Transformer
-from ppl_thought.projections.automaton import AutomatonBuilder
-from ppl_thought.verifiers import ProcessVerifier
 from ppl_thought.vocab import BOS_ID, Vocab
 
 METHODS = ("sample", "nucleus", "tokenwise", "backtracking", "vgb", "smc", "awrs")

@@ -13,8 +13,6 @@ Training (SVI, the objectives, the Trainer, active lifting, latent-thought train
 verifier-guided samplers are ``pt.verifiers``.
 """
 
-from ppl_thought.inference.backtracking import VGB as VGB
-from ppl_thought.inference.backtracking import TokenwiseBacktracking as TokenwiseBacktracking
 from ppl_thought.inference.decoding import Decoded as Decoded
 from ppl_thought.inference.decoding import decode as decode
 from ppl_thought.inference.decoding import next_token_distribution as next_token_distribution
@@ -27,15 +25,10 @@ from ppl_thought.inference.result import Result as Result
 from ppl_thought.inference.result import load_result as load_result
 from ppl_thought.inference.result import save_result as save_result
 from ppl_thought.inference.smc import SMC as SMC
-from ppl_thought.inference.verifier_sampling import RejectionSampling as RejectionSampling
-from ppl_thought.inference.verifier_sampling import TokenwiseRejection as TokenwiseRejection
-from ppl_thought.inference.verifier_sampling import VerifierSMC as VerifierSMC
 
 __all__ = [
     "Importance", "SMC", "Langevin", "LangevinKernel", "decode", "next_token_distribution", "Decoded", "Result",
     "save_result", "load_result", "resample", "RESAMPLING",
-    # verifier-guided sampling (moving to pt.verifiers)
-    "RejectionSampling", "TokenwiseRejection", "VerifierSMC", "TokenwiseBacktracking", "VGB",
 ]
 
 
@@ -46,6 +39,8 @@ _MOVED = {name: "pt.train" for name in (
     "DualRateTrainer", "fast_lr_schedule", "langevin_evaluate", "langevin_posterior", "slow_lr_schedule", "GRPO",
     "SFT", "Inquisitive", "OneSampler", "ParticleObjective", "R1Zero", "SamplerPolicyGradient", "SeparatePolicy",
     "Sum", "TwoSampler", "group_advantages", "SVI", "Trainer", "clip_joint_", "cosine_lr")}
+_MOVED.update({name: "pt.verifiers" for name in (
+    "RejectionSampling", "TokenwiseRejection", "VerifierSMC", "TokenwiseBacktracking", "VGB")})
 _MOVED.update({"ZeroWeightsError": "pt.errors", "SamplingBudgetError": "pt.errors",
                "UnsatisfiableConstraintError": "pt.errors"})
 

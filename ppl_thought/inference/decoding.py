@@ -93,6 +93,7 @@ from ppl_thought.inference.particles import (
     run_step,
     sample_particles,
 )
+from ppl_thought.inference.resampling import ancestors, log_ratio
 from ppl_thought.lm.base import lm_device
 from ppl_thought.models.slow_thinking import pad_sequences
 from ppl_thought.program import OUTPUT, as_done, is_output
@@ -121,12 +122,13 @@ class Decoded:
 
 # ---------------------------------------------------------------------------------------------- weights
 def _log_weights(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """log w = log P^{<=|z|}(z) - log Q(z | x): the weights of (3.2), (3.14) and Algorithm 2; -inf never NaN.
+    """log w = log P^{<=|z|}(z) - log Q(z | x): the weights of (3.2), (3.14) and Algorithm 2; -inf never NaN
+    (:func:`~ppl_thought.inference.resampling.log_ratio`).
 
-    The one place the importance weights are formed (the tests replace it with wrong weights to check
-    that they would notice).
+    Every decoding method forms its weights here (the tests replace it with wrong weights to check that they
+    would notice).
     """
-    return torch.where(torch.isneginf(log_p), log_p, log_p - log_q)
+    return log_ratio(log_p, log_q)
 
 
 # ---------------------------------------------------------------------------------------------- LMState helpers
@@ -213,7 +215,7 @@ def _resample(model, sampler, xt, n: int, num_samples: int, total: int, generato
     lw = _log_weights(lp, lq.to(lp.device)).reshape(num_samples, n)
     if bool(torch.isneginf(lw).all(-1).any()):
         raise ValueError("resampling decoding: all n weights P/Q of a particle set are zero")
-    idx = torch.multinomial(torch.softmax(lw.double(), -1), 1, generator=generator).squeeze(-1)
+    idx = ancestors(lw.double(), "multinomial", generator, size=1).squeeze(-1)  # one of n per sample, propto P/Q
     state.reorder(torch.arange(num_samples, device=idx.device) * n + idx)
     return state
 
@@ -682,7 +684,7 @@ def _program_resample(run: _ProgramRun, n: int, S: int, generator) -> tuple[_Dra
     if bool(torch.isneginf(lw).all(-1).any()):
         raise ZeroWeightsError(f"resampling decoding: all {n} weights p/q of a particle set are zero (the proposal "
                                "only produced latents under which the program gives the prompt probability 0)")
-    idx = torch.multinomial(torch.softmax(lw.double(), -1), 1, generator=generator).squeeze(-1)
+    idx = ancestors(lw.double(), "multinomial", generator, size=1).squeeze(-1)  # one of n per sample, propto p/q
     idx = torch.arange(S, device=idx.device) * n + idx
     return _Draws.of(p.model_trace, n * S).select(idx), lw
 

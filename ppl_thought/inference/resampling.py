@@ -68,7 +68,8 @@ def resample(weights: torch.Tensor, method: str = "systematic", generator: torch
     E[#offspring_i] = size * w_i; systematic and stratified indices come out in particle order).
 
     Weights ``[G, n]`` (G groups, one resampling each, batched: one ``searchsorted`` / ``multinomial``
-    for all groups; residual loops over them) give indices ``[G, n]`` into each group's own row.
+    for all groups; residual loops over them) give indices ``[G, size]`` into each group's own row
+    (``size=1``: one particle chosen per group, e.g. the (3.14) choice of decoding).
 
     ``inverse_cdf=True`` draws multinomial ancestors by inverse CDF of independent uniforms instead of
     ``torch.multinomial`` (same law; fixed shapes and no host sync, for a captured step).
@@ -83,7 +84,7 @@ def resample(weights: torch.Tensor, method: str = "systematic", generator: torch
     if weights.ndim not in (1, 2):
         raise ConfigError(f"resample takes weights [n] or [groups, n], got shape {tuple(weights.shape)}")
     n = weights.shape[-1]
-    m = n if size is None or weights.ndim == 2 else int(size)
+    m = n if size is None else int(size)
     dev = weights.device
     w = weights.double()
     w = w / w.sum(-1, keepdim=True)
@@ -91,7 +92,7 @@ def resample(weights: torch.Tensor, method: str = "systematic", generator: torch
         return torch.multinomial(w, m, replacement=True, generator=generator)
     if method == "residual":
         if w.ndim == 2:
-            return torch.stack([resample(w[g], method, generator) for g in range(w.shape[0])])
+            return torch.stack([resample(w[g], method, generator, m) for g in range(w.shape[0])])
         counts = torch.floor(m * w).long()
         rest = m - int(counts.sum())  # one host sync per residual resampling
         base = torch.repeat_interleave(torch.arange(n, device=dev), counts)
@@ -104,9 +105,9 @@ def resample(weights: torch.Tensor, method: str = "systematic", generator: torch
 
 
 def ancestors(log_weights: torch.Tensor, method: str = "systematic", generator: torch.Generator | None = None,
-              inverse_cdf: bool = False) -> torch.Tensor:
+              inverse_cdf: bool = False, size: int | None = None) -> torch.Tensor:
     """:func:`resample` from log weights ``[n]`` or ``[G, n]`` (softmax, then normalised again in float64)."""
-    return resample(torch.softmax(log_weights, -1), method, generator, inverse_cdf=inverse_cdf)
+    return resample(torch.softmax(log_weights, -1), method, generator, size, inverse_cdf)
 
 
 def resample_groups(log_weights: torch.Tensor, need, num_groups: int, method: str = "systematic",

@@ -34,3 +34,36 @@ from ppl_thought.training.svi import SVI as SVI
 from ppl_thought.training.trainer import Trainer as Trainer
 from ppl_thought.training.trainer import clip_joint_ as clip_joint_
 from ppl_thought.training.trainer import cosine_lr as cosine_lr
+
+__all__ = [
+    "active_terms",
+    "ActiveGenerative",
+    "ActiveLifting",
+    "clip_joint_",
+    "conditional_decode",
+    "conditional_encode",
+    "ConditionalSamplerLoss",
+    "cosine_lr",
+    "DualRateTrainer",
+    "encode",
+    "fast_lr_schedule",
+    "GeneratorLoss",
+    "group_advantages",
+    "GRPO",
+    "Inquisitive",
+    "langevin_evaluate",
+    "langevin_posterior",
+    "MinimumLengthCoding",
+    "OneSampler",
+    "ParticleObjective",
+    "R1Zero",
+    "SamplerPolicyGradient",
+    "score_function_surrogate",
+    "SeparatePolicy",
+    "SFT",
+    "slow_lr_schedule",
+    "Sum",
+    "SVI",
+    "Trainer",
+    "TwoSampler",
+]

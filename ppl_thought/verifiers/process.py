@@ -13,7 +13,7 @@ length: ``A subset Sigma^D`` in Props 3.1.1-3.1.2, "valid sequences of given len
   exactly from the automaton state of the prefix by a reachability table, batched over rows.
 
 The engines that use it (rejection sampling, Def 3.1.4; tokenwise rejection sampling, Def 3.1.5)
-live in :mod:`ppl_thought.inference.verifier_sampling`.
+live in :mod:`ppl_thought.verifiers.sampling`.
 """
 
 from __future__ import annotations

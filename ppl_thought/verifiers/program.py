@@ -51,7 +51,7 @@ from ppl_thought.errors import (
 )
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import Program, particles
-from ppl_thought.verifiers import ProcessVerifier
+from ppl_thought.verifiers.process import ProcessVerifier
 
 DRAWS = ("lm", "masked", "rejection")
 __all__ = ["DRAWS", "LocallyOptimalProposal", "NextToken", "VerifiedLM", "WeightedRejectionProposal", "verifier_factor"]

@@ -28,7 +28,7 @@ from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableCo
 from ppl_thought.inference.result import Result
 from ppl_thought.lm.base import lm_device
 from ppl_thought.lm.tabular import Tabular
-from ppl_thought.verifiers import ProcessVerifier
+from ppl_thought.verifiers.process import ProcessVerifier
 from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID
 
 __all__ = ["TokenwiseBacktracking", "VGB", "TabularValue"]

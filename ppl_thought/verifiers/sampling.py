@@ -25,10 +25,10 @@ from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableCo
 from ppl_thought.inference.resampling import check_scheme
 from ppl_thought.inference.result import Result
 from ppl_thought.inference.smc import SMC
-from ppl_thought.inference.verified_lm import VerifiedLM
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import Program
-from ppl_thought.verifiers import ProcessVerifier
+from ppl_thought.verifiers.process import ProcessVerifier
+from ppl_thought.verifiers.program import VerifiedLM
 
 __all__ = ["RejectionSampling", "TokenwiseRejection", "VerifierSMC", "SamplingBudgetError",
            "UnsatisfiableConstraintError"]
@@ -203,7 +203,7 @@ class TokenwiseRejection:
 
 class VerifierSMC:
     """Exact baselines for verifier-guided generation: ``pt.infer.SMC`` on the program
-    :class:`~ppl_thought.inference.verified_lm.VerifiedLM` (the LM restricted to A, Defs 3.1.2-3.1.3),
+    :class:`~ppl_thought.verifiers.program.VerifiedLM` (the LM restricted to A, Defs 3.1.2-3.1.3),
     drawing its tokens by the proposal (``VerifiedLM(..., draw=proposal)``, bootstrap: one LM pass per token;
     docs/architecture.md, "Engines": one engine core).
 
@@ -213,8 +213,8 @@ class VerifierSMC:
     so the weighted particles are properly weighted for the restricted distribution and
     ``exp(log_marginal)`` is an unbiased estimate of ``P_O(A)`` (SMC's estimator, resampling when the ESS
     falls below ``ess_threshold * n``). Proposals (``proposal=``; as guides of ``draw="lm"`` they are
-    :class:`~ppl_thought.inference.verified_lm.LocallyOptimalProposal` and
-    :class:`~ppl_thought.inference.verified_lm.WeightedRejectionProposal`, with the same answers):
+    :class:`~ppl_thought.verifiers.program.LocallyOptimalProposal` and
+    :class:`~ppl_thought.verifiers.program.WeightedRejectionProposal`, with the same answers):
 
     * ``"lm"``: the bootstrap filter (``guide=None``), ``t ~ O(. | s)``, incremental weight ``V(s o t)`` (0 or 1);
     * ``"masked"``: ``t ~ O(. | s)``
