@@ -91,7 +91,19 @@ def test_imports_flow_downward():
     r = subprocess.run([sys.executable, str(root / "tools" / "import_map.py")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert " 0 upward imports" in r.stdout
+    assert " 0 upward imports" in r.stdout and " 0 import circles" in r.stdout
+
+
+def test_the_circle_finder_finds_circles():
+    """The import map's circle check would see a circle (a check that cannot fail checks nothing)."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
+    try:
+        import import_map
+    finally:
+        sys.path.pop(0)
+    graph = {"a": {"b"}, "b": {"c", "!torch"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}}
+    assert import_map.circles(graph) == [["a", "b", "c"], ["e", "f"]]
+    assert import_map.circles({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}) == []
 
 
 # ---------------------------------------------------------------------------------------------- one resampler

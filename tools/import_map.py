@@ -1,6 +1,6 @@
 """The import map of ppl_thought: which layer imports which, and every import that flows upward.
 
-    python tools/import_map.py            # the layer graph and the upward imports (exit 1 if any)
+    python tools/import_map.py            # the layer graph, upward imports and import circles (exit 1 if any)
     python tools/import_map.py --modules  # module-level edges too
 
 Layers, lowest first (docs/architecture.md). A module may import its own layer and the layers below;
@@ -124,6 +124,49 @@ def upward(graph: dict[str, set[str]]) -> list[tuple[str, str, str, str]]:
     return sorted(bad)
 
 
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles between modules: strongly connected components of more than one module (Tarjan)."""
+    mods = set(graph)
+    succ = {m: sorted(d for d in graph[m] if not d.startswith("!") and d in mods and d != m) for m in graph}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(mods):
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = len(index)
+                stack.append(v)
+                on.add(v)
+            if i < len(succ[v]):
+                work.append((v, i + 1))
+                w = succ[v][i]
+                if w not in index:
+                    work.append((w, 0))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[v])
+    return sorted(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modules", action="store_true", help="print module-level edges too")
@@ -148,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     bad = upward(graph)
     for src, dst, _layer, why in bad:
         print(f"UPWARD {src} -> {dst}: {why}")
-    print(f"{len(graph)} modules, {len(bad)} upward imports")
-    return 1 if bad else 0
+    loops = circles(graph)
+    for loop in loops:
+        print(f"CIRCLE {' -> '.join(loop)}")
+    print(f"{len(graph)} modules, {len(bad)} upward imports, {len(loops)} import circles")
+    return 1 if bad or loops else 0
 
 
 if __name__ == "__main__":

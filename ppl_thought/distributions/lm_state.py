@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ppl_thought.distributions.registry import register_lm
 from ppl_thought.distributions.segment import STATE_KEYS, Segment, check_no_nan
 from ppl_thought.distributions.token_rule import (
     TokenRule,
@@ -93,8 +94,6 @@ class LMState:
         ``name`` or a name derived from its type) unless its parameters are in the param store already
         under another name, which is then used.
         """
-        from ppl_thought.distributions.lm_sequence import register_lm  # lm_sequence imports this module
-
         register_lm(lm, name)
         return cls.encode(lm, n, prompt, rule, max_len, stop_ids, lm_kwargs, device, chunk)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from pyro.distributions import TorchDistribution
@@ -26,9 +26,6 @@ from ppl_thought.distributions.token_rule import (  # sample_categorical: re-exp
 from ppl_thought.errors import MalformedSequenceError, NumericalError
 from ppl_thought.lm.base import match_rows
 from ppl_thought.vocab import BOS_ID, PAD_ID
-
-if TYPE_CHECKING:
-    from ppl_thought.distributions.lm_state import LMState
 
 __all__ = ["STATE_KEYS", "Segment", "check_no_nan", "sample_categorical"]
 
@@ -111,7 +108,7 @@ class Segment(TorchDistribution):
     #: once more than this fraction of the rows it steps have ended their sequence
     drop_fraction: float = 0.25
 
-    def __init__(self, lm_state: LMState, until_emitted=None, stop=None, max_tokens: int | None = None,
+    def __init__(self, lm_state: Any, until_emitted=None, stop=None, max_tokens: int | None = None,
                  scalar: bool = False, open_end: bool = False, validate_args=None):
         self.base = lm_state
         self.snap = lm_state.snapshot()
