@@ -4,7 +4,7 @@ Transformer prior, particles and steps (generic must not mean slow).
 
     python benchmarks/engines.py [--quick] [--json FILE]
 
-Figures are ratios measured in one run (ARCHITECTURE.md). One torch thread.
+Figures are ratios measured in one run (docs/architecture.md). One torch thread.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Cases: full causal attention and a sliding window, each with the preallocated in-place cache (default)
 and with ``KVCache.preallocate = False`` (every step a ``torch.cat``), plus cross-attention to latents.
-The figures that matter are the ratios in one run (ARCHITECTURE.md, "Rules that make it fast").
+The figures that matter are the ratios in one run (docs/architecture.md, "Rules that make it fast").
 
     python benchmarks/transformer_step.py [--quick] [--json FILE]
 """

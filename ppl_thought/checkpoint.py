@@ -1,4 +1,4 @@
-"""The checkpoint format, torch-free: one home for both backends (ARCHITECTURE.md, "Rules that keep it right").
+"""The checkpoint format, torch-free: one home for both backends (docs/architecture.md, "Rules that keep it right").
 
 A checkpoint is a directory::
 

@@ -1,4 +1,4 @@
-"""Errors that name the problem (ARCHITECTURE.md, "Rules that keep it right")."""
+"""Errors that name the problem (docs/architecture.md, "Rules that keep it right")."""
 
 from __future__ import annotations
 

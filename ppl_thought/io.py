@@ -1,5 +1,5 @@
 """Checkpoints of torch tensors: safetensors for tensors, JSON for the config, atomic writes, no pickle
-(ARCHITECTURE.md). The format itself (layout, atomic commit, SHA-256 and config checks) lives in the
+(docs/architecture.md). The format itself (layout, atomic commit, SHA-256 and config checks) lives in the
 torch-free :mod:`ppl_thought.checkpoint`, shared with the JAX backend; this module adds torch tensors.
 
 A checkpoint is a directory::

@@ -124,7 +124,7 @@ def test_log_prob_outside_lifting_is_minus_inf_not_nan():
 
 def test_identity_marginalises_the_next_observable():
     """P(no thought before x_1) = sum_{a in Sigma} P(a | <bos>) under the domain mask, not renormalised
-    against x_1 alone (ARCHITECTURE, Guides)."""
+    against x_1 alone (docs/architecture.md, "Guides")."""
     proj = PauseToThink(V2, 1)
     model = model_for(proj, seed=3)
     logits = model.prior.logits.detach()[1]  # after <bos>

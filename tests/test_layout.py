@@ -151,3 +151,21 @@ def test_infer_exports_engines_not_training_helpers():
     assert len(names) <= 16, sorted(names)
     assert {"Importance", "SMC", "decode", "Result"} <= names
     assert {"Trainer", "SVI", "SFT"} <= set(pt.train.__all__)
+
+
+def test_docstrings_point_to_sections_of_the_design_of_record():
+    """Every ``docs/architecture.md, "Section"`` a module names is a heading there (and nothing points to a file
+    outside the repository)."""
+    import re
+
+    root = PKG.parent
+    headings = {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", (root / "docs" / "architecture.md").read_text(),
+                                                         flags=re.M)}
+    missing, outside = [], []
+    for path in sorted(PKG.rglob("*.py")):
+        text = path.read_text()
+        missing += [f"{path.relative_to(root)}: {s}" for s in re.findall(r'docs/architecture\.md, "([^"]+)"', text)
+                    if s not in headings]
+        if "ARCHITECTURE.md" in text:
+            outside.append(str(path.relative_to(root)))
+    assert missing == [] and outside == [], (missing, outside)

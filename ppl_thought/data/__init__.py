@@ -1,4 +1,4 @@
-"""Synthetic tasks with exact answers (ARCHITECTURE.md, ``data/``)."""
+"""Synthetic tasks with exact answers (docs/architecture.md, "The layers")."""
 
 from ppl_thought.data.a5 import A5Task, a5_hmm
 from ppl_thought.data.dyck import DyckTask

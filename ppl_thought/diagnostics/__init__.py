@@ -1,4 +1,4 @@
-"""Diagnostics (ARCHITECTURE.md, "Contracts"): ArviZ export, sampler quality, scaling laws, causal gap,
+"""Diagnostics (docs/architecture.md, "Contracts"): ArviZ export, sampler quality, scaling laws, causal gap,
 posterior drift, k-token advantage and plots. ArviZ and matplotlib are imported on first use.
 
 - :func:`to_inference_data` (every engine's result and ``decode``'s -> ``arviz.InferenceData``; weighted

@@ -1,4 +1,4 @@
-"""Engine results as ArviZ ``InferenceData`` (ARCHITECTURE.md, "Contracts"; the table in docs/diagnostics.md).
+"""Engine results as ArviZ ``InferenceData`` (docs/architecture.md, "Contracts"; the table in docs/diagnostics.md).
 
 Every result type converts; the draw layout follows what the draws are:
 

@@ -1,4 +1,4 @@
-"""Pyro distributions over token sequences given an autoregressive LM (ARCHITECTURE.md, "Sequence sites").
+"""Pyro distributions over token sequences given an autoregressive LM (docs/architecture.md, "Sequence sites").
 
 :class:`LMSequence` is the site every slow-thinking program is made of. It draws a batch of
 sequences through the one decoding loop, :class:`~ppl_thought.distributions.lm_state.LMState`

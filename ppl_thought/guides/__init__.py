@@ -1,4 +1,4 @@
-"""Sampler families (Def 3.1) as Pyro guides for the site ``"z"`` (ARCHITECTURE.md, "Guides").
+"""Sampler families (Def 3.1) as Pyro guides for the site ``"z"`` (docs/architecture.md, "Guides").
 
 The hierarchy of Section 3.6: identity (3.30) ⊆ predictive (Def 3.7) ⊆ causal (3.33) ⊆
 explanatory (Def 3.9); the exact posterior Q_* (2.24) and the inquisitive sampler Q_bullet (3.22).

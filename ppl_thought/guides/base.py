@@ -1,4 +1,4 @@
-"""The sampler protocol of Def 3.1 and its Pyro face (ARCHITECTURE.md, "Guides").
+"""The sampler protocol of Def 3.1 and its Pyro face (docs/architecture.md, "Guides").
 
 A sampler Q maps an observation x to a law Q(. | x) supported on the lifting Proj^{-1}_{<w}(x)
 (Def 3.1). Every sampler in :mod:`ppl_thought.guides` offers

@@ -97,7 +97,7 @@ def not_in_image_result(message: str, n: int, engine: str, observed: dict) -> Re
 
 # ---------------------------------------------------------------------------------------------- engine
 class Importance:
-    """Vectorised importance sampling, estimator (3.2) (ARCHITECTURE.md, "Engines").
+    """Vectorised importance sampling, estimator (3.2) (docs/architecture.md, "Engines").
 
     Args:
         num_particles: n, the number of draws from the guide.

@@ -1,4 +1,4 @@
-"""Langevin posterior sampling of continuous latents: ULA and MALA (ARCHITECTURE.md, "Engines").
+"""Langevin posterior sampling of continuous latents: ULA and MALA (docs/architecture.md, "Engines").
 
 The latent-thought model samples its posterior p(z | x) with Langevin dynamics
 (latent-thought-models.txt, Eq. 4)::

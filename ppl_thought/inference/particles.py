@@ -1,4 +1,4 @@
-"""The one particles primitive every engine uses (ARCHITECTURE.md, "Engines").
+"""The one particles primitive every engine uses (docs/architecture.md, "Engines").
 
 Particles are a batch dimension: a model and its guide run ONCE for all ``n`` particles under
 ``pyro.plate("particles", n, dim=-(max_plate_nesting + 1))``, the model replayed on the guide's

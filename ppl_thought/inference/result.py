@@ -1,4 +1,4 @@
-"""The result every engine returns (ARCHITECTURE.md, "Contracts")."""
+"""The result every engine returns (docs/architecture.md, "Contracts")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What every autoregressive LM in ppl_thought provides (ARCHITECTURE.md, "Contracts").
+"""What every autoregressive LM in ppl_thought provides (docs/architecture.md, "Contracts").
 
 An LM is a ``torch.nn.Module`` with ``vocab_size`` and
 ``forward(tokens, cache=None, **kwargs) -> (logits, cache)``: ``tokens`` is a LongTensor

@@ -1,6 +1,6 @@
 """The KV cache of the library's LMs: keys and values per layer, reused across steps and reordered on resampling.
 
-ARCHITECTURE.md, "Rules that make it fast": one cache per batch of particles; resampling gathers it along
+docs/architecture.md, "Rules that make it fast": one cache per batch of particles; resampling gathers it along
 the batch with ``index_select`` (:meth:`KVCache.reorder`), prompt sharing repeats rows (:meth:`KVCache.expand`).
 :class:`~ppl_thought.lm.transformer.Transformer` and :class:`~ppl_thought.lm.huggingface.HuggingFace` both
 write into it through the same three calls: :meth:`KVCache.append` (a successor with room for ``n`` new

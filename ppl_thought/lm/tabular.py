@@ -1,4 +1,4 @@
-"""An n-gram LM with an explicit logits table, for exact computations (ARCHITECTURE.md)."""
+"""An n-gram LM with an explicit logits table, for exact computations (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A small causal Transformer with a KV cache, meant to be read in one sitting (ARCHITECTURE.md, "lm/").
+"""A small causal Transformer with a KV cache, meant to be read in one sitting (docs/architecture.md, "The layers").
 
     tokens -> embedding -> n_layers x Block -> RMSNorm -> LM head (tied to the embedding) -> logits
 

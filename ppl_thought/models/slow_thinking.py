@@ -1,6 +1,6 @@
 """The slow-thinking model Proj # P_f as a Pyro program (Sections 2.6.3, 3.7).
 
-``SlowThinking(prior, projection)`` is the model of the projection view (ARCHITECTURE.md):
+``SlowThinking(prior, projection)`` is the model of the projection view (docs/architecture.md):
 the latent site ``z ~ LMSequence(prior, constraint=projection.domain(|x|))`` draws a latent
 prefix from the masked prior P_f (Def 2.8) until it determines |x| observable tokens, and the
 observed site ``x ~ Proj(z)`` is a delta. Its marginal likelihood is (2.22) and its posterior

@@ -1,6 +1,6 @@
 """The array frameworks that the numpy tables of projections are lent to, without importing any of them.
 
-Projections and their token automata are numpy (ARCHITECTURE.md, "Layout": both backends read the same
+Projections and their token automata are numpy (docs/architecture.md, "The layers": both backends read the same
 tables). A table is handed to a batch of states in the states' own framework and on their device:
 torch tensors for the torch side, jax arrays for the JAX side. This module recognises an array (or a
 torch device) by the module its type lives in, so ``ppl_thought.projections`` imports neither torch nor

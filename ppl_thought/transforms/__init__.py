@@ -1,4 +1,4 @@
-"""Model transforms: the static theory as composable effect handlers (``pt.transforms``, ARCHITECTURE.md).
+"""Model transforms: the static theory as composable effect handlers (``pt.transforms``, docs/architecture.md).
 
 - :class:`ProjectionLift` (Def 2.8, (2.22), Lemma 2.1): a plain LM program becomes Proj # P_f.
 - :class:`Forgetful` (Def 5.1, (5.5)-(5.8)): earlier thoughts leave the context when a new thought starts.

@@ -1,4 +1,4 @@
-"""Model transforms as effect handlers, in the style of ``pyro.poutine`` (ARCHITECTURE.md, "Transforms").
+"""Model transforms as effect handlers, in the style of ``pyro.poutine`` (docs/architecture.md, "Transforms").
 
 A transform is one small :class:`pyro.poutine.messenger.Messenger` with one job. It changes what the
 *sequence sites* of a program mean:
