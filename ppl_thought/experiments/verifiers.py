@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ppl_thought.data.dyck import DyckTask
+from ppl_thought.data.self_reducible import self_reducible_curve
 from ppl_thought.distributions.lm_state import generated_tokens
 from ppl_thought.experiments.common import score
 from ppl_thought.inference.resampling import resample
@@ -175,11 +176,7 @@ def propositions(quick: bool, seed: int = 0) -> tuple[dict, dict]:
     return bias, calls
 
 
-def self_reducible(quick: bool, seed: int = 0) -> dict | None:
-    try:
-        from ppl_thought.data.self_reducible import self_reducible_curve
-    except ImportError:
-        return None
+def self_reducible(quick: bool, seed: int = 0) -> dict:
     return self_reducible_curve([1, 3, 5, 9, 17, 33], seed=seed, quick=quick)
 
 

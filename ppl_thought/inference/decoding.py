@@ -81,6 +81,7 @@ from pyro.poutine.messenger import Messenger
 from ppl_thought.checks import integer
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import ConfigError, NotInImageError, ProgramError, ZeroWeightsError
+from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.particles import (
     engine_device,
     find_max_plate_nesting,
@@ -640,7 +641,6 @@ def _stream_program(program, guide, args: tuple, kwargs: dict) -> Iterator[tuple
     ...)`` until it returns finished flags; the guide's ``init`` / ``step`` propose the prompt's latents, the
     program draws the rest, :func:`~ppl_thought.inference.particles.run_step`); each step's outputs are yielded as
     ``(site, value)`` as soon as that step has drawn them (the value without the particle dim)."""
-    from ppl_thought.guides.base import as_step_guide
 
     require_program(program, "model")
     guide = as_step_guide(guide)

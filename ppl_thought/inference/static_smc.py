@@ -45,7 +45,9 @@ import torch
 
 from ppl_thought.distributions.token_rule import token_step
 from ppl_thought.errors import ConfigError, NumericalError, ZeroWeightsError
+from ppl_thought.inference.importance import log_marginal_stderr
 from ppl_thought.inference.resampling import effective_sample_size, resample_groups
+from ppl_thought.inference.result import Result, log_mean_exp
 from ppl_thought.lm.base import lm_device
 from ppl_thought.lm.static_cache import bos_context, static_decoder
 from ppl_thought.program import OneTokenStep, Program
@@ -245,8 +247,6 @@ class StaticRunner:
 def run_static(smc, model, guide, args: tuple, kwargs: dict):
     """``SMC.run`` with ``backend="static"``: a :class:`~ppl_thought.inference.result.Result` like the generic
     engine's (sites ``x_t``, final log weights, log Z-hat, ancestry, per-step ESS and resampling flags)."""
-    from ppl_thought.inference.importance import log_marginal_stderr
-    from ppl_thought.inference.result import Result, log_mean_exp
 
     if guide is not None:
         raise ConfigError("SMC(backend='static') proposes from the program itself (guide=None)")

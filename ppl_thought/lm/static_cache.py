@@ -33,6 +33,7 @@ import torch
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.lm.base import TOKEN_DTYPES, describe
+from ppl_thought.lm.huggingface import HuggingFace
 from ppl_thought.lm.kv_cache import KVCache
 from ppl_thought.lm.transformer import Transformer
 from ppl_thought.vocab import BOS_ID
@@ -263,7 +264,6 @@ class StaticHuggingFace:
     def __init__(self, lm, batch: int, max_len: int):
         from transformers.cache_utils import StaticCache
 
-        from ppl_thought.lm.huggingface import HuggingFace
 
         if not isinstance(lm, HuggingFace):
             raise ConfigError(f"StaticHuggingFace needs a pt.lm.HuggingFace adapter, got {type(lm).__name__}")

@@ -25,6 +25,7 @@ from ppl_thought.lm.base import lm_device
 from ppl_thought.program import Program, Shared, particles
 from ppl_thought.projections.base import as_id_array
 from ppl_thought.projections.identity import Identity
+from ppl_thought.transforms.base import sequence_start
 from ppl_thought.vocab import Vocab
 
 __all__ = ["PlainLM"]
@@ -86,7 +87,6 @@ class PlainLM(Program):
         if x is None:
             raise ProgramError(f"the step-wise {type(self).__name__} program needs the observation x "
                                "(SMC conditions on it)")
-        from ppl_thought.transforms.base import sequence_start  # transforms import the models' helpers
 
         xt = self.x_ids(x)
         pyro.module(self.module_name, self.lm)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ppl_thought.distributions.lm_sequence import LMSequence
+from ppl_thought.distributions.projected import ProjectionDelta
 from ppl_thought.errors import NotInImageError, SiteMismatchError, TooLargeToEnumerateError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.models.plain import PlainLM
@@ -128,7 +129,6 @@ class SlowThinking(Transformed):
         ``log_likelihood`` ``[n]`` the traced path reports; log w = log p - log q, -inf (never NaN) where p = 0.
         Raises :class:`~ppl_thought.errors.NotInImageError` for x outside the image of Proj.
         """
-        from ppl_thought.distributions.projected import ProjectionDelta
 
         xt = self.x_ids(x)
         self.projection.lifting(xt)  # NotInImageError for x outside the image

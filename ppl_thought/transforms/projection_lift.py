@@ -16,10 +16,10 @@ from torch.distributions import constraints
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import LMState, Segment, TokenRule, chunk_size
 from ppl_thought.distributions.projected import ProjectionDelta
-from ppl_thought.errors import TransformError
+from ppl_thought.errors import NotInImageError, TransformError
 from ppl_thought.program import Shared
 from ppl_thought.projections.automaton import Automaton, step_ends
-from ppl_thought.projections.base import Projection
+from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.transforms.base import Transform, rebuild
 from ppl_thought.vocab import PAD_ID
 
@@ -206,7 +206,6 @@ def enumerate_log_joint(model, x, latent: str = "z", limit: int = 20_000) -> tup
     view run ONCE with the latent site conditioned on all K liftings under a particle plate (2.22)."""
     import pyro.poutine as poutine
 
-    from ppl_thought.projections.base import as_id_array
 
     proj = getattr(model, "projection", None)
     if proj is None:
@@ -238,7 +237,6 @@ def enumerate_log_joint(model, x, latent: str = "z", limit: int = 20_000) -> tup
 def exact_log_prob(model, x, latent: str = "z", limit: int = 20_000) -> torch.Tensor:
     """log p(x) = log sum_{z in lifting(x)} p(z, x) by enumeration (2.22) for a transformed model; ``-inf``
     outside the image of the projection."""
-    from ppl_thought.errors import NotInImageError
 
     try:
         _, lp = enumerate_log_joint(model, x, latent, limit)
