@@ -7,14 +7,13 @@ import os
 import sys
 import tempfile
 
-import ppl_thought as pt
-from ppl_thought import __version__
-from ppl_thought.demo import json_default, run_demo
-from ppl_thought.diagnostics.report import diagnose
-from ppl_thought.io import atomic_write_json
+
+# The CLI imports the library inside its commands: ``ppl-thought --version`` and ``-h`` answer without loading
+# torch, and each command loads only what it runs (docs/architecture.md, "The layers").
 
 
 def _version() -> str:
+    from ppl_thought import __version__
 
     return __version__
 
@@ -22,6 +21,7 @@ def _version() -> str:
 def _info(args: argparse.Namespace) -> int:
     import importlib.metadata as md
 
+    import ppl_thought as pt
 
     print(f"ppl_thought {pt.__version__}")
     for dist in ("torch", "pyro-ppl", "numpyro", "jax", "arviz", "numpy"):
@@ -55,6 +55,8 @@ def _demo(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from ppl_thought.demo import json_default, run_demo
+    from ppl_thought.io import atomic_write_json
 
     results = run_demo(out=args.out, quick=args.quick, seed=args.seed, n=args.n, parts=tuple(args.parts),
                        seeds=args.seeds)
@@ -75,6 +77,7 @@ def _positive_int(text: str) -> int:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
+    from ppl_thought.diagnostics.report import diagnose
 
     try:
         text, _ = diagnose(args.file, out=args.out)
