@@ -7,7 +7,6 @@ import os
 import sys
 import tempfile
 
-
 # The CLI imports the library inside its commands: ``ppl-thought --version`` and ``-h`` answer without loading
 # torch, and each command loads only what it runs (docs/architecture.md, "The layers").
 
