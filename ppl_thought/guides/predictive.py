@@ -25,7 +25,8 @@ from __future__ import annotations
 import pyro
 import torch
 
-from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
+from ppl_thought.distributions.lm_state import LMState, TokenRule
+from ppl_thought.distributions.token_rule import token_step
 from ppl_thought.guides.base import Sampler
 from ppl_thought.lm.base import lm_device
 from ppl_thought.projections.automaton import Automaton
@@ -115,11 +116,10 @@ class MarginalizedDecoder(Sampler):
                 if done.all():
                     break
                 logq = self.step_log_probs(logits.float(), sD, sL, x, D, lift)
-                probs = torch.where(done[:, None], torch.ones_like(logq), logq.exp())
-                tok = sample_categorical(probs)
                 active = ~done
-                lp = lp + torch.where(active, logq.gather(-1, tok[:, None]).squeeze(-1), torch.zeros_like(lp))
-                tok = torch.where(active, tok, torch.full_like(tok, PAD_ID))
+                step = token_step(None, None, None, active, log_probs=logq)  # ended rows draw <pad>
+                tok = step.token
+                lp = lp + step.log_prob
                 z[:, i] = tok
                 sD = torch.where(active, D.step(sD, tok), sD)
                 sL = torch.where(active, lift.step(sL, tok), sL)
