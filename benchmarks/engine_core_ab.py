@@ -1,0 +1,115 @@
+"""Old against new, alternated in one run: the engines' workloads at a base commit and at this checkout.
+
+    python benchmarks/engine_core_ab.py --base 60fef74 --json FILE [--rounds 3] [--runs 40]
+
+The base commit is checked out into a temporary git worktree; each round runs the workloads once in a fresh
+process of each tree (old, new, old, new, ...), so the two see the same load. Every workload is run ``--runs``
+times with the seeds 0..4 in turn (the same draws in both trees wherever the random streams are unchanged)
+and timed by its best run (other load on a shared machine only adds time). The workloads are those of
+``benchmarks/engines.py`` (one torch thread): Importance and SMC on SlowThinking with Tabular and Transformer
+priors and a causal proposal, the user-written program of the same law (``UserPauseProgram``), and
+``LMSequence`` sampling of 256 sequences. The JSON has per tree and round the best seconds of each workload,
+and ``ratio_new_over_old`` (best over rounds; above 1: the new tree is slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, sys, time, torch, pyro
+sys.path.insert(0, sys.argv[1] + "/benchmarks")
+import engines as E
+from ppl_thought.distributions import LMSequence
+from ppl_thought.inference import SMC, Importance
+torch.set_num_threads(1)
+torch.manual_seed(0)
+vocab = E.Vocab(["a", "b", "c", "d"])
+V = len(vocab)
+proj = E.PauseToThink(vocab, max_thought_len=2)
+prior = E.Transformer(V, d_model=32, n_layers=2, n_heads=2).eval()
+q_lm = E.Transformer(V, d_model=32, n_layers=2, n_heads=2).eval()
+model, tab = E.SlowThinking(prior, proj), E.Tabular(2, V, torch.randn(V, V), trainable=False)
+guide, tmodel = E.CausalSampler(q_lm, model), E.SlowThinking(tab, proj)
+tguide = E.CausalSampler(E.Tabular(2, V, torch.randn(V, V), trainable=False), tmodel)
+x = "abcdabcd"
+sampler = LMSequence(prior, constraint=proj.domain(8), max_len=16)
+jobs = {
+    "importance_transformer": lambda: Importance(256).run(model, guide, x),
+    "importance_tabular": lambda: Importance(256).run(tmodel, tguide, x),
+    "sampling_transformer": lambda: sampler.sample_with_log_prob((256,)),
+    "smc_tabular": lambda: SMC(256).run(tmodel, tguide, x),
+    "smc_transformer": lambda: SMC(256).run(model, guide, x),
+    "smc_program_transformer": lambda: SMC(256).run(E.UserPauseProgram(prior, proj), guide, model.x_ids(x)),
+}
+out = {}
+with torch.no_grad():
+    for name, fn in jobs.items():
+        best = float("inf")
+        for k in range(int(sys.argv[2])):
+            torch.manual_seed(k % 5)
+            pyro.set_rng_seed(k % 5)
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        out[name] = best
+print(json.dumps(out))
+"""
+
+
+def run_tree(tree: Path, runs: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    r = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(runs)], capture_output=True, text=True, env=env,
+                       cwd=tempfile.gettempdir(), timeout=1800)
+    if r.returncode != 0:
+        raise SystemExit(f"the workloads failed in {tree}:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="the old commit (e.g. 60fef74)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=40)
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.base], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "old"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), commit], check=True,
+                       capture_output=True)
+        try:
+            rounds = []
+            for i in range(args.rounds):
+                rounds.append({"old": run_tree(old, args.runs), "new": run_tree(ROOT, args.runs)})
+                print(f"round {i + 1}/{args.rounds}: " + ", ".join(
+                    f"{k} {rounds[-1]['new'][k] / rounds[-1]['old'][k]:.3f}" for k in rounds[-1]["old"]), flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], capture_output=True)
+    names = list(rounds[0]["old"])
+    best = {side: {k: min(r[side][k] for r in rounds) for k in names} for side in ("old", "new")}
+    out = {"base": commit, "head": head, "rounds": rounds, "best_s": best,
+           "ratio_new_over_old": {k: best["new"][k] / best["old"][k] for k in names},
+           "runs": args.runs, "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+           "seconds": time.perf_counter() - t0}
+    print(json.dumps(out["ratio_new_over_old"], indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
