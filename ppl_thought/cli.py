@@ -57,8 +57,8 @@ def _demo(args: argparse.Namespace) -> int:
     from ppl_thought.demo import json_default, run_demo
     from ppl_thought.io import atomic_write_json
 
-    results = run_demo(out=args.out, quick=args.quick, seed=args.seed, n=args.n, parts=tuple(args.parts),
-                       seeds=args.seeds)
+    parts = None if args.parts is None else tuple(args.parts)
+    results = run_demo(out=args.out, quick=args.quick, seed=args.seed, n=args.n, parts=parts, seeds=args.seeds)
     if args.json:
         atomic_write_json(args.json, results, default=json_default)
         print(f"wrote {args.json}")
@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="a shorter run (under five minutes on 2 cores)")
     demo.add_argument("--n", type=_positive_int, default=8,
                       help="sampling size n of (7.1)/(7.2) (the paper uses 8 and 16)")
-    demo.add_argument("--parts", nargs="+", default=["sec7", "a5"], choices=["sec7", "a5"],
-                      help="which parts to run (Section 7 and/or A5)")
+    demo.add_argument("--parts", nargs="+", default=None, choices=["sec7", "a5", "real"],
+                      help="which parts to run (Section 7, A5, the real model; default: all that are installed)")
     demo.add_argument("--out", default="out/demo", help="output folder for JSON and plots")
     demo.add_argument("--json", default=None, help="also write the results JSON to this file")
     demo.add_argument("--seed", type=int, default=0)

