@@ -5,11 +5,15 @@
 The base commit is checked out into a temporary git worktree; each round runs the workloads once in a fresh
 process of each tree (old, new, old, new, ...), so the two see the same load. Every workload is run ``--runs``
 times with the seeds 0..4 in turn (the same draws in both trees wherever the random streams are unchanged)
-and timed by its best run (other load on a shared machine only adds time). The workloads are those of
+and timed by its best run (other load on a shared machine only adds time), on two clocks: the process's CPU
+time (``time.process_time``: one torch thread, so other processes on a busy machine barely move it) and wall
+time. Rounds alternate which tree goes first. The workloads are those of
 ``benchmarks/engines.py`` (one torch thread): Importance and SMC on SlowThinking with Tabular and Transformer
 priors and a causal proposal, the user-written program of the same law (``UserPauseProgram``), and
-``LMSequence`` sampling of 256 sequences. The JSON has per tree and round the best seconds of each workload,
-and ``ratio_new_over_old`` (best over rounds; above 1: the new tree is slower).
+``LMSequence`` sampling of 256 sequences; and the ppl_thought side of ``benchmarks/llamppl_race.py`` (SMC under
+the lipogram on its random GPT-2, N = 16, 64, 256; a fifth of the runs). The JSON has per tree and round the best seconds of each workload
+on both clocks, ``ratio_new_over_old`` (CPU time, best over rounds; above 1: the new tree is slower) and
+``ratio_new_over_old_wall``.
 """
 
 from __future__ import annotations
@@ -52,17 +56,24 @@ jobs = {
     "smc_transformer": lambda: SMC(256).run(model, guide, x),
     "smc_program_transformer": lambda: SMC(256).run(E.UserPauseProgram(prior, proj), guide, model.x_ids(x)),
 }
+import llamppl_race as R
+lm, prompt = R.build(R.WORKLOAD["vocab_size"], R.WORKLOAD["n_layer"], R.WORKLOAD["n_embd"], R.WORKLOAD["n_head"])
+lipogram = R.lipogram_automaton(lm.vocab)
+for n in R.SIZES:
+    jobs[f"race_smc_{n}"] = R.ppl_thought_run(lm, lipogram, prompt, n, R.WORKLOAD["new_tokens"])[0]
 out = {}
 with torch.no_grad():
     for name, fn in jobs.items():
-        best = float("inf")
-        for k in range(int(sys.argv[2])):
+        wall = cpu = float("inf")
+        runs = int(sys.argv[2]) if not name.startswith("race") else max(3, int(sys.argv[2]) // 5)
+        for k in range(runs):
             torch.manual_seed(k % 5)
             pyro.set_rng_seed(k % 5)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn()
-            best = min(best, time.perf_counter() - t)
-        out[name] = best
+            cpu = min(cpu, time.process_time() - c)
+            wall = min(wall, time.perf_counter() - t)
+        out[name] = {"wall": wall, "cpu": cpu}
 print(json.dumps(out))
 """
 
@@ -95,15 +106,19 @@ def main() -> None:
         try:
             rounds = []
             for i in range(args.rounds):
-                rounds.append({"old": run_tree(old, args.runs), "new": run_tree(ROOT, args.runs)})
-                print(f"round {i + 1}/{args.rounds}: " + ", ".join(
-                    f"{k} {rounds[-1]['new'][k] / rounds[-1]['old'][k]:.3f}" for k in rounds[-1]["old"]), flush=True)
+                order = [("old", old), ("new", ROOT)][:: 1 if i % 2 == 0 else -1]  # old first, then new first
+                rounds.append({side: run_tree(tree, args.runs) for side, tree in order})
+                r = rounds[-1]
+                print(f"round {i + 1}/{args.rounds} (cpu ratio new/old): " + ", ".join(
+                    f"{k} {r['new'][k]['cpu'] / r['old'][k]['cpu']:.3f}" for k in r["old"]), flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], capture_output=True)
     names = list(rounds[0]["old"])
-    best = {side: {k: min(r[side][k] for r in rounds) for k in names} for side in ("old", "new")}
+    best = {clock: {side: {k: min(r[side][k][clock] for r in rounds) for k in names} for side in ("old", "new")}
+            for clock in ("cpu", "wall")}
+    ratio = {clock: {k: b["new"][k] / b["old"][k] for k in names} for clock, b in best.items()}
     out = {"base": commit, "head": head, "rounds": rounds, "best_s": best,
-           "ratio_new_over_old": {k: best["new"][k] / best["old"][k] for k in names},
+           "ratio_new_over_old": ratio["cpu"], "ratio_new_over_old_wall": ratio["wall"],
            "runs": args.runs, "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
            "seconds": time.perf_counter() - t0}
     print(json.dumps(out["ratio_new_over_old"], indent=2))
