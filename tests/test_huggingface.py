@@ -73,7 +73,7 @@ def test_vocab_maps_specials_and_round_trips_text(lm):
 def test_markers_are_added_once_and_embeddings_grow():
     tok = H.train_bpe_tokenizer(H.TEXTS, 300)
     model = H.random_gpt2(len(tok))
-    first = HuggingFace(model, tok)
+    first = HuggingFace(model, tok, add_markers=True)
     size, rows = len(tok), model.get_input_embeddings().num_embeddings
     assert size == 303 and rows == 303 and model.lm_head.weight.shape[0] == 303
     second = HuggingFace(model, tok)  # the tokenizer has the markers now: nothing added, nothing resized

