@@ -177,5 +177,5 @@ def test_run_reports_every_method(tiny):
     for m in ("direct", "predictive", "explanatory"):
         assert 0.0 <= out[m]["accuracy"] <= 1.0 and math.isfinite(out[m]["log_z"])
     for m in ("predictive", "explanatory"):
-        assert 0 < out[m]["ess"] <= 1.0 and "mean" in out["arviz"][m]
+        assert 0 < out[m]["ess"] <= 1.0 + 1e-5 and "mean" in out["arviz"][m]
     assert len(out["rows"]) == 2 * 4
