@@ -6,7 +6,7 @@
 
 The model is a program over SmolLM2's chat template (``ThoughtThenAnswer``): the question is the user's turn,
 the assistant's turn opens with the text ``<think>``, a latent thought is written by the model itself until its
-first token that starts a tag, a new line or ``<|im_end|>`` (or ``--thought-tokens`` tokens), the text
+first token that starts a tag (``</think>``, ``<|im_end|>``; or after ``--thought-tokens`` tokens), the text
 ``</think> The answer is`` follows and the answer (digits and ``<|im_end|>``) is observed. The markers are plain
 text that the model reads as it learned: nothing is added to its tokenizer. Marginalising the thought gives
 
@@ -96,8 +96,8 @@ class Prompts:
         enc = self.vocab.encode
         self.open_think = enc("<think>")
         self.close = torch.tensor(enc("</think> The answer is"))
-        # a thought ends at the first token that starts a tag or a new line (or at the length bound)
-        ends = [i for i, s in enumerate(self.vocab.tokens) if "<" in s or "\n" in s or "Ċ" in s]
+        # a thought ends at the first token that starts a tag (``</think>``, ``<|im_end|>``) or at the length bound
+        ends = [i for i, s in enumerate(self.vocab.tokens) if "<" in s]
         self.thought_end = torch.tensor(ends + [self.vocab.eos_id])
 
     def chat(self, user: str) -> list[int]:
