@@ -195,7 +195,7 @@ def run(quick: bool = False, seed: int = 0) -> dict:
     T = int(swaps.shape[0])
     lm = tracker_lm()
     model, verified, twisted = WhichCup(lm, T), WhichCup(lm, T, "factor"), WhichCup(lm, T, "twist")
-    guide = Proposal(tracker_lm(skip=0.05), T)  # a guide LM that skips thinking less often than the model's
+    guide = Proposal(tracker_lm(skip=0.2), T)  # a guide LM that skips thinking more often than the model
     out: dict = {"question": VOCAB.decode(np.asarray(swaps).tolist()), "answer": VOCAB.decode([int(answer)]),
                  "num_particles": n, "runs": runs}
     t0 = time.perf_counter()

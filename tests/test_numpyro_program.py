@@ -56,7 +56,7 @@ def cups():
     lm = ex.tracker_lm()
     plain, verified = ex.WhichCup(lm, 2), ex.WhichCup(lm, 2, "factor")
     return {"lm": lm, "plain": plain, "factor": verified, "twist": ex.WhichCup(lm, 2, "twist"),
-            "guide": ex.Proposal(ex.tracker_lm(skip=0.05), 2),
+            "guide": ex.Proposal(ex.tracker_lm(skip=0.2), 2),
             "exact": {"plain": ex.exact(plain, SWAPS, ANSWER), "factor": ex.exact(verified, SWAPS, ANSWER)}}
 
 
