@@ -288,3 +288,30 @@ def test_enumeration_covers_every_thought_sequence(cups):
     table = np.stack([np.array(th)[combos[:, t]] for t in range(2)]).astype(np.int32)
     res = ptn.infer.Importance(len(combos)).run(NoAnswer(cups["lm"], 2), ex.Enumerate(table), SWAPS, ANSWER)
     assert abs(float(jax.scipy.special.logsumexp(res.log_weights))) < 1e-5
+
+
+def test_a_traced_prompt_is_encoded_under_jit():
+    """A prompt built from traced values (an argument, a sampled token) has a static length, so LMState.start
+    encodes it under jit with the same numbers as a concrete prompt."""
+    lm = ex.tracker_lm()
+    prompt = [ex.START, ex.VOCAB.id("AB")]
+    traced = jax.jit(lambda p: LMState.start(lm, 4, prompt=jnp.stack([p[0], p[1]]), max_len=2).logp)
+    np.testing.assert_allclose(np.asarray(traced(jnp.asarray(prompt))),
+                               np.asarray(LMState.start(lm, 4, prompt=prompt, max_len=2).logp), atol=1e-6)
+
+
+def test_a_fresh_importance_object_reuses_the_compiled_whole_trace_run():
+    """Plain NumPyro models (SlowThinking) under Importance: the compiled function is cached at module level."""
+    from ppl_thought.numpyro.infer import importance
+    from ppl_thought.projections import PauseToThink
+
+    vocab = ex.VOCAB
+    proj = PauseToThink(vocab, max_thought_len=1)
+    prior = ptn.lm.Tabular(2, len(vocab), np.random.default_rng(0).normal(size=(len(vocab),) * 2))
+    model = ptn.models.SlowThinking(prior, proj)
+    x = np.array(vocab.encode("A"))
+    first = ptn.infer.Importance(16).compiled(model, None, x)
+    assert ptn.infer.Importance(16).compiled(model, None, x) is first
+    size = len(importance._COMPILED)
+    res = ptn.infer.Importance(16).run(model, None, x, rng_key=jax.random.PRNGKey(1))
+    assert len(importance._COMPILED) == size and np.isfinite(float(res.log_marginal))
