@@ -226,6 +226,18 @@ def test_a_program_that_never_finishes_names_max_steps():
         ptn.infer.SMC(4).run(Forever(), None, X)
 
 
+def test_a_site_named_after_t_is_an_error():
+    """The torch habit f"z_{t}": under the compiled loop t is traced, so the name would hold a tracer."""
+    class Named(HMM):
+        def step(self, state, t, x):
+            z = ptn.sample(f"z_{t}", nd.Categorical(probs=jnp.asarray(PI)))
+            ptn.observe("x", nd.Categorical(probs=jnp.asarray(B)[z]), x[t])
+            return jnp.broadcast_to(t == x.shape[0] - 1, z.shape)
+
+    with pytest.raises(ProgramError, match="name it without t"):
+        ptn.infer.SMC(4).run(Named(), None, X)
+
+
 def test_a_state_that_changes_shape_is_an_error():
     class Growing(HMM):
         def step(self, state, t, x):

@@ -109,6 +109,12 @@ def _run_step(model_fn, guide_fn, key, n: int, depth: int, where: str) -> _StepO
             m_tr = trace(replay(seed(plated(model_fn), kp), trace=g_tr))
         done = m_tr()
         m_tr = m_tr.trace
+    for tr, who in ((m_tr, "the model"), (g_tr or {}, "the guide")):
+        traced = [k for k in tr if "Tracer" in k or "Traced<" in k]  # str() of a tracer, by JAX version
+        if traced:
+            raise ProgramError(f"{who} names a site {traced[0]!r} {where} from a traced value (e.g. f'thought_{{t}}'): "
+                               "in a JAX program t is traced and every step has the same sites; name it without t "
+                               "(the engine stacks a step site's values over steps: samples[name] is [n, steps, ...])")
     sites = {k: s for k, s in m_tr.items() if s["type"] == "sample"}
     latent = [k for k, s in sites.items() if _latent(s)]
     log_w = jnp.zeros(n)
@@ -139,8 +145,7 @@ def _run_step(model_fn, guide_fn, key, n: int, depth: int, where: str) -> _StepO
             continue
         log_w = log_w + _site_log_prob(s, n, depth)
     values = {k: s["value"] for k, s in sites.items() if not s["is_observed"]}
-    lw = jnp.where(jnp.isneginf(log_w) | jnp.isnan(log_w), jnp.where(jnp.isnan(log_w), jnp.nan, -jnp.inf), log_w)
-    return _StepOut(lw, values, as_done(done, n), tw.log_psi)
+    return _StepOut(log_w, values, as_done(done, n), tw.log_psi)
 
 
 def _check_state(state: dict, n: int, who: str) -> None:
