@@ -353,3 +353,67 @@ def test_a_transformer_program_under_importance_against_enumeration():
     exact = float(jax.scipy.special.logsumexp(
         ptn.infer.Importance(len(thoughts)).run(model, ex.Enumerate(table), swaps, ANSWER).log_weights))
     within(runs(ptn.infer.Importance(64), model, None, swaps, ANSWER), exact, "Transformer IS")
+
+
+# ---------------------------------------------------------------------------------------------- SlowThinking
+@pytest.fixture(scope="module")
+def slow():
+    from ppl_thought.projections import PauseToThink
+    from ppl_thought.vocab import Vocab
+
+    vocab = Vocab(["a", "b"])
+    prior = ptn.lm.Tabular(3, len(vocab), np.random.default_rng(7).normal(size=(len(vocab),) * 3) * 1.5)
+    model = ptn.models.SlowThinking(prior, PauseToThink(vocab, max_thought_len=2))
+    x = np.array(vocab.encode("ab"))
+    return model, x, model.program(x), float(model.exact_log_prob(x))
+
+
+class Segments(ptn.Program):
+    """A guide proposing fixed segments: particle k gets ``table[t, k]`` at step t (a Delta)."""
+
+    def __init__(self, table: np.ndarray):
+        self.table, self.max_steps = table, table.shape[0]
+
+    def step(self, state, t, *args):
+        ptn.sample("z", nd.Delta(jnp.asarray(self.table)[t], event_dim=1))
+        return jnp.broadcast_to(t == self.max_steps - 1, (self.table.shape[1],))
+
+
+def split_segments(model, x, z: np.ndarray) -> np.ndarray:
+    """Each latent sequence ``z [K, L]`` cut into the |x| segments of Lemma 2.1 (the domain automaton emits
+    x_{t+1}'s position at the end of segment t; the last one ends in a final state): ``[|x|, K, L]``."""
+    dom = model.domain(len(x))
+    T, (K, L) = len(x), z.shape
+    out = np.zeros((T, K, L), np.int32)
+    for k in range(K):
+        s, pos = dom.start, 0
+        row = [int(v) for v in z[k] if v != 0]
+        for t in range(T):
+            def done(s, t=t):
+                return bool(dom.final[s]) if t == T - 1 else int(dom.emitted[s]) >= t + 1
+            seg = []
+            while not done(s) and pos < len(row):
+                s = int(dom.next_state[s, row[pos]])
+                seg.append(row[pos])
+                pos += 1
+            out[t, k, :len(seg)] = seg
+        assert pos == len(row)
+    return out
+
+
+def test_slow_thinking_as_a_program_scores_every_lifting_sequence_as_the_whole_trace_model(slow):
+    """SlowThinking through the generic path: the program's weights of the enumerated lifting (each z cut into its
+    segments) are log P^{<=|z|}(z) of the whole-sequence LMSequence (which equals the torch side's, see
+    tests/test_numpyro_backend.py) within 1e-5, and their log-sum-exp is the exact log p(x) (2.22)."""
+    model, x, prog, exact = slow
+    support, log_joint = model.enumerate_log_joint(x)
+    table = split_segments(model, x, np.asarray(support))
+    res = ptn.infer.Importance(len(support)).run(prog, Segments(table))
+    np.testing.assert_allclose(np.asarray(res.log_weights), np.asarray(log_joint), atol=1e-5)
+    assert abs(float(jax.scipy.special.logsumexp(res.log_weights)) - exact) < 1e-5
+
+
+def test_slow_thinking_as_a_program_under_generic_smc(slow):
+    model, x, prog, exact = slow
+    log_z = runs(ptn.infer.SMC(512, ess_threshold=0.5), prog, None)
+    within(log_z, exact, "SlowThinking program, bootstrap SMC")

@@ -64,7 +64,8 @@ def lm_params(lm: LM) -> Any:
 
 
 def collect_lms(*objs: Any) -> list[LM]:
-    """The LMs stored on programs (attributes, lists / tuples / dicts of them, programs stored on programs)."""
+    """The LMs stored on programs (attributes, lists / tuples / dicts of them, objects stored on programs, such
+    as a model or a program, up to three levels down)."""
     out: dict[int, LM] = {}
     seen: set[int] = set()
 
@@ -77,8 +78,7 @@ def collect_lms(*objs: Any) -> list[LM]:
         elif isinstance(v, dict):
             for w in v.values():
                 visit(w, depth)
-        elif depth < 3 and hasattr(v, "__dict__") and id(v) not in seen and not isinstance(v, type) \
-                and callable(getattr(v, "step", None)):
+        elif depth < 3 and hasattr(v, "__dict__") and id(v) not in seen and not isinstance(v, type):
             seen.add(id(v))
             for w in vars(v).values():
                 visit(w, depth + 1)
@@ -192,9 +192,11 @@ class LMState:
         """The law of the next token of every row, ``[n]`` (the rule's masked softmax)."""
         return NextToken(self)
 
-    def segment(self, stop: int | Sequence[int] | None = None, max_tokens: int = 16) -> Segment:
-        """The law of the next segment of every row, ``[n, max_tokens]`` right-padded (see the module docstring)."""
-        return Segment(self, _stop_array(stop), integer("max_tokens", max_tokens))
+    def segment(self, stop: int | Sequence[int] | None = None, max_tokens: int = 16, until=None) -> Segment:
+        """The law of the next segment of every row, ``[n, max_tokens]`` right-padded (see the module docstring).
+        ``until(rule_state) -> bool [n]``: the segment also ends (or is empty) where it holds, e.g. once the domain
+        automaton has emitted the next observation (the segments of Lemma 2.1)."""
+        return Segment(self, _stop_array(stop), integer("max_tokens", max_tokens), until)
 
     def extend(self, value) -> LMState:
         """Feed ``value`` (a token, tokens ``[n]``, or segments ``[n, S]`` right-padded with ``<pad>``) to every row;
@@ -263,21 +265,26 @@ class Segment(Distribution):
     support = constraints.independent(constraints.nonnegative_integer, 1)
     is_discrete = True
 
-    def __init__(self, state: LMState, stop_ids: np.ndarray, max_tokens: int, validate_args=None):
+    def __init__(self, state: LMState, stop_ids: np.ndarray, max_tokens: int, until=None, validate_args=None):
         # a snapshot: the program extends its state after the site, the engine scores the site afterwards
         self.state = LMState(state.lm, state.rule, state.logp, state.cache, state.rule_state, state.room)
-        self.stop_ids, self.max_tokens = stop_ids, max_tokens
+        self.stop_ids, self.max_tokens, self.until = stop_ids, max_tokens, until
         super().__init__((state.n,), (max_tokens,), validate_args=validate_args)
 
     def _ends(self, tok, s) -> jax.Array:
-        return jnp.isin(tok, jnp.asarray(self.stop_ids)) | self.state.rule.is_final(s)
+        return jnp.isin(tok, jnp.asarray(self.stop_ids)) | self._done(s)
+
+    def _done(self, s) -> jax.Array:
+        """Whether a row in rule state ``s`` has ended its segment (a final state, or ``until``)."""
+        d = self.state.rule.is_final(s)
+        return d if self.until is None else d | jnp.asarray(self.until(s), bool)
 
     def sample_with_intermediates(self, key, sample_shape=()):
         if sample_shape:
             raise ConfigError("Segment draws one segment per row (sample_shape must be ())")
         st, n, K = self.state, self.state.n, self.max_tokens
         lm, rule, params = st.lm, st.rule, lm_params(st.lm)
-        done0 = rule.is_final(st.rule_state) | (K == 0)
+        done0 = self._done(st.rule_state) | (K == 0)
 
         def body(carry, k):
             logp, cache, s, done, lq = carry
@@ -329,7 +336,7 @@ class Segment(Distribution):
         steps, ends = steps.T, ends.T
         any_end = ends.any(1)
         first_end = jnp.where(any_end, jnp.argmax(ends, 1), K)
-        start_final = rule.is_final(st.rule_state)
+        start_final = self._done(st.rule_state)
         complete = jnp.where(start_final, length == 0,
                              jnp.where(any_end, first_end == length - 1, length == K)) & ~gap
         return jnp.where(complete, steps.sum(1), NEG_INF)
