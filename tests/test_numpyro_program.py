@@ -212,6 +212,9 @@ def test_a_traced_value_where_a_concrete_one_is_needed_names_static(cups):
     prefix = jnp.asarray(ex.VOCAB.encode("A B"), jnp.int32)
     with pytest.raises(ConcreteValueError, match=r"static=\(index, \.\.\.\)"):
         ptn.infer.Importance(4).run(FromObservation(cups["lm"]), None, prefix)
+    # the fix the message names: the argument as a compile-time constant; the rule then forces the prefix
+    res = ptn.infer.Importance(4).run(FromObservation(cups["lm"]), None, prefix, static=(0,))
+    assert (np.asarray(res.samples["y"])[:, 0] == np.asarray(prefix)).all()
 
 
 def test_a_program_that_never_finishes_names_max_steps():
