@@ -4,7 +4,14 @@ Workload: ``SlowThinking(Transformer prior, PauseToThink)`` with a ``Causal`` pr
 Transformer), one checkpoint per LM saved by the torch side and loaded by the JAX side (one set of weights,
 two frameworks); x of 8 tokens; N in {16, 64, 256} particles (``--quick``: 16, 256).
 
-    python benchmarks/backends.py [--quick] [--json FILE] [--repeats R]
+    python benchmarks/backends.py [--quick] [--json FILE] [--repeats R] [--only program]
+
+``program``: the user program of examples/custom_program.py (question -> thought -> answer, 4 swaps, a 4-gram
+Tabular LM) and its NumPyro twin examples/custom_program_numpyro.py, bootstrap SMC (ESS 0.5) on both backends,
+in particle-steps/s (N x 4 program steps over the best wall time); ``compile_s["program"]`` is JAX's first run
+minus its best, ``rerun_fresh_engine_s`` the time of a run by a new ``ptn.infer.SMC`` object with the same
+configuration (the compiled run is cached at module level, so it does not recompile). ``--only program`` runs
+that part alone.
 
 Figures are **particle-steps/s**: N x L over the best wall time of ``repeats`` runs after a warm-up, where
 L = ``domain(|x|).max_len`` is the longest latent sequence Dom(Proj) allows for this x: one fixed workload for
@@ -23,6 +30,7 @@ short enough to enumerate.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -65,9 +73,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="N in {16, 256}, one timed repetition")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--only", choices=("all", "program"), default="all",
+                    help="'program': only the user-program entry")
     args = ap.parse_args(argv)
     ns = (16, 256) if args.quick else (16, 64, 256)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if args.only == "program":
+        out = {"benchmark": "backends", "n": list(ns), "repeats": repeats, "torch": torch.__version__,
+               "jax": jax.__version__, "torch_threads": torch.get_num_threads(),
+               "jax_device": str(jax.devices()[0]), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+               "load_average_before": list(os.getloadavg()), "compile_s": {}}
+        user_program(out, ns, repeats)
+        out["load_average_after"] = list(os.getloadavg())
+        return _write(out, args.json)
 
     vocab = pt.Vocab(["a", "b", "c", "d"])
     V = len(vocab)
@@ -129,12 +147,60 @@ def main(argv: list[str] | None = None) -> dict:
             out["compile_s"][name][str(n)] = max(first_j - sec_j, 0.0)
             out["log_marginal"][name][str(n)] = {"torch": float(res_t.log_marginal),
                                                  "jax": float(np.asarray(res_j.log_marginal))}
+    user_program(out, ns, repeats)
     out["load_average_after"] = list(os.getloadavg())
+    return _write(out, args.json)
+
+
+def _write(out: dict, path: str | None) -> dict:
     print(json.dumps(out, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             json.dump(out, f, indent=2)
     return out
+
+
+def _example(name: str):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def user_program(out: dict, ns, repeats: int) -> None:
+    """The ``program`` entry (see the module docstring): bootstrap SMC on the question -> thought -> answer
+    program, torch against JAX, in ``out["program"]``, ``out["compile_s"]["program"]``,
+    ``out["rerun_fresh_engine_s"]``."""
+    tex, jex = _example("custom_program"), _example("custom_program_numpyro")
+    swaps_t, answer_t = torch.tensor(tex.VOCAB.encode("AB BC AC AB")), torch.tensor(tex.VOCAB.id("A"))
+    swaps_j = jnp.asarray(jex.VOCAB.encode("AB BC AC AB"), jnp.int32)
+    answer_j = jnp.asarray(jex.VOCAB.id("A"), jnp.int32)
+    steps = int(swaps_j.shape[0])
+    model_t, model_j = tex.WhichCup(tex.tracker_lm()), jex.WhichCup(jex.tracker_lm(), steps)
+    out["program"], out["rerun_fresh_engine_s"] = {}, {}
+    out["compile_s"]["program"] = {}
+    out.setdefault("log_marginal", {})["program"] = {}
+    out.setdefault("seconds", {})["program"] = {}
+    out.setdefault("workload", {})["program"] = {"model": "examples/custom_program*.py WhichCup (4 swaps)",
+                                                 "engine": "SMC(N, ess_threshold=0.5), guide=None",
+                                                 "steps": steps}
+    key = jax.random.PRNGKey(0)
+    for n in ns:
+        with torch.no_grad():
+            _, sec_t, res_t = best_time(lambda n=n: pt.infer.SMC(n).run(model_t, None, swaps_t, answer_t), repeats)
+        first_j, sec_j, res_j = best_time(
+            lambda n=n: block(ptn.infer.SMC(n).run(model_j, None, swaps_j, answer_j, rng_key=key)), repeats)
+        t0 = time.perf_counter()
+        block(ptn.infer.SMC(n).run(model_j, None, swaps_j, answer_j, rng_key=jax.random.PRNGKey(1)))
+        fresh = time.perf_counter() - t0
+        rate_t, rate_j = n * steps / sec_t, n * steps / sec_j
+        out["program"][str(n)] = {"torch": rate_t, "jax": rate_j, "ratio_jax_over_torch": rate_j / rate_t}
+        out["seconds"]["program"][str(n)] = {"torch": sec_t, "jax": sec_j, "jax_first": first_j}
+        out["compile_s"]["program"][str(n)] = max(first_j - sec_j, 0.0)
+        out["rerun_fresh_engine_s"][str(n)] = fresh
+        out["log_marginal"]["program"][str(n)] = {"torch": float(res_t.log_marginal),
+                                                  "jax": float(np.asarray(res_j.log_marginal))}
 
 
 if __name__ == "__main__":

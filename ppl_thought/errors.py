@@ -128,3 +128,9 @@ class TransformError(PPLThoughtError, ValueError):
 class ActiveLiftError(TransformError):
     """An active lifting model (Section 6) that cannot be built or used: a latent alphabet Omega with fewer
     than two tokens or with the format markers, a latent sequence outside Omega^T, LMs on other vocabularies."""
+
+
+class ConcreteValueError(ProgramError):
+    """A JAX program needed a concrete value (a numpy array, a Python int) where it got a traced one: an automaton
+    built from an argument, ``int(t)``, a Python ``if`` on a sampled value. The message names the argument to pass
+    with ``static=`` (a compile-time constant) or the ``jnp.where`` / mask to write instead."""

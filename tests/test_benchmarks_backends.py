@@ -40,3 +40,11 @@ def test_backends_benchmark_quick(tmp_path):
         # both backends estimate the same log p(x): finite, and within a few nats of each other at N = 256
         lm = out["log_marginal"][engine]["256"]
         assert math.isfinite(lm["torch"]) and math.isfinite(lm["jax"]) and abs(lm["torch"] - lm["jax"]) < 2.0
+    # the user program (question -> thought -> answer): both backends, compile time apart, a fresh engine reuses it
+    assert set(out["program"]) == {"16", "256"}
+    for n, per_n in out["program"].items():
+        assert per_n["torch"] > 0 and per_n["jax"] > 0
+        lm = out["log_marginal"]["program"][n]
+        assert math.isfinite(lm["torch"]) and math.isfinite(lm["jax"])
+        assert out["rerun_fresh_engine_s"][n] < out["seconds"]["program"][n]["jax_first"]
+    assert set(out["compile_s"]["program"]) == {"16", "256"}

@@ -5,7 +5,9 @@ numpy automaton tables)::
 
     import ppl_thought.numpyro as ptn
     ptn.lm                       # LM protocol (LM, reorder), Tabular n-gram, Transformer (loads torch checkpoints)
-    ptn.dist                     # LMSequence (Def 2.8), ProjectionDelta: NumPyro distributions
+    ptn.Program                  # the step-wise program protocol (init / step), as pt.Program
+    ptn.sample, observe, factor, twist, particles   # its verbs (NumPyro primitives under the theory's names)
+    ptn.dist                     # LMSequence (Def 2.8), ProjectionDelta, LMState: NumPyro distributions
     ptn.models                   # SlowThinking (Proj # P_f), HMM (Def 2.2, forward algorithm (3.1)), LatentThought
     ptn.guides                   # Identity (3.30), Predictive, Causal (3.33), Explanatory (Def 3.9), Posterior
     ptn.infer                    # Importance (3.2), SMC, ELBO (for numpyro.infer.SVI), Result, ULA / MALA kernels
@@ -21,7 +23,7 @@ import importlib
 
 _SUBMODULES = {
     "lm": "ppl_thought.numpyro.lm",
-    "dist": "ppl_thought.numpyro.distributions",
+    "dist": "ppl_thought.numpyro.dist",
     "distributions": "ppl_thought.numpyro.distributions",
     "models": "ppl_thought.numpyro.models",
     "guides": "ppl_thought.numpyro.guides",
@@ -29,6 +31,12 @@ _SUBMODULES = {
     "handlers": "ppl_thought.numpyro.handlers",
 }
 _ATTRIBUTES = {
+    "Program": "ppl_thought.numpyro.program",
+    "sample": "ppl_thought.numpyro.program",
+    "observe": "ppl_thought.numpyro.program",
+    "factor": "ppl_thought.numpyro.program",
+    "twist": "ppl_thought.numpyro.program",
+    "particles": "ppl_thought.numpyro.program",
     "to_inference_data": "ppl_thought.numpyro.inference_data",
     "ProjectionLift": "ppl_thought.numpyro.handlers",
 }

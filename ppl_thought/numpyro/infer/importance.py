@@ -18,9 +18,11 @@ import numpy as np
 from numpyro.handlers import replay, seed, trace
 
 from ppl_thought.checks import integer
-from ppl_thought.errors import NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
+from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
 from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
+from ppl_thought.numpyro.infer.steps import StepEngine, program_result
+from ppl_thought.numpyro.program import is_program
 
 
 def site_log_prob(site: dict) -> jax.Array:
@@ -80,19 +82,28 @@ def not_in_image_result(message: str, n: int, engine: str, observed: dict) -> Re
                   log_marginal_stderr=jnp.asarray(0.0), stats={"message": message}, observed=observed, engine=engine)
 
 
-class Importance:
+#: compiled whole-trace weight functions, shared by every Importance object (a fresh engine does not recompile)
+_COMPILED: dict = {}
+
+
+class Importance(StepEngine):
     """Vectorised importance sampling, estimator (3.2): ``Importance(n).run(model, guide, *args, rng_key=key)``.
 
     The per-particle trace (guide, then the model replayed on it) is ``vmap``-ed over ``n`` keys and ``jit``-ed;
     the observation is a constant of the compiled function (the automata are built from it), so a new x
-    compiles anew (the compiled function is kept per model, guide and arguments).
+    compiles anew (the compiled function is kept at module level per model, guide and arguments, so a fresh
+    ``Importance`` object reuses it).
+
+    A :class:`~ppl_thought.numpyro.program.Program` runs through the generic step engine
+    (:mod:`ppl_thought.numpyro.infer.steps`) without resampling: ``run(program, guide, *args, rng_key=key,
+    static=())``, the same weights as whole traces (its arguments traced, ``static`` as for SMC).
     Returns a :class:`Result`: ``log_weights [n]``, ``log_marginal``, ``log_marginal_stderr`` (delta method),
     ``samples`` (the guide's latent sites), ``stats`` with ``ess``, ``log_p``, ``log_q``.
     """
 
-    def __init__(self, num_particles: int):
+    def __init__(self, num_particles: int, max_steps: int = 64):
         self.num_particles = integer("num_particles", num_particles)
-        self._compiled: dict = {}
+        self.max_steps = integer("max_steps", max_steps)
 
     def compiled(self, model, guide, *args, **kwargs):
         """The jitted ``keys [n, 2] -> (log w, log p, log q, values)`` for these arguments (cached)."""
@@ -100,14 +111,21 @@ class Importance:
         kwargs = {k: _concrete(v) for k, v in kwargs.items()}
         key = (id(model), id(guide), tuple(np.asarray(a).tobytes() if a is not None else None for a in args),
                tuple(sorted((k, np.asarray(v).tobytes()) for k, v in kwargs.items())))
-        if key not in self._compiled:
-            if len(self._compiled) > 32:
-                self._compiled.clear()
-            self._compiled[key] = jax.jit(jax.vmap(log_weight_fn(model, guide, args, kwargs)))
-        return self._compiled[key]
+        hit = _COMPILED.get(key)
+        if hit is None or hit[1] is not model or hit[2] is not guide:
+            if len(_COMPILED) > 32:
+                _COMPILED.clear()
+            hit = _COMPILED[key] = (jax.jit(jax.vmap(log_weight_fn(model, guide, args, kwargs))), model, guide)
+        return hit[0]
 
-    def run(self, model, guide, *args, rng_key: jax.Array | None = None, **kwargs) -> Result:
+    def run(self, model, guide, *args, rng_key: jax.Array | None = None, static: tuple = (), **kwargs) -> Result:
         """Draw n particles from the guide, weight them by p/q, and estimate log p(data) by (3.2)."""
+        if is_program(model):
+            if kwargs:
+                raise ConfigError(f"Importance.run on a ptn.Program takes positional arguments only, got "
+                                  f"{sorted(kwargs)}")
+            out = self._program_run(model, guide, args, rng_key, static, 0.0, "Importance")
+            return program_result(out, "Importance", args)
         n = self.num_particles
         observed = {"args": args, "kwargs": kwargs}
         key = jax.random.PRNGKey(0) if rng_key is None else rng_key

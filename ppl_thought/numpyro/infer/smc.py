@@ -29,22 +29,34 @@ from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, encode, sample
 from ppl_thought.numpyro.infer.importance import Importance, not_in_image_result
 from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, systematic_resample
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
+from ppl_thought.numpyro.infer.steps import StepEngine, program_result
 from ppl_thought.numpyro.lm.base import reorder
+from ppl_thought.numpyro.program import is_program
 
 
 def _take(q: jax.Array, tok: jax.Array) -> jax.Array:
     return jnp.take_along_axis(q, tok[:, None], -1)[:, 0]
 
 
-class SMC:
-    """SMC over the segments of a :class:`~ppl_thought.numpyro.models.SlowThinking` model (Lemma 2.1).
+class SMC(StepEngine):
+    """SMC over the steps of any :class:`~ppl_thought.numpyro.program.Program` (the generic engine core,
+    :mod:`ppl_thought.numpyro.infer.steps`), and over the segments of a
+    :class:`~ppl_thought.numpyro.models.SlowThinking` model (Lemma 2.1).
 
     Args:
         num_particles: n.
         ess_threshold: resample when ESS / n falls under it (0: never, 1: at every step but the last).
         groups: G independent runs (``vmap`` over keys); ``log_marginal`` is then ``[G]`` and
             ``stats["log_marginal_pooled"]`` (with ``stats["log_marginal_pooled_stderr"]``, the delta method
-            over the G unbiased estimates) pools them.
+            over the G unbiased estimates) pools them. SlowThinking only.
+        max_steps: the length of the compiled step loop for programs without a ``max_steps`` attribute.
+
+    ``run(program, guide, *args, rng_key=key, static=()) -> Result`` for a ``ptn.Program`` (guide: a program
+    with the same steps and latent sites, or ``None``: the bootstrap): ``samples`` (a step site ``[n, steps, ...]``,
+    an init site ``[n, ...]``, plus ``program.outputs(state)``), final ``log_weights``, ``log_marginal``,
+    ``ancestry [steps, n]``, ``stats["ess"]`` / ``["resampled"]`` per step, ``stats["steps"]``. Arguments are
+    traced (new data of the same shapes reuses the compiled run); ``static`` lists the indices of arguments
+    that must be concrete (their values key the compiled run).
 
     ``run(model, guide, x, rng_key=key) -> Result``: ``samples["z"] [n, L]``, final ``log_weights``,
     ``log_marginal``, ``ancestry [|x|, n]``, ``stats["ess"]`` / ``["resampled"]`` per step. The guide is
@@ -53,10 +65,11 @@ class SMC:
     resampled (then it is importance sampling), else ``None``: use ``groups``.
     """
 
-    def __init__(self, num_particles: int, ess_threshold: float = 0.5, groups: int = 1):
+    def __init__(self, num_particles: int, ess_threshold: float = 0.5, groups: int = 1, max_steps: int = 64):
         self.num_particles = integer("num_particles", num_particles)
         self.ess_threshold = fraction("ess_threshold", ess_threshold)
         self.groups = integer("groups", groups)
+        self.max_steps = integer("max_steps", max_steps)
         self._compiled: dict = {}
 
     # ------------------------------------------------------------------ the compiled run
@@ -154,7 +167,20 @@ class SMC:
 
         return jax.jit(jax.vmap(run, in_axes=(0, None, None)))
 
-    def run(self, model, guide, x, rng_key: jax.Array | None = None) -> Result:
+    def run(self, model, guide, *args, rng_key: jax.Array | None = None, static: tuple = ()) -> Result:
+        """Run SMC; see the class docstring."""
+        if is_program(model):
+            if self.groups != 1:
+                raise ConfigError("SMC(groups=G > 1) runs SlowThinking only; for a ptn.Program run G seeds "
+                                  "(the compiled run is reused)")
+            out = self._program_run(model, guide, args, rng_key, static, self.ess_threshold, "SMC")
+            return program_result(out, "SMC", args)
+        if len(args) != 1:
+            raise ConfigError(f"SMC.run(model, guide, x) on {type(model).__name__} takes one observation x, got "
+                              f"{len(args)} arguments (a ptn.Program takes any)")
+        return self._run_slow_thinking(model, guide, args[0], rng_key)
+
+    def _run_slow_thinking(self, model, guide, x, rng_key) -> Result:
         """Run G x n particles through the |x| segments; see the class docstring."""
         xa = model.x_ids(x)
         n, G = self.num_particles, self.groups

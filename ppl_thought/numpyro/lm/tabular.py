@@ -70,6 +70,12 @@ class Tabular(LM):
             return jnp.broadcast_to(lp, (B, T, self.vocab_size)), cache
         valid = jnp.ones((B, T), bool) if valid is None else jnp.asarray(valid, bool)
 
+        if T == 1:  # one token (a decoding step): no loop, which keeps compiled decoders small
+            shifted = jnp.concatenate([ctx[:, 1:], tokens], 1)
+            ctx = jnp.where(valid, shifted, ctx)
+            row = logits[tuple(ctx[:, j] for j in range(k))]
+            return jax.nn.log_softmax(row[:, None], -1), {"context": ctx}
+
         def body(c, inp):
             tok, ok = inp
             shifted = jnp.concatenate([c[:, 1:], tok[:, None]], 1)

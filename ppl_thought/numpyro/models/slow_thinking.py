@@ -18,9 +18,11 @@ import numpy as np
 import numpyro
 
 from ppl_thought.errors import ConfigError, NotInImageError, TooLargeToEnumerateError
-from ppl_thought.numpyro.distributions import LMSequence, ProjectionDelta
+from ppl_thought.numpyro.distributions import NEG_INF, LMSequence, ProjectionDelta, TokenRule, tables
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.numpyro.lm_state import LMState
 from ppl_thought.numpyro.params import param_tree
+from ppl_thought.numpyro.program import Program, factor, particles, sample
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.vocab import PAD_ID
@@ -98,6 +100,12 @@ class SlowThinking:
 
     model = __call__
 
+    def program(self, x) -> SlowThinkingProgram:
+        """This model for the observation ``x`` as a :class:`~ppl_thought.numpyro.program.Program` whose step t
+        samples the segment z^(t) of Lemma 2.1 (site ``"z"``) and checks x_t (site ``"x"``, a factor 0 / -inf):
+        what the generic engines (``ptn.infer.SMC`` / ``Importance``) run."""
+        return SlowThinkingProgram(self, x)
+
     # ------------------------------------------------------------------ exact answers
     def enumerate_log_joint(self, x, limit: int = 20_000) -> tuple[np.ndarray, jax.Array]:
         """(support ``[K, L]``, log P^{<=|z|}(z) ``[K]``) over the lifting of x (one jitted teacher-forced pass)."""
@@ -142,3 +150,48 @@ class SlowThinking:
     def __repr__(self) -> str:
         return f"SlowThinking(prior={type(self.prior).__name__}, projection={self.projection!r})"
 
+
+class SlowThinkingProgram(Program):
+    """Proj # P_f for one observation x as a step-wise program (Lemma 2.1; torch twin: SlowThinking's ``step``).
+
+    ``init`` starts the prior's :class:`~ppl_thought.numpyro.lm_state.LMState` under the domain automaton
+    Dom(Proj) of |x| (the masked prior of Def 2.8) and the lifting automaton Proj^{-1}(x) (Prop 2.3); step t
+    samples the segment z^(t) (``"z"``, ``[n, L]`` right-padded: the masked prior decodes until the domain automaton
+    has emitted x_{t+1}'s position, or reaches a final state at the last step), extends the state with it, advances
+    the lifting automaton and adds the factor ``"x"``: 0 if z^(<=t) emits x_{<=t}, else -inf. So the product of
+    the steps' weights is P^{<=|z|}(z) 1[Proj(z) = x] and Z = (Proj # P)^{<=|x|}(x), (2.22). x is a constant of
+    the program (its automata are numpy tables built from it): one program per observation.
+    """
+
+    def __init__(self, model: SlowThinking, x):
+        xa = model.x_ids(x)
+        if len(xa) == 0:
+            raise ConfigError("SlowThinking.program needs a non-empty observation x (one step per token)")
+        self.model, self.xa = model, xa
+        self.max_steps = len(xa)
+        self.domain = model.domain(len(xa))
+        self.rule = TokenRule(self.domain, model.prior.vocab_size)
+        self.lift = tables(model.projection.lifting(xa))  # NotInImageError: p(x) = 0
+        self.max_len = int(self.domain.max_len)
+
+    def init(self, state: dict) -> None:
+        n = particles()
+        state["lm"] = LMState.start(self.model.prior, n, rule=self.rule, max_len=self.max_len)
+        state["lift"] = jnp.full((n,), self.lift.start, jnp.int32)
+
+    def step(self, state: dict, t) -> jax.Array:
+        lm, D, Lf = state["lm"], self.rule.t, self.lift
+        last = t == self.max_steps - 1
+
+        def until(s):
+            return jnp.where(last, D.final[s], D.emitted[s] >= t + 1) | (s < 0)
+
+        z = sample("z", lm.segment(max_tokens=self.max_len, until=until))
+        lm.extend(z)
+        s_l = state["lift"]
+        for j in range(self.max_len):
+            s_l = Lf.advance(s_l, z[:, j])
+        state["lift"] = s_l
+        emits = jnp.where(last, Lf.final[s_l], Lf.emitted[s_l] >= t + 1) & (s_l >= 0)
+        factor("x", jnp.where(emits, 0.0, NEG_INF))
+        return jnp.broadcast_to(last, (lm.n,))

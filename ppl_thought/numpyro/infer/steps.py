@@ -1,0 +1,385 @@
+"""The one JAX engine core over any :class:`~ppl_thought.numpyro.program.Program`: SMC (and Importance, the same run
+without resampling) compiled as one function (docs/architecture.md, "One protocol, two backends"; torch twin:
+ppl_thought/inference/smc.py).
+
+At step t every particle runs the guide's step (or, with ``guide=None``, the model's own sample statements: the
+bootstrap) under ``numpyro.handlers.seed`` and ``trace`` inside ``numpyro.plate("particles", n)``, then the
+model's step replayed on the guide's values, and gets the incremental weight
+
+    w_t^i = p(sites of step t) / q(latent sites of step t) * psi_t^i / psi_{t-1}^i
+
+(psi: the ``ptn.twist`` potential; a finishing particle divides its last one out). Z-hat = prod_t (1/n)
+sum_i W_{t-1}^i w_t^i is unbiased ((2.22) for a slow-thinking program): when the ESS falls under
+``ess_threshold * n`` the particles are resampled (systematic) and every leaf of both programs' ``state`` is
+gathered by the ancestors, their weights set to the mean. The step loop is a ``lax.scan`` over ``max_steps``
+steps (a step after every particle finished is skipped by ``lax.cond``); finished particles get weight 0 and
+frozen state. The whole run (init, steps, resampling decisions, the lineage of every recorded site) is one
+``jax.jit``; compiled runs are cached at module level by (engine type, model, guide, argument shapes, static
+arguments, configuration), so a fresh engine object with the same configuration reuses them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+from numpyro.handlers import replay, seed, trace
+
+from ppl_thought.errors import (
+    ConcreteValueError,
+    ConfigError,
+    NumericalError,
+    ProgramError,
+    SiteMismatchError,
+    ZeroWeightsError,
+)
+from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, systematic_resample
+from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
+from ppl_thought.numpyro.lm_state import bind_params, collect_lms
+from ppl_thought.numpyro.program import PARTICLES, as_done, collect_twists, is_output, is_program
+
+__all__ = ["StepEngine", "clear_cache", "compilations", "program_result"]
+
+#: how many times a run was traced (= compiled); tests read it through :func:`compilations`
+_TRACES = [0]
+_CACHE: OrderedDict = OrderedDict()
+_CACHE_SIZE = 64
+
+_TRACER_ERRORS = tuple(getattr(jax.errors, n) for n in ("TracerArrayConversionError", "ConcretizationTypeError",
+                                                         "TracerBoolConversionError", "TracerIntegerConversionError")
+                       if hasattr(jax.errors, n))
+
+
+def compilations() -> int:
+    """How many program runs were traced and compiled in this process (a cache hit adds nothing)."""
+    return _TRACES[0]
+
+
+def clear_cache() -> None:
+    """Forget every compiled program run."""
+    _CACHE.clear()
+
+
+class _StepOut(NamedTuple):
+    log_w: jax.Array  # [n]
+    values: dict  # latent and output site values of the step, [n, ...]
+    done: jax.Array | None
+    log_psi: jax.Array | None
+
+
+def _site_log_prob(site: dict, n: int, depth: int) -> jax.Array:
+    """A site's log-density per particle ``[n]``: summed over the program's own plates (right of the particle dim)."""
+    fn, value = site["fn"], site["value"]
+    lp = fn.log_prob(value, site["intermediates"]) if site.get("intermediates") else fn.log_prob(value)
+    if site.get("scale") is not None:
+        lp = site["scale"] * lp
+    lp = jnp.asarray(lp)
+    if depth:
+        lp = jnp.reshape(lp, (1,) * max(0, depth + 1 - lp.ndim) + lp.shape)
+        lp = lp.sum(tuple(range(lp.ndim - depth, lp.ndim)))
+    lp = jnp.reshape(lp, (-1,) + lp.shape[-1:]).sum(0) if lp.ndim > 1 else lp
+    return jnp.broadcast_to(lp, (n,))
+
+
+def _latent(site: dict) -> bool:
+    return site["type"] == "sample" and not site["is_observed"] and not is_output(site)
+
+
+def _run_step(model_fn, guide_fn, key, n: int, depth: int, where: str) -> _StepOut:
+    """One step (or init) of model and guide for all particles, traced; weights and site checks."""
+    kq, kp = jax.random.split(key)
+
+    def plated(fn):
+        def f():
+            with numpyro.plate(PARTICLES, n, dim=-(depth + 1)):
+                return fn()
+        return f
+
+    g_tr = None
+    if guide_fn is not None:
+        g_tr = trace(seed(plated(guide_fn), kq)).get_trace()
+    with collect_twists() as tw:
+        if g_tr is None:
+            m_tr = trace(seed(plated(model_fn), kp))
+        else:
+            m_tr = trace(replay(seed(plated(model_fn), kp), trace=g_tr))
+        done = m_tr()
+        m_tr = m_tr.trace
+    for tr, who in ((m_tr, "the model"), (g_tr or {}, "the guide")):
+        traced = [k for k in tr if "Tracer" in k or "Traced<" in k]  # str() of a tracer, by JAX version
+        if traced:
+            raise ProgramError(f"{who} names a site {traced[0]!r} {where} from a traced value (e.g. f'thought_{{t}}'): "
+                               "in a JAX program t is traced and every step has the same sites; name it without t "
+                               "(the engine stacks a step site's values over steps: samples[name] is [n, steps, ...])")
+    sites = {k: s for k, s in m_tr.items() if s["type"] == "sample"}
+    latent = [k for k, s in sites.items() if _latent(s)]
+    log_w = jnp.zeros(n)
+    if g_tr is not None:
+        proposed = [k for k, s in g_tr.items() if s["type"] == "sample" and not s["is_observed"]]
+        missing = [k for k in latent if k not in proposed]
+        extra = [k for k in proposed if k not in latent]
+        if missing:
+            raise SiteMismatchError(
+                f"the guide does not sample the model's latent site(s) {missing} {where}: the model would draw them "
+                f"from its prior and the weights would be wrong (guide samples {proposed}, model latents {latent}); "
+                f"add numpyro.sample({missing[0]!r}, ...) to the guide's {where.split()[-1]}")
+        if extra:
+            outs = [k for k in extra if k in sites]
+            raise SiteMismatchError(
+                f"the guide samples {extra} {where}, which the model " +
+                (f"has as outputs or observations ({outs}): the guide proposes latent sites only"
+                 if outs else f"does not sample (model latents {latent}): rename or drop them in the guide"))
+        for k in latent:
+            gs, ms = g_tr[k], sites[k]
+            shape = tuple(ms["fn"].batch_shape) + tuple(ms["fn"].event_shape)
+            if jnp.shape(gs["value"]) != shape:
+                raise SiteMismatchError(f"site {k!r} {where}: the guide's value has shape {jnp.shape(gs['value'])}, "
+                                        f"the model's distribution {shape}")
+            log_w = log_w - _site_log_prob(gs, n, depth)
+    for s in sites.values():
+        if is_output(s) or (g_tr is None and _latent(s)):
+            continue
+        log_w = log_w + _site_log_prob(s, n, depth)
+    values = {k: s["value"] for k, s in sites.items() if not s["is_observed"]}
+    return _StepOut(log_w, values, as_done(done, n), tw.log_psi)
+
+
+def _check_state(state: dict, n: int, who: str) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        shape = jnp.shape(leaf)
+        if len(shape) and shape[0] != n:
+            raise ProgramError(f"{who} state{jax.tree_util.keystr(path)} has shape {shape}: state arrays must be "
+                               f"[num_particles={n}, ...] so that resampling can gather them (keep shared constants "
+                               "on the program object)")
+
+
+def _freeze(finished: jax.Array, old, new):
+    """Keep the state rows of finished particles as they were before the step."""
+    def f(a, b):
+        if not jnp.ndim(b):
+            return b
+        return jnp.where(finished.reshape(finished.shape + (1,) * (jnp.ndim(b) - 1)), a, b)
+    return jax.tree.map(f, old, new)
+
+
+def _gather(tree, idx: jax.Array, n: int):
+    return jax.tree.map(lambda a: a[idx] if jnp.ndim(a) and jnp.shape(a)[0] == n else a, tree)
+
+
+def _same_structure(before: dict, after: dict, who: str, t_desc: str) -> None:
+    sb, sa = jax.tree.structure(before), jax.tree.structure(after)
+    shapes_b = [(jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(before)]
+    shapes_a = [(jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(after)]
+    if sb != sa or shapes_b != shapes_a:
+        raise ProgramError(f"{who}.step changed the structure or shapes of its state ({t_desc}): keys "
+                           f"{sorted(before)} -> {sorted(after)}; a JAX program keeps every state entry's shape "
+                           "across steps (size LM states with max_len= at start, preallocate buffers in init)")
+
+
+class StepEngine:
+    """What SMC and Importance share over programs: configuration, the compiled-run cache and the call."""
+
+    def _program_run(self, model, guide, args: tuple, rng_key, static: tuple, threshold: float,
+                     engine: str) -> dict:
+        if not is_program(model):
+            raise ConfigError(f"{engine}: model must be a ptn.Program here, got {type(model).__name__}")
+        if guide is not None and not is_program(guide):
+            raise SiteMismatchError(f"{engine}: the guide of a ptn.Program must be a ptn.Program with the same steps "
+                                    f"and latent sites (or None: the bootstrap), got {type(guide).__name__}")
+        n = self.num_particles
+        T = model.max_steps if getattr(model, "max_steps", None) is not None else self.max_steps
+        T = int(T)
+        if T < 1:
+            raise ConfigError(f"{engine}: max_steps must be >= 1, got {T}")
+        static = tuple(sorted({int(i) % max(len(args), 1) for i in static})) if args else ()
+        dyn, stat = [], []
+        for i, a in enumerate(args):
+            if i in static or a is None or isinstance(a, (bool, int, float, str)):
+                stat.append((i, _static_key(a), a))
+            else:
+                dyn.append((i, jnp.asarray(a)))
+        lms = collect_lms(model, guide)
+        params = {str(j): lm.params for j, lm in enumerate(lms)}
+        depth = max(int(getattr(model, "max_plate_nesting", 0) or 0),
+                    int(getattr(guide, "max_plate_nesting", 0) or 0) if guide is not None else 0)
+        dyn_struct = tuple((i, a.shape, str(a.dtype)) for i, a in dyn)
+        p_struct = (jax.tree.structure(params), tuple((jnp.shape(x), str(jnp.result_type(x)))
+                                                      for x in jax.tree.leaves(params)))
+        key = (type(self), engine, id(model), id(guide), n, float(threshold), T, depth, len(args), dyn_struct,
+               tuple((i, k) for i, k, _ in stat), p_struct, tuple(id(lm) for lm in lms))
+        hit = _CACHE.get(key)
+        if hit is None:
+            consts = {i: a for i, _, a in stat}
+            fn = jax.jit(self._build_program(model, guide, n, T, threshold, depth, len(args), consts,
+                                     [i for i, _ in dyn], [id(lm) for lm in lms]))
+            hit = (fn, model, guide, lms)  # the refs keep the ids of the key alive
+            _CACHE[key] = hit
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+        else:
+            _CACHE.move_to_end(key)
+        rng = jax.random.PRNGKey(0) if rng_key is None else rng_key
+        try:
+            out = hit[0](rng, params, tuple(a for _, a in dyn))
+        except _TRACER_ERRORS as e:
+            _CACHE.pop(key, None)
+            raise ConcreteValueError(
+                f"{type(model).__name__} (or its guide) needs a concrete value where the compiled run has a traced "
+                f"one ({type(e).__name__}). Arguments are traced: pass the ones that must be concrete (e.g. what "
+                f"an automaton is built from) with static=(index, ...) in run(...), "
+                f"e.g. {engine}(...).run(model, guide, *args, static=(0,)); t is traced too: index arrays with it "
+                "(x[t]) rather than int(t), and choose with jnp.where / mask sites with numpyro.handlers.mask "
+                "instead of a Python if on traced values") from e
+        except BaseException:
+            _CACHE.pop(key, None)
+            raise
+        done = bool(out["all_done"])
+        if not done:
+            raise ProgramError(f"{type(model).__name__} did not finish within max_steps={T} steps: return a bool array "
+                               "[num_particles] from step marking finished particles, and set the class attribute "
+                               "max_steps (or the engine's max_steps=) to the number of steps it needs")
+        return out
+
+    def _build_program(self, model, guide, n: int, T: int, threshold: float, depth: int, nargs: int, consts: dict,
+               dyn_idx: list, lm_ids: list):
+        name = type(model).__name__
+        drop = self._weigh
+
+        def run(key, params, dyn):
+            _TRACES[0] += 1
+            args = [None] * nargs
+            for i, a in consts.items():
+                args[i] = a
+            for i, a in zip(dyn_idx, dyn):
+                args[i] = a
+            args = tuple(args)
+            bound = {k: params[str(j)] for j, k in enumerate(lm_ids)}
+            with bind_params(bound):
+                return self._trace_run(model, guide, n, T, threshold, depth, args, key, name, drop)
+
+        return run
+
+    def _weigh(self, inc: jax.Array, t: jax.Array) -> jax.Array:
+        """The incremental log weight of step t as the engine adds it (the tests override this to show that a
+        wrong weight fails the statistical checks)."""
+        return inc
+
+    def _trace_run(self, model, guide, n, T, threshold, depth, args, key, name, weigh):
+        sm: dict = {}
+        sg: dict = {}
+        key, k0 = jax.random.split(key)
+        init = _run_step(lambda: model.init(sm, *args), (lambda: guide.init(sg, *args)) if guide is not None else None,
+                         k0, n, depth, "in init")
+        _check_state(sm, n, name)
+        _check_state(sg, n, "the guide's")
+        lw0 = init.log_w
+        finished0 = jnp.zeros(n, bool) if init.done is None else init.done
+
+        def one(sm, sg, t, k):
+            sm2, sg2 = dict(sm), dict(sg)
+            out = _run_step(lambda: model.step(sm2, t, *args),
+                            (lambda: guide.step(sg2, t, *args)) if guide is not None else None,
+                            k, n, depth, "in step")
+            _same_structure(sm, sm2, name, "model")
+            _same_structure(sg, sg2, "the guide", "guide")
+            return sm2, sg2, out
+
+        # shapes of a step's outputs, for the branch that skips a step once every particle finished
+        shapes = jax.eval_shape(lambda sm, sg, k: one(sm, sg, jnp.zeros((), jnp.int32), k)[2], sm, sg, key)
+        twisted = shapes.log_psi is not None
+        has_done = shapes.done is not None
+        clash = sorted(set(init.values) & set(shapes.values))
+        if clash:
+            raise ProgramError(f"site(s) {clash} are sampled in init and again in step: site names must differ")
+
+        def body(carry, t):
+            sm, sg, lw, finished, prev_psi, key = carry
+            key, ks, kr = jax.random.split(key, 3)
+            all_before = finished.all()
+
+            def do(op):
+                sm, sg, lw, finished, prev_psi = op
+                sm2, sg2, out = one(sm, sg, t, ks)
+                sm2 = _freeze(finished, sm, sm2)
+                sg2 = _freeze(finished, sg, sg2)
+                done = out.done if has_done else jnp.zeros(n, bool)
+                now_done = finished | done
+                inc = jnp.where(finished, 0.0, weigh(out.log_w, t))
+                psi = prev_psi
+                if twisted:
+                    psi = jnp.broadcast_to(jnp.asarray(out.log_psi, jnp.float32), (n,))
+                    psi = jnp.where(now_done, 0.0, psi)
+                    delta = jnp.where(jnp.isneginf(prev_psi) | finished, 0.0, psi - prev_psi)
+                    inc = jnp.where(jnp.isneginf(inc), inc, inc + delta)
+                return sm2, sg2, lw + inc, now_done, psi, out.values, jnp.ones((), bool)
+
+            def skip(op):
+                sm, sg, lw, finished, prev_psi = op
+                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.values)
+                return sm, sg, lw, finished, prev_psi, zeros, jnp.zeros((), bool)
+
+            sm, sg, lw, finished, psi, values, ran = jax.lax.cond(all_before, skip, do,
+                                                                 (sm, sg, lw, finished, prev_psi))
+            ess = effective_sample_size(lw)
+            alive = ~jnp.isneginf(lw).all()
+            flag = (ess < threshold * n) & ~finished.all() & alive & ran
+
+            def move(op):
+                sm, sg, lw, finished, psi = op
+                idx = systematic_resample(kr, lw)
+                return (_gather(sm, idx, n), _gather(sg, idx, n), jnp.full_like(lw, log_mean_exp(lw)),
+                        finished[idx], psi[idx], idx)
+
+            def keep(op):
+                return (*op, jnp.arange(n))
+
+            if threshold > 0:
+                sm, sg, lw, finished, psi, idx = jax.lax.cond(flag, move, keep, (sm, sg, lw, finished, psi))
+            else:
+                idx = jnp.arange(n)
+            return (sm, sg, lw, finished, psi, key), (values, ess, flag, idx, ran)
+
+        carry = (sm, sg, lw0, finished0, jnp.zeros(n), key)
+        (sm, sg, lw, finished, _, _), (values, ess, flags, anc, ran) = jax.lax.scan(
+            body, carry, jnp.arange(T, dtype=jnp.int32))
+
+        def back(idx, inp):  # the lineage of every final particle: values of step t at its ancestor then
+            vals, a = inp
+            idx = a[idx]
+            return idx, jax.tree.map(lambda v: v[idx] if jnp.ndim(v) and v.shape[0] == n else v, vals)
+
+        _, values = jax.lax.scan(back, jnp.arange(n), (values, anc), reverse=True)
+        comp = jax.lax.fori_loop(0, T, lambda t, idx: anc[T - 1 - t][idx], jnp.arange(n))  # init's lineage
+        init_values = _gather(init.values, comp, n)
+        samples = {k: jnp.moveaxis(v, 0, 1) if jnp.ndim(v) >= 2 else v for k, v in values.items()}
+        samples.update(init_values)
+        samples.update(model.outputs(sm, *args) if hasattr(model, "outputs") else {})
+        return {"log_weights": lw, "log_marginal": log_mean_exp(lw), "samples": samples, "ess": ess,
+                "resampled": flags, "ancestry": anc, "steps": ran.sum(), "all_done": finished.all()}
+
+
+def program_result(out: dict, engine: str, args: tuple) -> Result:
+    """The :class:`Result` of a compiled program run (:mod:`ppl_thought.numpyro.infer.steps`)."""
+    lw = out["log_weights"]
+    if bool(jnp.isnan(lw).any()):
+        raise NumericalError(f"{engine}: NaN log weights (a log-probability, factor or twist is NaN)")
+    if bool(jnp.isneginf(lw).all()):
+        raise ZeroWeightsError(f"{engine}: all {lw.shape[0]} particle weights are zero (log weight -inf): the "
+                               "proposal only produced values the model gives probability 0")
+    resampled = bool(out["resampled"].any())
+    steps = int(out["steps"])
+    return Result(samples=out["samples"], log_weights=lw, log_marginal=out["log_marginal"],
+                  log_marginal_stderr=None if resampled else log_marginal_stderr(lw), ancestry=out["ancestry"],
+                  stats={"ess": out["ess"], "resampled": out["resampled"], "steps": steps},
+                  observed={"args": args}, engine=engine)
+
+
+def _static_key(a: Any):
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return (type(a).__name__, a)
+    arr = np.asarray(a)
+    return ("array", arr.shape, str(arr.dtype), arr.tobytes())

@@ -1,0 +1,342 @@
+"""``ptn.dist.LMState``: the sequence sites of a JAX program over a batch of particles, with a fixed-size cache so
+that a step traces (docs/architecture.md, "Sequence sites" and "One protocol, two backends"; torch twin:
+ppl_thought/distributions/lm_state.py).
+
+``LMState.start(lm, n, prompt, rule=None, max_len=...)`` encodes ``<bos> + prompt`` once for ``n`` rows into a
+cache with room for ``max_len`` more tokens per row (a Transformer's KV cache ``[n, H, S, Dh]``; a Tabular LM's
+context). Its sites:
+
+* ``state.next_token()``: a NumPyro distribution over one token per row ``[n]``;
+* ``state.segment(stop=ids, max_tokens=k)``: a distribution over the next segment of every row, ``[n, k]``
+  right-padded with ``<pad>``: sampled in one lockstep ``lax.scan`` over k tokens (the cache carried), scored by
+  one teacher-forced pass from the current cache. A segment ends at a ``stop`` token (included), in a final
+  state of the rule, or after ``k`` tokens;
+* ``state.extend(value)``: feed a token ``[n]`` / a segment ``[n, k]`` (padding skipped) / one shared token to
+  every row: what the LM reads, and what it wrote.
+
+Log-probabilities are the masked softmax of Def 2.8 under the state's rule (default: every token but ``<pad>`` and
+``<bos>``); a segment's is the sum of its tokens', (2.13); ``-inf`` for an incomplete segment or tokens after
+its end, never NaN. The state is a pytree (its arrays have the rows on axis 0), so engines carry it through
+``lax.scan`` and gather it by ancestors after resampling; ``extend`` replaces its arrays (the object is the
+program's, inside one trace). The LM's parameters are read through :func:`lm_params`: an engine binds them
+as arguments of the compiled run, so new parameters do not recompile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro.distributions import Distribution, constraints
+
+from ppl_thought.checks import integer
+from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
+from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, tree_where
+from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.vocab import BOS_ID, PAD_ID
+
+__all__ = ["LMState", "NextToken", "Segment", "bind_params", "collect_lms", "lm_params"]
+
+# ---------------------------------------------------------------------------------------------- LM parameters
+_BOUND: list[dict[int, Any]] = []
+
+
+@contextmanager
+def bind_params(mapping: dict[int, Any]) -> Iterator[None]:
+    """While the body runs, :func:`lm_params` of the LM with ``id`` k returns ``mapping[k]`` (engines only)."""
+    _BOUND.append(mapping)
+    try:
+        yield
+    finally:
+        _BOUND.pop()
+
+
+def lm_params(lm: LM) -> Any:
+    """The parameters to run ``lm`` with: those an engine bound for this run, else ``lm.params``."""
+    for mapping in reversed(_BOUND):
+        if id(lm) in mapping:
+            return mapping[id(lm)]
+    return lm.params
+
+
+def collect_lms(*objs: Any) -> list[LM]:
+    """The LMs stored on programs (attributes, lists / tuples / dicts of them, objects stored on programs, such
+    as a model or a program, up to three levels down)."""
+    out: dict[int, LM] = {}
+    seen: set[int] = set()
+
+    def visit(v: Any, depth: int) -> None:
+        if isinstance(v, LM):
+            out.setdefault(id(v), v)
+        elif isinstance(v, (list, tuple)):
+            for w in v:
+                visit(w, depth)
+        elif isinstance(v, dict):
+            for w in v.values():
+                visit(w, depth)
+        elif depth < 3 and hasattr(v, "__dict__") and id(v) not in seen and not isinstance(v, type):
+            seen.add(id(v))
+            for w in vars(v).values():
+                visit(w, depth + 1)
+
+    for o in objs:
+        if o is not None:
+            seen.add(id(o))
+            for w in vars(o).values():
+                visit(w, 1)
+    return list(out.values())
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _stop_array(stop) -> np.ndarray:
+    if stop is None:
+        return np.zeros(0, np.int32)
+    if isinstance(stop, str):
+        raise ConfigError(f"stop takes token ids (an LMState has no vocabulary), got the string {stop!r}: "
+                          "pass vocab.id(...)")
+    a = np.atleast_1d(np.asarray(stop))
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise ConfigError(f"stop takes integer token ids, got {a.dtype}")
+    return a.astype(np.int32)
+
+
+def _take(q: jax.Array, tok: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(q, tok[:, None], -1)[:, 0]
+
+
+def _ids(value, n: int, what: str) -> jax.Array:
+    """``value`` as int32 ``[n, S]``: a shared token, tokens ``[n]``, a shared sequence ``[S]`` is not allowed
+    (ambiguous with ``[n]``): give ``[1, S]`` or ``[n, S]``."""
+    v = jnp.asarray(value)
+    if not jnp.issubdtype(v.dtype, jnp.integer):
+        raise MalformedSequenceError(f"{what} takes integer token ids, got dtype {v.dtype}")
+    if v.ndim == 0:
+        v = jnp.broadcast_to(v, (n,))
+    if v.ndim == 1:
+        if v.shape[0] != n:
+            raise MalformedSequenceError(f"{what} got tokens of shape {v.shape}: expected [{n}] (one per row), "
+                                         f"[1, S] or [{n}, S]")
+        v = v[:, None]
+    if v.ndim != 2 or v.shape[0] not in (1, n):
+        raise MalformedSequenceError(f"{what} got shape {v.shape}: expected [{n}], [1, S] or [{n}, S]")
+    return jnp.broadcast_to(v, (n, v.shape[1])).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------- LMState
+class LMState:
+    """A batch of ``n`` LM contexts with a fixed-size cache (see the module docstring).
+
+    Pytree children: ``logp [n, V]`` (the next-token log-probabilities), ``cache`` (the LM's), ``rule_state``
+    (the rule's state, rows on axis 0). Static: the LM, the rule, the cache room.
+    """
+
+    def __init__(self, lm: LM, rule: TokenRule, logp: jax.Array, cache: Any, rule_state: Any, room: int):
+        self.lm, self.rule, self.room = lm, rule, room
+        self.logp, self.cache, self.rule_state = logp, cache, rule_state
+
+    # -- pytree ------------------------------------------------------------------------------------------
+    def tree_flatten(self):
+        return (self.logp, self.cache, self.rule_state), (self.lm, self.rule, self.room)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        lm, rule, room = aux
+        return cls(lm, rule, *children, room)
+
+    # -- construction ---------------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, lm: LM, n: int, prompt=None, rule: TokenRule | None = None, max_len: int = 64) -> LMState:
+        """Encode ``<bos> + prompt`` (1-D ids shared by every row, concrete or traced: its length is static) for
+        ``n`` rows, with room for ``max_len`` more tokens per row. ``rule``: a
+        :class:`~ppl_thought.numpyro.distributions.TokenRule` the LM's sampling is masked by (Def 2.8); it reads
+        every token the state is extended with."""
+        if not isinstance(lm, LM):
+            raise ConfigError(f"LMState.start needs a JAX LM (ptn.lm.Tabular, ptn.lm.Transformer), got "
+                              f"{type(lm).__name__}")
+        n = integer("n (the number of rows: ptn.particles())", n)
+        room = integer("max_len", max_len, minimum=0)
+        V = int(lm.vocab_size)
+        rule = TokenRule(None, V) if rule is None else rule
+        if not isinstance(rule, TokenRule) or rule.vocab_size != V:
+            raise ConfigError(f"rule must be a ptn.dist.TokenRule over the LM's {V} tokens, got {rule!r}")
+        if prompt is None:
+            p = jnp.zeros((0,), jnp.int32)
+        elif isinstance(prompt, jax.Array):
+            p = prompt.astype(jnp.int32).reshape(-1)
+            if not isinstance(prompt, jax.core.Tracer):
+                _check_range(np.asarray(p), V)
+        else:
+            a = np.asarray(prompt)
+            if a.ndim > 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+                raise MalformedSequenceError(f"prompt must be 1-D integer ids shared by every row, got shape "
+                                             f"{a.shape}, dtype {a.dtype}")
+            _check_range(a.reshape(-1), V)
+            p = jnp.asarray(a.reshape(-1), jnp.int32)
+        ctx = jnp.concatenate([jnp.full((1,), BOS_ID, jnp.int32), p])
+        params = lm_params(lm)
+        cache = lm.init_cache(n, ctx.shape[0] + room)
+        logp, cache = lm.apply(params, cache, jnp.broadcast_to(ctx, (n, ctx.shape[0])))
+        return cls(lm, rule, logp[:, -1], cache, rule.start(n), room)
+
+    @property
+    def n(self) -> int:
+        """The number of rows."""
+        return int(self.logp.shape[0])
+
+    # -- sites ---------------------------------------------------------------------------------------------
+    def next_token(self) -> NextToken:
+        """The law of the next token of every row, ``[n]`` (the rule's masked softmax)."""
+        return NextToken(self)
+
+    def segment(self, stop: int | Sequence[int] | None = None, max_tokens: int = 16, until=None) -> Segment:
+        """The law of the next segment of every row, ``[n, max_tokens]`` right-padded (see the module docstring).
+        ``until(rule_state) -> bool [n]``: the segment also ends (or is empty) where it holds, e.g. once the domain
+        automaton has emitted the next observation (the segments of Lemma 2.1)."""
+        return Segment(self, _stop_array(stop), integer("max_tokens", max_tokens), until)
+
+    def extend(self, value) -> LMState:
+        """Feed ``value`` (a token, tokens ``[n]``, or segments ``[n, S]`` right-padded with ``<pad>``) to every row;
+        returns the state (updated in place)."""
+        v = _ids(value, self.n, "LMState.extend")
+        if v.shape[1] == 0:
+            return self
+        valid = jnp.cumprod(v != PAD_ID, axis=1).astype(bool)  # the tokens before the first <pad>
+        logp, cache = self.lm.apply(lm_params(self.lm), self.cache, v, valid=valid)
+        count = valid.sum(1)
+        last = jnp.take_along_axis(logp, jnp.clip(count - 1, 0)[:, None, None], 1)[:, 0]
+        self.logp = jnp.where((count > 0)[:, None], last, self.logp)
+        self.cache = cache
+
+        def adv(s, inp):
+            tok, ok = inp
+            return tree_where(ok, self.rule.step(s, tok), s), None
+
+        self.rule_state, _ = jax.lax.scan(adv, self.rule_state, (v.T, valid.T))
+        return self
+
+    def log_probs(self) -> jax.Array:
+        """log P(next token) ``[n, V]`` under the rule (Def 2.8)."""
+        return self.rule.log_probs(self.logp, self.rule_state)
+
+    def __repr__(self) -> str:
+        return f"ptn.dist.LMState(lm={type(self.lm).__name__}, n={self.n}, room={self.room})"
+
+
+jax.tree_util.register_pytree_node(LMState, LMState.tree_flatten, LMState.tree_unflatten)
+
+
+def _check_range(a: np.ndarray, V: int) -> None:
+    if a.size and (a.min() < 0 or a.max() >= V):
+        raise UnknownTokenError(f"prompt contains ids outside the vocabulary [0, {V})")
+
+
+# ---------------------------------------------------------------------------------------------- the sites
+class NextToken(Distribution):
+    """One token per row from the state's masked next-token law: value int32 ``[n]``."""
+
+    arg_constraints: dict = {}
+    support = constraints.nonnegative_integer
+    is_discrete = True
+
+    def __init__(self, state: LMState, validate_args=None):
+        self.state = state
+        self.q = state.log_probs()
+        super().__init__((state.n,), (), validate_args=validate_args)
+
+    def sample(self, key, sample_shape=()):
+        if sample_shape:
+            raise ConfigError("NextToken draws one token per row (sample_shape must be ())")
+        return jax.random.categorical(key, self.q, -1).astype(jnp.int32)
+
+    def log_prob(self, value, intermediates=None):
+        v = jnp.broadcast_to(jnp.asarray(value, jnp.int32), (self.state.n,))
+        ok = (v >= 0) & (v < self.q.shape[-1])
+        return jnp.where(ok, _take(self.q, jnp.clip(v, 0, self.q.shape[-1] - 1)), NEG_INF)
+
+
+class Segment(Distribution):
+    """The next segment of every row, ``[n, max_tokens]`` right-padded with ``<pad>`` (see the module docstring)."""
+
+    arg_constraints: dict = {}
+    support = constraints.independent(constraints.nonnegative_integer, 1)
+    is_discrete = True
+
+    def __init__(self, state: LMState, stop_ids: np.ndarray, max_tokens: int, until=None, validate_args=None):
+        # a snapshot: the program extends its state after the site, the engine scores the site afterwards
+        self.state = LMState(state.lm, state.rule, state.logp, state.cache, state.rule_state, state.room)
+        self.stop_ids, self.max_tokens, self.until = stop_ids, max_tokens, until
+        super().__init__((state.n,), (max_tokens,), validate_args=validate_args)
+
+    def _ends(self, tok, s) -> jax.Array:
+        return jnp.isin(tok, jnp.asarray(self.stop_ids)) | self._done(s)
+
+    def _done(self, s) -> jax.Array:
+        """Whether a row in rule state ``s`` has ended its segment (a final state, or ``until``)."""
+        d = self.state.rule.is_final(s)
+        return d if self.until is None else d | jnp.asarray(self.until(s), bool)
+
+    def sample_with_intermediates(self, key, sample_shape=()):
+        if sample_shape:
+            raise ConfigError("Segment draws one segment per row (sample_shape must be ())")
+        st, n, K = self.state, self.state.n, self.max_tokens
+        lm, rule, params = st.lm, st.rule, lm_params(st.lm)
+        done0 = self._done(st.rule_state) | (K == 0)
+
+        def body(carry, k):
+            logp, cache, s, done, lq = carry
+            q = rule.log_probs(logp, s)
+            tok = jnp.where(done, PAD_ID, jax.random.categorical(k, jnp.where(done[:, None], 0.0, q), -1))
+            tok = tok.astype(jnp.int32)
+            lq = lq + jnp.where(done, 0.0, _take(q, tok))
+            s = tree_where(done, s, rule.step(s, tok))
+            ends = self._ends(tok, s)
+            nlogp, cache = lm.apply(params, cache, jnp.where(done, BOS_ID, tok)[:, None], valid=~done[:, None])
+            logp = jnp.where(done[:, None], logp, nlogp[:, 0])
+            return (logp, cache, s, done | ends, lq), tok
+
+        if K == 0:
+            return jnp.zeros((n, 0), jnp.int32), [jnp.zeros(n)]
+        init = (st.logp, st.cache, st.rule_state, done0, jnp.zeros(n))
+        (_, _, _, _, lq), toks = jax.lax.scan(body, init, jax.random.split(key, K))
+        return toks.T, [lq]
+
+    def sample(self, key, sample_shape=()):
+        return self.sample_with_intermediates(key, sample_shape)[0]
+
+    def log_prob(self, value, intermediates=None):
+        """The masked log-probability of each row's segment (one teacher-forced pass from the current cache);
+        ``-inf`` if it is incomplete, goes on after its end, or holds a forbidden token."""
+        if intermediates:
+            return intermediates[0]
+        st, n, K = self.state, self.state.n, self.max_tokens
+        v = jnp.broadcast_to(jnp.asarray(value, jnp.int32), (n, K))
+        nonpad = v != PAD_ID
+        prefix = jnp.cumprod(nonpad, axis=1).astype(bool)
+        length = prefix.sum(1)
+        gap = (nonpad & ~prefix).any(1)  # a token after <pad>: not a right-padded segment
+        if K > 1:
+            out, _ = st.lm.apply(lm_params(st.lm), st.cache, v[:, :-1], valid=prefix[:, :-1])
+            logps = jnp.concatenate([st.logp[:, None], out], 1)
+        else:
+            logps = st.logp[:, None]
+        rule = st.rule
+
+        def body(s, inp):
+            lp_i, tok, ok = inp
+            q = rule.log_probs(lp_i, s)
+            step = jnp.where(ok, _take(q, jnp.clip(tok, 0, q.shape[-1] - 1)), 0.0)
+            s1 = tree_where(ok, rule.step(s, tok), s)
+            return s1, (step, self._ends(tok, s1) & ok)
+
+        _, (steps, ends) = jax.lax.scan(body, st.rule_state, (jnp.swapaxes(logps, 0, 1), v.T, prefix.T))
+        steps, ends = steps.T, ends.T
+        any_end = ends.any(1)
+        first_end = jnp.where(any_end, jnp.argmax(ends, 1), K)
+        start_final = self._done(st.rule_state)
+        complete = jnp.where(start_final, length == 0,
+                             jnp.where(any_end, first_end == length - 1, length == K)) & ~gap
+        return jnp.where(complete, steps.sum(1), NEG_INF)

@@ -1,0 +1,156 @@
+"""``ptn.Program``: the step-wise program protocol of ``pt.Program`` written in NumPyro primitives
+(docs/architecture.md, "One protocol, two backends"; torch twin: ppl_thought/program.py).
+
+A program::
+
+    class MyProgram(ptn.Program):
+        max_steps = 4                                  # the number of steps the compiled loop runs at most
+        def init(self, state, *args): ...              # set up state: arrays [n, ...] or pytrees of them
+        def step(self, state, t, *args): ...           # NumPyro code for step t (a traced int32 scalar)
+            # return None to go on, or a bool array [n] marking the particles that are finished
+
+Both methods run once for all particles inside ``numpyro.plate("particles", n)`` (``ptn.particles()`` is n).
+The engine (``ptn.infer.SMC`` / ``ptn.infer.Importance``) compiles the whole run: ``init``, then a
+``lax.scan`` over ``max_steps`` steps, so every step has the same sites (names do not depend on t; the engine
+stacks a site's values over steps) and leaves ``state`` with the same structure and shapes. The verbs are
+NumPyro's primitives under the names of the theory: :func:`sample` (latent), :func:`observe` (data; ``None``:
+an output), :func:`factor` (a log-potential in the target) and :func:`twist` (a potential SMC adds and later
+removes; it leaves the target).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpyro
+from numpyro.primitives import _PYRO_STACK
+
+from ppl_thought.errors import ProgramError
+
+__all__ = ["OUTPUT", "PARTICLES", "Program", "factor", "is_output", "is_program", "observe", "particles",
+           "sample", "twist"]
+
+PARTICLES = "particles"
+#: the ``infer`` key that marks an output site (``observe(name, fn, None)``): drawn by the program, out of weights
+OUTPUT = "output"
+
+
+def sample(name: str, fn, **kwargs) -> jax.Array:
+    """A latent site: ``numpyro.sample(name, fn)`` (a guide proposes it; without one the program does)."""
+    return numpyro.sample(name, fn, **kwargs)
+
+
+def observe(name: str, fn, value) -> jax.Array:
+    """Condition on data: ``numpyro.sample(name, fn, obs=value)`` (in every weight). ``value=None`` makes the site
+    an *output*: drawn from ``fn``, left out of the weights, returned in ``Result.samples``. A value shared by
+    every particle (a scalar, one sequence) is broadcast over the particle plate."""
+    if value is None:
+        return numpyro.sample(name, fn, infer={OUTPUT: True})
+    v = jnp.asarray(value)
+    shape = tuple(fn.batch_shape) + tuple(fn.event_shape)
+    if v.shape != shape:
+        try:
+            v = jnp.broadcast_to(v, shape)
+        except ValueError:
+            pass  # the distribution's own check names the problem
+    return numpyro.sample(name, fn, obs=v)
+
+
+def factor(name: str, log_factor) -> None:
+    """Multiply the program's density by exp(log_factor) ``[n]`` (``numpyro.factor``); ``-inf``: a hard
+    constraint. Unlike :func:`twist` it changes the target."""
+    numpyro.factor(name, jnp.asarray(log_factor))
+
+
+def is_output(site: dict) -> bool:
+    return bool((site.get("infer") or {}).get(OUTPUT, False))
+
+
+# ---------------------------------------------------------------------------------------------- twists
+class _TwistCollector:
+    def __init__(self) -> None:
+        self.log_psi: jax.Array | None = None
+
+    def add(self, log_psi: jax.Array) -> None:
+        self.log_psi = log_psi if self.log_psi is None else self.log_psi + log_psi
+
+
+_TWISTS: list[_TwistCollector] = []
+
+
+@contextmanager
+def collect_twists() -> Iterator[_TwistCollector]:
+    """Collect the potentials :func:`twist` sets while the body runs (engines only)."""
+    c = _TwistCollector()
+    _TWISTS.append(c)
+    try:
+        yield c
+    finally:
+        _TWISTS.pop()
+
+
+def twist(log_psi) -> None:
+    """Set the potential log psi_t ``[n]`` of the particles at this step: SMC multiplies the incremental weight
+    by psi_t / psi_{t-1} and divides the last potential out when a particle finishes, so Z-hat stays unbiased
+    for the untwisted program (docs/programs.md, "Verifiers"). Several calls in a step add up; outside SMC
+    (Importance, a plain trace) nothing is done."""
+    if not _TWISTS:
+        return
+    _TWISTS[-1].add(jnp.asarray(log_psi, jnp.float32))
+
+
+# ---------------------------------------------------------------------------------------------- plates
+def particles() -> int:
+    """The number of particles of the enclosing ``numpyro.plate("particles", n)``, else 1."""
+    for frame in reversed(_PYRO_STACK):
+        if getattr(frame, "name", None) == PARTICLES and hasattr(frame, "size"):
+            return int(frame.size)
+    return 1
+
+
+# ---------------------------------------------------------------------------------------------- program
+class Program:
+    """Base class of JAX step-wise programs (see the module docstring).
+
+    Class attributes an engine reads: ``max_steps`` (the length of the compiled step loop; ``None``: the
+    engine's ``max_steps``) and ``max_plate_nesting`` (plates the program opens inside a step; 0).
+    """
+
+    max_plate_nesting: int = 0
+    max_steps: int | None = None
+
+    def init(self, state: dict, *args, **kwargs) -> None:
+        """Set up ``state`` before step 0 (may sample sites; default: nothing)."""
+
+    def step(self, state: dict, t, *args, **kwargs):
+        """Step ``t`` (a traced int32 scalar): NumPyro code for all particles; return None or a bool array [n]."""
+        raise NotImplementedError(f"{type(self).__name__} must define step(self, state, t, *args, **kwargs)")
+
+    def outputs(self, state: dict, *args, **kwargs) -> dict:
+        """Extra values for ``Result.samples`` read from the final state (default: none)."""
+        return {}
+
+
+def is_program(obj: Any) -> bool:
+    """A ``ptn.Program`` or an object with ``init`` and ``step`` (duck typing, as on the torch side)."""
+    return isinstance(obj, Program) or (callable(getattr(obj, "init", None)) and callable(getattr(obj, "step", None))
+                                        and not isinstance(obj, type))
+
+
+def as_done(done, n: int) -> jax.Array | None:
+    """A step's return value as a bool array ``[n]`` (``None``: nobody finished this step)."""
+    if done is None:
+        return None
+    d = jnp.asarray(done)
+    if d.dtype != jnp.bool_:
+        raise ProgramError(f"Program.step must return None or a bool array [num_particles], got dtype {d.dtype}")
+    if d.ndim == 0:
+        d = jnp.broadcast_to(d, (n,))
+    if d.shape != (n,):
+        raise ProgramError(f"Program.step returned finished flags of shape {tuple(d.shape)}; expected ({n},) "
+                           "(one flag per particle)")
+    return d
