@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from collections.abc import Mapping
@@ -13,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ppl_thought.checkpoint import parse_json
 from ppl_thought.errors import CheckpointError
 from ppl_thought.io import CONFIG_FILE, load_checkpoint, save_checkpoint
 from ppl_thought.weights import effective_sample_size, log_mean_exp  # noqa: F401 (their old import path)
@@ -172,15 +172,32 @@ def _result_summary(self) -> str:
 RESULT_FORMAT = "ppl_thought.result/1"
 
 
+def _key_part(k: str) -> str:
+    """A dict key as one part of a tensor name: ``%`` and ``/`` escaped, so that ``{"a": [t]}`` (``a/0``) and
+    ``{"a/0": t}`` (``a%2F0``) can never name the same tensor."""
+    return k.replace("%", "%25").replace("/", "%2F")
+
+
 def _encode_tree(obj, key: str, tensors: dict[str, torch.Tensor]):
-    """A JSON tree for ``obj`` with tensors (and numpy arrays) moved into ``tensors`` under ``key``."""
+    """A JSON tree for ``obj`` with tensors (and numpy arrays) moved into ``tensors`` under ``key``.
+
+    Raises :class:`CheckpointError` for a dict whose keys collide as strings (``{1: a, "1": b}``) and for a
+    tensor name already taken: never two values under one name."""
     if isinstance(obj, torch.Tensor | np.ndarray):
+        if key in tensors:
+            raise CheckpointError(f"save_result: two values would be stored as the tensor {key!r}")
         tensors[key] = torch.as_tensor(obj).detach().cpu()
         return {"__tensor__": key}
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, dict):
-        return {"__dict__": [[str(k), _encode_tree(v, f"{key}/{k}", tensors)] for k, v in obj.items()]}
+        names = [str(k) for k in obj]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise CheckpointError(f"save_result: the keys {dup[:5]} of a dict under {key!r} are equal as strings "
+                                  f"(keys {list(obj)[:8]}): a saved result would keep one of them")
+        return {"__dict__": [[str(k), _encode_tree(v, f"{key}/{_key_part(str(k))}", tensors)]
+                             for k, v in obj.items()]}
     if isinstance(obj, tuple | list):
         items = [_encode_tree(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]
         return {"__tuple__": items} if isinstance(obj, tuple) else items
@@ -189,18 +206,31 @@ def _encode_tree(obj, key: str, tensors: dict[str, torch.Tensor]):
     return {"__repr__": repr(obj)}  # lossy: objects JSON cannot hold are kept as their repr
 
 
+class _Damaged(Exception):
+    """A saved tree that does not decode (turned into a CheckpointError naming the folder)."""
+
+
 def _decode_tree(obj, tensors: Mapping[str, torch.Tensor]):
     if isinstance(obj, list):
         return [_decode_tree(v, tensors) for v in obj]
     if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        if "__tuple__" in obj:
+        if set(obj) == {"__tensor__"}:
+            name = obj["__tensor__"]
+            if not isinstance(name, str) or name not in tensors:
+                raise _Damaged(f"the tree names the tensor {name!r}, which the tensors file does not hold")
+            return tensors[name]
+        if set(obj) == {"__tuple__"} and isinstance(obj["__tuple__"], list):
             return tuple(_decode_tree(v, tensors) for v in obj["__tuple__"])
-        if "__dict__" in obj:
-            return {k: _decode_tree(v, tensors) for k, v in obj["__dict__"]}
-        if "__repr__" in obj:
+        if set(obj) == {"__dict__"} and isinstance(obj["__dict__"], list):
+            pairs = obj["__dict__"]
+            if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+                raise _Damaged("a dict of the tree is not a list of [key, value] pairs")
+            if len({p[0] for p in pairs}) != len(pairs):
+                raise _Damaged("a dict of the tree holds one key twice")
+            return {k: _decode_tree(v, tensors) for k, v in pairs}
+        if set(obj) == {"__repr__"} and isinstance(obj["__repr__"], str):
             return obj["__repr__"]
+        raise _Damaged(f"the tree holds an object of unknown kind (keys {sorted(obj)[:5]})")
     return obj
 
 
@@ -226,8 +256,8 @@ def is_saved_result(path: str | Path) -> bool:
     if not (path / CONFIG_FILE).is_file():
         return False
     try:
-        header = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        header = parse_json((path / CONFIG_FILE).read_bytes(), str(path / CONFIG_FILE))
+    except (OSError, CheckpointError):
         return False
     return isinstance(header, dict) and isinstance(header.get("config"), dict) \
         and header["config"].get("kind") == RESULT_FORMAT
@@ -236,7 +266,24 @@ def is_saved_result(path: str | Path) -> bool:
 def load_result(path: str | Path):
     """Read a :class:`Result` written by :func:`save_result`."""
     state, config, _ = load_checkpoint(path)
-    if config.get("kind") != RESULT_FORMAT:
+    if not isinstance(config, dict) or config.get("kind") != RESULT_FORMAT:
         raise CheckpointError(f"{path} holds a checkpoint, not a saved Result ({RESULT_FORMAT})")
-    fields = _decode_tree(config["tree"], state)
-    return Result(engine=config.get("engine", ""), **fields)
+    try:
+        fields = _decode_tree(config.get("tree"), state)
+    except _Damaged as e:
+        raise CheckpointError(f"{path}: damaged saved Result: {e}") from None
+    names = ("samples", "log_weights", "log_marginal", "log_marginal_stderr", "ancestry", "stats", "observed")
+    if not isinstance(fields, dict) or set(fields) != set(names):
+        got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
+        raise CheckpointError(f"{path}: damaged saved Result: its tree holds {got}, not the fields {list(names)}")
+    for name in ("samples", "stats", "observed"):
+        if not isinstance(fields[name], dict):
+            raise CheckpointError(f"{path}: damaged saved Result: {name} is a {type(fields[name]).__name__}, "
+                                  "not a dict")
+    for name in ("log_weights", "log_marginal", "log_marginal_stderr", "ancestry"):
+        if fields[name] is not None and (isinstance(fields[name], bool)
+                                         or not isinstance(fields[name], torch.Tensor | int | float)):
+            raise CheckpointError(f"{path}: damaged saved Result: {name} is a {type(fields[name]).__name__}, "
+                                  "not a tensor")
+    engine = config.get("engine", "")
+    return Result(engine=engine if isinstance(engine, str) else str(engine), **fields)
