@@ -63,8 +63,9 @@ METADATA_KEYS = frozenset({"format", ALIASES_KEY})
 MAX_JSON_DEPTH = 64
 #: how many times a reader reads the config again when the tensors file it named was replaced meanwhile
 READ_RETRIES = 5
-#: the temporary files of a writer (``.model.<hex>.tmp``, ``.config.<hex>.tmp.json``)
-_TEMP = re.compile(r"\.(model|config)\.[0-9a-f]{16}\.tmp(\.json)?")
+#: the temporary files of a writer: ``.model.<hex>.tmp``, ``.config.<hex>.tmp.json`` and the ``.tmpXXXXXX`` that
+#: safetensors' own writer makes next to its target before renaming it
+_TEMP = re.compile(r"\.(model|config)\.[0-9a-f]{16}\.tmp(\.json)?|\.tmp[A-Za-z0-9]{6}")
 
 # ------------------------------------------------------------------------------------------- files
 
