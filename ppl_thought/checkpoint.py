@@ -313,13 +313,13 @@ def read_checkpoint(path: str | Path) -> RawCheckpoint:
         header = read_header(path)
         tensors_file = path / header["tensors"]["file"]
         _inside(path, tensors_file, "the tensors file")
+        if tensors_file.exists() and not tensors_file.is_file():  # a folder, a FIFO (reading it would hang)
+            raise CheckpointError(f"{tensors_file} is not a regular file")
         problem = None
         try:
             data = tensors_file.read_bytes()
         except FileNotFoundError:
             problem = f"{path / CONFIG_FILE} names {tensors_file.name}, which is missing"
-        except IsADirectoryError:
-            problem = f"{tensors_file} is not a file"
         except OSError as e:
             raise CheckpointError(f"{tensors_file} cannot be read: {e}") from None
         if problem is None and hashlib.sha256(data).hexdigest() != header["tensors"]["sha256"]:

@@ -95,6 +95,15 @@ def test_a_tensors_file_that_links_out_of_the_folder_is_refused(tmp_path):
     assert pt.lm.Transformer.load(inside).vocab_size == V
 
 
+def test_a_tensors_file_that_is_no_regular_file_is_refused_without_reading_it(tmp_path):
+    path = small().save(tmp_path / "ck")
+    name = json.loads((path / "config.json").read_text())["tensors"]["file"]
+    (path / name).unlink()
+    os.mkfifo(path / name)  # reading a FIFO would block forever
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        pt.lm.Transformer.load(path)
+
+
 def test_an_alias_cannot_rewire_one_weight_to_another(tmp_path):
     untied = small(tie_embeddings=False)
     path = untied.save(tmp_path / "ck")

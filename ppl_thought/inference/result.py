@@ -15,7 +15,11 @@ import torch
 from ppl_thought.checkpoint import parse_json
 from ppl_thought.errors import CheckpointError
 from ppl_thought.io import CONFIG_FILE, load_checkpoint, save_checkpoint
-from ppl_thought.weights import effective_sample_size, log_mean_exp  # noqa: F401 (their old import path)
+from ppl_thought.weights import (  # noqa: F401 (effective_sample_size, log_mean_exp: their old import path)
+    check_log_weights,
+    effective_sample_size,
+    log_mean_exp,
+)
 
 
 def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,7 +29,8 @@ def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
     weights (same shape, float64: the largest weights replaced by the expected order statistics of a
     generalised Pareto fit to the tail, then truncated at the largest raw weight) and the shape estimate
     k-hat ``[...]``. k-hat < 0.5: the raw weights have finite variance; 0.5-0.7: finite mean, use the
-    smoothed weights; > 0.7: the estimate is unreliable whatever the smoothing.
+    smoothed weights; > 0.7: the estimate is unreliable whatever the smoothing. Log weights with NaN or +inf
+    raise :class:`~ppl_thought.errors.DiagnosticError`.
 
     The numbers are ArviZ's, computed on the finite weights of each row (a ``-inf`` weight is a particle
     with probability 0: it stays ``-inf``). Two cases ArviZ reports as k = inf are named instead:
@@ -37,6 +42,7 @@ def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
 
     lw = torch.as_tensor(log_w).detach().to("cpu", torch.float64)
     lw = lw.reshape(1) if lw.ndim == 0 else lw
+    check_log_weights(lw, "psis (Pareto k-hat)")  # NaN or +inf: DiagnosticError, never a NaN k-hat
     rows = lw.reshape(-1, lw.shape[-1]).numpy()
     out = np.full(rows.shape, -np.inf)
     ks = np.full(rows.shape[0], np.nan)
@@ -143,7 +149,7 @@ def _result_repr(self) -> str:
         se = "" if self.log_marginal_stderr is None else f" +- {_short(self.log_marginal_stderr, 2)}"
         parts.append(f"log Z-hat {_short(self.log_marginal)}{se}")
     if self.log_weights is not None:
-        parts.append(f"ESS {_short(self.ess, 3)}")
+        parts.append(f"ESS {_short(effective_sample_size(self.log_weights, check=False), 3)}")
     if "khat" in self.stats:  # only what the engine recorded: a repr never runs a fit
         parts.append(f"Pareto k {_short(self.stats['khat'], 2)}")
     names = list(self.samples)

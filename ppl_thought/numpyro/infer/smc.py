@@ -27,7 +27,7 @@ from ppl_thought.checks import fraction, integer
 from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ZeroWeightsError
 from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, encode, sample_token, tables, tree_where
 from ppl_thought.numpyro.infer.importance import Importance, not_in_image_result
-from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, systematic_resample
+from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, prng_key, systematic_resample
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 from ppl_thought.numpyro.lm.base import reorder
 
@@ -154,8 +154,9 @@ class SMC:
 
         return jax.jit(jax.vmap(run, in_axes=(0, None, None)))
 
-    def run(self, model, guide, x, rng_key: jax.Array | None = None) -> Result:
-        """Run G x n particles through the |x| segments; see the class docstring."""
+    def run(self, model, guide, x, rng_key: jax.Array | int | None = None) -> Result:
+        """Run G x n particles through the |x| segments; see the class docstring. ``rng_key``: a
+        ``jax.random.PRNGKey`` or an int seed (``PRNGKey(seed)``); default ``PRNGKey(0)``."""
         xa = model.x_ids(x)
         n, G = self.num_particles, self.groups
         observed = {"x": xa}
@@ -170,7 +171,7 @@ class SMC:
             fn = self._compiled[key]
         except NotInImageError as e:
             return not_in_image_result(f"log p(x) = -inf: {e}", n, "SMC", observed)
-        rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+        rng_key = prng_key(rng_key)  # an int seed is accepted: PRNGKey(seed)
         q_params = guide.proposal(xa).params if guide is not None else None
         toks, lw, logz, ess, flags, anc = fn(jax.random.split(rng_key, G), model.prior.params, q_params)
         if bool(jnp.isnan(lw).any()):
