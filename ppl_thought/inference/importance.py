@@ -90,7 +90,7 @@ def _summarise(log_w: torch.Tensor, log_normal: bool, what: str, traces=()) -> d
     out: dict[str, Any] = {
         "log_marginal": log_mean_exp(log_w),
         "log_marginal_stderr": log_marginal_stderr(log_w),
-        "ess": effective_sample_size(log_w),
+        "ess": effective_sample_size(log_w, check=False),  # checked above
         "khat": pareto_k(log_w),  # PSIS (arviz.psislw): one implementation, in inference/result.py
     }
     if log_normal:

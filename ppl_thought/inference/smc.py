@@ -199,6 +199,7 @@ class SMC:
                 where = f" at site(s) {', '.join(named)}" if named else ""
                 raise NumericalError(f"NaN or +inf weights after step {t} of {name}: a twist or log-probability "
                                      f"is NaN or +inf{where} (e.g. pyro.factor(name, +inf))")
+            out.traces = ()  # checked: the step's traces (and the caches their sites hold) go before resampling
             if any(zero):
                 raise ZeroWeightsError(self._zero_message(zero, t, name))
             need = [not all_done and e < self.ess_threshold * n for e in ess_g]
