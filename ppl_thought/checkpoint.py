@@ -10,8 +10,22 @@ A checkpoint is a directory::
 Each file is written to a temporary file in the same directory, fsynced and moved into place with
 ``os.replace``. The tensors go first, under a name of their own; ``config.json`` is the commit point: it
 names the tensors file it belongs to, so overwriting a checkpoint leaves either the old pair or the new
-one, whenever the writer is killed. Tensors files no config names are removed after the commit.
-Loading checks the config (a plain file name inside the folder, every key present) and the SHA-256.
+one, whenever the writer is killed.
+
+Readers and writers at once (docs/architecture.md, "Rules that keep it right"):
+
+* writers serialise through the lock file ``.lock`` (``fcntl.flock``, released by the OS when a writer dies);
+  the writer holding it removes the temporary files a killed writer left behind;
+* after the commit a writer keeps the tensors file the previous config named (a reader that read that
+  config a moment before still finds it) and removes older ones;
+* a reader reads the tensors file once (the SHA-256 and the tensors come from the same bytes) and, when
+  the file its config named is gone or changed, reads the config again (a newer commit), a few times.
+
+Loading never trusts the files: ``config.json`` and the tensors file must be files of the folder (a
+symlink may not lead out of it), the config is parsed only up to :data:`MAX_JSON_DEPTH` levels, the
+tensors file may hold only the metadata this module writes, and an alias may only name a stored tensor
+under a name that is not stored itself. Every failure is a :class:`~ppl_thought.errors.CheckpointError`
+naming the damage.
 
 This module imports neither torch nor jax: ``ppl_thought.io`` (torch tensors) and
 ``ppl_thought.numpyro.lm.transformer`` (numpy / jax arrays) both read and write through it, and both
@@ -20,13 +34,16 @@ Transformer loaders validate a config against the saved tensors with :func:`chec
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import re
 import secrets
-from collections.abc import Callable, Mapping
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +55,17 @@ TENSORS_STEM = "model"  # tensors files: model.<sha256[:16]>.safetensors (older 
 SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+\.safetensors")
 CONFIG_FILE = "config.json"
 ALIASES_KEY = "ppl_thought.aliases"
+LOCK_FILE = ".lock"
+#: the metadata keys of a tensors file this module writes; any other key is refused on loading
+METADATA_KEYS = frozenset({"format", ALIASES_KEY})
+#: the deepest nesting of JSON objects and arrays a config may have (deeper: CheckpointError, never a
+#: RecursionError); a saved Result's tree uses about 3 levels per nested container
+MAX_JSON_DEPTH = 64
+#: how many times a reader reads the config again when the tensors file it named was replaced meanwhile
+READ_RETRIES = 5
+#: the temporary files of a writer: ``.model.<hex>.tmp``, ``.config.<hex>.tmp.json`` and the ``.tmpXXXXXX`` that
+#: safetensors' own writer makes next to its target before renaming it
+_TEMP = re.compile(r"\.(model|config)\.[0-9a-f]{16}\.tmp(\.json)?|\.tmp[A-Za-z0-9]{6}")
 
 # ------------------------------------------------------------------------------------------- files
 
@@ -88,6 +116,33 @@ def atomic_write(target: str | Path, write: Callable[[str], object]) -> Path:
     return target
 
 
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth(text: str | bytes) -> int:
+    """The deepest nesting of objects and arrays in the JSON ``text``, found without parsing it (strings are
+    cut out first, then the brackets counted), so that a deeply nested file cannot exhaust the stack."""
+    raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    raw = _STRINGS.sub(b'""', raw)
+    codes = np.frombuffer(raw, dtype=np.uint8)
+    step = (np.isin(codes, (ord("["), ord("{"))).astype(np.int64)
+            - np.isin(codes, (ord("]"), ord("}"))).astype(np.int64))
+    return int(np.cumsum(step).max()) if step.size else 0
+
+
+def parse_json(text: str | bytes, what: str, max_depth: int = MAX_JSON_DEPTH):
+    """``json.loads(text)`` for a file read from disk: :class:`CheckpointError` naming ``what`` for text that
+    is not JSON or is nested deeper than ``max_depth`` (checked before parsing)."""
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise CheckpointError(f"{what} is nested {depth} levels deep, more than the {max_depth} a checkpoint "
+                              "may have (a damaged or hostile file)")
+    try:
+        return json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{what} is not valid JSON: {e}"[:300]) from None
+
+
 def atomic_write_json(target: str | Path, obj, default=None) -> Path:
     """``obj`` as indented JSON at ``target``, atomically (:func:`atomic_write`)."""
     text = json.dumps(obj, indent=2, default=default) + "\n"
@@ -106,28 +161,87 @@ def write_checkpoint(path: str | Path, write_tensors: Callable[[str, dict[str, s
     """
     path = Path(path)
     header = {"format": FORMAT, "config": config, "extra": extra if extra is not None else {}}
-    json.dumps(header)  # fail early (TypeError) on anything JSON cannot hold
+    depth = json_depth(json.dumps(header))  # fails early (TypeError) on anything JSON cannot hold
+    if depth > MAX_JSON_DEPTH - 2:
+        raise CheckpointError(f"the config and extra of {path} are nested {depth} levels deep: a checkpoint "
+                              f"holds at most {MAX_JSON_DEPTH - 2} (loading would refuse it)")
     path.mkdir(parents=True, exist_ok=True)
 
     metadata = {"format": "pt", ALIASES_KEY: json.dumps(dict(aliases), sort_keys=True)}
-    tmp = path / f".{TENSORS_STEM}.{secrets.token_hex(8)}.tmp"
-    try:
-        write_tensors(str(tmp), metadata)
-        fsync_file(tmp)
-        digest = sha256(tmp)
-        name = f"{TENSORS_STEM}.{digest[:16]}.safetensors"
-        os.replace(tmp, path / name)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_directory(path)
-    header["tensors"] = {"file": name, "sha256": digest}
-    text = json.dumps(header, indent=2, sort_keys=True) + "\n"
-    atomic_write(path / CONFIG_FILE, lambda t: Path(t).write_text(text, encoding="utf-8"))  # the commit
-    for stale in path.glob(f"{TENSORS_STEM}*.safetensors"):
-        if stale.name != name:
-            stale.unlink(missing_ok=True)
+    with writer_lock(path):
+        remove_temporary_files(path)  # left by a writer killed before its commit (we hold the lock)
+        previous = _committed_tensors_file(path)
+        tmp = path / f".{TENSORS_STEM}.{secrets.token_hex(8)}.tmp"
+        try:
+            write_tensors(str(tmp), metadata)
+            fsync_file(tmp)
+            digest = sha256(tmp)
+            name = f"{TENSORS_STEM}.{digest[:16]}.safetensors"
+            os.replace(tmp, path / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_directory(path)
+        header["tensors"] = {"file": name, "sha256": digest}
+        text = json.dumps(header, indent=2, sort_keys=True) + "\n"
+        atomic_write(path / CONFIG_FILE, lambda t: Path(t).write_text(text, encoding="utf-8"))  # the commit
+        # keep the file the previous config named: a reader that read that config just before the commit
+        # still finds its tensors; anything older no config names any more
+        for stale in path.glob(f"{TENSORS_STEM}*.safetensors"):
+            if stale.name not in (name, previous):
+                stale.unlink(missing_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def writer_lock(path: Path) -> Iterator[None]:
+    """Hold the folder's lock file (``fcntl.flock``, exclusive) while writing: two writers of one folder take
+    turns; the OS releases the lock of a writer that is killed. Where ``fcntl`` is missing (Windows) writers
+    are not serialised."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - POSIX only
+        yield
+        return
+    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def remove_temporary_files(path: Path) -> list[str]:
+    """Remove the temporary files of writers killed mid-write (call it holding :func:`writer_lock`: no live
+    writer has one then). Returns their names."""
+    removed = []
+    for f in path.iterdir():
+        if _TEMP.fullmatch(f.name):
+            f.unlink(missing_ok=True)
+            removed.append(f.name)
+    return removed
+
+
+def _committed_tensors_file(path: Path) -> str | None:
+    """The tensors file name the current config names (None if there is no readable one)."""
+    try:
+        header = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        name = header["tensors"]["file"]
+    except Exception:  # noqa: BLE001 - a damaged or missing config names nothing worth keeping
+        return None
+    return name if isinstance(name, str) and SAFE_NAME.fullmatch(name) else None
+
+
+def _inside(path: Path, file: Path, what: str) -> Path:
+    """``file`` if it is (or its symlink resolves to) a file directly inside the folder ``path``."""
+    try:
+        real, folder = file.resolve(strict=True), path.resolve(strict=True)
+    except (FileNotFoundError, RuntimeError):  # RuntimeError: a symlink loop
+        return file
+    if real.parent != folder:
+        raise CheckpointError(f"{file} ({what}) is a link to {real}, outside the checkpoint folder {folder}: "
+                              "refused (a checkpoint's files live in its folder)")
+    return file
 
 
 def read_header(path: str | Path) -> dict:
@@ -136,10 +250,14 @@ def read_header(path: str | Path) -> dict:
     cfg = path / CONFIG_FILE
     if not cfg.is_file():
         raise MissingCheckpointError(f"no checkpoint at {path} (missing {CONFIG_FILE})")
+    _inside(path, cfg, "the config")
     try:
-        header = json.loads(cfg.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{cfg} is not valid JSON: {e}") from None
+        text = cfg.read_bytes()
+    except FileNotFoundError:
+        raise MissingCheckpointError(f"no checkpoint at {path} (missing {CONFIG_FILE})") from None
+    except OSError as e:
+        raise CheckpointError(f"{cfg} cannot be read: {e}") from None
+    header = parse_json(text, str(cfg))
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CheckpointError(f"{cfg} is not a {FORMAT} checkpoint")
     missing = [k for k in ("config", "extra", "tensors") if k not in header]
@@ -150,6 +268,8 @@ def read_header(path: str | Path) -> dict:
         missing = ["tensors"]
     if missing:
         raise CheckpointError(f"{cfg} lacks {', '.join(missing)}")
+    if not isinstance(header["extra"], dict):
+        raise CheckpointError(f"{cfg}: extra must be a JSON object, got {type(header['extra']).__name__}")
     name = tensors["file"]
     if not SAFE_NAME.fullmatch(name) or name in (".", ".."):
         raise CheckpointError(f"{cfg} names the tensors file {name!r}: it must be a plain file name in the "
@@ -157,16 +277,125 @@ def read_header(path: str | Path) -> dict:
     return header
 
 
+@dataclass
+class RawCheckpoint:
+    """A checkpoint read and checked, its tensors not yet decoded: the config's ``header``, the tensors
+    file's bytes (``data``, matching the SHA-256 the config records), the ``{name: (dtype, shape)}`` its
+    header lists (stored names only) and the ``{alias: stored name}`` of tied weights."""
+
+    header: dict
+    file: Path
+    data: bytes
+    stored: dict[str, tuple[str, tuple[int, ...]]]
+    aliases: dict[str, str]
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every name (aliases included) with its shape."""
+        out = {k: v[1] for k, v in self.stored.items()}
+        out.update({a: self.stored[t][1] for a, t in self.aliases.items()})
+        return out
+
+    @property
+    def dtypes(self) -> dict[str, str]:
+        """Every name (aliases included) with its safetensors dtype (``"F32"``, ``"I64"``, ``"BOOL"``, ...)."""
+        out = {k: v[0] for k, v in self.stored.items()}
+        out.update({a: self.stored[t][0] for a, t in self.aliases.items()})
+        return out
+
+
+def read_checkpoint(path: str | Path) -> RawCheckpoint:
+    """Read a checkpoint folder's config and tensors file once, checked (module docstring): the one reader of
+    both backends. A tensors file replaced by a concurrent writer after its config was read is read again
+    under the newer config (at most :data:`READ_RETRIES` times)."""
+    path = Path(path)
+    for attempt in range(READ_RETRIES + 1):
+        header = read_header(path)
+        tensors_file = path / header["tensors"]["file"]
+        _inside(path, tensors_file, "the tensors file")
+        if tensors_file.exists() and not tensors_file.is_file():  # a folder, a FIFO (reading it would hang)
+            raise CheckpointError(f"{tensors_file} is not a regular file")
+        problem = None
+        try:
+            data = tensors_file.read_bytes()
+        except FileNotFoundError:
+            problem = f"{path / CONFIG_FILE} names {tensors_file.name}, which is missing"
+        except OSError as e:
+            raise CheckpointError(f"{tensors_file} cannot be read: {e}") from None
+        if problem is None and hashlib.sha256(data).hexdigest() != header["tensors"]["sha256"]:
+            problem = f"{tensors_file} does not match {path / CONFIG_FILE} (interrupted or mixed write?)"
+        if problem is None:
+            stored, aliases = parse_safetensors_header(tensors_file, data)
+            return RawCheckpoint(header, tensors_file, data, stored, aliases)
+        if attempt == READ_RETRIES or _header_unchanged(path, header):
+            raise CheckpointError(problem)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _header_unchanged(path: Path, header: dict) -> bool:
+    """Whether the folder's config still is ``header`` (else a writer committed meanwhile: read again)."""
+    try:
+        return read_header(path) == header
+    except CheckpointError:
+        return True
+
+
+_SAFETENSORS_DTYPES = frozenset({"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "F16", "BF16",
+                                 "F32", "F64", "F8_E4M3", "F8_E5M2"})
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+
+
+def parse_safetensors_header(file: Path, data: bytes) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
+    """``({stored name: (dtype, shape)}, {alias: stored name})`` from the header of a safetensors file's bytes.
+
+    Refuses (:class:`CheckpointError`) a header that is not a JSON object of tensor entries, metadata keys
+    other than :data:`METADATA_KEYS`, and aliases that are not ``{new name: stored name}``: an alias may not
+    shadow a stored tensor (that would rewire one weight to another) nor point at a name that is not stored.
+    """
+    if len(data) < 8:
+        raise CheckpointError(f"{file} is not a safetensors file ({len(data)} bytes)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise CheckpointError(f"{file} is not a safetensors file (a header of {n} bytes in {len(data)})")
+    header = parse_json(data[8:8 + n], f"the header of {file}", max_depth=3)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"the header of {file} is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(f"the metadata of {file} is not a map of strings")
+    unknown = sorted(set(meta) - METADATA_KEYS)
+    if unknown:
+        raise CheckpointError(f"{file} holds metadata {unknown[:5]} this library does not write (it writes "
+                              f"{sorted(METADATA_KEYS)}): refused")
+    stored = {}
+    for name, entry in header.items():
+        if (not isinstance(entry, dict) or entry.get("dtype") not in _SAFETENSORS_DTYPES
+                or not isinstance(entry.get("shape"), list)
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry["shape"])):
+            raise CheckpointError(f"{file}: the entry of tensor {name!r} is malformed: {str(entry)[:100]}")
+        stored[name] = (entry["dtype"], tuple(entry["shape"]))
+    try:
+        aliases = json.loads(meta.get(ALIASES_KEY, "{}"))
+    except ValueError:
+        raise CheckpointError(f"{file}: the aliases metadata is not JSON") from None
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in aliases.items()):
+        raise CheckpointError(f"{file}: the aliases metadata is not a map of names")
+    shadow = sorted(a for a in aliases if a in stored)
+    if shadow:
+        raise CheckpointError(f"{file}: aliases {shadow[:5]} name tensors that are stored themselves: an alias "
+                              "would replace one weight by another; refused")
+    dangling = sorted(a for a, t in aliases.items() if t not in stored)
+    if dangling:
+        raise CheckpointError(f"{file}: aliases {dangling[:5]} point at names that are not stored "
+                              f"({[aliases[a] for a in dangling[:5]]})")
+    return stored, aliases
+
+
 def checked_tensors_file(path: str | Path) -> tuple[dict, Path]:
     """``(header, tensors file)`` of a checkpoint whose tensors file exists and matches its SHA-256."""
-    path = Path(path)
-    header = read_header(path)
-    tensors_file = path / header["tensors"]["file"]
-    if not tensors_file.is_file():
-        raise CheckpointError(f"{path / CONFIG_FILE} names {tensors_file.name}, which is missing")
-    if sha256(tensors_file) != header["tensors"]["sha256"]:
-        raise CheckpointError(f"{tensors_file} does not match {path / CONFIG_FILE} (interrupted or mixed write?)")
-    return header, tensors_file
+    raw = read_checkpoint(path)
+    return raw.header, raw.file
 
 
 def read_aliases(metadata: Mapping[str, str] | None) -> dict[str, str]:
@@ -174,19 +403,44 @@ def read_aliases(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return json.loads((metadata or {}).get(ALIASES_KEY, "{}"))
 
 
+def decode_error(file: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(f"{file}: the tensors cannot be decoded: {e}"[:300])
+
+
 def load_numpy(path: str | Path) -> tuple[dict[str, np.ndarray], object, dict]:
     """Read a checkpoint as numpy arrays, without torch: ``(state, config, extra)``; aliases (tied weights)
     come back as the same array object. Same checks and errors as ``ppl_thought.io.load_checkpoint``."""
-    from safetensors import safe_open
-    from safetensors.numpy import load_file
+    state, raw = load_numpy_raw(path)
+    return state, raw.header["config"], raw.header["extra"]
 
-    header, tensors_file = checked_tensors_file(path)
-    state = load_file(str(tensors_file))
-    with safe_open(str(tensors_file), framework="np") as f:
-        aliases = read_aliases(f.metadata())
-    for name, target in aliases.items():
+
+def load_numpy_raw(path: str | Path) -> tuple[dict[str, np.ndarray], RawCheckpoint]:
+    """``(state, raw)``: :func:`load_numpy` with the :class:`RawCheckpoint` (dtypes, aliases) it read."""
+    from safetensors.numpy import load as load_bytes
+
+    raw = read_checkpoint(path)
+    try:
+        state = load_bytes(raw.data)
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors on a damaged file: name the file
+        raise decode_error(raw.file, e) from None
+    for name, target in raw.aliases.items():
         state[name] = state[target]
-    return state, header["config"], header["extra"]
+    return state, raw
+
+
+def check_finite(path, nonfinite: list[str], allow_nonfinite: bool) -> None:
+    """Refuse weights with NaN or inf (``nonfinite``: their names) unless ``allow_nonfinite`` (for debugging)."""
+    if nonfinite and not allow_nonfinite:
+        raise CheckpointError(f"{path}: tensors {sorted(nonfinite)[:5]} hold NaN or inf values; a model with "
+                              "them computes NaN probabilities (load with allow_nonfinite=True to inspect them)")
+
+
+def check_float_dtypes(path, dtypes: Mapping[str, str]) -> None:
+    """Refuse weights whose stored dtype is not a float type (int64 or bool weights would be cast silently)."""
+    bad = sorted(k for k, d in dtypes.items() if d not in FLOAT_DTYPES)
+    if bad:
+        raise CheckpointError(f"{path}: tensors {bad[:5]} are stored as {[dtypes[k] for k in bad[:5]]}, not as "
+                              f"a float type ({sorted(FLOAT_DTYPES)}): refused, not cast")
 
 
 def save_numpy(path: str | Path, state: Mapping[str, np.ndarray], config, extra: dict | None = None,
@@ -254,18 +508,23 @@ def transformer_shapes(config: Mapping) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_transformer_config(path, config, saved: Mapping[str, tuple[int, ...]]) -> dict:
+def check_transformer_config(path, config, saved: Mapping[str, tuple[int, ...]],
+                             aliases: Mapping[str, str] | None = None) -> dict:
     """The constructor arguments of a Transformer checkpoint, checked against the saved tensor shapes.
 
     A config that does not describe the saved tensors (keys that are no constructor argument, sizes that
-    are not positive integers, another depth, width or tensor shape than saved) raises
-    :class:`~ppl_thought.errors.CheckpointError` naming it, before anything is allocated. Shared by the
-    torch and the JAX loader: the same checkpoint is accepted or refused, with the same message, by both.
+    are not positive integers, another depth, width or tensor shape than saved, a saved vocabulary of
+    another size than ``vocab_size``) raises :class:`~ppl_thought.errors.CheckpointError` naming it, before
+    anything is allocated. ``aliases`` (the tensors file's ``{alias: stored name}``) must be exactly the tied
+    LM head of a ``tie_embeddings`` model and nothing for an untied one. Shared by the torch and the JAX
+    loader: the same checkpoint is accepted or refused, with the same message, by both.
     """
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: the config of a Transformer checkpoint is a JSON object, got {config!r}")
     config = dict(config)
-    config.pop("vocab", None)
+    vocab = config.pop("vocab", None)
+    if vocab is not None:
+        _check_saved_vocab(path, vocab, config.get("vocab_size"))
     if config.pop("class", "Transformer") != "Transformer":
         raise CheckpointError(f"{path} is not a Transformer checkpoint")
     unknown = sorted(set(config) - set(TRANSFORMER_ARGS))
@@ -296,4 +555,29 @@ def check_transformer_config(path, config, saved: Mapping[str, tuple[int, ...]])
                                                           if expected[k] != saved[k])
         raise CheckpointError(f"{path}: the saved tensors do not match the config (missing, unexpected or "
                               f"of another shape: {bad[:5]})")
+    if aliases is not None:
+        tied = ({"lm_head.weight": "embed.weight"}, {"embed.weight": "lm_head.weight"})
+        ok = dict(aliases) in tied if config.get("tie_embeddings", True) else not aliases
+        if not ok:
+            raise CheckpointError(f"{path}: the tensors file ties {dict(aliases)} but the config has "
+                                  f"tie_embeddings={config.get('tie_embeddings', True)} (a Transformer ties only "
+                                  "lm_head.weight to embed.weight): refused")
     return config
+
+
+def _check_saved_vocab(path, vocab, vocab_size) -> None:
+    """A vocabulary saved with a model (``Vocab.to_dict``) must build and have ``vocab_size`` ids."""
+    from ppl_thought.errors import PPLThoughtError
+    from ppl_thought.vocab import Vocab
+
+    try:
+        if not isinstance(vocab, dict) or set(vocab) != {"tokens", "specials"}:
+            raise TypeError("a JSON object with exactly the keys 'tokens' and 'specials'")
+        if not all(isinstance(v, list) and all(isinstance(t, str) for t in v) for v in vocab.values()):
+            raise TypeError("tokens and specials must be lists of strings")
+        size = len(Vocab.from_dict(vocab))
+    except (TypeError, ValueError, PPLThoughtError) as e:
+        raise CheckpointError(f"{path}: the saved vocabulary cannot be read: {e}"[:300]) from None
+    if size != vocab_size:
+        raise CheckpointError(f"{path}: the saved vocabulary has {size} ids, the config's vocab_size is "
+                              f"{vocab_size}: refused (token ids would be read as other tokens)")

@@ -77,11 +77,13 @@ def _positive_int(text: str) -> int:
 
 def _diagnose(args: argparse.Namespace) -> int:
     from ppl_thought.diagnostics.report import diagnose
+    from ppl_thought.errors import PPLThoughtError
 
     try:
         text, _ = diagnose(args.file, out=args.out)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"ppl-thought diagnose: {e}", file=sys.stderr)
+    except (PPLThoughtError, OSError, ValueError) as e:  # a damaged or foreign file, an unusable --out
+        message = " ".join(str(e).split())  # one line
+        print(f"ppl-thought diagnose: {message}", file=sys.stderr)
         return 2
     print(text)
     return 0

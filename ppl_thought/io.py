@@ -17,17 +17,20 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save_file
 
 from ppl_thought.checkpoint import (  # noqa: F401  (re-exported: the historical home of these names)
     CONFIG_FILE,
     FORMAT,
     TENSORS_STEM,
+    RawCheckpoint,
     atomic_write,
     atomic_write_json,
     checked_tensors_file,
+    decode_error,
     read_aliases,
+    read_checkpoint,
     write_checkpoint,
 )
 
@@ -50,15 +53,32 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tup
     """Read a checkpoint written by ``save_checkpoint``: ``(state_dict, config, extra)``.
 
     Aliased names (tied weights) come back as the same tensor object. Raises ``CheckpointError`` if the
-    directory holds no checkpoint of this format or the tensors file does not match the config.
+    directory holds no checkpoint of this format, the tensors file does not match the config, or any of the
+    checks of :func:`ppl_thought.checkpoint.read_checkpoint` fails (links out of the folder, unknown metadata,
+    aliases that shadow a stored tensor, a config nested too deep).
     """
-    header, tensors_file = checked_tensors_file(path)
-    state = load_file(tensors_file, device=str(device))
-    with safe_open(tensors_file, framework="pt") as f:
-        aliases = read_aliases(f.metadata())
-    for name, target in aliases.items():
+    state, raw = load_checkpoint_raw(path, device)
+    return state, raw.header["config"], raw.header["extra"]
+
+
+def load_checkpoint_raw(path: str | Path, device: str | torch.device = "cpu") -> tuple[dict, RawCheckpoint]:
+    """``(state_dict, raw)``: :func:`load_checkpoint` with the :class:`~ppl_thought.checkpoint.RawCheckpoint`
+    it read (stored dtypes, aliases), for loaders that check more (``Transformer.load``, ``Trainer.load``)."""
+    raw = read_checkpoint(path)
+    try:
+        state = load_bytes(raw.data)
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors on a damaged file: name the file
+        raise decode_error(raw.file, e) from None
+    if str(device) != "cpu":
+        state = {k: v.to(device) for k, v in state.items()}
+    for name, target in raw.aliases.items():
         state[name] = state[target]
-    return state, header["config"], header["extra"]
+    return state, raw
+
+
+def nonfinite_names(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of the floating tensors in ``state`` holding NaN or inf (one check per tensor, at load time)."""
+    return [k for k, v in state.items() if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all())]
 
 
 def _unshared(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -462,10 +462,18 @@ def test_save_load_round_trip(tmp_path, options):
 def test_checkpoint_files_are_safetensors_and_json_without_temp_files(tmp_path):
     model = make_model()
     path = model.save(tmp_path / "ckpt")
-    model.save(path)  # overwrite in place
+    first = json.loads((path / "config.json").read_text())["tensors"]["file"]
+    make_model(seed=1).save(path)  # overwrite in place
+    previous = json.loads((path / "config.json").read_text())["tensors"]["file"]
+    model.save(path)  # and again
     header = json.loads((path / "config.json").read_text())
     tensors = header["tensors"]["file"]
-    assert sorted(os.listdir(path)) == sorted(["config.json", tensors])  # the old tensors file is gone
+    assert first != previous != tensors
+    # the tensors file of the previous config is kept (a reader may have just read that config), older
+    # ones are gone; ".lock" serialises writers
+    assert sorted(os.listdir(path)) == sorted([".lock", "config.json", tensors, previous])
+    make_model(seed=2).save(path)
+    assert previous not in os.listdir(path) and tensors in os.listdir(path)
     assert tensors.startswith("model.") and tensors.endswith(".safetensors")
     assert header["config"]["vocab_size"] == V
     with safe_open(path / tensors, framework="pt") as f:

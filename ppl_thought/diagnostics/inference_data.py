@@ -40,7 +40,7 @@ from ppl_thought.inference.decoding import Decoded
 from ppl_thought.inference.resampling import resample
 from ppl_thought.inference.result import Result, pareto_k, psis
 from ppl_thought.vocab import PAD_ID
-from ppl_thought.weights import effective_sample_size
+from ppl_thought.weights import check_log_weights, effective_sample_size
 
 #: engines whose unweighted results are chains x draws of a Markov chain (others: independent draws)
 MCMC_ENGINES = ("langevin",)
@@ -430,6 +430,7 @@ def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | No
         raise UnsupportedResultError(f"to_inference_data expects an engine Result (or a Decoded from decode), "
                                      f"got {type(result).__name__}")
     m = _check_num_draws(num_draws)
+    _check_finite_result(result)
     if result.log_weights is not None and torch.as_tensor(result.log_weights).ndim > 1:
         result = _select_group(result, group)
     g.attrs["engine"] = result.engine or ""
@@ -453,6 +454,17 @@ def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | No
         _log_likelihood(g, result, log_likelihood, draws, layout)
     g.add("observed_data", _observed_vars(result.observed or {}, vocab))
     return g.build()
+
+
+def _check_finite_result(result: Result) -> None:
+    """NaN in, an error out: log weights with NaN or +inf, a NaN log Z-hat (DiagnosticError)."""
+    if result.log_weights is not None:
+        check_log_weights(torch.as_tensor(result.log_weights).detach(), "to_inference_data")
+    for name in ("log_marginal",):
+        v = getattr(result, name)
+        if v is not None and bool(torch.isnan(torch.as_tensor(v, dtype=torch.float64)).any()):
+            raise DiagnosticError(f"to_inference_data: the result's {name} is NaN: nothing trustworthy to convert "
+                                  "(a model or guide log-probability was NaN)")
 
 
 def load_inference_data(path) -> Any:

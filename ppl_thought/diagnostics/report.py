@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ppl_thought.checkpoint import read_header
 from ppl_thought.diagnostics.inference_data import import_arviz, load_inference_data, to_inference_data
 from ppl_thought.diagnostics.plots import plot_ess, plot_trace, plot_weights
-from ppl_thought.errors import DiagnosticError
-from ppl_thought.inference.result import is_saved_result, load_result
+from ppl_thought.errors import CheckpointError, DiagnosticError, PPLThoughtError
+from ppl_thought.inference.result import RESULT_FORMAT, load_result
 from ppl_thought.io import CONFIG_FILE
 
 #: at most this many rows of az.summary and variables in the posterior plot (a short report)
@@ -36,9 +37,17 @@ def _load(path: Path):
     """(InferenceData, note): the note is set for an ArviZ file that another library wrote."""
 
     if path.is_dir():
-        if is_saved_result(path):
-            return to_inference_data(load_result(path)), None
-        if (path / CONFIG_FILE).is_file():
+        if (path / CONFIG_FILE).exists():
+            header = read_header(path)  # a damaged folder: CheckpointError naming the damage
+            if isinstance(header["config"], dict) and header["config"].get("kind") == RESULT_FORMAT:
+                result = load_result(path)
+                try:
+                    return to_inference_data(result), None
+                except (IndexError, KeyError, TypeError, ValueError, RuntimeError) as e:
+                    if isinstance(e, PPLThoughtError):
+                        raise
+                    raise CheckpointError(f"{path}: the saved Result is inconsistent (its arrays do not fit "
+                                          f"together): {type(e).__name__}: {e}"[:300]) from None
             raise DiagnosticError(f"{path} is a ppl_thought checkpoint (model weights, save_checkpoint), not a "
                                   f"result: nothing to diagnose. {READS}")
         raise DiagnosticError(f"{path} is a directory but not a result saved by ppl_thought.inference.save_result. "
@@ -128,14 +137,21 @@ def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list
     for weighted results, ``<name>.ess.png`` (ESS over the SMC steps), ``<name>.posterior.png``
     (``az.plot_posterior``; ``az.plot_trace`` for chains: ``<name>.trace.png``), ``<name>.accept_prob.png``
     (MCMC), ``<name>.loss.png`` (SVI), ``<name>.values.png`` (files without a posterior).
-    Raises :class:`FileNotFoundError` or :class:`DiagnosticError` (a file that is not one of ours).
+    Raises :class:`FileNotFoundError`, :class:`DiagnosticError` (a file that is not one of ours, ``out`` naming
+    a file) or :class:`~ppl_thought.errors.CheckpointError` (a damaged saved-result folder, naming the damage).
     """
 
     path = Path(path)
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise DiagnosticError(f"out={str(out)!r} is a file, not a folder for the plots: name a folder (it is "
+                              "created if missing)")
     idata, note = _load(path)
     out_dir = Path(out) if out is not None else (path if path.is_dir() else path.parent)
     stem = path.name if path.is_dir() else path.stem
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DiagnosticError(f"cannot make the folder for the plots {str(out_dir)!r}: {e.strerror or e}") from None
     groups = list(idata.groups())
     attrs: dict = {}
     for g in ("posterior", "particles", "sample_stats", "predictions"):

@@ -20,6 +20,7 @@ import torch
 from ppl_thought.diagnostics.inference_data import psis_khat
 from ppl_thought.errors import DiagnosticError, TooLargeToEnumerateError
 from ppl_thought.inference.importance import Importance
+from ppl_thought.weights import check_log_weights
 
 
 def _log_vectors(p, q, model=None, x=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,13 +64,26 @@ def kl(p, q, *, model=None, x=None) -> float:
     return max(0.0, float(torch.where(has, lp.exp() * (lp - lq), torch.zeros_like(lp)).sum()))
 
 
+def _weights(log_w, what: str) -> torch.Tensor:
+    """Log weights as a float64 vector; :class:`DiagnosticError` for none, NaN, +inf, or no nonzero weight."""
+    try:
+        lw = torch.as_tensor(log_w, dtype=torch.float64).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise DiagnosticError(f"{what}: log_w must be a vector of log weights, got {type(log_w).__name__} "
+                              f"({e})"[:300]) from None
+    check_log_weights(lw, what)
+    if lw.numel() == 0 or torch.isneginf(lw).all():
+        raise DiagnosticError(f"{what}: no nonzero weight among {lw.numel()} log weights (every one is -inf or "
+                              "there are none): the divergence is not defined")
+    return lw
+
+
 def chi2_from_weights(log_w) -> float:
     """Monte-Carlo chi^2(Q_* || Q) = E_q[w^2] / E_q[w]^2 - 1 from log-weights w = P(z)/Q(z), z ~ Q
-    (the normaliser cancels: n sum w^2 / (sum w)^2 - 1). ``nan`` for no finite weight."""
-    lw = torch.as_tensor(log_w, dtype=torch.float64).reshape(-1)
+    (the normaliser cancels: n sum w^2 / (sum w)^2 - 1). :class:`DiagnosticError` for NaN or +inf log
+    weights and for no nonzero weight (never NaN)."""
+    lw = _weights(log_w, "chi2_from_weights")
     n = lw.numel()
-    if n == 0 or not torch.isfinite(lw).any():
-        return math.nan
     return float(
         torch.exp(math.log(n) + torch.logsumexp(2 * lw, 0) - 2 * torch.logsumexp(lw, 0)) - 1.0)
 
@@ -80,12 +94,10 @@ def kl_from_weights(log_w) -> tuple[float, float]:
 
     With p_n = mean(w) ((3.2)) and normalised weights W_i: KL(Q_* || Q) ~ sum_i W_i log(w_i / p_n) and
     KL(Q || Q_*) ~ log p_n - mean(log w) (``inf`` when some w_i = 0: Q puts mass outside Q_*).
-    ``nan`` for no finite weight.
+    :class:`DiagnosticError` for NaN or +inf log weights and for no nonzero weight (never NaN).
     """
-    lw = torch.as_tensor(log_w, dtype=torch.float64).reshape(-1)
+    lw = _weights(log_w, "kl_from_weights")
     n = lw.numel()
-    if n == 0 or not torch.isfinite(lw).any():
-        return math.nan, math.nan
     log_pn = torch.logsumexp(lw, 0) - math.log(n)
     W = torch.softmax(lw, 0)
     fin = torch.isfinite(lw)

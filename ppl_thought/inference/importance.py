@@ -23,47 +23,63 @@ import torch
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
-from ppl_thought.inference.particles import check_compatible, sample_particles
+from ppl_thought.inference.particles import check_compatible, infinite_sites, sample_particles
 from ppl_thought.inference.result import Result, pareto_k
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 
 # ---------------------------------------------------------------------------------------------- statistics
 def log_marginal_stderr(log_w: torch.Tensor) -> torch.Tensor:
-    """Delta-method standard error of log p_n: sd(w) / (sqrt(n) mean(w)), from log weights ``[n]``.
+    """Delta-method standard error of log p_n: sd(w) / (sqrt(n) mean(w)), from log weights ``[..., n]``.
 
     var(p_n) = var(w) / n ((3.4)), and d log p = dp / p. With normalised weights W_i
     (sum 1), w_i / mean(w) = n W_i, so se = sqrt(sum_i (n W_i - 1)^2 / ((n - 1) n)).
+    Equal weights give exactly 0 (with a finite gradient); one particle, or every weight zero, gives
+    ``inf`` (no estimate of the spread), never NaN.
     """
     n = log_w.shape[-1]
-    if n < 2 or torch.isneginf(torch.logsumexp(log_w, -1)).all():
-        return torch.tensor(float("nan"))
-    rel = n * torch.softmax(log_w.double(), -1)
+    lw = log_w.double()
+    if n < 2:
+        return torch.full(log_w.shape[:-1], float("inf"), dtype=log_w.dtype, device=log_w.device)
+    zero = torch.isneginf(torch.logsumexp(lw, -1))
+    equal = (lw == lw[..., :1]).all(-1)
+    rel = n * torch.softmax(torch.where(zero[..., None], torch.zeros_like(lw), lw), -1)
     var = ((rel - 1) ** 2).sum(-1) / (n - 1)
-    return (var / n).sqrt().to(log_w.dtype)
+    var = torch.where(equal, torch.zeros_like(var), var)
+    se = torch.where(var > 0, var / n, torch.ones_like(var)).sqrt() * (var > 0)  # sqrt'(0) would be inf
+    return torch.where(zero, torch.full_like(se, float("inf")), se).to(log_w.dtype)
 
 
 def log_normal_estimate(log_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Remark 3.4: log p ~ mean(S) + var(S)/2 under S ~ N(mu, s^2) (unbiased variance); and its stderr.
 
     Particles with S = -inf are outside the log-normal model; they are dropped (an
-    estimate with all S = -inf is -inf). stderr^2 = s^2/n + s^4/(2(n-1)) (delta method).
+    estimate with all S = -inf is -inf). stderr^2 = s^2/n + s^4/(2(n-1)) (delta method); inf for fewer
+    than two finite S (no spread to estimate from).
     """
     s = log_w[torch.isfinite(log_w)].double()
     n = s.numel()
-    if n == 0:
-        return torch.tensor(float("-inf")), torch.tensor(float("nan"))
+    if n == 0:  # no spread to estimate from: stderr inf (never NaN)
+        return torch.tensor(float("-inf")), torch.tensor(float("inf"))
     if n == 1:
-        return s[0].float(), torch.tensor(float("nan"))
+        return s[0].float(), torch.tensor(float("inf"))
     var = s.var(unbiased=True)
     est = s.mean() + var / 2
     se = (var / n + var**2 / (2 * (n - 1))).sqrt()
     return est.float(), se.float()
 
 
-def _summarise(log_w: torch.Tensor, log_normal: bool, what: str) -> dict[str, Any]:
-    if torch.isnan(log_w).any():
-        raise NumericalError(f"{what}: NaN log weights (a model or guide log-probability is NaN)")
+def _summarise(log_w: torch.Tensor, log_normal: bool, what: str, traces=()) -> dict[str, Any]:
+    """log Z-hat (3.2), its stderr, ESS and k-hat of a run's weights, checked once (one host sync): NaN or +inf
+    weights raise :class:`NumericalError` (naming the sites of +inf log-probability found in ``traces``),
+    all-zero weights :class:`ZeroWeightsError`."""
+    nan, posinf = torch.stack([torch.isnan(log_w).any(), torch.isposinf(log_w).any()]).tolist()
+    if nan or posinf:
+        named = infinite_sites(*traces)
+        where = f" at site(s) {', '.join(named)}" if named else ""
+        raise NumericalError(f"{what}: {'NaN' if nan else '+inf'} log weights: a log-probability of "
+                             f"{'NaN or ' if nan else ''}+inf{where} (e.g. pyro.factor(name, +inf)); log Z-hat and "
+                             "the ESS would be NaN or inf")
     lse = torch.logsumexp(log_w, -1)
     if torch.isneginf(lse):
         raise ZeroWeightsError(
@@ -74,7 +90,7 @@ def _summarise(log_w: torch.Tensor, log_normal: bool, what: str) -> dict[str, An
     out: dict[str, Any] = {
         "log_marginal": log_mean_exp(log_w),
         "log_marginal_stderr": log_marginal_stderr(log_w),
-        "ess": effective_sample_size(log_w),
+        "ess": effective_sample_size(log_w, check=False),  # checked above
         "khat": pareto_k(log_w),  # PSIS (arviz.psislw): one implementation, in inference/result.py
     }
     if log_normal:
@@ -138,7 +154,8 @@ class Importance:
                 samples, log_w, extra = self._traced(model, guide, args, kwargs)
         except NotInImageError as e:
             return not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles, "Importance", observed)
-        stats = _summarise(log_w, self.log_normal_correction, "Importance")
+        traces = extra.pop("traces", ())
+        stats = _summarise(log_w, self.log_normal_correction, "Importance", traces)
         stats.update(extra)
         return Result(
             samples=samples, log_weights=log_w, log_marginal=stats.pop("log_marginal"),
@@ -157,7 +174,8 @@ class Importance:
         with torch.no_grad(), poutine.block():
             pt = sample_particles(model, guide, self.num_particles, *args,
                                   max_plate_nesting=self.max_plate_nesting, **kwargs)
-        return pt.values, pt.log_w, {"log_p": pt.log_p, "log_q": pt.log_q, "log_likelihood": pt.log_likelihood}
+        return pt.values, pt.log_w, {"log_p": pt.log_p, "log_q": pt.log_q, "log_likelihood": pt.log_likelihood,
+                                     "traces": (pt.model_trace, pt.guide_trace)}
 
     # ------------------------------------------------------------------ (3.7) and Remark 3.5
     def conditional_log_prob(self, model, sampler, x, y, shared: bool = True) -> Result:

@@ -39,8 +39,8 @@ from ppl_thought.program import PARTICLES, collect_twists, is_output, is_program
 
 __all__ = [
     "PARTICLES", "Particles", "StepOutput", "check_compatible", "check_sites", "check_steps", "engine_device",
-    "find_max_plate_nesting", "latent_sites", "log_ratio", "output_sites", "per_particle", "program_device", "run_step",
-    "sample_particles",
+    "find_max_plate_nesting", "infinite_sites", "latent_sites", "log_ratio", "output_sites", "per_particle",
+    "program_device", "run_step", "sample_particles",
 ]
 
 
@@ -265,6 +265,22 @@ def per_particle(trace, n: int, which: str = "all", device=None, skip=()) -> tor
     return total
 
 
+def infinite_sites(*traces) -> list[str]:
+    """The sample sites (``pyro.factor`` included) of ``traces`` whose log-probability holds NaN or +inf, by
+    name: the error path of an engine whose weights came out NaN or +inf (looked up once, after the check)."""
+    out = []
+    for tr in traces:
+        if tr is None:
+            continue
+        for name, site in tr.nodes.items():
+            if site["type"] != "sample" or site_is_subsample(site):
+                continue
+            lp = torch.as_tensor(site_log_prob(site))
+            if lp.is_floating_point() and bool((torch.isnan(lp) | torch.isposinf(lp)).any()):
+                out.append(repr(name))
+    return sorted(set(out))
+
+
 # ---------------------------------------------------------------------------------------------- plates
 def find_max_plate_nesting(model, guide, args: tuple = (), kwargs: dict | None = None) -> int:
     """The plates model and guide use themselves (the particle plate goes left of them).
@@ -420,6 +436,7 @@ class StepOutput:
     values: dict[str, tuple[torch.Tensor, int]]  # latent values and the position of their particle dim
     token_steps: int  # lockstep token steps of the sequence sites (for throughput figures)
     outputs: list[str] = field(default_factory=list)  # the names among ``values`` that are output sites
+    traces: tuple = ()  # (model trace, guide trace): read only when the weights come out NaN or +inf
 
 
 def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, where: str,
@@ -465,7 +482,7 @@ def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, wh
         if getattr(s["fn"], "ragged_event", False):
             token_steps += int(v.shape[-1]) if v.ndim > len(s["fn"].batch_shape) else 1
     psi = tw.log_psi
-    return StepOutput(log_w, psi, done, values, token_steps, list(outs))
+    return StepOutput(log_w, psi, done, values, token_steps, list(outs), (mtr, gtr))
 
 
 def require_program(obj, role: str) -> None:

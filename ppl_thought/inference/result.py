@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from collections.abc import Mapping
@@ -13,9 +12,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ppl_thought.checkpoint import parse_json
 from ppl_thought.errors import CheckpointError
 from ppl_thought.io import CONFIG_FILE, load_checkpoint, save_checkpoint
-from ppl_thought.weights import effective_sample_size, log_mean_exp  # noqa: F401 (their old import path)
+from ppl_thought.weights import (  # noqa: F401 (effective_sample_size, log_mean_exp: their old import path)
+    check_log_weights,
+    effective_sample_size,
+    log_mean_exp,
+)
 
 
 def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,7 +29,8 @@ def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
     weights (same shape, float64: the largest weights replaced by the expected order statistics of a
     generalised Pareto fit to the tail, then truncated at the largest raw weight) and the shape estimate
     k-hat ``[...]``. k-hat < 0.5: the raw weights have finite variance; 0.5-0.7: finite mean, use the
-    smoothed weights; > 0.7: the estimate is unreliable whatever the smoothing.
+    smoothed weights; > 0.7: the estimate is unreliable whatever the smoothing. Log weights with NaN or +inf
+    raise :class:`~ppl_thought.errors.DiagnosticError`.
 
     The numbers are ArviZ's, computed on the finite weights of each row (a ``-inf`` weight is a particle
     with probability 0: it stays ``-inf``). Two cases ArviZ reports as k = inf are named instead:
@@ -37,6 +42,7 @@ def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
 
     lw = torch.as_tensor(log_w).detach().to("cpu", torch.float64)
     lw = lw.reshape(1) if lw.ndim == 0 else lw
+    check_log_weights(lw, "psis (Pareto k-hat)")  # NaN or +inf: DiagnosticError, never a NaN k-hat
     rows = lw.reshape(-1, lw.shape[-1]).numpy()
     out = np.full(rows.shape, -np.inf)
     ks = np.full(rows.shape[0], np.nan)
@@ -143,7 +149,7 @@ def _result_repr(self) -> str:
         se = "" if self.log_marginal_stderr is None else f" +- {_short(self.log_marginal_stderr, 2)}"
         parts.append(f"log Z-hat {_short(self.log_marginal)}{se}")
     if self.log_weights is not None:
-        parts.append(f"ESS {_short(self.ess, 3)}")
+        parts.append(f"ESS {_short(effective_sample_size(self.log_weights, check=False), 3)}")
     if "khat" in self.stats:  # only what the engine recorded: a repr never runs a fit
         parts.append(f"Pareto k {_short(self.stats['khat'], 2)}")
     names = list(self.samples)
@@ -172,15 +178,32 @@ def _result_summary(self) -> str:
 RESULT_FORMAT = "ppl_thought.result/1"
 
 
+def _key_part(k: str) -> str:
+    """A dict key as one part of a tensor name: ``%`` and ``/`` escaped, so that ``{"a": [t]}`` (``a/0``) and
+    ``{"a/0": t}`` (``a%2F0``) can never name the same tensor."""
+    return k.replace("%", "%25").replace("/", "%2F")
+
+
 def _encode_tree(obj, key: str, tensors: dict[str, torch.Tensor]):
-    """A JSON tree for ``obj`` with tensors (and numpy arrays) moved into ``tensors`` under ``key``."""
+    """A JSON tree for ``obj`` with tensors (and numpy arrays) moved into ``tensors`` under ``key``.
+
+    Raises :class:`CheckpointError` for a dict whose keys collide as strings (``{1: a, "1": b}``) and for a
+    tensor name already taken: never two values under one name."""
     if isinstance(obj, torch.Tensor | np.ndarray):
+        if key in tensors:
+            raise CheckpointError(f"save_result: two values would be stored as the tensor {key!r}")
         tensors[key] = torch.as_tensor(obj).detach().cpu()
         return {"__tensor__": key}
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, dict):
-        return {"__dict__": [[str(k), _encode_tree(v, f"{key}/{k}", tensors)] for k, v in obj.items()]}
+        names = [str(k) for k in obj]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise CheckpointError(f"save_result: the keys {dup[:5]} of a dict under {key!r} are equal as strings "
+                                  f"(keys {list(obj)[:8]}): a saved result would keep one of them")
+        return {"__dict__": [[str(k), _encode_tree(v, f"{key}/{_key_part(str(k))}", tensors)]
+                             for k, v in obj.items()]}
     if isinstance(obj, tuple | list):
         items = [_encode_tree(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]
         return {"__tuple__": items} if isinstance(obj, tuple) else items
@@ -189,18 +212,31 @@ def _encode_tree(obj, key: str, tensors: dict[str, torch.Tensor]):
     return {"__repr__": repr(obj)}  # lossy: objects JSON cannot hold are kept as their repr
 
 
+class _Damaged(Exception):
+    """A saved tree that does not decode (turned into a CheckpointError naming the folder)."""
+
+
 def _decode_tree(obj, tensors: Mapping[str, torch.Tensor]):
     if isinstance(obj, list):
         return [_decode_tree(v, tensors) for v in obj]
     if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        if "__tuple__" in obj:
+        if set(obj) == {"__tensor__"}:
+            name = obj["__tensor__"]
+            if not isinstance(name, str) or name not in tensors:
+                raise _Damaged(f"the tree names the tensor {name!r}, which the tensors file does not hold")
+            return tensors[name]
+        if set(obj) == {"__tuple__"} and isinstance(obj["__tuple__"], list):
             return tuple(_decode_tree(v, tensors) for v in obj["__tuple__"])
-        if "__dict__" in obj:
-            return {k: _decode_tree(v, tensors) for k, v in obj["__dict__"]}
-        if "__repr__" in obj:
+        if set(obj) == {"__dict__"} and isinstance(obj["__dict__"], list):
+            pairs = obj["__dict__"]
+            if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+                raise _Damaged("a dict of the tree is not a list of [key, value] pairs")
+            if len({p[0] for p in pairs}) != len(pairs):
+                raise _Damaged("a dict of the tree holds one key twice")
+            return {k: _decode_tree(v, tensors) for k, v in pairs}
+        if set(obj) == {"__repr__"} and isinstance(obj["__repr__"], str):
             return obj["__repr__"]
+        raise _Damaged(f"the tree holds an object of unknown kind (keys {sorted(obj)[:5]})")
     return obj
 
 
@@ -226,8 +262,8 @@ def is_saved_result(path: str | Path) -> bool:
     if not (path / CONFIG_FILE).is_file():
         return False
     try:
-        header = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        header = parse_json((path / CONFIG_FILE).read_bytes(), str(path / CONFIG_FILE))
+    except (OSError, CheckpointError):
         return False
     return isinstance(header, dict) and isinstance(header.get("config"), dict) \
         and header["config"].get("kind") == RESULT_FORMAT
@@ -236,7 +272,24 @@ def is_saved_result(path: str | Path) -> bool:
 def load_result(path: str | Path):
     """Read a :class:`Result` written by :func:`save_result`."""
     state, config, _ = load_checkpoint(path)
-    if config.get("kind") != RESULT_FORMAT:
+    if not isinstance(config, dict) or config.get("kind") != RESULT_FORMAT:
         raise CheckpointError(f"{path} holds a checkpoint, not a saved Result ({RESULT_FORMAT})")
-    fields = _decode_tree(config["tree"], state)
-    return Result(engine=config.get("engine", ""), **fields)
+    try:
+        fields = _decode_tree(config.get("tree"), state)
+    except _Damaged as e:
+        raise CheckpointError(f"{path}: damaged saved Result: {e}") from None
+    names = ("samples", "log_weights", "log_marginal", "log_marginal_stderr", "ancestry", "stats", "observed")
+    if not isinstance(fields, dict) or set(fields) != set(names):
+        got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
+        raise CheckpointError(f"{path}: damaged saved Result: its tree holds {got}, not the fields {list(names)}")
+    for name in ("samples", "stats", "observed"):
+        if not isinstance(fields[name], dict):
+            raise CheckpointError(f"{path}: damaged saved Result: {name} is a {type(fields[name]).__name__}, "
+                                  "not a dict")
+    for name in ("log_weights", "log_marginal", "log_marginal_stderr", "ancestry"):
+        if fields[name] is not None and (isinstance(fields[name], bool)
+                                         or not isinstance(fields[name], torch.Tensor | int | float)):
+            raise CheckpointError(f"{path}: damaged saved Result: {name} is a {type(fields[name]).__name__}, "
+                                  "not a tensor")
+    engine = config.get("engine", "")
+    return Result(engine=engine if isinstance(engine, str) else str(engine), **fields)

@@ -26,6 +26,7 @@ from ppl_thought.inference.particles import (
     check_compatible,
     check_steps,
     engine_device,
+    infinite_sites,
     particle_plate,
     require_program,
     run_step,
@@ -186,16 +187,19 @@ class SMC:
             lw = lw + inc
             finished = now_done
             lwg = lw.view(G, n)
-            ess = effective_sample_size(lwg)  # [G]
+            ess = effective_sample_size(lwg, check=False)  # [G]; checked in the step's one sync
             # the one host sync of the step
-            host = torch.cat([torch.stack([torch.isnan(lw).any().float(), finished.all().float(),
-                                           finished.any().float()]),
+            host = torch.cat([torch.stack([(torch.isnan(lw) | torch.isposinf(lw)).any().float(),
+                                           finished.all().float(), finished.any().float()]),
                               torch.isneginf(lwg).all(-1).float(), ess.float()]).tolist()
             has_nan, all_done, any_finished = host[0] > 0, host[1] > 0, host[2] > 0
             zero, ess_g = host[3:3 + G], host[3 + G:]
             if has_nan:
-                raise NumericalError(f"NaN weights after step {t} of {name} (a twist or log-probability is "
-                                     "NaN or +inf)")
+                named = infinite_sites(*out.traces)
+                where = f" at site(s) {', '.join(named)}" if named else ""
+                raise NumericalError(f"NaN or +inf weights after step {t} of {name}: a twist or log-probability "
+                                     f"is NaN or +inf{where} (e.g. pyro.factor(name, +inf))")
+            out.traces = ()  # checked: the step's traces (and the caches their sites hold) go before resampling
             if any(zero):
                 raise ZeroWeightsError(self._zero_message(zero, t, name))
             need = [not all_done and e < self.ess_threshold * n for e in ess_g]

@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppl_thought.checkpoint import check_transformer_config
+from ppl_thought.checkpoint import check_finite, check_float_dtypes, check_transformer_config
 from ppl_thought.errors import CheckpointError, MalformedSequenceError, VocabularyError
-from ppl_thought.io import load_checkpoint, save_checkpoint
+from ppl_thought.io import load_checkpoint_raw, nonfinite_names, save_checkpoint
 from ppl_thought.lm.base import check_token_ids, describe, one_token
 from ppl_thought.lm.kv_cache import KVCache, check_positions, ragged_rows
 from ppl_thought.vocab import Vocab
@@ -377,31 +377,41 @@ class Transformer(nn.Module):
         return save_checkpoint(path, self, config, extra)
 
     @classmethod
-    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> Transformer:
-        """Rebuild a model written by ``save`` (no pickle).
+    def load(cls, path: str | Path, device: str | torch.device = "cpu", *,
+             allow_nonfinite: bool = False) -> Transformer:
+        """Rebuild a model written by ``save`` (no pickle), in eval mode.
 
-        A config that does not describe the saved tensors (keys that are no constructor argument, sizes that
-        are not positive integers, another depth, width or tensor shape than saved) raises
-        :class:`~ppl_thought.errors.CheckpointError` naming it, checked before anything is allocated
+        The files are not trusted (:func:`ppl_thought.checkpoint.read_checkpoint`): a config that does not
+        describe the saved tensors (keys that are no constructor argument, sizes that are not positive
+        integers, another depth, width or tensor shape than saved, a saved vocabulary of another size), tied
+        weights other than the LM head of a ``tie_embeddings`` model, weights stored as another type than a
+        float, and weights holding NaN or inf (unless ``allow_nonfinite=True``, for debugging) raise
+        :class:`~ppl_thought.errors.CheckpointError` naming it, checked before the model is built
         (:func:`ppl_thought.checkpoint.check_transformer_config`).
         """
 
-        state, config, _ = load_checkpoint(path, device=device)
+        state, raw = load_checkpoint_raw(path, device=device)
         # the torch-free check shared with ptn.lm.Transformer.load (one home for the format)
-        config = check_transformer_config(path, config, {k: tuple(v.shape) for k, v in state.items()})
+        config = check_transformer_config(path, raw.header["config"], raw.shapes, raw.aliases)
+        check_float_dtypes(path, raw.dtypes)
+        check_finite(path, nonfinite_names(state), allow_nonfinite)
         try:
             model = cls(**config).to(device)
         except (TypeError, ValueError, RuntimeError, MemoryError) as e:  # e.g. RoPE tables for an absurd max_len
             raise CheckpointError(f"{path}: the config cannot build a Transformer here: {e}"[:500]) from None
         model.load_state_dict(state)
-        return model
+        return model.eval()
 
     @staticmethod
     def load_vocab(path: str | Path):
         """The :class:`~ppl_thought.vocab.Vocab` saved with a model (``save(..., vocab=...)``), or None."""
 
-        _, config, _ = load_checkpoint(path)
-        return Vocab.from_dict(config["vocab"]) if "vocab" in config else None
+        _, raw = load_checkpoint_raw(path)
+        config = raw.header["config"]
+        if not isinstance(config, dict) or "vocab" not in config:
+            return None
+        check_transformer_config(path, config, raw.shapes, raw.aliases)  # the vocabulary fits the model
+        return Vocab.from_dict(config["vocab"])
 
 
 #: positions of spare room a preallocated (non-window) cache buffer gets at least when it is (re)allocated

@@ -21,7 +21,7 @@ import numpy as np
 from ppl_thought.arviz_compat import import_arviz
 from ppl_thought.draws import bounded_num_draws
 from ppl_thought.errors import DiagnosticError, UnsupportedResultError
-from ppl_thought.numpyro.infer.resampling import effective_sample_size, systematic_resample
+from ppl_thought.numpyro.infer.resampling import check_log_weights, effective_sample_size, systematic_resample
 
 PSIS_THRESHOLD = 0.5
 
@@ -64,6 +64,12 @@ def to_inference_data(result, num_draws: int | None = None, seed: int = 0, group
     if result.log_weights is None:
         raise UnsupportedResultError("to_inference_data: this converter takes weighted results (Importance, SMC)")
     lw = np.asarray(result.log_weights, np.float64)
+    check_log_weights(lw, "to_inference_data")  # NaN in, an error out (DiagnosticError)
+    for name in ("log_marginal",):
+        v = getattr(result, name)
+        if v is not None and bool(np.isnan(np.asarray(v, np.float64)).any()):
+            raise DiagnosticError(f"to_inference_data: the result's {name} is NaN: nothing trustworthy to convert "
+                                  "(a model or guide log-probability was NaN)")
     samples = {k: np.asarray(v) for k, v in result.samples.items()}
     logz, se = result.log_marginal, result.log_marginal_stderr
     ancestry = result.ancestry

@@ -236,7 +236,7 @@ class OneSampler(ParticleObjective):
         log_w = pt.log_w
         w = _normalized(log_w)
         value = -log_mean_exp(log_w, 0)
-        self.last_stats = {"ess": float(effective_sample_size(log_w, 0)), "log_marginal": float(-value)}
+        self.last_stats = {"ess": float(effective_sample_size(log_w, 0, check=False)), "log_marginal": float(-value)}
         return value, -_weighted(w, pt.log_p)
 
 
@@ -266,8 +266,9 @@ class TwoSampler(ParticleObjective):
         coef = torch.exp(tr.log_w - math.log(tr.n) - log_pn)  # q•_i / (n p_n)
         ok = torch.isfinite(log_pn) & torch.isfinite(coef)
         coef = torch.where(ok, coef, torch.zeros_like(coef))
-        self.last_stats = {"ess": float(effective_sample_size(inf.log_w, 0)),
-                           "ess_train": float(effective_sample_size(tr.log_w, 0)), "log_marginal": float(log_pn)}
+        self.last_stats = {"ess": float(effective_sample_size(inf.log_w, 0, check=False)),
+                           "ess_train": float(effective_sample_size(tr.log_w, 0, check=False)),
+                           "log_marginal": float(log_pn)}
         return -log_pn, -_weighted(coef, tr.log_p)
 
 
@@ -371,7 +372,7 @@ class SamplerPolicyGradient(ParticleObjective):
     def from_particles(self, pt: Particles, *args, **kwargs):
         r = self._clean(self.rewards(pt).detach(), "sampler reward R = log P/Q")
         a = r - r.mean()
-        self.last_stats = {"reward": float(r.mean()), "ess": float(effective_sample_size(pt.log_w, 0))}
+        self.last_stats = {"reward": float(r.mean()), "ess": float(effective_sample_size(pt.log_w, 0, check=False))}
         return -r.mean(), -(a * pt.log_q).sum() / (pt.n - 1)
 
 
@@ -450,7 +451,7 @@ class SeparatePolicy(ParticleObjective):
                 rb = (torch.log(a.abs().clamp_min(self.floor)) + torch.log(norms.clamp_min(self.floor))
                       + pt.log_w)
                 surr = surr - ((rb - rb.mean()) * pt.log_q).mean()
-        self.last_stats = {"reward": float(r.mean()), "ess": float(effective_sample_size(pt.log_w, 0))}
+        self.last_stats = {"reward": float(r.mean()), "ess": float(effective_sample_size(pt.log_w, 0, check=False))}
         return value, surr
 
 

@@ -28,13 +28,14 @@ from ppl_thought.weights import log_mean_exp
 
 
 def _log_marginal_stderr(log_w: torch.Tensor) -> torch.Tensor:
-    """Delta-method standard error of log p_n: std(w) / (sqrt(n) mean(w)); inf if every weight is 0."""
+    """Delta-method standard error of log p_n: std(w) / (sqrt(n) mean(w)); 0 for equal weights; inf if every
+    weight is 0 or there is one weight (no estimate of the spread)."""
     m = log_w.max()
     if not torch.isfinite(m):
         return torch.tensor(float("inf"), device=log_w.device)
     w = torch.exp(log_w - m)
-    if len(w) < 2:
-        return torch.tensor(float("nan"), device=w.device)
+    if len(w) < 2:  # no estimate of the spread from one weight: inf, never NaN
+        return torch.tensor(float("inf"), device=w.device)
     return w.std(correction=1) / (math.sqrt(len(w)) * w.mean())
 
 

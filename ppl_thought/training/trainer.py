@@ -20,6 +20,7 @@ global batch (see :class:`Trainer`, "Distributed training").
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -35,8 +36,9 @@ import torch
 import torch.distributed as dist
 from pyro.infer import ELBO
 
+from ppl_thought.checkpoint import check_finite
 from ppl_thought.errors import CheckpointError, ConfigError
-from ppl_thought.io import load_checkpoint, save_checkpoint
+from ppl_thought.io import load_checkpoint_raw, nonfinite_names, save_checkpoint
 
 FORMAT = "ppl_thought.trainer/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -473,36 +475,38 @@ class Trainer:
             raise CheckpointError(f"rank 0 could not write the checkpoint {path}: {told}")
         return path
 
-    def load(self, path: str | Path) -> Trainer:
+    def load(self, path: str | Path, *, allow_nonfinite: bool = False) -> Trainer:
         """Restore weights, optimizer state, RNG states, step count and history from ``path`` (every rank
-        reads the folder; rank r restores its own RNG states when the checkpoint has them)."""
-        tensors, config, extra = load_checkpoint(path)
-        if extra.get("format") != FORMAT:
-            raise CheckpointError(f"{path} is not a Trainer checkpoint ({FORMAT})")
-        if sorted(config["modules"]) != sorted(self.modules):
-            raise CheckpointError(f"checkpoint modules {config['modules']} != trainer modules {sorted(self.modules)}")
-        if config["optimizer"] != type(self.optimizer).__name__:
-            raise CheckpointError(f"checkpoint optimizer {config['optimizer']} != {type(self.optimizer).__name__}")
-        for name, m in self.modules.items():
-            prefix = f"module/{name}/"
-            sd = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-            m.load_state_dict(sd, strict=True)
-        state: dict[int, dict[str, Any]] = {}
-        for idx, keys in extra["optim"]["state_keys"].items():
-            st = {}
-            for k in keys:
-                if f"optim/{idx}/{k}" in tensors:
-                    st[k] = tensors[f"optim/{idx}/{k}"]
-                else:
-                    st[k] = extra["optim"]["scalars"][idx][k]
-            state[int(idx)] = st
-        self.optimizer.load_state_dict({"state": state, "param_groups": extra["optim"]["param_groups"]})
-        if self.rank == 0:
-            self._set_rng_state(tensors["rng/torch"], tensors["rng/numpy"], extra["rng"])
-        elif f"rng/{self.rank}/torch" in tensors:
-            self._set_rng_state(tensors[f"rng/{self.rank}/torch"], tensors[f"rng/{self.rank}/numpy"],
-                                extra["rng_ranks"][str(self.rank)])
-        elif self.seed is None:
+        reads the folder; rank r restores its own RNG states when the checkpoint has them).
+
+        All or nothing: the whole checkpoint is checked first (modules, tensor names, shapes and dtypes, the
+        optimizer's groups and state, the RNG states; weights and optimizer state holding NaN or inf unless
+        ``allow_nonfinite=True``) and a failure while restoring puts the trainer back as it was; either way a
+        damaged checkpoint raises :class:`~ppl_thought.errors.CheckpointError` naming the damage, and the
+        trainer is unchanged."""
+        try:
+            plan = self._load_plan(path, allow_nonfinite)
+        except CheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise CheckpointError(f"{path} is a damaged Trainer checkpoint: {type(e).__name__}: {e}"[:400]) from None
+        tensors, config, extra, module_states, optim_state, rng = plan
+        backup = ({n: {k: v.detach().clone() for k, v in m.state_dict().items()} for n, m in self.modules.items()},
+                  copy.deepcopy(self.optimizer.state_dict()), self._rng_state())
+        try:
+            for name, m in self.modules.items():
+                m.load_state_dict(module_states[name], strict=True)
+            self.optimizer.load_state_dict(optim_state)
+            if rng is not None:
+                self._set_rng_state(*rng)
+        except Exception as e:
+            for name, m in self.modules.items():
+                m.load_state_dict(backup[0][name], strict=True)
+            self.optimizer.load_state_dict(backup[1])
+            self._set_rng_state(*backup[2])
+            raise CheckpointError(f"{path} could not be restored (the trainer is unchanged): "
+                                  f"{type(e).__name__}: {e}"[:400]) from None
+        if rng is None and self.rank != 0 and self.seed is None:
             warnings.warn(f"{path} holds no RNG state for rank {self.rank} (written by {config.get('world_size', 1)} "
                           "process(es)): this rank goes on from its current stream, so the run does not repeat an "
                           "uninterrupted one (pass seed= for streams that do not depend on the processes)",
@@ -514,6 +518,86 @@ class Trainer:
         self.step_count = int(extra["step_count"])
         self.history = list(extra["history"])
         return self
+
+    def _load_plan(self, path: str | Path, allow_nonfinite: bool):
+        """Everything :meth:`load` restores, read and checked, nothing changed yet."""
+        tensors, raw = load_checkpoint_raw(path)
+        config, extra = raw.header["config"], raw.header["extra"]
+        if extra.get("format") != FORMAT or not isinstance(config, dict):
+            raise CheckpointError(f"{path} is not a Trainer checkpoint ({FORMAT})")
+        if not isinstance(config.get("modules"), list) or sorted(map(str, config["modules"])) != sorted(self.modules):
+            raise CheckpointError(f"checkpoint modules {config.get('modules')} != trainer modules "
+                                  f"{sorted(self.modules)}")
+        if config.get("optimizer") != type(self.optimizer).__name__:
+            raise CheckpointError(f"checkpoint optimizer {config.get('optimizer')} != {type(self.optimizer).__name__}")
+        if isinstance(extra.get("step_count"), bool) or not isinstance(extra.get("step_count"), int) \
+                or extra["step_count"] < 0 or not isinstance(extra.get("history"), list):
+            raise CheckpointError(f"{path}: step_count must be an integer >= 0 and history a list, got "
+                                  f"{extra.get('step_count')!r} and a {type(extra.get('history')).__name__}")
+        nonfinite: list[str] = []
+        module_states = {}
+        for name, m in self.modules.items():
+            prefix = f"module/{name}/"
+            sd = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            own = m.state_dict()
+            if set(sd) != set(own):
+                bad = sorted(set(sd) ^ set(own))
+                raise CheckpointError(f"{path}: module {name!r}: the saved tensors differ from the module's in "
+                                      f"{bad[:5]} (missing or unexpected)")
+            for k, v in sd.items():
+                want = own[k]
+                if tuple(v.shape) != tuple(want.shape):
+                    raise CheckpointError(f"{path}: module {name!r}: {k} has shape {tuple(v.shape)}, the module's "
+                                          f"{tuple(want.shape)}")
+                if want.is_floating_point() != v.is_floating_point() or (not want.is_floating_point()
+                                                                         and v.dtype != want.dtype):
+                    raise CheckpointError(f"{path}: module {name!r}: {k} is stored as {v.dtype}, the module holds "
+                                          f"{want.dtype}: refused, not cast")
+            nonfinite += [prefix + k for k in nonfinite_names(sd)]
+            module_states[name] = sd
+        optim = extra.get("optim")
+        if not isinstance(optim, dict) or not all(isinstance(optim.get(k), t) for k, t in
+                                                  (("param_groups", list), ("state_keys", dict), ("scalars", dict))):
+            raise CheckpointError(f"{path}: the optimizer state lacks param_groups, state_keys or scalars")
+        groups = optim["param_groups"]
+        mine = self.optimizer.param_groups
+        if len(groups) != len(mine) or any(not isinstance(g, dict) or not isinstance(g.get("params"), list)
+                                           or len(g["params"]) != len(own["params"]) for g, own in zip(groups, mine)):
+            raise CheckpointError(f"{path}: the optimizer's parameter groups do not match this trainer's "
+                                  f"({[len(g['params']) for g in self.optimizer.param_groups]} parameters per group)")
+        params = {pid: p for g, own in zip(groups, mine) for pid, p in zip(g["params"], own["params"])}
+        state: dict[int, dict[str, Any]] = {}
+        for idx, keys in optim["state_keys"].items():
+            if int(idx) not in params or not isinstance(keys, list):
+                raise CheckpointError(f"{path}: optimizer state for parameter {idx!r}, which no group holds")
+            st = {}
+            for k in keys:
+                if f"optim/{idx}/{k}" in tensors:
+                    v = tensors[f"optim/{idx}/{k}"]
+                    p = params[int(idx)]
+                    if v.ndim and tuple(v.shape) != tuple(p.shape):
+                        raise CheckpointError(f"{path}: optimizer state {k} of parameter {idx} has shape "
+                                              f"{tuple(v.shape)}, the parameter {tuple(p.shape)}")
+                    if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
+                        nonfinite.append(f"optim/{idx}/{k}")
+                    st[k] = v
+                else:
+                    st[k] = optim["scalars"][idx][k]
+            state[int(idx)] = st
+        check_finite(path, nonfinite, allow_nonfinite)
+        rng = None
+        if self.rank == 0:
+            rng = (tensors["rng/torch"], tensors["rng/numpy"], extra["rng"])
+        elif f"rng/{self.rank}/torch" in tensors:
+            rng = (tensors[f"rng/{self.rank}/torch"], tensors[f"rng/{self.rank}/numpy"],
+                   extra["rng_ranks"][str(self.rank)])
+        if rng is not None:
+            want = torch.get_rng_state()
+            if rng[0].dtype != want.dtype or rng[0].shape != want.shape or rng[1].dtype != torch.int64 \
+                    or tuple(rng[1].shape) != (624,):
+                raise CheckpointError(f"{path}: the saved RNG states are not torch's and numpy's "
+                                      f"({rng[0].dtype} {tuple(rng[0].shape)}, {rng[1].dtype} {tuple(rng[1].shape)})")
+        return tensors, config, extra, module_states, {"state": state, "param_groups": groups}, rng
 
     @staticmethod
     def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:

@@ -19,7 +19,7 @@ from numpyro.handlers import replay, seed, trace
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
-from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp
+from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, prng_key
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 from ppl_thought.numpyro.infer.steps import StepEngine, program_result
 from ppl_thought.numpyro.program import is_program
@@ -64,10 +64,31 @@ def log_weight_fn(model, guide, args: tuple, kwargs: dict):
     return one
 
 
-def summarise(log_w: jax.Array, what: str) -> dict[str, Any]:
-    """log Z-hat (3.2), its delta-method SE, ESS; NumericalError on NaN, ZeroWeightsError if every weight is 0."""
+def infinite_sites(model, guide, args: tuple, kwargs: dict, key: jax.Array) -> list[str]:
+    """The sites (``numpyro.factor`` included) whose log-probability is +inf in the particle drawn with ``key``
+    (the same traces as :func:`log_weight_fn`, run once, eagerly: the error path of a run, never per particle)."""
+    kq, kp = jax.random.split(key)
+    traces = []
+    if guide is None:
+        traces.append(("model", trace(seed(model, kq)).get_trace(*args, **kwargs)))
+    else:
+        g_tr = trace(seed(guide, kq)).get_trace(*args, **kwargs)
+        traces += [("guide", g_tr), ("model", trace(replay(seed(model, kp), trace=g_tr)).get_trace(*args, **kwargs))]
+    return [f"{k!r} ({who})" for who, tr in traces for k, s in tr.items()
+            if s["type"] == "sample" and bool(jnp.isposinf(site_log_prob(s)))]
+
+
+def summarise(log_w: jax.Array, what: str, sites=None) -> dict[str, Any]:
+    """log Z-hat (3.2), its delta-method SE, ESS; NumericalError on NaN or +inf (naming the sites of +inf
+    log-probability when ``sites(i)`` can find them for particle i), ZeroWeightsError if every weight is 0."""
     if bool(jnp.isnan(log_w).any()):
         raise NumericalError(f"{what}: NaN log weights (a model or guide log-probability is NaN)")
+    if bool(jnp.isposinf(log_w).any()):
+        i = int(jnp.argmax(jnp.isposinf(log_w)))
+        named = sites(i) if sites is not None else []
+        where = f" at site(s) {', '.join(named)}" if named else ""
+        raise NumericalError(f"{what}: a log-probability of +inf{where} (e.g. numpyro.factor(name, +inf)): the "
+                             "weights would be +inf, log Z-hat inf and the ESS NaN")
     if bool(jnp.isneginf(log_w).all()):
         raise ZeroWeightsError(f"{what}: all {log_w.shape[-1]} importance weights are zero: the guide proposed no "
                                "latent value the model can produce (support mismatch)")
@@ -118,17 +139,20 @@ class Importance(StepEngine):
             hit = _COMPILED[key] = (jax.jit(jax.vmap(log_weight_fn(model, guide, args, kwargs))), model, guide)
         return hit[0]
 
-    def run(self, model, guide, *args, rng_key: jax.Array | None = None, static: tuple = (), **kwargs) -> Result:
-        """Draw n particles from the guide, weight them by p/q, and estimate log p(data) by (3.2)."""
+    def run(self, model, guide, *args, rng_key: jax.Array | int | None = None, static: tuple = (),
+            **kwargs) -> Result:
+        """Draw n particles from the guide, weight them by p/q, and estimate log p(data) by (3.2).
+
+        ``rng_key``: a ``jax.random.PRNGKey`` or an int seed (``PRNGKey(seed)``); default ``PRNGKey(0)``."""
         if is_program(model):
             if kwargs:
                 raise ConfigError(f"Importance.run on a ptn.Program takes positional arguments only, got "
                                   f"{sorted(kwargs)}")
-            out = self._program_run(model, guide, args, rng_key, static, 0.0, "Importance")
+            out = self._program_run(model, guide, args, prng_key(rng_key), static, 0.0, "Importance")
             return program_result(out, "Importance", args)
         n = self.num_particles
         observed = {"args": args, "kwargs": kwargs}
-        key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+        key = prng_key(rng_key)  # an int seed is accepted: PRNGKey(seed)
         try:
             projection = getattr(model, "projection", None)
             if projection is not None and len(args) == 1 and args[0] is not None and hasattr(model, "x_ids"):
@@ -136,7 +160,9 @@ class Importance(StepEngine):
             log_w, log_p, log_q, values = self.compiled(model, guide, *args, **kwargs)(jax.random.split(key, n))
         except NotInImageError as e:
             return not_in_image_result(f"log p(x) = -inf: {e}", n, "Importance", observed)
-        stats = summarise(log_w, "Importance")
+        args_c, kwargs_c = tuple(_concrete(a) for a in args), {k: _concrete(v) for k, v in kwargs.items()}
+        stats = summarise(log_w, "Importance", lambda i: infinite_sites(model, guide, args_c, kwargs_c,
+                                                                        jax.random.split(key, n)[i]))
         return Result(samples=dict(values), log_weights=log_w, log_marginal=stats.pop("log_marginal"),
                       log_marginal_stderr=stats.pop("log_marginal_stderr"),
                       stats={**stats, "log_p": log_p, "log_q": log_q}, observed=observed, engine="Importance")

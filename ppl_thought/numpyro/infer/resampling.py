@@ -12,8 +12,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["effective_sample_size", "log_mean_exp", "systematic_resample"]
+from ppl_thought.errors import DiagnosticError
+
+__all__ = ["check_log_weights", "effective_sample_size", "log_mean_exp", "prng_key", "systematic_resample"]
 
 
 def log_mean_exp(log_w: jax.Array, axis: int = -1) -> jax.Array:
@@ -21,8 +24,27 @@ def log_mean_exp(log_w: jax.Array, axis: int = -1) -> jax.Array:
     return jax.scipy.special.logsumexp(log_w, axis) - math.log(log_w.shape[axis])
 
 
-def effective_sample_size(log_w: jax.Array, axis: int = -1) -> jax.Array:
-    """Importance ESS (sum w)^2 / sum w^2 from log weights; 0 when every weight is zero."""
+def check_log_weights(log_w, what: str) -> None:
+    """Refuse concrete log weights holding NaN or +inf (:class:`~ppl_thought.errors.DiagnosticError` naming
+    ``what``); traced values (under ``jit`` / ``vmap``) are not known yet and pass (the engines check their
+    results once, after the run)."""
+    if isinstance(log_w, jax.core.Tracer):
+        return
+    a = np.asarray(log_w)
+    if not np.issubdtype(a.dtype, np.floating):
+        return
+    nan, posinf = bool(np.isnan(a).any()), bool(np.isposinf(a).any())
+    if nan or posinf:
+        raise DiagnosticError(f"{what}: the log weights hold {'NaN' if nan else '+inf'} (shape {a.shape}): a model "
+                              "or guide log-probability is NaN or +inf (e.g. numpyro.factor(+inf)); a statistic "
+                              "of them would be NaN")
+
+
+def effective_sample_size(log_w: jax.Array, axis: int = -1, *, check: bool = True) -> jax.Array:
+    """Importance ESS (sum w)^2 / sum w^2 from log weights; 0 when every weight is zero. Concrete log weights
+    with NaN or +inf raise :class:`~ppl_thought.errors.DiagnosticError` (``check=False`` skips it)."""
+    if check:
+        check_log_weights(log_w, "effective_sample_size")
     a = jax.scipy.special.logsumexp(log_w, axis)
     b = jax.scipy.special.logsumexp(2 * log_w, axis)
     return jnp.where(jnp.isneginf(a), 0.0, jnp.exp(2 * a - jnp.where(jnp.isneginf(a), 0.0, b)))
@@ -37,3 +59,22 @@ def systematic_resample(key: jax.Array, log_w: jax.Array, size: int | None = Non
     cdf = cdf.at[-1].set(1.0)
     u = (jnp.arange(m) + jax.random.uniform(key)) / m
     return jnp.clip(jnp.searchsorted(cdf, u), 0, n - 1)
+
+
+def prng_key(rng_key, what: str = "rng_key") -> jax.Array:
+    """The JAX PRNG key an engine runs with: ``None`` -> ``PRNGKey(0)``; an int (numpy ints too) -> ``PRNGKey(int)``
+    (accepted for convenience, like a seed); a key (``PRNGKey(...)``: uint32 ``[2]``, or a typed ``jax.random.key``)
+    as it is. Anything else: :class:`~ppl_thought.errors.ConfigError` naming the argument."""
+    from ppl_thought.errors import ConfigError
+
+    if rng_key is None:
+        return jax.random.PRNGKey(0)
+    if isinstance(rng_key, int | np.integer) and not isinstance(rng_key, bool | np.bool_):
+        return jax.random.PRNGKey(int(rng_key))
+    if isinstance(rng_key, jax.Array | np.ndarray):
+        if jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key) and rng_key.shape == ():
+            return rng_key
+        if rng_key.dtype == np.uint32 and rng_key.shape == (2,):
+            return jnp.asarray(rng_key)
+    shown = f"{rng_key.dtype} array of shape {tuple(rng_key.shape)}" if hasattr(rng_key, "shape") else repr(rng_key)
+    raise ConfigError(f"{what} must be a JAX PRNG key (jax.random.PRNGKey(seed)) or an int seed, got {shown[:80]}")

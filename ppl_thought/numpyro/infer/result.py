@@ -14,13 +14,17 @@ from ppl_thought.numpyro.infer.resampling import effective_sample_size
 
 def log_marginal_stderr(log_w: jax.Array) -> jax.Array:
     """Delta-method standard error of log p_n, sd(w) / (sqrt(n) mean(w)) ((3.4): var(p_n) = var(w) / n): with
-    normalised weights W_i, se = sqrt(sum_i (n W_i - 1)^2 / ((n - 1) n)); NaN for n < 2 or all weights zero."""
+    normalised weights W_i, se = sqrt(sum_i (n W_i - 1)^2 / ((n - 1) n)). Equal weights give exactly 0 (with a
+    finite gradient); one particle or every weight zero gives ``inf`` (no estimate of the spread), never NaN."""
     n = log_w.shape[-1]
     if n < 2:
-        return jnp.asarray(jnp.nan)
-    rel = n * jax.nn.softmax(jnp.where(jnp.isneginf(log_w).all(-1, keepdims=True), 0.0, log_w), -1)
-    se = jnp.sqrt(((rel - 1) ** 2).sum(-1) / (n - 1) / n)
-    return jnp.where(jnp.isneginf(log_w).all(-1), jnp.nan, se)
+        return jnp.full(log_w.shape[:-1], jnp.inf)
+    zero = jnp.isneginf(log_w).all(-1)
+    equal = (log_w == log_w[..., :1]).all(-1)
+    rel = n * jax.nn.softmax(jnp.where(zero[..., None], 0.0, log_w), -1)
+    var = jnp.where(equal, 0.0, ((rel - 1) ** 2).sum(-1) / (n - 1))
+    se = jnp.where(var > 0, jnp.sqrt(jnp.where(var > 0, var / n, 1.0)), 0.0)  # sqrt'(0) would be inf
+    return jnp.where(zero, jnp.inf, se)
 
 
 @dataclass
@@ -55,5 +59,5 @@ class Result:
             se = "" if self.log_marginal_stderr is None else f" +- {float(self.log_marginal_stderr):.2g}"
             parts.append(f"log Z-hat {float(self.log_marginal):.4g}{se}")
         if self.log_weights is not None:
-            parts.append(f"ESS {float(self.ess):.3g}")
+            parts.append(f"ESS {float(effective_sample_size(self.log_weights, check=False)):.3g}")
         return f"<{'; '.join(parts)}; sites: {', '.join(self.samples)}>"

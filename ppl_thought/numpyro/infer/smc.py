@@ -27,7 +27,7 @@ from ppl_thought.checks import fraction, integer
 from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ZeroWeightsError
 from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, encode, sample_token, tables, tree_where
 from ppl_thought.numpyro.infer.importance import Importance, not_in_image_result
-from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, systematic_resample
+from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, prng_key, systematic_resample
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 from ppl_thought.numpyro.infer.steps import StepEngine, program_result
 from ppl_thought.numpyro.lm.base import reorder
@@ -167,13 +167,14 @@ class SMC(StepEngine):
 
         return jax.jit(jax.vmap(run, in_axes=(0, None, None)))
 
-    def run(self, model, guide, *args, rng_key: jax.Array | None = None, static: tuple = ()) -> Result:
-        """Run SMC; see the class docstring."""
+    def run(self, model, guide, *args, rng_key: jax.Array | int | None = None, static: tuple = ()) -> Result:
+        """Run SMC; see the class docstring. ``rng_key``: a ``jax.random.PRNGKey`` or an int seed
+        (``PRNGKey(seed)``); default ``PRNGKey(0)``."""
         if is_program(model):
             if self.groups != 1:
                 raise ConfigError("SMC(groups=G > 1) runs SlowThinking only; for a ptn.Program run G seeds "
                                   "(the compiled run is reused)")
-            out = self._program_run(model, guide, args, rng_key, static, self.ess_threshold, "SMC")
+            out = self._program_run(model, guide, args, prng_key(rng_key), static, self.ess_threshold, "SMC")
             return program_result(out, "SMC", args)
         if len(args) != 1:
             raise ConfigError(f"SMC.run(model, guide, x) on {type(model).__name__} takes one observation x, got "
@@ -196,7 +197,7 @@ class SMC(StepEngine):
             fn = self._compiled[key]
         except NotInImageError as e:
             return not_in_image_result(f"log p(x) = -inf: {e}", n, "SMC", observed)
-        rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+        rng_key = prng_key(rng_key)  # an int seed is accepted: PRNGKey(seed)
         q_params = guide.proposal(xa).params if guide is not None else None
         toks, lw, logz, ess, flags, anc = fn(jax.random.split(rng_key, G), model.prior.params, q_params)
         if bool(jnp.isnan(lw).any()):

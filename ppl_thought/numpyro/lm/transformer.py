@@ -44,14 +44,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppl_thought.checkpoint import (
+    check_finite,
+    check_float_dtypes,
     check_transformer_config,
-    load_numpy,
-    read_header,
+    load_numpy_raw,
     save_numpy,
     transformer_shapes,
     transformer_sizes,
 )
-from ppl_thought.errors import CheckpointError, MalformedSequenceError, UnknownTokenError, VocabularyError
+from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
 from ppl_thought.numpyro.lm.base import LM
 
 #: matmul precision of every projection and attention product (see the module docstring)
@@ -365,18 +366,19 @@ class Transformer(LM):
     # -- checkpoints ----------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path: str | Path) -> Transformer:
+    def load(cls, path: str | Path, *, allow_nonfinite: bool = False) -> Transformer:
         """Read a checkpoint written by ``pt.lm.Transformer.save`` (or :meth:`save`), without torch.
 
-        The same checks and errors as the torch loader (:func:`ppl_thought.checkpoint.check_transformer_config`):
-        a missing folder raises :class:`~ppl_thought.errors.MissingCheckpointError`, a config that does not
-        describe the tensors or a tensors file that fails its SHA-256 a
+        The same checks and errors as the torch loader (:func:`ppl_thought.checkpoint.read_checkpoint`,
+        :func:`ppl_thought.checkpoint.check_transformer_config`): a missing folder raises
+        :class:`~ppl_thought.errors.MissingCheckpointError`; a config that does not describe the tensors, a
+        tensors file that fails its SHA-256, aliases other than the tied LM head, weights that are not
+        floats, or NaN / inf weights (unless ``allow_nonfinite=True``, for debugging) a
         :class:`~ppl_thought.errors.CheckpointError`."""
-        state, config, _ = load_numpy(path)
-        config = check_transformer_config(path, config, {k: v.shape for k, v in state.items()})
-        bad = sorted(k for k, v in state.items() if not np.issubdtype(v.dtype, np.floating))
-        if bad:
-            raise CheckpointError(f"{path}: tensors {bad[:5]} are not floating point")
+        state, raw = load_numpy_raw(path)
+        config = check_transformer_config(path, raw.header["config"], raw.shapes, raw.aliases)
+        check_float_dtypes(path, raw.dtypes)
+        check_finite(path, [k for k, v in state.items() if v.size and not np.isfinite(v).all()], allow_nonfinite)
         c = transformer_sizes(config)
         return cls(**config, params=params_from_state(state, c))
 
@@ -395,8 +397,12 @@ class Transformer(LM):
         """The :class:`~ppl_thought.vocab.Vocab` saved with a model (``save(..., vocab=...)``), or None."""
         from ppl_thought.vocab import Vocab
 
-        config = read_header(Path(path))["config"]
-        return Vocab.from_dict(config["vocab"]) if isinstance(config, dict) and "vocab" in config else None
+        _, raw = load_numpy_raw(path)
+        config = raw.header["config"]
+        if not isinstance(config, dict) or "vocab" not in config:
+            return None
+        check_transformer_config(path, config, raw.shapes, raw.aliases)  # the vocabulary fits the model
+        return Vocab.from_dict(config["vocab"])
 
 
 def _concrete(x) -> np.ndarray | None:
