@@ -74,6 +74,12 @@ class SparseThoughts(Projection):
         set_edges(*plain, E, sigma, E, emitting=True)
         self._think, self._plain = think, plain
 
+    def definition(self) -> dict:
+        """What defines this projection (compared when a guide meets a model): the vocabulary, the thought
+        length and the positions (a finite set, or the schedule callable itself)."""
+        return {"vocab": self.vocab, "thought_len": self.thought_len,
+                "positions": self._finite if self._finite is not None else self._is_position}
+
     def is_position(self, t: int) -> bool:
         """Whether a thought stands before the observable at 0-based position t."""
         return bool(self._is_position(int(t)))
