@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import sys
 
 import numpy as np
 
@@ -118,13 +119,30 @@ def allocation(what: str, nbytes: int, device=None) -> None:
     free = None
     dev = None if device is None else str(device)
     if dev is not None and dev.startswith("cuda"):
-        import torch
+        torch = sys.modules.get("torch")  # a CUDA device means torch is loaded; this base module does not import it
         try:
             free = int(torch.cuda.mem_get_info(torch.device(dev))[0])
-        except (RuntimeError, AssertionError, ValueError):
+        except (RuntimeError, AssertionError, ValueError, AttributeError):
             free = None
     else:
         free = available_memory()
     if free is not None and nbytes > free:
         raise ConfigError(f"{what} would allocate {nbytes / 2**30:.3g} GiB but {free / 2**30:.3g} GiB are free on "
                           f"{dev or 'the host'}: use fewer particles or shorter sequences")
+
+
+def lm(name: str, value) -> None:
+    """Refuse what is not a language model: a callable with an integer ``vocab_size`` (``None``, a string, a
+    tokenizer or a vocabulary are refused naming the argument)."""
+    if value is None or isinstance(value, str) or not callable(value) or \
+            isinstance(getattr(value, "vocab_size", None), bool) or \
+            not isinstance(getattr(value, "vocab_size", None), numbers.Integral):
+        raise ConfigError(f"{name} must be a ppl_thought LM (pt.lm.Transformer, pt.lm.Tabular, pt.lm.HuggingFace, "
+                          f"or a module with an integer vocab_size), got {type(value).__name__} {value!r}"[:300])
+
+
+def has_attributes(name: str, value, attributes: tuple[str, ...], expects: str) -> None:
+    """Refuse a value without the attributes its role needs (e.g. a projection without ``vocab`` and
+    ``lifting``), naming the argument and what is expected, instead of an AttributeError from inside."""
+    if value is None or isinstance(value, str) or any(not hasattr(value, a) for a in attributes):
+        raise ConfigError(f"{name} must be {expects}, got {type(value).__name__} {value!r}"[:300])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ppl_thought as pt
-from ppl_thought.errors import SiteMismatchError
+from ppl_thought.errors import ConfigError, MalformedSequenceError, PPLThoughtError, SiteMismatchError, VocabularyError
 from ppl_thought.lm import Tabular
 from ppl_thought.projections import CharDFA, token_automaton, token_texts
 from ppl_thought.vocab import EOS_ID
@@ -256,3 +256,86 @@ def test_ula_on_a_parametrised_hmm_gives_the_posterior_sd(adjust=False):
     ess, se = _ess_se(theta.double().numpy())
     assert abs(float(theta.double().mean()) - mean) < 4 * se + (0.05 * sd if not adjust else 0.0), (mean, se)
     _check_sd(theta, mean, sd, rel=0.0 if adjust else 0.09)
+
+
+# ------------------------------------------------------------------------------------------ argument types
+def _parts():
+    vocab = pt.Vocab(["a", "b"])
+    g = torch.Generator().manual_seed(0)
+    lm = Tabular(2, len(vocab), torch.randn(len(vocab), len(vocab), generator=g), trainable=False)
+    proj = pt.projections.PauseToThink(vocab, max_thought_len=2)
+    return vocab, lm, proj, pt.models.SlowThinking(lm, proj)
+
+
+def _refused(fn, cls, *words):
+    """``fn()`` raises ``cls`` (a PPLThoughtError) whose message names every one of ``words``."""
+    with pytest.raises(cls) as info:
+        fn()
+    assert isinstance(info.value, PPLThoughtError)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_token_ids_of_the_wrong_type_are_refused_not_truncated():
+    """60fef74: vocab.token(1.5) -> '<bos>', check_ids([6.5]) passed, a string prompt gave torch's TypeError."""
+    from ppl_thought.distributions.lm_state import LMState
+    vocab, lm, proj, model = _parts()
+    _refused(lambda: vocab.token(1.5), MalformedSequenceError, "token id", "1.5", "integer")
+    _refused(lambda: vocab.token(True), MalformedSequenceError, "token id", "True")
+    _refused(lambda: vocab.check_ids([6.5]), MalformedSequenceError, "6.5", "integer")
+    _refused(lambda: vocab.check_ids(torch.tensor([True])), MalformedSequenceError, "bool")
+    assert vocab.token(6) == "a" and vocab.token(torch.tensor(7)) == "b"
+    vocab.check_ids([6, 7])
+    _refused(lambda: LMState.start(lm, 4, prompt="q2"), MalformedSequenceError, "prompt", "'q2'", "encode")
+    _refused(lambda: LMState.start(lm, 4, prompt=[6.5]), MalformedSequenceError, "prompt", "integer")
+    constrained_model = constrained(pt.Vocab(["a", "b", "c"]), 0)
+    _refused(lambda: pt.infer.SMC(4).run(constrained_model, None, "a cat"), MalformedSequenceError, "'a cat'",
+             "encode")
+    _refused(lambda: pt.Vocab(["q"], specials="<q>"), VocabularyError, "specials", "'<q>'", "['<q>']")
+
+
+def test_sizes_and_numbers_of_the_wrong_type_name_the_argument():
+    vocab, lm, proj, model = _parts()
+    _refused(lambda: pt.projections.PauseToThink(vocab, 1.5), ConfigError, "max_thought_len", "1.5")
+    _refused(lambda: proj.domain(2.5), ConfigError, "num_observed", "2.5")
+    _refused(lambda: pt.projections.SparseThoughts(vocab, 1).domain(True), ConfigError, "num_observed", "True")
+    _refused(lambda: pt.lm.Transformer(len(vocab), 16, 1, 2, window=2.5), ConfigError, "window", "2.5")
+    _refused(lambda: pt.lm.Transformer(len(vocab), 16, 1, 2, dropout=float("nan")), ConfigError, "dropout", "nan")
+    _refused(lambda: pt.lm.Transformer(len(vocab), 16, 1, 2, dropout=1.0), ConfigError, "dropout", "< 1")
+    assert pt.lm.Transformer(len(vocab), 16, 1, 2, window=3, dropout=0.1).window == 3
+
+
+def test_none_or_a_string_where_a_model_guide_lm_or_vocabulary_goes():
+    """60fef74: AttributeError / TypeError from deep inside; now a ConfigError naming the argument."""
+    vocab, lm, proj, model = _parts()
+    _refused(lambda: pt.infer.Importance(4).run(None, None, "ab"), ConfigError, "model", "None")
+    _refused(lambda: pt.infer.Importance(4).run(model, "guide", "ab"), ConfigError, "guide", "'guide'")
+    _refused(lambda: pt.infer.SMC(4).run(model, "guide", "ab"), ConfigError, "guide", "'guide'")
+    _refused(lambda: pt.infer.SMC(4, generator="g"), ConfigError, "generator", "torch.Generator")
+    _refused(lambda: pt.models.SlowThinking(None, proj), ConfigError, "prior", "None")
+    _refused(lambda: pt.models.SlowThinking(lm, "proj"), ConfigError, "projection", "'proj'")
+    _refused(lambda: pt.guides.Causal(None, proj), ConfigError, "lm", "None")
+    _refused(lambda: pt.guides.Explanatory(lm, None), ConfigError, "projection", "None")
+    _refused(lambda: pt.models.PlainLM(lm, None), ConfigError, "vocab", "None")
+    _refused(lambda: pt.projections.PauseToThink(None, 2), ConfigError, "vocab", "None")
+    _refused(lambda: pt.projections.Identity("ab"), ConfigError, "vocab", "'ab'")
+
+
+def test_empty_negative_and_huge_sizes_are_refused_before_running():
+    """60fef74: decode(n=0) and best_of_k(k=0) ended in a raw error from inside, sample((-1,)) in torch's negative
+    dimension error, a huge max_len in a raw allocator error (or a hang): refused before allocating."""
+    from ppl_thought.distributions import LMSequence
+    from ppl_thought.inference.decoding import decode
+    vocab, lm, proj, model = _parts()
+    sampler = pt.guides.Causal(lm, proj)
+    _refused(lambda: decode(model, sampler, "ab", n=0, max_new_tokens=1), ConfigError, "n must", "0")
+    _refused(lambda: decode(model, sampler, "ab", num_samples=0, max_new_tokens=1), ConfigError, "num_samples", "0")
+    _refused(lambda: decode(model, sampler, "ab", method="best_of_k", k=0, max_new_tokens=1), ConfigError, "k must")
+    _refused(lambda: decode(model, None, "ab", max_new_tokens=1), ConfigError, "needs a sampler", "Causal")
+    _refused(lambda: LMSequence(lm, max_len=4).sample((-1,)), ConfigError, "sample_shape", "-1")
+    assert LMSequence(lm, max_len=4).sample((0,)).shape == (0, 4)
+    _refused(lambda: LMSequence(lm, max_len=10**12).sample((4096,)), ConfigError, "GiB", "free")
+    big = Tabular(1, 50_000, torch.zeros(50_000), trainable=False)  # unigram over 50,000 ids
+    # n rows x 50,000 logits x 8 bytes above any machine's free memory: refused before the first allocation
+    from ppl_thought.distributions.lm_state import LMState
+    _refused(lambda: LMState.start(big, 2**40), ConfigError, "rows (particles)", "GiB")

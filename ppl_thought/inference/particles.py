@@ -33,7 +33,8 @@ from pyro.distributions.util import scale_and_mask
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
-from ppl_thought.errors import ChunkMismatchError, DeviceMismatchError, ProgramError, SiteMismatchError
+from ppl_thought import checks
+from ppl_thought.errors import ChunkMismatchError, ConfigError, DeviceMismatchError, ProgramError, SiteMismatchError
 from ppl_thought.inference.resampling import log_ratio
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import PARTICLES, collect_twists, is_output, is_program
@@ -175,8 +176,12 @@ def check_compatible(model, guide) -> None:
     than the model's (:class:`DeviceMismatchError` naming both). Every refusal is a
     :class:`SiteMismatchError` naming what differs, whatever the two objects have computed before (cached
     liftings are not part of a projection's definition)."""
+    checks.callable_arg("model", model, "a Pyro model or a pt.Program")
     if guide is None:
         return
+    if isinstance(guide, str | bytes) or not (callable(guide) or any(hasattr(guide, a) for a in ("dist", "seq"))):
+        raise ConfigError(f"guide must be a Pyro guide, a pt.Program, an LMSequence, or None (the model's prior "
+                          f"proposes), got {type(guide).__name__} {guide!r}"[:300])
     engine_device(model, guide)
     mn, gn = token_space_size(model), token_space_size(guide)
     if mn is not None and gn is not None and mn != gn:
