@@ -339,3 +339,25 @@ def test_empty_negative_and_huge_sizes_are_refused_before_running():
     # n rows x 50,000 logits x 8 bytes above any machine's free memory: refused before the first allocation
     from ppl_thought.distributions.lm_state import LMState
     _refused(lambda: LMState.start(big, 2**40), ConfigError, "rows (particles)", "GiB")
+
+
+# ------------------------------------------------------------------------------------------ noise
+def test_weighted_summary_logs_no_shape_validation_failure_and_diagnose_shows_tokens(tmp_path, caplog):
+    """A weighted result (one chain) summarised by ``diagnose``: no ArviZ "Shape validation failed" (R-hat of one
+    chain, asked by kind="all" at 60fef74), ESS and MCSE still reported; a result saved with its vocabulary is
+    shown as token text ("most frequent z_text: 'ab' ..."), not only as ids."""
+    import logging
+
+    from ppl_thought.diagnostics.report import diagnose
+    from ppl_thought.inference.result import save_result
+    vocab, lm, proj, model = _parts()
+    torch.manual_seed(0)
+    r = pt.infer.Importance(128).run(model, pt.guides.Causal(lm, proj), "ab")
+    save_result(tmp_path / "res", r, vocab=vocab)
+    with caplog.at_level(logging.DEBUG):
+        text, _ = diagnose(tmp_path / "res", out=tmp_path / "diag")
+    assert "Shape validation failed" not in caplog.text
+    assert "ess_bulk" in text and "mcse_mean" in text
+    assert "z_text: 'a" in text
+    with pytest.raises(ConfigError, match="vocab must be a pt.Vocab"):
+        save_result(tmp_path / "res2", r, vocab="ab")
