@@ -361,3 +361,24 @@ def test_weighted_summary_logs_no_shape_validation_failure_and_diagnose_shows_to
     assert "z_text: 'a" in text
     with pytest.raises(ConfigError, match="vocab must be a pt.Vocab"):
         save_result(tmp_path / "res2", r, vocab="ab")
+
+
+def test_huggingface_adapter_calls_without_the_deprecated_cache_keyword():
+    """transformers >= 5.2x deprecates ``past_key_values`` (a FutureWarning on every call at 60fef74): the adapter
+    passes its cache by the keyword the model declares; cached steps still equal a full recomputation."""
+    import warnings
+
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_models import byte_level
+    lm = byte_level()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        _, cache = lm(torch.tensor([[1, 10, 11]]))
+        step, _ = lm.step(torch.tensor([12]), cache)
+        full, _ = lm(torch.tensor([[1, 10, 11, 12]]))
+    ok = torch.isfinite(step[0])
+    assert torch.equal(ok, torch.isfinite(full[0, -1]))
+    assert torch.allclose(step[0][ok], full[0, -1][ok], atol=1e-5)
