@@ -382,3 +382,23 @@ def test_huggingface_adapter_calls_without_the_deprecated_cache_keyword():
     ok = torch.isfinite(step[0])
     assert torch.equal(ok, torch.isfinite(full[0, -1]))
     assert torch.allclose(step[0][ok], full[0, -1][ok], atol=1e-5)
+
+
+def test_demo_runs_on_one_thread_by_default_on_small_machines(monkeypatch, tmp_path):
+    """``ppl-thought demo`` without ``--threads`` sets torch to 1 thread on <= 4 cores (torch's default was 6-14x
+    slower on a busy 2-core machine), leaves torch's choice on larger machines; ``--threads N`` wins."""
+    import ppl_thought.cli as cli
+    import ppl_thought.demo as demo
+    assert cli.default_demo_threads(2) == 1 and cli.default_demo_threads(4) == 1
+    assert cli.default_demo_threads(16) is None
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda **kw: seen.append(torch.get_num_threads()) or {})
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(cli, "default_demo_threads", lambda cpus=None: 1)
+        torch.set_num_threads(2)
+        assert cli.main(["demo", "--quick", "--out", str(tmp_path)]) == 0
+        assert cli.main(["demo", "--quick", "--threads", "2", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2]
