@@ -18,7 +18,8 @@ from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownToken
 def integer(name: str, value, minimum: int = 1) -> int:
     """``value`` as a Python int ``>= minimum``: a Python or numpy integer, not a bool, a float or a string."""
     if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        sign = " (non-negative)" if minimum == 0 else " (positive)" if minimum == 1 else ""
+        raise ConfigError(f"{name} must be an integer >= {minimum}{sign}, got {value!r}")
     return int(value)
 
 

@@ -21,6 +21,7 @@ weights silently wrong, so both are errors that name the site.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,7 +180,7 @@ def check_compatible(model, guide) -> None:
     checks.callable_arg("model", model, "a Pyro model or a pt.Program")
     if guide is None:
         return
-    if isinstance(guide, str | bytes) or not (callable(guide) or any(hasattr(guide, a) for a in ("dist", "seq"))):
+    if isinstance(guide, str | bytes | numbers.Number):  # other objects: each engine says what a guide must be
         raise ConfigError(f"guide must be a Pyro guide, a pt.Program, an LMSequence, or None (the model's prior "
                           f"proposes), got {type(guide).__name__} {guide!r}"[:300])
     engine_device(model, guide)
