@@ -67,7 +67,13 @@ def token_id(name: str, value, size: int) -> int:
 
 def id_dtype(name: str, dtype) -> None:
     """Refuse token ids held as floats or bools (``[6.5]`` is not token 6; ``True`` is not token 1)."""
-    kind = np.dtype(str(dtype).replace("torch.", "")).kind if not isinstance(dtype, np.dtype) else dtype.kind
+    if isinstance(dtype, np.dtype):
+        kind = dtype.kind
+    else:
+        try:
+            kind = np.dtype(str(dtype).replace("torch.", "")).kind
+        except TypeError:  # torch dtypes numpy does not name (bfloat16, float8 ...): none is an integer type
+            kind = "f"
     if kind not in "iu":
         raise MalformedSequenceError(f"{name} must hold integer token ids, got dtype {dtype}")
 
