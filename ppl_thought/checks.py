@@ -1,20 +1,25 @@
-"""Argument checks shared by the public entry points: a bad value gets a :class:`~ppl_thought.errors.ConfigError`
-that names the argument (never a silent ``int(2.7) == 2``, ``int("4")`` or ``bool`` taken for a number)."""
+"""Argument checks shared by the public entry points (docs/architecture.md, "Rules that keep it right"): a bad
+value gets a :class:`~ppl_thought.errors.PPLThoughtError` subclass that names the argument, what it got and what it
+expects (never a silent ``int(2.7) == 2``, ``int("4")`` or ``bool`` taken for a number, a string read as token
+ids, or an allocation larger than the machine)."""
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 
 import numpy as np
 
-from ppl_thought.errors import ConfigError
+from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 
 
 def integer(name: str, value, minimum: int = 1) -> int:
     """``value`` as a Python int ``>= minimum``: a Python or numpy integer, not a bool, a float or a string."""
     if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        sign = " (non-negative)" if minimum == 0 else " (positive)" if minimum == 1 else ""
+        raise ConfigError(f"{name} must be an integer >= {minimum}{sign}, got {value!r}")
     return int(value)
 
 
@@ -24,3 +29,127 @@ def fraction(name: str, value) -> float:
             or not 0.0 <= float(value) <= 1.0:
         raise ConfigError(f"{name} must be a number in [0, 1], got {value!r}")
     return float(value)
+
+
+def optional_integer(name: str, value, minimum: int = 1) -> int | None:
+    """``None``, or ``value`` as by :func:`integer`."""
+    return None if value is None else integer(name, value, minimum)
+
+
+def real(name: str, value, minimum: float | None = None, maximum: float | None = None, *,
+         open_min: bool = False, open_max: bool = False) -> float:
+    """``value`` as a finite float in the given range: a real number, not a bool, a string, NaN or +-inf."""
+    lo = "" if minimum is None else ("> " if open_min else ">= ") + f"{minimum:g}"
+    hi = "" if maximum is None else ("< " if open_max else "<= ") + f"{maximum:g}"
+    want = "a finite number" + (f" {lo}" if lo else "") + (" and " if lo and hi else " " if hi else "") + hi
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be {want.strip()}, got {value!r}")
+    v = float(value)
+    if minimum is not None and (v <= minimum if open_min else v < minimum) or \
+            maximum is not None and (v >= maximum if open_max else v > maximum):
+        raise ConfigError(f"{name} must be {want.strip()}, got {value!r}")
+    return v
+
+
+def token_id(name: str, value, size: int) -> int:
+    """One token id: a Python/numpy integer or a 0-d integer tensor (not a bool, a float or a string) in
+    ``[0, size)``; :class:`MalformedSequenceError` for the wrong type, :class:`UnknownTokenError` outside."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "dtype") and not isinstance(value, np.generic):
+        id_dtype(name, value.dtype)  # a 0-d tensor or array: integer dtypes only
+        value = value.item()
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise MalformedSequenceError(f"{name} must be an integer token id in [0, {size}), got {value!r} "
+                                     f"({type(value).__name__})")
+    if not 0 <= int(value) < size:
+        raise UnknownTokenError(f"{name} {int(value)} is outside the vocabulary [0, {size})")
+    return int(value)
+
+
+def id_dtype(name: str, dtype) -> None:
+    """Refuse token ids held as floats or bools (``[6.5]`` is not token 6; ``True`` is not token 1)."""
+    if isinstance(dtype, np.dtype):
+        kind = dtype.kind
+    else:
+        try:
+            kind = np.dtype(str(dtype).replace("torch.", "")).kind
+        except TypeError:  # torch dtypes numpy does not name (bfloat16, float8 ...): none is an integer type
+            kind = "f"
+    if kind not in "iu":
+        raise MalformedSequenceError(f"{name} must hold integer token ids, got dtype {dtype}")
+
+
+def token_ids(name: str, value, *, vocab_hint: str = "") -> None:
+    """Refuse a string (or a list of strings) where token ids are expected, naming how to encode it."""
+    if isinstance(value, str) or (isinstance(value, list | tuple) and value and isinstance(value[0], str)):
+        hint = vocab_hint or "encode it first (vocab.encode(text), or a tokenizer's encode)"
+        raise MalformedSequenceError(f"{name} must be token ids (a 1-D integer tensor or list), got the string "
+                                     f"{value!r}: {hint}")
+    if isinstance(value, float | bool | np.floating | np.bool_):
+        raise MalformedSequenceError(f"{name} must be token ids (a 1-D integer tensor or list), got {value!r}")
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and getattr(value, "numel", lambda: getattr(value, "size", 1))():
+        id_dtype(name, dtype)
+    elif isinstance(value, list | tuple) and any(isinstance(v, float | bool | np.floating | np.bool_)
+                                                 for v in value):
+        raise MalformedSequenceError(f"{name} must hold integer token ids, got {list(value)[:8]!r}")
+
+
+def callable_arg(name: str, value, expects: str) -> None:
+    """Refuse ``None``, a string or any non-callable where a model, guide or LM goes."""
+    if value is None or isinstance(value, str) or not callable(value):
+        raise ConfigError(f"{name} must be {expects}, got {value!r}"[:300])
+
+
+def instance(name: str, value, cls: type | tuple[type, ...], expects: str) -> None:
+    """Refuse a value that is not an instance of ``cls`` (e.g. ``None`` or a string for a Vocab)."""
+    if not isinstance(value, cls):
+        raise ConfigError(f"{name} must be {expects}, got {type(value).__name__} {value!r}"[:300])
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the machine can still give (psutil's ``available``, else ``os.sysconf``), or None."""
+    try:
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - psutil missing or unsupported here: fall back to sysconf
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def allocation(what: str, nbytes: int, device=None) -> None:
+    """Refuse, before allocating, a tensor of ``nbytes`` that is larger than the memory the device has free
+    (host memory for the CPU, ``torch.cuda.mem_get_info`` for a GPU): a :class:`ConfigError` naming the sizes,
+    instead of a hang, a swap storm or a raw allocator error."""
+    free = None
+    dev = None if device is None else str(device)
+    if dev is not None and dev.startswith("cuda"):
+        torch = sys.modules.get("torch")  # a CUDA device means torch is loaded; this base module does not import it
+        try:
+            free = int(torch.cuda.mem_get_info(torch.device(dev))[0])
+        except (RuntimeError, AssertionError, ValueError, AttributeError):
+            free = None
+    else:
+        free = available_memory()
+    if free is not None and nbytes > free:
+        raise ConfigError(f"{what} would allocate {nbytes / 2**30:.3g} GiB but {free / 2**30:.3g} GiB are free on "
+                          f"{dev or 'the host'}: use fewer particles or shorter sequences")
+
+
+def lm(name: str, value) -> None:
+    """Refuse what is not a language model: a callable with an integer ``vocab_size`` (``None``, a string, a
+    tokenizer or a vocabulary are refused naming the argument)."""
+    if value is None or isinstance(value, str) or not callable(value) or \
+            isinstance(getattr(value, "vocab_size", None), bool) or \
+            not isinstance(getattr(value, "vocab_size", None), numbers.Integral):
+        raise ConfigError(f"{name} must be a ppl_thought LM (pt.lm.Transformer, pt.lm.Tabular, pt.lm.HuggingFace, "
+                          f"or a module with an integer vocab_size), got {type(value).__name__} {value!r}"[:300])
+
+
+def has_attributes(name: str, value, attributes: tuple[str, ...], expects: str) -> None:
+    """Refuse a value without the attributes its role needs (e.g. a projection without ``vocab`` and
+    ``lifting``), naming the argument and what is expected, instead of an AttributeError from inside."""
+    if value is None or isinstance(value, str) or any(not hasattr(value, a) for a in attributes):
+        raise ConfigError(f"{name} must be {expects}, got {type(value).__name__} {value!r}"[:300])

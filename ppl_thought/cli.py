@@ -42,6 +42,26 @@ def _writable(folder: str, what: str) -> str | None:
     return None
 
 
+#: machines with at most this many cores run the demo on one torch thread by default
+SMALL_MACHINE_CORES = 4
+
+
+def default_demo_threads(cpus: int | None = None) -> int | None:
+    """The demo's torch threads when ``--threads`` is not given: 1 on a machine with at most
+    :data:`SMALL_MACHINE_CORES` cores, else ``None`` (torch's own choice, one thread per core).
+
+    The demo's tensors are small (batches of a few hundred short sequences): on few cores, torch's
+    intra-op threads spend more time synchronising than computing, and on a shared machine they wait for
+    cores other processes hold; issue 32 measured ``demo --quick`` 6-14x slower at torch's default than at
+    ``--threads 1`` on a busy 2-core machine. ``cpus`` defaults to the cores this process may use."""
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+    return 1 if cpus <= SMALL_MACHINE_CORES else None
+
+
 def _demo(args: argparse.Namespace) -> int:
     checks = [_writable(args.out, "output folder")]
     if args.json:
@@ -50,10 +70,11 @@ def _demo(args: argparse.Namespace) -> int:
     if problems:
         print(f"ppl-thought demo: {problems[0]}", file=sys.stderr)
         return 2
-    if args.threads is not None:
+    threads = args.threads if args.threads is not None else default_demo_threads()
+    if threads is not None:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
     from ppl_thought.demo import json_default, run_demo
     from ppl_thought.io import atomic_write_json
 
@@ -108,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", default=None, help="also write the results JSON to this file")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--threads", type=_positive_int, default=None,
-                      help="torch CPU threads (default: torch's choice)")
+                      help="torch CPU threads (default: 1 on machines with <= 4 cores, else torch's choice)")
     demo.add_argument("--seeds", type=_positive_int, default=None,
                       help="Section 7 replicates (seeds --seed, --seed + 1, ...); default 3, or 1 with --quick")
     demo.set_defaults(func=_demo)

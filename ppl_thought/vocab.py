@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ppl_thought import checks
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
 
 PAD, BOS, EOS, THINK, END_THINK, EXPLAIN = "<pad>", "<bos>", "<eos>", "<s>", "</s>", "<explain>"
@@ -36,6 +37,12 @@ class Vocab:
     """
 
     def __init__(self, tokens: Iterable[str], specials: Sequence[str] = DEFAULT):
+        for what, value in (("tokens", tokens), ("specials", specials)):
+            if isinstance(value, str):
+                raise VocabularyError(f"{what} must be a list of token strings, got the string {value!r} (it would "
+                                      f"be read as {len(value)} one-character tokens): write [{value!r}]")
+            if value is None or not isinstance(value, Iterable):
+                raise VocabularyError(f"{what} must be a list of token strings, got {value!r}")
         tokens = list(tokens)
         specials = list(specials)
         for sp in specials:
@@ -120,9 +127,9 @@ class Vocab:
             ) from None
 
     def token(self, i: int) -> str:
-        if not 0 <= int(i) < len(self):
-            raise UnknownTokenError(f"token id {int(i)} is outside the vocabulary [0, {len(self)})")
-        return self._tokens[int(i)]
+        """The token string of one id: an integer in [0, len(vocab)) (a float or a bool is refused, not
+        truncated: ``token(1.5)`` is a :class:`MalformedSequenceError`, not ``'<bos>'``)."""
+        return self._tokens[checks.token_id("token id", i, len(self))]
 
     def _preview(self) -> str:
         t = self._tokens
@@ -174,8 +181,12 @@ class Vocab:
         return self._separator.join(parts)
 
     def check_ids(self, ids, what: str = "token ids") -> None:
-        """Raise :class:`UnknownTokenError` if any id is outside [0, len(vocab))."""
+        """Raise :class:`UnknownTokenError` if any id is outside [0, len(vocab)), and
+        :class:`MalformedSequenceError` for ids held as floats, bools or strings (``[6.5]`` is not token 6)."""
+        checks.token_ids(what, ids)
         a = np.asarray(ids.detach().cpu() if hasattr(ids, "detach") else ids)
+        if a.size:
+            checks.id_dtype(what, a.dtype)
         if a.size and (a.min() < 0 or a.max() >= len(self)):
             bad = a[(a < 0) | (a >= len(self))].ravel()[:5].tolist()
             raise UnknownTokenError(f"{what} contain ids {bad} outside the vocabulary [0, {len(self)})")

@@ -21,7 +21,7 @@ from ppl_thought.checkpoint import read_header
 from ppl_thought.diagnostics.inference_data import import_arviz, load_inference_data, to_inference_data
 from ppl_thought.diagnostics.plots import plot_ess, plot_trace, plot_weights
 from ppl_thought.errors import CheckpointError, DiagnosticError, PPLThoughtError
-from ppl_thought.inference.result import RESULT_FORMAT, load_result
+from ppl_thought.inference.result import RESULT_FORMAT, load_result, saved_vocab
 from ppl_thought.io import CONFIG_FILE
 
 #: at most this many rows of az.summary and variables in the posterior plot (a short report)
@@ -41,8 +41,9 @@ def _load(path: Path):
             header = read_header(path)  # a damaged folder: CheckpointError naming the damage
             if isinstance(header["config"], dict) and header["config"].get("kind") == RESULT_FORMAT:
                 result = load_result(path)
+                vocab = saved_vocab(path)  # token sites decoded to text when the result was saved with its vocabulary
                 try:
-                    return to_inference_data(result), None
+                    return to_inference_data(result, vocab=vocab), None
                 except (IndexError, KeyError, TypeError, ValueError, RuntimeError) as e:
                     if isinstance(e, PPLThoughtError):
                         raise
@@ -106,12 +107,35 @@ def _numeric_vars(ds) -> list[str]:
     return out
 
 
-def _summary_lines(idata, group: str, names: list[str]) -> list[str]:
+def summary_table(idata, group: str, names: list[str]):
+    """``az.summary`` of ``names`` in ``group``, with only the diagnostics the group's shape supports.
 
+    R-hat compares chains and needs at least 2 of 4 draws, the ESS and MCSE estimators at least 4 draws
+    (Vehtari et al. 2021). A weighted result's posterior (one chain: the equal-weight resample) and its
+    particles are one chain, so ``kind="all"`` made ArviZ log "Shape validation failed" for R-hat on every
+    summary and put NaN in the column: here R-hat is asked for only with >= 2 chains, and ESS / MCSE only
+    with >= 4 draws (the table then has no such column instead of a NaN one)."""
     az = import_arviz()
+    ds = idata[group]
+    chains, draws = int(ds.sizes.get("chain", 1)), int(ds.sizes.get("draw", 0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        table = az.summary(idata, var_names=names, group=group, kind="all")
+        if chains >= 2 and draws >= 4:
+            return az.summary(idata, var_names=names, group=group, kind="all")
+        table = az.summary(idata, var_names=names, group=group, kind="stats")
+        if draws >= 4:
+            sub = ds[names]
+            for col, fn in (("mcse_mean", lambda: az.mcse(sub, method="mean")),
+                            ("ess_bulk", lambda: az.ess(sub, method="bulk")),
+                            ("ess_tail", lambda: az.ess(sub, method="tail"))):
+                values = fn()
+                table[col] = np.concatenate([np.asarray(values[n]).reshape(-1) for n in names])
+    return table
+
+
+def _summary_lines(idata, group: str, names: list[str]) -> list[str]:
+
+    table = summary_table(idata, group, names)
     lines = ["  " + row for row in table.head(MAX_ROWS).to_string().splitlines()]
     if len(table) > MAX_ROWS:
         lines.append(f"  ... {len(table) - MAX_ROWS} more rows: az.summary(idata, group={group!r})")

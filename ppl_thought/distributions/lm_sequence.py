@@ -19,6 +19,7 @@ import torch
 from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
+from ppl_thought import checks
 from ppl_thought.checks import integer
 from ppl_thought.distributions.lm_state import LMState, TokenRule, check_no_nan, chunk_size, trim_padding, upcast
 from ppl_thought.distributions.registry import register_lm
@@ -219,9 +220,16 @@ class LMSequence(TorchDistribution):
         """Draw sequences and their log-probabilities in one batched decoding loop: the segment of
         :meth:`start` that ends with the sequence (stop token, final state or ``max_len``), right-padded
         to ``max_len``."""
+        sample_shape = (sample_shape,) if isinstance(sample_shape, int) and not isinstance(sample_shape, bool) \
+            else tuple(sample_shape)
+        for d in sample_shape:
+            checks.integer(f"sample_shape {sample_shape}: each size", d, minimum=0)
         shape = torch.Size(sample_shape) + self.batch_shape
         n = shape.numel()
         device = self.device
+        # the padded output [n, max_len] (int64) and the first step's logits and log-probabilities [n, V] (fp32)
+        checks.allocation(f"LMSequence.sample of {n} sequences of max_len {self.max_len}",
+                          n * (8 * self.max_len + 2 * 4 * self.vocab_size), device)
         z = torch.full((n, self.max_len), PAD_ID, dtype=torch.long, device=device)
         lp = torch.zeros(n, device=device)
         if n:

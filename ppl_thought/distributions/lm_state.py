@@ -20,8 +20,11 @@ log softmax(f~(z_<i))_{z_i} of Def 2.8; a sequence's log-probability is their su
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
+from ppl_thought import checks
 from ppl_thought.distributions.registry import register_lm
 from ppl_thought.distributions.segment import STATE_KEYS, Segment, check_no_nan
 from ppl_thought.distributions.token_rule import (
@@ -36,7 +39,7 @@ from ppl_thought.distributions.token_rule import (
     trim_padding,
     upcast,
 )
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.lm.base import ids_checked, lm_device, match_rows
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
@@ -94,8 +97,22 @@ class LMState:
         ``name`` or a name derived from its type) unless its parameters are in the param store already
         under another name, which is then used.
         """
+        cls._check_arguments(lm, n, prompt)
         register_lm(lm, name)
         return cls.encode(lm, n, prompt, rule, max_len, stop_ids, lm_kwargs, device, chunk)
+
+    @staticmethod
+    def _check_arguments(lm, n, prompt) -> None:
+        """The LM is a callable module with a vocab_size, n a positive integer, the prompt token ids (a string is
+        refused: LMState has no vocabulary to encode it with; floats are not truncated to ids)."""
+        checks.callable_arg("lm", lm, "a ppl_thought LM (pt.lm.Transformer, pt.lm.Tabular, pt.lm.HuggingFace)")
+        if not isinstance(getattr(lm, "vocab_size", None), numbers.Integral):
+            raise ConfigError(f"lm must be a ppl_thought LM with an integer vocab_size, got {type(lm).__name__}")
+        checks.integer("n (the number of rows)", n, minimum=0)
+        if prompt is not None:
+            checks.token_ids("prompt", prompt, vocab_hint="an LM state (and pt.models.Constrained) has no "
+                             "vocabulary to encode text with: encode it first, e.g. torch.tensor(vocab.encode(text)) "
+                             "or the tokenizer's encode")
 
     @classmethod
     def encode(cls, lm, n: int, prompt=None, rule=None, max_len: int = 1 << 30, stop_ids=None, lm_kwargs=None,
@@ -108,7 +125,12 @@ class LMState:
 
     @classmethod
     def _encode_prompt(cls, lm, n: int, prompt, rule, max_len, stop_ids, lm_kwargs, device) -> LMState:
+        cls._check_arguments(lm, n, prompt)
         device = device if device is not None else lm_device(lm)
+        # every step holds the rows' logits and masked log-probabilities [n, V] (fp32): refuse, before the first
+        # allocation, a number of rows the device cannot hold (instead of a raw allocator error or swapping)
+        checks.allocation(f"{n} rows (particles) over a vocabulary of {lm.vocab_size}", n * 2 * 4 * int(lm.vocab_size),
+                          device)
         rule = rule if rule is not None else TokenRule(None, lm.vocab_size)
         stop_ids = stop_ids.to(device) if stop_ids is not None else torch.zeros(0, dtype=torch.long, device=device)
         prompt = torch.zeros(0, dtype=torch.long, device=device) if prompt is None else \

@@ -18,6 +18,7 @@ import pyro
 import torch
 from torch import nn
 
+from ppl_thought import checks
 from ppl_thought.distributions.lm_sequence import LMSequence, concat
 from ppl_thought.distributions.lm_state import LMState, chunk_size
 from ppl_thought.errors import UnknownTokenError
@@ -32,6 +33,9 @@ class _LMSampler(Sampler):
     """A sampler that is an LMSequence under the lifting automaton of x, after a prompt."""
 
     def __init__(self, lm: nn.Module, projection: Projection, name: str, chunk: int = 0):
+        checks.lm(f"{type(self).__name__}: lm", lm)
+        checks.has_attributes(f"{type(self).__name__}: projection", projection, ("vocab", "lifting", "domain"),
+                              "a pt.projections projection (the model's)")
         if int(lm.vocab_size) != len(projection.vocab):
             raise ValueError(f"LM vocab_size {lm.vocab_size} != projection vocabulary size {len(projection.vocab)}")
         self.lm = lm

@@ -255,11 +255,14 @@ def decode(model, guide, *args, method: str = "resampling", n: int = 16, max_new
     """
     if method not in METHODS:
         raise ConfigError(f"unknown decoding method {method!r}; choose one of {METHODS}")
+    n, num_samples, k = integer("n", n), integer("num_samples", num_samples), integer("k", k)
     engine_device(model, guide)  # DeviceMismatchError naming both devices
     if lifts_lm(model):
         if len(args) != 1 or kwargs:
             raise ConfigError(f"decode({type(model).__name__}, sampler, x, ...) takes one prompt x (got {len(args)} "
                               f"positional argument(s) and keywords {sorted(kwargs)})")
+        if max_new_tokens is not None:
+            integer("max_new_tokens", max_new_tokens, minimum=0)
         return _decode_lifted(model, guide, args[0], method, n, 8 if max_new_tokens is None else max_new_tokens,
                               num_samples, True if stop_at_eos is None else stop_at_eos, k, generator)
     if max_new_tokens is not None or stop_at_eos is not None:
@@ -268,7 +271,6 @@ def decode(model, guide, *args, method: str = "resampling", n: int = 16, max_new
                           "generates: pass the horizon as one of its arguments")
     if not callable(model):
         raise ConfigError(f"decode takes a pt.Program (or a Pyro model), got {type(model).__name__}")
-    n, num_samples, k = integer("n", n), integer("num_samples", num_samples), integer("k", k)
     return _decode_program(model, guide, args, kwargs, method, n, num_samples, k, generator)
 
 
@@ -277,6 +279,10 @@ def _decode_lifted(model, sampler, x, method, n, max_new_tokens, num_samples, st
     """The LMState path of a model with the lifted LM protocol."""
     xt = model.x_ids(x)
     model.projection.lifting(xt)  # NotInImageError for a prompt outside the image
+    if sampler is None and method != "exact":
+        raise ConfigError(f"decode({type(model).__name__}, None, x, method={method!r}) needs a sampler Q(z | x) "
+                          "of the prompt's thoughts, e.g. pt.guides.Causal(lm, model.projection) or "
+                          "pt.guides.Posterior(model); only method='exact' decodes without one")
     if method == "streaming":
         return _stream(model, sampler, xt, max_new_tokens, stop_at_eos, generator)
     out = _decode(model, sampler, xt, method, n, max_new_tokens, num_samples, stop_at_eos, k, generator)

@@ -21,6 +21,7 @@ from typing import Any
 import pyro.poutine as poutine
 import torch
 
+from ppl_thought import checks
 from ppl_thought.checks import integer
 from ppl_thought.errors import NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
 from ppl_thought.inference.particles import check_compatible, infinite_sites, sample_particles
@@ -145,6 +146,8 @@ class Importance:
         """Draw n particles from the guide, weight them by p/q, and estimate log p(data) by (3.2)."""
         observed = {"args": args, "kwargs": kwargs}
         check_compatible(model, guide)
+        if guide is not None:
+            checks.callable_arg("guide", guide, "a Pyro guide, a pt.Program, or None (the model's prior proposes)")
         fast = getattr(model, "sampler_weights", None) if self.fast else None
         try:
             if callable(fast) and callable(getattr(guide, "sample_with_log_prob", None)) and len(args) == 1 \

@@ -24,9 +24,13 @@ the log |Jacobian| of the transforms of constrained sites), so any Pyro model wi
 latent sites works; samples come back in the constrained space.
 
 The step size s is adapted during warmup by dual averaging (Hoffman & Gelman 2014, Pyro's
-:class:`~pyro.ops.dual_averaging.DualAveraging`) on log s toward a target acceptance probability
-(0.57, the optimal MALA rate of Roberts & Rosenthal 1998). ULA adapts with the MALA acceptance
-probability computed but not used.
+:class:`~pyro.ops.dual_averaging.DualAveraging`) on log s toward a target acceptance probability:
+0.57 for MALA (the optimal MALA rate of Roberts & Rosenthal 1998), 0.99 for ULA, which adapts with the
+MALA acceptance probability computed but not used. ULA needs the higher target because nothing corrects
+its bias: on a Gaussian target with precision P its stationary sd is sd_post (1 - s P / 2)^{-1/2}, and the
+step that gives a MALA acceptance of 0.57 in one dimension has s P ~ 1.9, near ULA's stability limit
+s P = 2 (sd 6x too large). At 0.99 the adapted step has s P ~ 0.17 in one dimension (sd about 4% too
+large, less in more dimensions, where the same acceptance needs a smaller step); MALA is exact.
 
 Chains. Pyro's ``MCMC`` with ``num_chains > 1`` starts one process per chain whenever the machine
 has more CPUs than chains, which needs picklable models and pays a process start-up per run;
@@ -63,7 +67,8 @@ from pyro.util import optional
 from ppl_thought.errors import DiscreteLatentError
 from ppl_thought.inference.result import Result
 
-__all__ = ["DiscreteLatentError", "Langevin", "LangevinKernel"]
+__all__ = ["MALA_TARGET_ACCEPT", "ULA_TARGET_ACCEPT", "DiscreteLatentError", "Langevin", "LangevinKernel",
+           "default_target_accept"]
 
 Params = dict[str, torch.Tensor]
 
@@ -72,6 +77,15 @@ _MAX_STEP_SIZE = 1e10
 # A step whose log acceptance ratio is below -_MAX_LOG_RATIO (or not finite) is counted as a
 # divergence, as Pyro's HMC does with an energy error above 1000.
 _MAX_LOG_RATIO = 1000.0
+#: The default acceptance target of step adaptation: MALA's optimal rate (Roberts & Rosenthal 1998) ...
+MALA_TARGET_ACCEPT = 0.57
+#: ... and ULA's, high enough that ULA's uncorrected bias stays small in one dimension (module docstring).
+ULA_TARGET_ACCEPT = 0.99
+
+
+def default_target_accept(adjust: bool) -> float:
+    """The acceptance target step adaptation aims at by default: 0.57 for MALA, 0.99 for ULA."""
+    return MALA_TARGET_ACCEPT if adjust else ULA_TARGET_ACCEPT
 
 
 
@@ -123,9 +137,10 @@ class LangevinKernel(MCMCKernel):
     :param step_size: the initial step size s.
     :param adjust: ``True`` for MALA (Metropolis-adjusted), ``False`` for ULA.
     :param adapt_step_size: adapt s during warmup by dual averaging on log s.
-    :param target_accept: the acceptance probability the adaptation aims at. 0.57 is the optimal
-        MALA rate; for ULA aim higher (0.8 to 0.9): in low dimension the step that gives 0.57 can
-        sit near ULA's stability limit s = 2 / lambda_max(Hessian of U), where ULA's bias explodes.
+    :param target_accept: the acceptance probability the adaptation aims at; ``None`` (default): 0.57
+        for MALA (its optimal rate), :data:`ULA_TARGET_ACCEPT` (0.99) for ULA: in low dimension the
+        step that gives 0.57 sits near ULA's stability limit s = 2 / lambda_max(Hessian of U), where
+        ULA's bias explodes (module docstring).
     :param jit_compile: trace the potential energy with the PyTorch JIT (Pyro's option).
     :param transforms: site name -> transform from the constrained to the unconstrained space;
         Pyro's automatic ``biject_to`` transforms when ``None``.
@@ -140,12 +155,13 @@ class LangevinKernel(MCMCKernel):
         step_size: float = 0.1,
         adjust: bool = True,
         adapt_step_size: bool = True,
-        target_accept: float = 0.57,
+        target_accept: float | None = None,
         jit_compile: bool = False,
         transforms: dict | None = None,
         *,
         init_strategy: Callable = init_to_uniform,
     ) -> None:
+        target_accept = default_target_accept(adjust) if target_accept is None else target_accept
         if (model is None) == (potential_fn is None):
             raise ValueError("LangevinKernel: give exactly one of `model` or `potential_fn`.")
         if not step_size > 0:
@@ -422,7 +438,7 @@ class Langevin:
         num_chains: int = 4,
         warmup_steps: int = 500,
         adjust: bool = True,
-        target_accept: float = 0.57,
+        target_accept: float | None = None,
         disable_progbar: bool = False,
         seed: int | None = None,
         *,
@@ -441,7 +457,7 @@ class Langevin:
         self.num_chains = num_chains
         self.warmup_steps = warmup_steps
         self.adjust = adjust
-        self.target_accept = target_accept
+        self.target_accept = default_target_accept(adjust) if target_accept is None else target_accept
         self.disable_progbar = disable_progbar
         self.seed = seed
         self.adapt_step_size = adapt_step_size

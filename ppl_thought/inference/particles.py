@@ -21,10 +21,12 @@ weights silently wrong, so both are errors that name the site.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyro
 import pyro.poutine as poutine
 import torch
@@ -32,7 +34,8 @@ from pyro.distributions.util import scale_and_mask
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
-from ppl_thought.errors import ChunkMismatchError, DeviceMismatchError, ProgramError, SiteMismatchError
+from ppl_thought import checks
+from ppl_thought.errors import ChunkMismatchError, ConfigError, DeviceMismatchError, ProgramError, SiteMismatchError
 from ppl_thought.inference.resampling import log_ratio
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import PARTICLES, collect_twists, is_output, is_program
@@ -40,7 +43,7 @@ from ppl_thought.program import PARTICLES, collect_twists, is_output, is_program
 __all__ = [
     "PARTICLES", "Particles", "StepOutput", "check_compatible", "check_sites", "check_steps", "engine_device",
     "find_max_plate_nesting", "infinite_sites", "latent_sites", "log_ratio", "output_sites", "per_particle",
-    "program_device", "run_step", "sample_particles",
+    "program_device", "projection_definition", "run_step", "sample_particles", "token_space_size",
 ]
 
 
@@ -168,11 +171,24 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 def check_compatible(model, guide) -> None:
     """Refuse a guide built on another vocabulary or projection than the model's: its sequences would be
-    read with other token ids or another lifting, and the weights would be meaningless numbers; and a guide
-    on another device than the model's (:class:`DeviceMismatchError` naming both)."""
+    read with other token ids or another lifting, and the weights would be meaningless numbers; a guide whose
+    LM draws token ids over another vocabulary size than the model's (part of the posterior could not be
+    proposed, or the guide would propose ids the model reads as other tokens); and a guide on another device
+    than the model's (:class:`DeviceMismatchError` naming both). Every refusal is a
+    :class:`SiteMismatchError` naming what differs, whatever the two objects have computed before (cached
+    liftings are not part of a projection's definition)."""
+    checks.callable_arg("model", model, "a Pyro model or a pt.Program")
     if guide is None:
         return
+    if isinstance(guide, str | bytes | numbers.Number):  # other objects: each engine says what a guide must be
+        raise ConfigError(f"guide must be a Pyro guide, a pt.Program, an LMSequence, or None (the model's prior "
+                          f"proposes), got {type(guide).__name__} {guide!r}"[:300])
     engine_device(model, guide)
+    mn, gn = token_space_size(model), token_space_size(guide)
+    if mn is not None and gn is not None and mn != gn:
+        raise SiteMismatchError(f"the guide draws token ids over a vocabulary of {gn} ids, the model over {mn}: "
+                                "token ids would mean different tokens (or some of the model's tokens could not be "
+                                "proposed); build the guide's LM on the model's Vocab")
     mp, gp = getattr(model, "projection", None), getattr(guide, "projection", None)
     if mp is None or gp is None or mp is gp:
         return
@@ -183,11 +199,34 @@ def check_compatible(model, guide) -> None:
     if mv is not None and gv is not None and mv != gv:
         raise SiteMismatchError(f"the guide's vocabulary ({len(gv)} tokens) is not the model's ({len(mv)} tokens): "
                                 "token ids would mean different tokens; build both on the same Vocab")
-    if vars(mp).keys() == vars(gp).keys():
-        differ = sorted(k for k in vars(mp) if not k.startswith("_") and _differs(vars(mp)[k], vars(gp)[k]))
-        if differ:
-            raise SiteMismatchError(f"the guide's {type(gp).__name__} differs from the model's in {differ}: "
-                                    "the liftings differ; build both on the same projection")
+    md, gd = projection_definition(mp), projection_definition(gp)
+    differ = sorted(k for k in md.keys() | gd.keys() if k not in md or k not in gd or _differs(md[k], gd[k]))
+    if differ:
+        raise SiteMismatchError(f"the guide's {type(gp).__name__} differs from the model's in {differ}: "
+                                "the liftings differ; build both on the same projection")
+
+
+def token_space_size(program) -> int | None:
+    """The number of token ids a model or guide draws its sequences over: its projection's vocabulary size,
+    else its LM's ``vocab_size`` (``lm``, or ``prior`` for a slow-thinking model); ``None`` when it says
+    neither (a plain Pyro function, an HMM)."""
+    proj = getattr(program, "projection", None)
+    if proj is not None and getattr(proj, "vocab", None) is not None:
+        return len(proj.vocab)
+    for name in ("lm", "prior"):
+        size = getattr(getattr(program, name, None), "vocab_size", None)
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
+    return None
+
+
+def projection_definition(proj) -> dict:
+    """What defines a projection, for comparing two of them: ``proj.definition()`` when it has one, else its
+    public attributes (private ones such as ``_lifting_cache`` are caches that depend on what was computed)."""
+    define = getattr(proj, "definition", None)
+    if callable(define):
+        return dict(define())
+    return {k: v for k, v in vars(proj).items() if not k.startswith("_")}
 
 
 def check_steps(model, guide) -> None:
@@ -207,11 +246,20 @@ def check_steps(model, guide) -> None:
 
 
 def _differs(a, b) -> bool:
-    try:
-        same = a == b
-        return not bool(same.all() if hasattr(same, "all") else same)
-    except Exception:  # noqa: BLE001 - incomparable attributes are not evidence of a difference
+    """Whether two attribute values differ; arrays and tensors by shape and values, and values that cannot be
+    compared count as different (the same object is never different), so the answer never depends on luck."""
+    if a is b:
         return False
+    if isinstance(a, torch.Tensor | np.ndarray) or isinstance(b, torch.Tensor | np.ndarray):
+        try:
+            a_, b_ = (np.asarray(v.detach().cpu() if isinstance(v, torch.Tensor) else v) for v in (a, b))
+        except (TypeError, ValueError, RuntimeError):
+            return True
+        return a_.shape != b_.shape or not bool(np.array_equal(a_, b_))
+    try:
+        return not bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values cannot be shown equal: refuse rather than guess
+        return True
 
 
 # ---------------------------------------------------------------------------------------------- weights

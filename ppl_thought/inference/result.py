@@ -13,8 +13,9 @@ import numpy as np
 import torch
 
 from ppl_thought.checkpoint import parse_json
-from ppl_thought.errors import CheckpointError
+from ppl_thought.errors import CheckpointError, ConfigError, PPLThoughtError
 from ppl_thought.io import CONFIG_FILE, load_checkpoint, save_checkpoint
+from ppl_thought.vocab import Vocab
 from ppl_thought.weights import (  # noqa: F401 (effective_sample_size, log_mean_exp: their old import path)
     check_log_weights,
     effective_sample_size,
@@ -240,8 +241,9 @@ def _decode_tree(obj, tensors: Mapping[str, torch.Tensor]):
     return obj
 
 
-def save_result(path: str | Path, result) -> Path:
-    """Write an engine :class:`Result` to directory ``path``.
+def save_result(path: str | Path, result, vocab=None) -> Path:
+    """Write an engine :class:`Result` to directory ``path`` (with ``vocab``, a :class:`~ppl_thought.vocab.Vocab`,
+    the vocabulary its token sites use: ``ppl-thought diagnose`` then shows tokens, not ids).
 
     Same layout and guarantees as :func:`ppl_thought.io.save_checkpoint` (safetensors for every tensor, JSON for the
     rest, atomic writes, SHA-256 check): the config records ``{"kind": "ppl_thought.result/1",
@@ -253,7 +255,27 @@ def save_result(path: str | Path, result) -> Path:
                                                        "log_marginal_stderr", "ancestry", "stats", "observed")}
     tree = _encode_tree(fields, "result", tensors)
     config = {"kind": RESULT_FORMAT, "engine": str(result.engine), "tree": tree}
+    if vocab is not None:
+        if not isinstance(vocab, Vocab):
+            raise ConfigError(f"vocab must be a pt.Vocab (the vocabulary of the result's token sites) or None, got "
+                              f"{type(vocab).__name__}")
+        config["vocab"] = vocab.to_dict()
     return save_checkpoint(path, tensors, config)
+
+
+def saved_vocab(path: str | Path):
+    """The :class:`~ppl_thought.vocab.Vocab` saved with a result (``save_result(..., vocab=...)``), or ``None``."""
+    try:
+        header = parse_json((Path(path) / CONFIG_FILE).read_bytes(), str(Path(path) / CONFIG_FILE))
+        d = header["config"].get("vocab")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not isinstance(d, dict):
+        return None
+    try:
+        return Vocab.from_dict(d)
+    except (PPLThoughtError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: the saved vocabulary cannot be built ({e})") from None
 
 
 def is_saved_result(path: str | Path) -> bool:

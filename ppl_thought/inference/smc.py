@@ -17,6 +17,7 @@ from __future__ import annotations
 import pyro.poutine as poutine
 import torch
 
+from ppl_thought import checks
 from ppl_thought.checks import fraction, integer
 from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ProgramError, ZeroWeightsError
@@ -102,6 +103,8 @@ class SMC:
         self.num_particles = integer("num_particles", num_particles)
         self.ess_threshold = fraction("ess_threshold (a fraction of num_particles)", ess_threshold)
         self.resampling = resampling
+        if generator is not None:
+            checks.instance("generator", generator, torch.Generator, "a torch.Generator or None")
         self.generator = generator
         self.max_steps = integer("max_steps", max_steps)
         self.groups = g

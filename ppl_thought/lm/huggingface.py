@@ -24,6 +24,7 @@ install (``pip install 'ppl-thought[hf]'``).
 
 from __future__ import annotations
 
+import inspect
 import operator
 import os
 from collections.abc import Iterable
@@ -104,6 +105,23 @@ def _cache_view_class():
 
     _VIEW_CLASS = KVCacheView
     return KVCacheView
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The keyword a ``transformers`` model's forward takes its cache by: ``cache`` where the model declares it
+    (transformers >= 5.2x, which deprecates ``past_key_values`` with a FutureWarning on every call), else
+    ``past_key_values`` (earlier 5.x releases). Read once per model class from its forward's signature."""
+    cls = type(model)
+    if cls not in _CACHE_ARGUMENT:
+        try:
+            params = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        _CACHE_ARGUMENT[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_ARGUMENT[cls]
+
+
+_CACHE_ARGUMENT: dict[type, str] = {}
 
 
 class HuggingFace(nn.Module):
@@ -375,7 +393,8 @@ class HuggingFace(nn.Module):
                               "model.gradient_checkpointing_disable() before using it through pt.lm.HuggingFace")
         past = cache.num_cached
         new = cache.append(T, self.max_positions or (1 << 20))
-        out = self.model(input_ids=self._hf_input[tokens], past_key_values=_cache_view_class()(new, past),
+        view = _cache_view_class()(new, past)
+        out = self.model(input_ids=self._hf_input[tokens], **{cache_argument(self.model): view},
                          attention_mask=mask, position_ids=positions, use_cache=True)
         logits = self.library_logits(out.logits)
         new = new.finish(T, None, None)

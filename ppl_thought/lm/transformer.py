@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppl_thought import checks
 from ppl_thought.checkpoint import check_finite, check_float_dtypes, check_transformer_config
 from ppl_thought.errors import CheckpointError, MalformedSequenceError, VocabularyError
 from ppl_thought.io import load_checkpoint_raw, nonfinite_names, save_checkpoint
@@ -178,6 +179,14 @@ class Transformer(nn.Module):
                  cross_attention: bool = False, d_latent: int | None = None, rope_base: float = 10000.0,
                  dropout: float = 0.0, tie_embeddings: bool = True):
         super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layers", n_layers),
+                            ("n_heads", n_heads), ("max_len", max_len)):
+            checks.integer(f"Transformer: {name}", value)
+        checks.optional_integer("Transformer: d_ff", d_ff)
+        checks.optional_integer("Transformer: window", window)
+        checks.optional_integer("Transformer: d_latent", d_latent)
+        checks.real("Transformer: rope_base", rope_base, 0.0, open_min=True)
+        checks.real("Transformer: dropout", dropout, 0.0, 1.0, open_max=True)
         if vocab_size < 1 or d_model < 1 or n_layers < 1 or n_heads < 1 or max_len < 1:
             raise ValueError("vocab_size, d_model, n_layers, n_heads and max_len must be positive")
         if d_model % n_heads or (d_model // n_heads) % 2:

@@ -61,8 +61,11 @@ class EntropyEstimate(NamedTuple):
 
 
 def _as_stochastic(name: str, value, shape: tuple[int, ...] | None, atol: float) -> torch.Tensor:
-    """Validate a probability vector (1-D) or a row-stochastic matrix (2-D); float64, rows renormalised."""
-    t = torch.as_tensor(value).detach().to("cpu", DTYPE)
+    """Validate a probability vector (1-D) or a row-stochastic matrix (2-D); float64, rows renormalised.
+
+    The result keeps ``value``'s autograd graph (no detach): tables computed from parameters give gradients
+    of every exact answer (the forward algorithm (3.1)) and of the program's site log-probs."""
+    t = torch.as_tensor(value).to("cpu", DTYPE)
     want_ndim = 1 if name == "lam" else 2
     if t.ndim != want_ndim:
         raise ValueError(f"HMM {name} must be {want_ndim}-D, got shape {tuple(t.shape)}")
@@ -135,7 +138,9 @@ class HMM(Program):
     Observation sequences ``x`` are LongTensors of indices in ``[0, |Sigma|)``, either one
     sequence ``[T]`` or a batch ``[N, T]``; results then have no batch dimension or ``[N]``.
     All computations run in float64, on the CPU unless the HMM is moved with :meth:`to` (its tables, the
-    program's sites and every exact answer then live on that device).
+    program's sites and every exact answer then live on that device). Tables computed from parameters keep
+    their autograd graph: :meth:`log_prob` (the forward algorithm (3.1)) and the program's site log-probs are
+    differentiable in them, so a parametrised HMM can be fitted or its parameters sampled by Langevin dynamics.
 
     As a Pyro program (:class:`~ppl_thought.program.Program`, max_plate_nesting 0):
     ``hmm(x=None, length=None)`` runs :meth:`init` and every :meth:`step` in one trace and

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pyro
 import torch
 
+from ppl_thought import checks
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.errors import ProgramError
 from ppl_thought.lm.base import lm_device
@@ -46,6 +47,8 @@ class PlainLM(Program):
 
     def __init__(self, lm: torch.nn.Module, vocab: Vocab, site: str = "x", module_name: str = "lm",
                  state_key: str | None = None):
+        checks.lm("PlainLM: lm", lm)
+        checks.instance("PlainLM: vocab", vocab, Vocab, "a pt.Vocab")
         if int(lm.vocab_size) != len(vocab):
             raise ValueError(f"LM vocab_size {lm.vocab_size} != vocabulary size {len(vocab)}")
         self.lm = lm

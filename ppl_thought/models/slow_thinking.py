@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ppl_thought import checks
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.projected import ProjectionDelta
 from ppl_thought.errors import NotInImageError, SiteMismatchError, TooLargeToEnumerateError
@@ -91,6 +92,9 @@ class SlowThinking(Transformed):
     """
 
     def __init__(self, prior: torch.nn.Module, projection: Projection, chunk: int = 0):
+        checks.lm("SlowThinking: prior", prior)
+        checks.has_attributes("SlowThinking: projection", projection, ("vocab", "lifting", "domain"),
+                              "a pt.projections projection (PauseToThink, QueryResponse, SparseThoughts, ...)")
         if int(prior.vocab_size) != len(projection.vocab):
             raise ValueError(
                 f"prior vocab_size {prior.vocab_size} != projection vocabulary size {len(projection.vocab)}"

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ppl_thought import checks
 from ppl_thought.errors import MalformedSequenceError, NotInDomainError, NotInImageError
 from ppl_thought.projections.arrays import host_array
 from ppl_thought.projections.automaton import Automaton
@@ -56,6 +57,7 @@ class Projection(ABC):
     is_disentangled: bool = True
 
     def __init__(self, vocab: Vocab):
+        checks.instance(f"{type(self).__name__}: vocab", vocab, Vocab, "a pt.Vocab")
         self.vocab = vocab
 
     # ------------------------------------------------------------ what subclasses implement

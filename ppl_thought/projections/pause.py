@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ppl_thought import checks
 from ppl_thought.errors import NotInDomainError
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.phase_tables import PhaseMachine, phase_tables, set_edges
@@ -34,10 +35,7 @@ class PauseToThink(PhaseMachine, Projection):
 
     def __init__(self, vocab: Vocab, max_thought_len: int):
         super().__init__(vocab)
-        c = int(max_thought_len)
-        if c < 1:
-            raise ValueError(f"PauseToThink: max_thought_len must be >= 1 (a thought has 1..c tokens), "
-                             f"got {c}")
+        c = checks.integer("PauseToThink: max_thought_len (a thought has 1..c tokens)", max_thought_len, minimum=1)
         self.max_thought_len = c
         # phases: R = 0 (start / after an observable), T_k = 1 + k (k tokens into a thought), P = c + 2
         R, P = 0, c + 2

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ppl_thought import checks
 from ppl_thought.projections.automaton import DEAD, Automaton
 
 LevelTables = Callable[[int], tuple[np.ndarray, np.ndarray]]
@@ -190,6 +191,7 @@ class PhaseMachine:
 
     def domain(self, num_observed: int | None = None) -> Automaton:
         name = type(self).__name__
+        num_observed = checks.optional_integer("num_observed", num_observed, minimum=0)
         if num_observed is None:
             return loop(self._tables[0], 0, f"{name}.domain")
         return unroll(lambda t: self._tables, 0, int(num_observed), None, f"{name}.domain({num_observed})")

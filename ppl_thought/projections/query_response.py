@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ppl_thought import checks
 from ppl_thought.errors import NotInDomainError
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.phase_tables import PhaseMachine, phase_tables, set_edges
@@ -31,9 +32,7 @@ class QueryResponse(PhaseMachine, Projection):
 
     def __init__(self, vocab: Vocab, max_thought_len: int):
         super().__init__(vocab)
-        c = int(max_thought_len)
-        if c < 0:
-            raise ValueError(f"QueryResponse: max_thought_len must be >= 0, got {c}")
+        c = checks.integer("QueryResponse: max_thought_len", max_thought_len, minimum=0)
         self.max_thought_len = c
         # phases: Q = 0 (in a query), A = 1 (after a query's <eos>), T_k = 2 + k, Rsp = c + 3
         Q, A, Rsp = 0, 1, c + 3

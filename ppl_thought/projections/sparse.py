@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from ppl_thought import checks
 from ppl_thought.errors import NotInDomainError, NotRegularError
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection, as_id_array
@@ -46,9 +47,7 @@ class SparseThoughts(Projection):
         positions: Iterable[int] | Callable[[int], bool] | None = None,
     ):
         super().__init__(vocab)
-        c = int(thought_len)
-        if c < 0:
-            raise ValueError(f"SparseThoughts: thought_len must be >= 0, got {c}")
+        c = checks.integer("SparseThoughts: thought_len", thought_len, minimum=0)
         self.thought_len = c
         self._finite: frozenset[int] | None = None
         if positions is None:
@@ -73,6 +72,12 @@ class SparseThoughts(Projection):
         set_edges(*think, E, [vocab.think_id], 1, emitting=False)
         set_edges(*plain, E, sigma, E, emitting=True)
         self._think, self._plain = think, plain
+
+    def definition(self) -> dict:
+        """What defines this projection (compared when a guide meets a model): the vocabulary, the thought
+        length and the positions (a finite set, or the schedule callable itself)."""
+        return {"vocab": self.vocab, "thought_len": self.thought_len,
+                "positions": self._finite if self._finite is not None else self._is_position}
 
     def is_position(self, t: int) -> bool:
         """Whether a thought stands before the observable at 0-based position t."""
@@ -134,6 +139,7 @@ class SparseThoughts(Projection):
         return True
 
     def domain(self, num_observed: int | None = None) -> Automaton:
+        num_observed = checks.optional_integer("num_observed", num_observed, minimum=0)
         if num_observed is not None:
             return unroll(self._level, 0, int(num_observed), None, f"SparseThoughts.domain({num_observed})")
         if self._finite is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ppl_thought import checks
 from ppl_thought.errors import UnknownTokenError
 from ppl_thought.projections.automaton import Automaton, AutomatonBuilder
 from ppl_thought.projections.base import Projection
@@ -36,8 +37,7 @@ class FirstTokenSwitch(Projection):
                 f"FirstTokenSwitch: repeat token {vocab.token(r)!r} is not observable "
                 "(Sigma = the ordinary tokens and <eos>)"
             )
-        if int(horizon) < 1:
-            raise ValueError(f"FirstTokenSwitch: horizon must be >= 1, got {horizon}")
+        checks.integer("FirstTokenSwitch: horizon", horizon, minimum=1)
         self.repeat_id = r
         self.horizon = int(horizon)
         sigma = vocab.observable_ids
@@ -57,6 +57,7 @@ class FirstTokenSwitch(Projection):
         return z[1:].astype(np.int64, copy=True)
 
     def domain(self, num_observed: int | None = None) -> Automaton:
+        num_observed = checks.optional_integer("num_observed", num_observed, minimum=0)
         sigma, V = self.observable_ids, len(self.vocab)
         if num_observed is None:
             b = AutomatonBuilder(V, "FirstTokenSwitch.domain")

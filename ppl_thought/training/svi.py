@@ -21,7 +21,7 @@ from pyro.infer import ELBO
 from pyro.optim import PyroOptim
 
 from ppl_thought.errors import ConfigError
-from ppl_thought.inference.particles import sample_particles
+from ppl_thought.inference.particles import latent_sites, sample_particles
 from ppl_thought.inference.result import Result
 from ppl_thought.training.objectives import ParticleObjective
 from ppl_thought.weights import log_mean_exp
@@ -37,6 +37,11 @@ def _log_marginal_stderr(log_w: torch.Tensor) -> torch.Tensor:
     if len(w) < 2:  # no estimate of the spread from one weight: inf, never NaN
         return torch.tensor(float("inf"), device=w.device)
     return w.std(correction=1) / (math.sqrt(len(w)) * w.mean())
+
+
+def _no_latents_guide(*args, **kwargs) -> None:
+    """The guide of a model without latent sites (SVI with ``guide=None``): it samples nothing."""
+    return None
 
 
 def _warn_if_distributed() -> None:
@@ -75,6 +80,7 @@ class SVI:
         self.objective = objective
         self.optimizer = optimizer
         self._svi: dict[tuple[int, int], pyro.infer.SVI] = {}
+        self._latent_names: dict[int, tuple[Callable, list[str]]] = {}
 
     def _inner(self, model: Callable, guide: Callable) -> pyro.infer.SVI:
         key = (id(model), id(guide))
@@ -82,9 +88,40 @@ class SVI:
             self._svi[key] = pyro.infer.SVI(model, guide, self.optimizer, loss=self.objective)
         return self._svi[key]
 
-    def step(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
-        """One optimisation step; returns the objective's loss estimate."""
+    def step(self, model: Callable, guide: Callable | None, *args, **kwargs) -> float:
+        """One optimisation step; returns the objective's loss estimate (``guide=None``: see :meth:`run`)."""
+        guide = self.resolve_guide(model, guide, args, kwargs)
         return float(self._inner(model, guide).step(*args, **kwargs))
+
+    def resolve_guide(self, model: Callable, guide: Callable | None, args: tuple = (), kwargs: dict | None = None
+                      ) -> Callable:
+        """The guide SVI fits: ``guide`` itself, or for ``guide=None`` the empty guide when ``model(*args)`` has
+        no latent sample site (maximum likelihood of the model's parameters: the ELBO is then log p(x) exactly).
+
+        Importance and SMC read ``guide=None`` as "the model's prior proposes"; SVI has nothing to fit in that
+        case, and an ELBO with the prior standing in for a guide would score log p(x, z) without its -log q(z)
+        term. So a model with latent sites and ``guide=None`` is refused with a :class:`ConfigError` naming the
+        sites and the fix (a guide for them) instead of a silent wrong objective. The model is traced once per
+        model object to find its latent sites."""
+        if guide is not None:
+            if not callable(guide):
+                raise ConfigError(f"guide must be a callable Pyro guide (or None for a model without latent sites), "
+                                  f"got {type(guide).__name__}")
+            return guide
+        known = self._latent_names.get(id(model))
+        if known is None or known[0] is not model:
+            with poutine.block(), torch.no_grad():
+                tr = poutine.trace(model).get_trace(*args, **(kwargs or {}))
+            known = self._latent_names[id(model)] = (model, sorted(latent_sites(tr)))
+        names = known[1]
+        if names:
+            shown = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+            raise ConfigError(
+                f"guide=None: SVI fits a guide, and this model has latent sites ({shown}) that need one. Pass a "
+                "guide that samples them: e.g. pt.guides.Causal(lm, model.projection) or pt.guides.Explanatory(...) "
+                "for latent token sequences, pyro.infer.autoguide.AutoNormal(model) for continuous latents "
+                "(guide=None is accepted only for a model without latent sites: maximum likelihood)")
+        return _no_latents_guide
 
     def _traced_step(self, model: Callable, guide: Callable, args, kwargs) -> tuple[float, list[str]]:
         """One step, and the names of the parameters it used (a param-only trace around it)."""
@@ -92,12 +129,16 @@ class SVI:
             loss = self.step(model, guide, *args, **kwargs)
         return loss, [name for name, site in tr.trace.nodes.items() if site["type"] == "param"]
 
-    def evaluate_loss(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
+    def evaluate_loss(self, model: Callable, guide: Callable | None, *args, **kwargs) -> float:
+        guide = self.resolve_guide(model, guide, args, kwargs)
         return float(self.objective.loss(model, guide, *args, **kwargs))
 
-    def run(self, model: Callable, guide: Callable, *data, num_steps: int = 100, progress: bool = False,
+    def run(self, model: Callable, guide: Callable | None, *data, num_steps: int = 100, progress: bool = False,
             num_samples: int | None = None, record_params: int = 256, **kwargs) -> Result:
         """Run ``num_steps`` steps on ``model(*data)`` / ``guide(*data)``.
+
+        ``guide=None`` fits a model without latent sites by maximum likelihood; a model with latent sites
+        needs a guide (:meth:`resolve_guide`: a :class:`ConfigError` naming the sites and the fix).
 
         Returns a Result with ``stats["losses"]`` ``[num_steps]`` (the objective's loss per step; for an
         ELBO objective -loss is the ELBO estimate), ``stats["params"]`` ``{name: [num_steps, ...]}``: the
@@ -117,8 +158,9 @@ class SVI:
         if not isinstance(record_params, int) or record_params < 0:
             raise ConfigError(f"record_params must be a non-negative int (max elements of a recorded parameter), "
                               f"got {record_params!r}")
-        if not callable(model) or not callable(guide):
-            raise TypeError("SVI.run needs a callable model and guide")
+        if not callable(model):
+            raise ConfigError(f"model must be a callable Pyro model or pt.Program, got {type(model).__name__}")
+        guide = self.resolve_guide(model, guide, data, kwargs)
         _warn_if_distributed()
         from tqdm.auto import tqdm
 

@@ -18,8 +18,9 @@ continuous latent sites), under ``numpyro.infer.MCMC`` (jitted, chains vectorise
     az.from_numpyro(mcmc)
 
 The step size is found by doubling / halving (as Pyro's HMC) and adapted during warmup by dual averaging
-on log s toward ``target_accept`` (0.57, Roberts & Rosenthal 1998), the final warmup step taking the
-averaged value, as on the torch side. ULA adapts with the MALA acceptance probability computed, not used.
+on log s toward ``target_accept`` (0.57 for MALA, Roberts & Rosenthal 1998; 0.99 for ULA), the final warmup
+step taking the averaged value, as on the torch side. ULA adapts with the MALA acceptance probability computed,
+not used.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ class MALA(MCMCKernel):
         potential_fn: U(z) on unconstrained values (then ``init_params`` must be given to ``MCMC.run``).
         step_size: initial s (> 0).
         adapt_step_size: find s and adapt it by dual averaging during warmup.
-        target_accept: the acceptance probability dual averaging aims for, in (0, 1).
+        target_accept: the acceptance probability dual averaging aims for, in (0, 1); ``None`` (default): 0.57
+            for MALA, 0.99 for ULA (as ``pt.infer.Langevin``: at 0.57 the adapted ULA step sits near ULA's
+            stability limit in low dimension and its uncorrected sd is several times too large).
         init_strategy: NumPyro initialisation strategy of the latent sites.
     """
 
@@ -76,7 +79,9 @@ class MALA(MCMCKernel):
     sample_field = "z"
 
     def __init__(self, model: Callable | None = None, potential_fn: Callable | None = None, step_size: float = 0.1,
-                 adapt_step_size: bool = True, target_accept: float = 0.57, init_strategy=init_to_uniform):
+                 adapt_step_size: bool = True, target_accept: float | None = None, init_strategy=init_to_uniform):
+        if target_accept is None:
+            target_accept = 0.57 if self.adjust else 0.99
         if (model is None) == (potential_fn is None):
             raise ConfigError(f"{type(self).__name__} needs exactly one of model and potential_fn")
         if not step_size > 0:
