@@ -51,6 +51,7 @@ import llamppl_race  # noqa: E402  (same folder: corpus, lipogram automaton, the
 import ppl_thought as pt  # noqa: E402
 from ppl_thought.inference import SMC  # noqa: E402
 from ppl_thought.lm.static_cache import static_decoder  # noqa: E402
+from ppl_thought.projections import token_texts  # noqa: E402
 from ppl_thought.vocab import BOS_ID  # noqa: E402
 
 FULL = {"n_layer": 12, "d_model": 768, "n_head": 12, "vocab_size": 32768, "sizes": [16, 64, 256, 1024], "rounds": 3}
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _main(args, cfg: dict, device: torch.device, sizes: list[int]) -> dict:
     lms, prompt = build(cfg, device)
-    constraint = llamppl_race.lipogram_automaton(lms["hf_gpt2"].vocab)
+    constraint = llamppl_race.lipogram_constraint(token_texts(lms["hf_gpt2"].vocab))
     if device.type == "cuda":
         dev_name = torch.cuda.get_device_name(device)
     else:  # the mark: without CUDA, limit_graph is the eager figure of the static cache
@@ -217,8 +218,9 @@ def _main(args, cfg: dict, device: torch.device, sizes: list[int]) -> dict:
     extra: dict = {"seconds": {}, "resampling_steps": {}, "log_marginal": {}}
     meta = {**{k: cfg[k] for k in ("n_layer", "d_model", "n_head")}, "library_vocab": len(lms["hf_gpt2"].vocab),
             "bpe_vocab_requested": cfg["vocab_size"], "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS,
-            "ess_threshold": ESS_THRESHOLD, "mask": "no letter e (one-state token automaton) + <eos>",
-            "admitted_tokens": int(constraint.allowed[0].sum()), "quick": args.quick, "rounds": cfg["rounds"],
+            "ess_threshold": ESS_THRESHOLD, "mask": llamppl_race.MASK,
+            "admitted_tokens": int(llamppl_race.admitted_ids(constraint).numel()), "quick": args.quick,
+            "rounds": cfg["rounds"],
             "limit_graph_kind": "cuda_graph" if device.type == "cuda" else "eager", "torch": torch.__version__,
             "transformers": llamppl_race._version("transformers"), "cpu_count": os.cpu_count(), "extra": extra}
     for name in LMS:
@@ -242,11 +244,12 @@ def _main(args, cfg: dict, device: torch.device, sizes: list[int]) -> dict:
                 print(json.dumps({tag: {k: round(v, 1) for k, v in rate.items()}}), flush=True)
                 del fns, run, results
             lms[name] = lm.float()
-    if llamppl_race.llamppl_available():
-        race = llamppl_race.llamppl_race(lms["hf_gpt2"], constraint, prompt)
+    race, meta["llamppl_absent_because"] = llamppl_race.llamppl_race(lms["hf_gpt2"], constraint, prompt, NEW_TOKENS,
+                                                                     ESS_THRESHOLD)
+    if race is not None:
         out["llamppl"] = {}
         for n in sizes:
-            best = timed({"llamppl": lambda n=n: race(n)}, cfg["rounds"], device)
+            best = timed({"llamppl": race(n)}, cfg["rounds"], device)
             out["llamppl"][str(n)] = n * NEW_TOKENS / best["llamppl"]
     if args.json:
         with open(args.json, "w") as f:

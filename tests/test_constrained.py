@@ -50,7 +50,7 @@ def exact_mass(lm: Tabular) -> float:
     return total
 
 
-@pytest.mark.parametrize("engine", ["importance", "smc", "smc_twisted"])
+@pytest.mark.parametrize("engine", ["importance", "smc", "smc_twisted", "smc_lookahead"])
 def test_constrained_mass_is_estimated_without_bias(engine):
     """Mean of Z-hat / Z over 20 seeds within 3 SE of 1 (the twist steers resampling but keeps the target);
     the masked proposal alone has no such weights: its Z-hat would be 1, far from Z."""
@@ -58,6 +58,7 @@ def test_constrained_mass_is_estimated_without_bias(engine):
     Z = exact_mass(lm)
     assert Z < 0.8
     twist = (lambda toks: 0.7 * (toks == VOCAB.id("a")).sum(-1).float()) if engine == "smc_twisted" else None
+    twist = "lookahead" if engine == "smc_lookahead" else twist
     program = pt.models.Constrained(lm, auto, L, twist=twist)
     ratios = []
     for seed in range(20):
@@ -81,3 +82,5 @@ def test_constrained_refuses_bad_arguments():
         pt.models.Constrained(lm, "no e", 4)
     with pytest.raises(ConfigError, match="twist"):
         pt.models.Constrained(lm, auto, 4, twist=3)
+    with pytest.raises(ConfigError, match="lookahead"):
+        pt.models.Constrained(lm, auto, 4, twist="look-ahead")

@@ -39,6 +39,10 @@ class Constrained(Program):
         twist: optional ``twist(tokens [n, t]) -> log psi [n]``, a potential on the prefix that SMC adds at
             each step and removes at the next (``pt.twist``): it steers resampling without changing the
             target (a lookahead guess of how the prefix will fare), e.g. a preference for short words.
+            ``twist="lookahead"`` is the one-step lookahead psi_t = Z_{t+1}, the LM's mass on the tokens the
+            automaton admits next (read off the logits the step already computed, no extra forward pass): the
+            incremental weight Z_t psi_t / psi_{t-1} becomes Z_{t+1}, so SMC resamples on how much mass the
+            particle's next step keeps (the fully adapted particle filter of Section 3.3; Z-hat stays unbiased).
 
     ``run(prompt)``: ``prompt`` holds 1-D token ids shared by every particle (encoded once, the cache
     expanded). Sites ``x_0, x_1, ...`` hold one token per particle per step; ``mass_t`` holds log Z_t.
@@ -48,7 +52,7 @@ class Constrained(Program):
     """
 
     def __init__(self, lm: torch.nn.Module, constraint: Automaton, max_tokens: int,
-                 twist: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 twist: Callable[[torch.Tensor], torch.Tensor] | str | None = None):
         if not isinstance(constraint, Automaton):
             raise ConfigError(f"Constrained needs a token Automaton, got {type(constraint).__name__}")
         if constraint.vocab_size != lm.vocab_size:
@@ -56,8 +60,8 @@ class Constrained(Program):
                               f"vocab_size={lm.vocab_size}")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if twist is not None and not callable(twist):
-            raise ConfigError(f"twist must be a callable on token prefixes, got {type(twist).__name__}")
+        if twist is not None and not callable(twist) and twist != "lookahead":
+            raise ConfigError(f"twist must be a callable on token prefixes or 'lookahead', got {twist!r}")
         self.lm, self.constraint, self.max_tokens, self.twist = lm, constraint, max_tokens, twist
         self.max_steps = max_tokens
         self.rule = TokenRule(constraint, lm.vocab_size)
@@ -89,6 +93,8 @@ class Constrained(Program):
         tok = pyro.sample(f"x_{t}", x.next_token())
         x.extend(tok)
         pyro.factor(f"mass_{t}", log_z)
-        if self.twist is not None:
+        if self.twist == "lookahead":
+            twist(self.log_mass(x.logits, x.s, x.done))  # log Z_{t+1}: 0 for ended rows
+        elif self.twist is not None:
             twist(self.twist(x.tokens))
         return torch.ones_like(x.done) if t + 1 == self.max_tokens else x.done.clone()
