@@ -56,6 +56,11 @@ def _plots(results: dict, out: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     paths = []
+    if results.get("real"):
+        from ppl_thought.experiments.real_thoughts import plot as plot_real
+
+        path = plot_real(results["real"], os.path.join(out, "real_thoughts.png"))
+        paths += [path] if path else []
     s7 = results.get("sec7")
     if s7:
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
