@@ -119,10 +119,17 @@ def available_memory() -> int | None:
         return None
 
 
+#: allocations below this many bytes are never refused by :func:`allocation`
+SMALL_ALLOCATION = 1 << 28
+
+
 def allocation(what: str, nbytes: int, device=None) -> None:
     """Refuse, before allocating, a tensor of ``nbytes`` that is larger than the memory the device has free
     (host memory for the CPU, ``torch.cuda.mem_get_info`` for a GPU): a :class:`ConfigError` naming the sizes,
-    instead of a hang, a swap storm or a raw allocator error."""
+    instead of a hang, a swap storm or a raw allocator error. Sizes under 256 MiB are not checked (asking the OS
+    for its free memory costs a file read; an engine calls this once per run)."""
+    if nbytes < SMALL_ALLOCATION:
+        return
     free = None
     dev = None if device is None else str(device)
     if dev is not None and dev.startswith("cuda"):
