@@ -508,6 +508,18 @@ def transformer_shapes(config: Mapping) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def saved_transformer_vocab(path: str | Path) -> dict | None:
+    """The vocabulary dict a Transformer checkpoint was saved with (``save(..., vocab=...)``), checked against the
+    model's config and stored shapes, or None: read from the config and the tensors file's header, no tensor
+    decoded (both backends' ``Transformer.load_vocab``)."""
+    raw = read_checkpoint(path)
+    config = raw.header["config"]
+    if not isinstance(config, dict) or "vocab" not in config:
+        return None
+    check_transformer_config(path, config, raw.shapes, raw.aliases)  # the vocabulary fits the model
+    return config["vocab"]
+
+
 def check_transformer_config(path, config, saved: Mapping[str, tuple[int, ...]],
                              aliases: Mapping[str, str] | None = None) -> dict:
     """The constructor arguments of a Transformer checkpoint, checked against the saved tensor shapes.

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppl_thought import checks
-from ppl_thought.checkpoint import check_finite, check_float_dtypes, check_transformer_config
+from ppl_thought.checkpoint import check_finite, check_float_dtypes, check_transformer_config, saved_transformer_vocab
 from ppl_thought.errors import CheckpointError, MalformedSequenceError, VocabularyError
 from ppl_thought.io import load_checkpoint_raw, nonfinite_names, save_checkpoint
 from ppl_thought.lm.base import check_token_ids, describe, one_token
@@ -415,12 +415,8 @@ class Transformer(nn.Module):
     def load_vocab(path: str | Path):
         """The :class:`~ppl_thought.vocab.Vocab` saved with a model (``save(..., vocab=...)``), or None."""
 
-        _, raw = load_checkpoint_raw(path)
-        config = raw.header["config"]
-        if not isinstance(config, dict) or "vocab" not in config:
-            return None
-        check_transformer_config(path, config, raw.shapes, raw.aliases)  # the vocabulary fits the model
-        return Vocab.from_dict(config["vocab"])
+        vocab = saved_transformer_vocab(path)
+        return None if vocab is None else Vocab.from_dict(vocab)
 
 
 #: positions of spare room a preallocated (non-window) cache buffer gets at least when it is (re)allocated

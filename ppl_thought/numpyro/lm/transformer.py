@@ -49,6 +49,7 @@ from ppl_thought.checkpoint import (
     check_transformer_config,
     load_numpy_raw,
     save_numpy,
+    saved_transformer_vocab,
     transformer_shapes,
     transformer_sizes,
 )
@@ -397,12 +398,8 @@ class Transformer(LM):
         """The :class:`~ppl_thought.vocab.Vocab` saved with a model (``save(..., vocab=...)``), or None."""
         from ppl_thought.vocab import Vocab
 
-        _, raw = load_numpy_raw(path)
-        config = raw.header["config"]
-        if not isinstance(config, dict) or "vocab" not in config:
-            return None
-        check_transformer_config(path, config, raw.shapes, raw.aliases)  # the vocabulary fits the model
-        return Vocab.from_dict(config["vocab"])
+        vocab = saved_transformer_vocab(path)
+        return None if vocab is None else Vocab.from_dict(vocab)
 
 
 def _concrete(x) -> np.ndarray | None:
