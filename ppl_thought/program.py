@@ -27,7 +27,7 @@ later sites.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +39,7 @@ from pyro.poutine.runtime import _PYRO_STACK
 
 from ppl_thought.errors import ProgramError
 from ppl_thought.lm.base import lm_device
+from ppl_thought.twists import current as current_twists
 
 PARTICLES = "particles"
 
@@ -95,42 +96,19 @@ def is_output(site: dict) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- twists
-class _TwistCollector:
-    """Receives the ``pt.twist`` calls of one step (installed by SMC around the model's step)."""
-
-    def __init__(self) -> None:
-        self.log_psi: torch.Tensor | None = None
-
-    def add(self, log_psi: torch.Tensor) -> None:
-        self.log_psi = log_psi if self.log_psi is None else self.log_psi + log_psi
-
-
-_TWISTS: list[_TwistCollector] = []
-
-
-@contextmanager
-def collect_twists() -> Iterator[_TwistCollector]:
-    """Collect the potentials set by ``pt.twist`` while the body runs (engines only)."""
-    c = _TwistCollector()
-    _TWISTS.append(c)
-    try:
-        yield c
-    finally:
-        _TWISTS.pop()
-
-
 def twist(log_psi) -> None:
     """Set the potential log psi_t ``[n]`` of the particles at this step (SMC adds it now, removes it later).
 
     Several calls in one step add up. Outside an engine that steps the program (e.g. Importance,
     which runs whole traces) the potential cancels and nothing is done.
     """
-    if not _TWISTS:
+    collector = current_twists()
+    if collector is None:
         return
     lp = torch.as_tensor(log_psi)
     if torch.is_floating_point(lp) and torch.isnan(lp).any():
         raise ProgramError("pt.twist got NaN: a twist is a log-potential, -inf is allowed, NaN is not")
-    _TWISTS[-1].add(lp)
+    collector.add(lp)
 
 
 # ---------------------------------------------------------------------------------------------- plates

@@ -38,7 +38,8 @@ from ppl_thought import checks
 from ppl_thought.errors import ChunkMismatchError, ConfigError, DeviceMismatchError, ProgramError, SiteMismatchError
 from ppl_thought.inference.resampling import log_ratio
 from ppl_thought.lm.base import lm_device
-from ppl_thought.program import PARTICLES, collect_twists, is_output, is_program
+from ppl_thought.program import PARTICLES, is_output, is_program
+from ppl_thought.twists import collect_twists
 
 __all__ = [
     "PARTICLES", "Particles", "StepOutput", "check_compatible", "check_sites", "check_steps", "engine_device",

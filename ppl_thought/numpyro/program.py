@@ -20,8 +20,6 @@ removes; it leaves the target).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import jax
@@ -30,6 +28,7 @@ import numpyro
 from numpyro.primitives import _PYRO_STACK
 
 from ppl_thought.errors import ProgramError
+from ppl_thought.twists import current as current_twists
 
 __all__ = ["OUTPUT", "PARTICLES", "Program", "factor", "is_output", "is_program", "observe", "particles",
            "sample", "twist"]
@@ -71,36 +70,14 @@ def is_output(site: dict) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- twists
-class _TwistCollector:
-    def __init__(self) -> None:
-        self.log_psi: jax.Array | None = None
-
-    def add(self, log_psi: jax.Array) -> None:
-        self.log_psi = log_psi if self.log_psi is None else self.log_psi + log_psi
-
-
-_TWISTS: list[_TwistCollector] = []
-
-
-@contextmanager
-def collect_twists() -> Iterator[_TwistCollector]:
-    """Collect the potentials :func:`twist` sets while the body runs (engines only)."""
-    c = _TwistCollector()
-    _TWISTS.append(c)
-    try:
-        yield c
-    finally:
-        _TWISTS.pop()
-
-
 def twist(log_psi) -> None:
     """Set the potential log psi_t ``[n]`` of the particles at this step: SMC multiplies the incremental weight
     by psi_t / psi_{t-1} and divides the last potential out when a particle finishes, so Z-hat stays unbiased
     for the untwisted program (docs/programs.md, "Verifiers"). Several calls in a step add up; outside SMC
     (Importance, a plain trace) nothing is done."""
-    if not _TWISTS:
-        return
-    _TWISTS[-1].add(jnp.asarray(log_psi, jnp.float32))
+    collector = current_twists()
+    if collector is not None:
+        collector.add(jnp.asarray(log_psi, jnp.float32))
 
 
 # ---------------------------------------------------------------------------------------------- plates

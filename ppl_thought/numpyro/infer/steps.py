@@ -40,7 +40,8 @@ from ppl_thought.errors import (
 from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, systematic_resample
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 from ppl_thought.numpyro.lm_state import bind_params, collect_lms
-from ppl_thought.numpyro.program import PARTICLES, as_done, collect_twists, is_output, is_program
+from ppl_thought.numpyro.program import PARTICLES, as_done, is_output, is_program
+from ppl_thought.twists import collect_twists
 
 __all__ = ["StepEngine", "clear_cache", "compilations", "program_result"]
 
