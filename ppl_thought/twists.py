@@ -1,7 +1,7 @@
-"""The collector of ``twist`` calls (docs/architecture.md, "One protocol, two backends"): an engine that steps a program installs
-one around each step (:func:`collect_twists`) and reads the summed log psi_t of that step; the backends' ``twist``
-verbs (``pt.twist``, ``ptn.twist``) add to the innermost one (:func:`current`). Framework-free, so the torch and
-the JAX program modules share it."""
+"""The collector of ``twist`` calls (docs/architecture.md, "One protocol, two backends"): an engine that steps
+a program installs one around each step (:func:`collect_twists`) and reads the summed log psi_t of that step;
+the backends' ``twist`` verbs (``pt.twist``, ``ptn.twist``) add to the innermost one (:func:`current`).
+Framework-free, so the torch and the JAX program modules share it."""
 
 from __future__ import annotations
 
