@@ -179,3 +179,10 @@ def test_run_reports_every_method(tiny):
     for m in ("predictive", "explanatory"):
         assert 0 < out[m]["ess"] <= 1.0 + 1e-5 and "mean" in out["arviz"][m]
     assert len(out["rows"]) == 2 * 4
+
+
+@pytest.mark.parametrize("kwargs", [{"k": 0}, {"particles": -1}, {"max_thought": 0}, {"k": 1.5}])
+def test_run_refuses_sizes_that_are_not_positive_integers(tiny, kwargs):
+    lm, _ = tiny
+    with pytest.raises(pt.errors.ConfigError):
+        rt.run(quick=True, lm=lm, progress=False, **kwargs)

@@ -42,6 +42,7 @@ import pyro
 import torch
 
 import ppl_thought as pt
+from ppl_thought.checks import integer
 from ppl_thought.distributions import LMState
 from ppl_thought.io import atomic_write_json
 
@@ -170,9 +171,9 @@ def thought_lengths(result) -> torch.Tensor:
 def run(quick: bool = False, k: int | None = None, particles: int | None = None, max_thought: int | None = None,
         seed: int = 0, lm=None, progress: bool = True) -> dict:
     """Every problem x candidate x method; returns the JSON's dict."""
-    k = k or (6 if quick else 12)
-    n = particles or (8 if quick else 16)
-    max_thought = max_thought or (10 if quick else 20)
+    k = integer("problems", (6 if quick else 12) if k is None else k)
+    n = integer("particles", (8 if quick else 16) if particles is None else particles)
+    max_thought = integer("thought tokens", (10 if quick else 20) if max_thought is None else max_thought)
     t0 = time.perf_counter()
     if lm is None:
         lm = pt.lm.smollm2()
