@@ -72,3 +72,7 @@ __all__ = [
     "scaling_law",
     "to_inference_data",
 ]
+
+from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
+
+check_exports(globals())
