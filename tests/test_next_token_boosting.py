@@ -23,6 +23,7 @@ from ppl_thought.diagnostics.boosting import (
     self_boosting_threshold,
     sequence_log_prob,
     window_log_prob,
+    window_terms,
 )
 from ppl_thought.errors import ConfigError, DiagnosticError, PPLThoughtError
 from ppl_thought.lm import Tabular
@@ -108,6 +109,11 @@ def test_boosted_law_and_kl_fall_match_lemma(V, n, k):
     assert r.alpha_after < r.alpha
     own = list(range(r.offset, n - k + 1, k))
     assert sum(r.per_start_after[s] for s in own) < sum(r.per_start[s] for s in own)
+    # Lemma 15: every conditional of (1.4) lies within a factor e^eps of q's (eps >= 0)
+    X = enumerate_strings(V, n)
+    qb = Boosted(q, _optimal_d(p, q), k, n, r.offset, r.eps, V)
+    gap = qb(X[:, :-1]) - q(X[:, :-1])
+    assert gap.abs().max() <= r.eps + 1e-12 and gap.abs().max() > 0
     # Theorem 3 holds before and after
     assert r.alpha <= r.theorem3_before and r.alpha_after <= r.theorem3_after
 
@@ -229,3 +235,34 @@ def test_bad_input_names_the_argument():
         p(torch.tensor([[0, 2]]))
     with pytest.raises(PPLThoughtError, match="limit"):
         enumerate_strings(7, 20)
+
+
+# ---------------------------------------------------------------------------------------------- the A5 pieces
+def test_a5_pieces_are_exact():
+    """The A5 run's p (forward algorithm), d (reveal checker) and (1.4) on a Transformer: p is never caught by
+    d, d agrees with the HMM's support, and (1.4) through the Transformer is (1.3) per document."""
+    from ppl_thought.data.a5 import a5_hmm
+    from ppl_thought.experiments.next_token_boosting import hmm_next_token_model, reveal_checker
+    from ppl_thought.lm import Transformer
+
+    task = a5_hmm(0.5)
+    V, n, k = 7, 6, 2
+    p, d = hmm_next_token_model(task.hmm), reveal_checker(task, k)
+    g = torch.Generator().manual_seed(0)
+    x = task.sample(6, n, generator=g)
+    assert torch.allclose(sequence_log_prob(p, x), task.hmm.log_prob(x).double())
+    # d = 0 exactly on the windows that make the document impossible (the first wrong reveal)
+    X = torch.cat([x[:, :3].repeat_interleave(V * V, 0), enumerate_strings(V, 2).repeat(6, 1)], 1)  # [6 V^2, 5]
+    possible = torch.isfinite(task.log_prob_by_tracking(X))
+    assert torch.equal(d(3, X).bool(), possible)
+    torch.manual_seed(0)
+    lm = Transformer(len(task.vocab), d_model=16, n_layers=1, n_heads=2, max_len=n + 2)
+    q = lm_next_token_model(lm, torch.arange(task.vocab.num_specials, len(task.vocab)), task.vocab.bos_id)
+    for s in range(n - k + 1):
+        assert window_terms(p, p, d, x[:, :s], k, V).abs().max() < 1e-12
+        t = window_terms(p, q, d, x[:, :s], k, V)
+        assert (t > 0).all() and (t < 1).all()  # 1 - E_q d: an untrained q reveals wrong cups
+    for m in (0, 1):
+        qb = Boosted(q, d, k, n, m, 1.5, V)
+        lhs = sequence_log_prob(qb, x) - sequence_log_prob(q, x)
+        assert torch.allclose(lhs, boosted_log_ratio(q, d, k, m, 1.5, x, V), atol=1e-5)
