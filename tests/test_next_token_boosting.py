@@ -118,6 +118,20 @@ def test_boosted_law_and_kl_fall_match_lemma(V, n, k):
     assert r.alpha <= r.theorem3_before and r.alpha_after <= r.theorem3_after
 
 
+def test_complemented_distinguisher_boosts_the_same():
+    """a(1 - d) = -a(d): exact_boosting then takes eps = a/2 < 0 and the most negative offset, which is the same
+    boosted law as d's with eps = |a|/2 (the paper's 'assume a >= 0 without loss of generality')."""
+    V, n, k = 2, 5, 2
+    g = torch.Generator().manual_seed(11)
+    p = TabularText.random(V, n, 1.5, g)
+    q = TabularText.random(V, n, 1.5, g)
+    d = _optimal_d(p, q)
+    r = exact_boosting(p, q, d, V, n, k)
+    rc = exact_boosting(p, q, lambda s, t: ~d(s, t), V, n, k)
+    assert rc.alpha == pytest.approx(-r.alpha) and rc.eps == pytest.approx(-r.eps) and rc.offset == r.offset
+    assert rc.kl_after == pytest.approx(r.kl_after) and rc.kl_decrease >= rc.lemma1_bound > 0
+
+
 def test_wrong_updates_fail():
     V, n, k = 2, 6, 2
     g = torch.Generator().manual_seed(7)

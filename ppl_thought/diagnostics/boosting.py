@@ -197,14 +197,17 @@ def offset_starts(n: int, k: int, m: int) -> list[int]:
     return list(range(m, n - k + 1, k))
 
 
-def best_offset(per_start: torch.Tensor, k: int) -> tuple[int, float, int]:
-    """``(m, a_m, n_m)``: the offset whose starts have the largest mean advantage (a_m >= alpha, Lemma 1)."""
+def best_offset(per_start: torch.Tensor, k: int, sign: float = 1.0) -> tuple[int, float, int]:
+    """``(m, a_m, n_m)``: the offset whose starts have the largest mean advantage (a_m >= alpha, Lemma 1).
+
+    ``sign = -1`` picks the most negative mean instead: boosting with eps < 0 is boosting the complement 1 - d,
+    whose advantage is -a (the paper's "without loss of generality a >= 0")."""
     N = per_start.shape[0]
     best = None
     for m in range(min(k, N)):
         idx = list(range(m, N, k))
         a = float(per_start[idx].mean())
-        if best is None or a > best[1]:
+        if best is None or sign * a > sign * best[1]:
             best = (m, a, len(idx))
     return best
 
@@ -284,15 +287,15 @@ def boosted_log_ratio(q: NextTokenModel, d: Distinguisher, k: int, offset: int, 
 
     Its mean over documents from p is KL(p||q) - KL(p||q') (the identity in Lemma 1's proof)."""
     n = x.shape[1]
-    out = torch.zeros(x.shape[0], dtype=DTYPE)
+    out = 0.0
     for s in offset_starts(n, k, offset):
         pre = x[:, :s]
         Y = enumerate_strings(vocab_size, k, x.device)
         rows = torch.cat([pre.repeat_interleave(len(Y), 0), Y.repeat(x.shape[0], 1)], 1)
         dy = _d_values(d, s, rows).view(x.shape[0], len(Y))
         logz = torch.logsumexp(window_log_prob(q, pre, k, vocab_size) + eps * dy, -1)
-        out = out + eps * _d_values(d, s, x[:, :s + k]) - logz
-    return out
+        out = out + eps * _d_values(d, s, x[:, :s + k]).to(logz.device) - logz
+    return out if isinstance(out, torch.Tensor) else torch.zeros(x.shape[0], dtype=DTYPE, device=x.device)
 
 
 @dataclass
@@ -311,7 +314,7 @@ class BoostingReport:
     kl_after: float
     kl_decrease: float  # KL(p||q) - KL(p||q')
     identity: float  # sum_{s in I_m} E_p[eps d - log Z_s], equal to kl_decrease
-    proof_bound: float  # n_m (eps a_m - eps^2), the bound before the choice of eps
+    proof_bound: float  # n_m (eps a_m - eps^2): the bound before the choice of eps (valid for |eps| <= 1)
     lemma1_bound: float  # alpha^2 (n - k + 1) / (8 k)
     alpha_after: float
     per_start_after: list[float]
@@ -326,16 +329,21 @@ def exact_boosting(p: NextTokenModel, q: NextTokenModel, d: Distinguisher, vocab
     """Lemmas 1-2 by enumeration of Sigma^n: the advantage, the offset m, the boosted model (1.4) and its law
     checked against (1.3), the exact KL fall next to the lemma's bound, and the advantage after boosting.
 
-    ``eps`` defaults to alpha / 2 and ``offset`` to the best one (Lemma 1's proof).
+    ``eps`` defaults to alpha / 2 and ``offset`` to the best one (Lemma 1's proof); a negative alpha boosts
+    the complement of d (eps < 0, the offset with the most negative mean).
     """
     n, k, V = integer("n", n), integer("k", k), integer("vocab_size", vocab_size)
     X = enumerate_strings(V, n)
     lp, lq = sequence_log_prob(p, X), sequence_log_prob(q, X)
     P = lp.exp()
-    kl_q = float((P * (lp - lq)).nan_to_num(0.0).sum())
+
+    def kl_to(lr: torch.Tensor) -> float:  # KL(p || r) over Sigma^n; +inf if r misses mass of p, never NaN
+        return float(torch.where(P > 0, P * (lp - lr), torch.zeros_like(P)).sum())
+
+    kl_q = kl_to(lq)
     per = exact_window_advantages(p, q, d, V, n, k)
     alpha = float(per.mean())
-    m, a_m, n_m = best_offset(per, k)
+    m, a_m, n_m = best_offset(per, k, 1.0 if alpha >= 0 else -1.0)
     if offset is not None:
         m = integer("offset", offset, 0)
         idx = list(range(m, per.shape[0], k))
@@ -345,7 +353,7 @@ def exact_boosting(p: NextTokenModel, q: NextTokenModel, d: Distinguisher, vocab
     lqb = sequence_log_prob(qb, X)
     ratio = boosted_log_ratio(q, d, k, m, e, X, V)
     per_after = exact_window_advantages(p, qb, d, V, n, k)
-    kl_b = float((P * (lp - lqb)).nan_to_num(0.0).sum())
+    kl_b = kl_to(lqb)
     return BoostingReport(
         n=n, k=k, alpha=alpha, per_start=per.tolist(), offset=m, a_m=a_m, n_m=n_m, eps=e,
         kl_before=kl_q, kl_after=kl_b, kl_decrease=kl_q - kl_b, identity=float((P * ratio).sum()),
