@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ppl_thought.data.a5 import a5_hmm
+from ppl_thought.data.a5 import A5Task, a5_hmm
 from ppl_thought.diagnostics.boosting import (
     Boosted,
     best_offset,
@@ -42,6 +43,7 @@ from ppl_thought.diagnostics.boosting import (
 )
 from ppl_thought.experiments.common import run_alone, score, set_lr, standard_error
 from ppl_thought.lm import Transformer
+from ppl_thought.models.hmm import HMM
 from ppl_thought.training.trainer import clip_joint_, cosine_lr
 
 
@@ -66,7 +68,7 @@ class BoostingConfig:
         return cls(steps=150, num_test=128, eps_sweep=(1.0, 4.0))
 
 
-def hmm_next_token_model(hmm):
+def hmm_next_token_model(hmm: HMM) -> Callable[..., torch.Tensor]:
     """The HMM's exact next-observation law (forward algorithm) as a next-token model (-inf for impossible)."""
 
     def model(tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -75,7 +77,7 @@ def hmm_next_token_model(hmm):
     return model
 
 
-def reveal_checker(task, k: int):
+def reveal_checker(task: A5Task, k: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
     """d(s, x_{<s+k}) = 1 iff every cup revealed in x_{s..s+k-1} is the ball's cup F(swaps before it) (E.1)."""
 
     def d(s: int, tokens: torch.Tensor) -> torch.Tensor:
