@@ -18,13 +18,14 @@ Lemmas 1-2 is in :mod:`ppl_thought.diagnostics.boosting`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ppl_thought.errors import ConfigError
+from ppl_thought.validation import ArrayLike
 
 
 @dataclass
@@ -74,7 +75,7 @@ def advantage_bound(k: int, loss: float, entropy_rate: float, n: int | None = No
     return math.sqrt(min(k, N) * n * rate / (2 * N))
 
 
-def k_token_advantage(distinguisher: Callable, prefixes: Sequence, held_out: Sequence, model: Sequence, k: int,
+def k_token_advantage(distinguisher: Callable, prefixes: ArrayLike, held_out: ArrayLike, model: ArrayLike, k: int,
                       level: float = 0.95, loss: float | None = None,
                       entropy_rate: float | None = None, doc_len: int | None = None) -> KTokenAdvantage:
     """Paired estimate of the advantage (Eq 1.2) of ``distinguisher`` between model and held-out continuations.
