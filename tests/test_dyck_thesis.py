@@ -285,6 +285,15 @@ def test_tables_schema_on_a_tiny_run():
     assert t3["Q=4,B=4,exact_verifier"]["mean"] < t3["Q=0,B=0"]["mean"]
 
 
+def test_config_errors_name_the_argument():
+    with pytest.raises(ConfigError, match="prompt_max"):
+        dyck_thesis.DyckThesisConfig(D=12, prompt_min=7, prompt_max=12)
+    with pytest.raises(ConfigError, match="unseen_prompts"):
+        dyck_thesis.DyckThesisConfig(unseen_prompts=0)
+    with pytest.raises(ConfigError, match="p_ood"):
+        dyck_thesis.DyckThesisConfig(p_ood=1.0)
+
+
 def test_committed_quick_json_has_the_schema():
     path = ROOT / "benchmarks" / "results" / "dyck_thesis_quick.json"
     res = json.loads(path.read_text())

@@ -35,12 +35,14 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from ppl_thought import checks
 from ppl_thought.data.dyck import DyckDistribution
+from ppl_thought.errors import ConfigError, SamplingBudgetError
 from ppl_thought.io import atomic_write_json
 from ppl_thought.lm import Transformer
 from ppl_thought.verifiers import LinearProbeVerifier, TokenwiseBacktracking, first_errors
@@ -101,6 +103,16 @@ class DyckThesisConfig:
     table_repeats: int = 5
     unseen_prompts: int = 10000
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("D", "d_model", "n_layers", "n_heads", "train_steps", "batch", "n_errors", "collect_batch",
+                     "collect_rounds", "table_repeats", "unseen_prompts"):
+            checks.integer(f"DyckThesisConfig: {name}", getattr(self, name))
+        checks.integer("DyckThesisConfig: prompt_min", self.prompt_min, 0)
+        if not self.prompt_min <= self.prompt_max < self.D:
+            raise ConfigError(f"DyckThesisConfig: prompt lengths need prompt_min <= prompt_max < D, got "
+                              f"prompt_min={self.prompt_min}, prompt_max={self.prompt_max}, D={self.D}")
+        checks.real("DyckThesisConfig: p_ood", self.p_ood, 0.0, 1.0, open_min=True, open_max=True)
 
     @classmethod
     def quick(cls, seed: int = 0) -> DyckThesisConfig:
@@ -190,19 +202,20 @@ def collect_verifier_data(lm, dist: DyckDistribution, cfg: DyckThesisConfig, g: 
         seen += len(prompts)
         wrong += len(bad)
         cols = torch.arange(dist.D)
-        for i in bad.tolist():
-            errs.append(torch.where(cols <= first[i], z[i], torch.full_like(z[i], PAD_ID)))
-            keeps.append(int((prompts[i] != PAD_ID).sum()))
-        if len(errs) >= cfg.n_errors:
+        zb = z[bad]
+        errs.append(torch.where(cols[None] <= first[bad, None], zb, torch.full_like(zb, PAD_ID)))
+        keeps.append((prompts[bad] != PAD_ID).sum(-1))
+        if sum(len(e) for e in errs) >= cfg.n_errors:
             break
-    errors = torch.stack(errs[:cfg.n_errors]) if errs else torch.zeros(0, dist.D, dtype=torch.long)
+    errors = torch.cat(errs)[:cfg.n_errors]
+    keep = torch.cat(keeps)[:cfg.n_errors]
     lengths = (errors != PAD_ID).sum(-1)
     ood = dist.with_p(cfg.p_ood)
     correct = torch.full_like(errors, PAD_ID)
     for L in lengths.unique().tolist():  # X_correct: OOD prefixes with X_error's length distribution
         rows = torch.nonzero(lengths == L).squeeze(-1)
         correct[rows, :L] = ood.sample(len(rows), length=L, seed=g)
-    return {"errors": errors, "keep": torch.tensor(keeps[:cfg.n_errors], dtype=torch.long), "correct": correct,
+    return {"errors": errors, "keep": keep, "correct": correct,
             "ood_accuracy_nucleus_0.9": 1.0 - wrong / max(seen, 1), "ood_prompts_completed": seen}
 
 
@@ -277,8 +290,8 @@ def verifier_accuracy_balanced(verifier, dist: DyckDistribution, data: dict) -> 
 def run(quick: bool = False, seed: int = 0, cfg: DyckThesisConfig | None = None) -> dict:
     """The whole protocol; the dict is the ``thesis_tables`` entry of ``examples/dyck_backtracking.py --json``."""
     t0 = time.perf_counter()
-    cfg = cfg or (DyckThesisConfig.quick(seed) if quick else DyckThesisConfig(seed=seed))
-    cfg = replace(cfg, seed=seed) if cfg.seed != seed else cfg
+    if cfg is None:  # an explicit cfg carries its own seed
+        cfg = DyckThesisConfig.quick(seed) if quick else DyckThesisConfig(seed=seed)
     dist = DyckDistribution(cfg.D, cfg.p, cfg.q)
     lm = train_lm(dist, cfg)
     g = torch.Generator().manual_seed(cfg.seed + 1)
@@ -286,7 +299,7 @@ def run(quick: bool = False, seed: int = 0, cfg: DyckThesisConfig | None = None)
                        seed=cfg.seed)
     data = collect_verifier_data(lm, dist, cfg, g)
     if len(data["errors"]) < 10:
-        raise RuntimeError(f"the LM made only {len(data['errors'])} errors on OOD prompts: too few to train a "
+        raise SamplingBudgetError(f"the LM made only {len(data['errors'])} errors on OOD prompts: too few to train a "
                            f"verifier (raise collect_rounds or lower train_steps)")
     verifier, fit = LinearProbeVerifier.fit(lm, data["errors"], data["correct"], seed=cfg.seed)
     t1, t2 = tables_1_2(lm, dist, verifier, data, cfg)
