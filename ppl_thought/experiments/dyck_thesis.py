@@ -327,8 +327,9 @@ def format_table(res: dict) -> str:
     lines.append("Table 3.3 (errors per 10000 OOD prompts)")
     for tp in ("top_p=0.9", "top_p=1.0"):
         for k, v in us["table_3_3"][tp].items():
-            ref = th["table_3_3"][tp].get(k, {}).get("errors", float("nan"))
-            lines.append(f"  {tp} {k:<30}{ref:>7.1f}{v['errors_per_10000']:>8.1f} +- {v['stderr_per_10000']:.1f}")
+            ref = th["table_3_3"][tp].get(k, {}).get("errors")
+            ref_s = "-" if ref is None else f"{ref:.1f}"
+            lines.append(f"  {tp} {k:<30}{ref_s:>7}{v['errors_per_10000']:>8.1f} +- {v['stderr_per_10000']:.1f}")
     v = us["verifier"]
     lines.append(f"verifier: val accuracy {v['val_accuracy']:.3f} (thesis {th['verifier_val_accuracy']['mean']}), "
                  f"vs exact during Table 3.3 {v['audit_table_3_3']['accuracy_vs_exact']:.3f}, "
