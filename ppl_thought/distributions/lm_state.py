@@ -21,6 +21,7 @@ log softmax(f~(z_<i))_{z_i} of Def 2.8; a sequence's log-probability is their su
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 
 import torch
 
@@ -81,9 +82,9 @@ class LMState:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def start(cls, lm, n: int, prompt: torch.Tensor | None = None, rule: TokenRule | None = None,
-              max_len: int = 1 << 30, stop_ids: torch.Tensor | None = None, lm_kwargs: dict | None = None,
-              device=None, name: str | None = None, chunk: int = 0) -> LMState:
+    def start(cls, lm, n: int, prompt: torch.Tensor | Sequence[int] | None = None, rule: TokenRule | None = None,
+              max_len: int = 1 << 30, stop_ids: torch.Tensor | Sequence[int] | None = None,
+              lm_kwargs: dict | None = None, device=None, name: str | None = None, chunk: int = 0) -> LMState:
         """Encode ``<bos> + prompt`` (1-D, shared: encoded once and expanded; or ``[n, P]`` right-padded;
         ``[r, P]`` with r dividing n gives each prompt to n / r consecutive rows).
 
