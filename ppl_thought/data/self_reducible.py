@@ -411,7 +411,7 @@ def rejection_log_law(cnf: CNF, model: WeakCoT, T: int, beta: float = SQRT_E, tr
     q = log_q.exp()
     a = q * acc
     A = float(a.sum())
-    miss = 1.0 - A
+    miss = min(max(1.0 - A, 0.0), 1.0)  # A <= sum q = 1 up to rounding
     geometric = trials if A <= 0 else (1.0 - miss**trials) / A  # sum_{n < N} (1 - A)^n
     out = a * geometric + miss ** (trials - 1) * (q - a).clamp_min(0.0)
     return torch.log(out)
