@@ -690,7 +690,8 @@ def merge_seed_runs(parts: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this experiment alone: ``python -m ppl_thought.experiments.sec7 [--quick] [--seed S] [--json FILE]``;
-    with ``--seeds S [--n 8 16] [--steps N] [--threads T]`` the multi-seed run (:func:`run_seeds`)."""
+    with ``--seeds S [--n 8 16] [--steps N] [--eval-every N] [--threads T]`` the multi-seed run
+    (:func:`run_seeds`); ``--merge A.json B.json --json OUT`` pools runs split over processes."""
     import argparse
     import json
     import sys
@@ -720,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, nargs="+", default=[8, 16], help="sampling sizes (default 8 16)")
     ap.add_argument("--quick", action="store_true", help="the sizes of ``ppl-thought demo --quick``")
     ap.add_argument("--steps", type=int, default=None, help="fine-tuning steps of each method (default: config's)")
+    ap.add_argument("--eval-every", type=int, default=None, help="steps between test-curve points")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
@@ -728,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Sec7Config.quick() if args.quick else Sec7Config()
     if args.steps is not None:
         cfg = replace(cfg, steps=args.steps, eval_every=max(1, min(cfg.eval_every, args.steps)))
+    if args.eval_every is not None:
+        cfg = replace(cfg, eval_every=args.eval_every)
     res = run_seeds(cfg, args.seeds, tuple(args.n), args.seed, progress=True, task_seed=args.task_seed)
     res["command"] = "python -m ppl_thought.experiments.sec7 " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.json:
