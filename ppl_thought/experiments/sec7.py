@@ -629,6 +629,7 @@ def run_seeds(cfg: Sec7Config, seeds: int = 5, ns: tuple[int, ...] = (8, 16), se
     if not ns or any(int(n) < 1 for n in ns):
         raise ConfigError(f"ns must be sampling sizes >= 1, got {ns}")
     t0 = time.time()
+    source = provenance()  # at the start: the code that runs, whatever the checkout becomes meanwhile
     task = permutation_choice_task(cfg.m, cfg.query_len, cfg.num_choices, seed=task_seed)
     q_te, c_te, r_te = task.sample(cfg.num_test, generator=torch.Generator().manual_seed(task_seed + 7919))
     runs: dict[str, list[dict]] = {str(n): [] for n in ns}
@@ -640,7 +641,7 @@ def run_seeds(cfg: Sec7Config, seeds: int = 5, ns: tuple[int, ...] = (8, 16), se
             runs[str(n)].append({k: rep[k] for k in _SEED_KEYS})
     floor = -task.exact_log_prob(q_te, r_te).numpy() / (cfg.query_len + 2)
     return {
-        **provenance(),
+        **source,
         "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("n", "seeds")}, "ns": [int(n) for n in ns],
                    "seeds": [seed + i for i in range(seeds)], "task_seed": task_seed},
         "task": {"m": cfg.m, "query_len": cfg.query_len, "num_choices": cfg.num_choices,
