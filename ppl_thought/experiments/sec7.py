@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -616,12 +617,13 @@ def summarize_seeds(rows: list[dict], resamples: int = 10000) -> dict:
 
 
 def run_seeds(cfg: Sec7Config, seeds: int = 5, ns: tuple[int, ...] = (8, 16), seed: int = 0,
-              progress: bool = True, task_seed: int = 0) -> dict:
+              progress: bool = True, task_seed: int = 0, partial: Callable[[dict], None] | None = None) -> dict:
     """The multi-seed Section 7 run (Table of Section 7 and Fig L.2, right): for seeds ``seed, ..., seed +
     seeds - 1`` and each sampling size n in ``ns``, the three trainings; per seed and n the three test losses
     (7.1), both gains and the causal gap (7.3); per n the summary across seeds (:func:`summarize_seeds`;
     standard errors and the bootstrap need >= 2 seeds; a run split over processes is pooled by
-    :func:`merge_seed_runs`).
+    :func:`merge_seed_runs`). ``partial``, if given, gets the result so far after every replicate (its
+    ``"partial"`` is True until the last).
     One task and one test set (both from ``task_seed``); each seed's base model and SFT run are shared by its
     sampling sizes (neither depends on n); ``cfg.n`` and ``cfg.seeds`` are ignored."""
     if seeds < 1:
@@ -633,25 +635,33 @@ def run_seeds(cfg: Sec7Config, seeds: int = 5, ns: tuple[int, ...] = (8, 16), se
     task = permutation_choice_task(cfg.m, cfg.query_len, cfg.num_choices, seed=task_seed)
     q_te, c_te, r_te = task.sample(cfg.num_test, generator=torch.Generator().manual_seed(task_seed + 7919))
     runs: dict[str, list[dict]] = {str(n): [] for n in ns}
+    floor = -task.exact_log_prob(q_te, r_te).numpy() / (cfg.query_len + 2)
+
+    def result(done: bool) -> dict:
+        have = {k: v for k, v in runs.items() if v}
+        return {
+            **source,
+            "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("n", "seeds")},
+                       "ns": [int(n) for n in ns], "seeds": [seed + i for i in range(seeds)], "task_seed": task_seed},
+            "task": {"m": cfg.m, "query_len": cfg.query_len, "num_choices": cfg.num_choices,
+                     "thought_len": cfg.thought_len, "perms": task.perms.tolist()},
+            "entropy_floor": float(floor.mean()), "entropy_floor_exact": task.entropy_floor_per_token(),
+            "paper": {k: v for k, v in PAPER.items() if k in have},
+            "runs": have,
+            "summary": {k: summarize_seeds(v) for k, v in have.items()},
+            "seconds": round(time.time() - t0, 1),
+            "partial": not done,
+        }
+
     for i in range(seeds):
         shared: dict = {}
         for n in ns:
             rep = _sec7_replicate(task, replace(cfg, n=int(n), seeds=1), seed + i, (q_te, c_te, r_te), progress,
                                   f"seed {seed + i}, n = {n}", shared)
             runs[str(n)].append({k: rep[k] for k in _SEED_KEYS})
-    floor = -task.exact_log_prob(q_te, r_te).numpy() / (cfg.query_len + 2)
-    return {
-        **source,
-        "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("n", "seeds")}, "ns": [int(n) for n in ns],
-                   "seeds": [seed + i for i in range(seeds)], "task_seed": task_seed},
-        "task": {"m": cfg.m, "query_len": cfg.query_len, "num_choices": cfg.num_choices,
-                 "thought_len": cfg.thought_len, "perms": task.perms.tolist()},
-        "entropy_floor": float(floor.mean()), "entropy_floor_exact": task.entropy_floor_per_token(),
-        "paper": {k: v for k, v in PAPER.items() if k in runs},
-        "runs": runs,
-        "summary": {k: summarize_seeds(v) for k, v in runs.items()},
-        "seconds": round(time.time() - t0, 1),
-    }
+            if partial is not None:
+                partial(result(False))
+    return result(True)
 
 
 def merge_seed_runs(parts: list[dict]) -> dict:
@@ -679,6 +689,8 @@ def merge_seed_runs(parts: list[dict]) -> dict:
     merged = {n: [runs[n][s] for s in sorted(runs[n])] for n in ns}
     seeds = sorted({s for n in ns for s in runs[n]})
     commits = {p.get("commit") for p in parts}
+    if any(p.get("partial") for p in parts):
+        raise ConfigError("merge_seed_runs: a part is partial (its run has not finished)")
     return {**{k: v for k, v in parts[0].items() if k not in ("runs", "summary", "seconds", "command", "paper")},
             "commit": parts[0].get("commit") if len(commits) == 1 else sorted(str(c) for c in commits),
             "dirty": any(p.get("dirty") for p in parts),
@@ -733,8 +745,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, steps=args.steps, eval_every=max(1, min(cfg.eval_every, args.steps)))
     if args.eval_every is not None:
         cfg = replace(cfg, eval_every=args.eval_every)
-    res = run_seeds(cfg, args.seeds, tuple(args.n), args.seed, progress=True, task_seed=args.task_seed)
-    res["command"] = "python -m ppl_thought.experiments.sec7 " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m ppl_thought.experiments.sec7 " + " ".join(sys.argv[1:] if argv is None else argv)
+    save = (lambda r: atomic_write_json(args.json, {**r, "command": cmd})) if args.json else None
+    res = run_seeds(cfg, args.seeds, tuple(args.n), args.seed, progress=True, task_seed=args.task_seed, partial=save)
+    res["command"] = cmd
     if args.json:
         atomic_write_json(args.json, res)
     print(json.dumps(res["summary"], indent=1))
