@@ -67,6 +67,7 @@ class Sec7Config:
     pretrain_steps: int = 6000  # at most this many steps ...
     pretrain_target: float = 0.005  # ... or until the held-out loss of a response given its method is below this
     pretrain_lr: float = 1e-2
+    pretrain_batch: int = 32  # the base model's batch (fine-tuning uses ``batch``)
     thought_alphabet: str = "methods"  # "methods": thoughts are method names; "ordinary": any ordinary token
     seeds: int = 3  # replicates of the whole experiment (base model, data, initialisation, sampling)
     # App. L, as the paper does by default: the gating trick (L.1)/(L.2) for the latent model P of both latent
@@ -215,7 +216,7 @@ class Sec7:
         with tqdm(total=c.pretrain_steps, desc="Section 7: base model (shared)", disable=not progress) as bar:
             for step in range(1, c.pretrain_steps + 1):
                 set_lr(opt, cosine_lr(c.pretrain_lr, step - 1, c.pretrain_steps))
-                q, _, r = self.task.sample(c.batch, generator=g)
+                q, _, r = self.task.sample(c.pretrain_batch, generator=g)
                 opt.zero_grad()
                 loss = -score(lm, self._worked(q, r), self.k + 5, allowed).mean()  # the solution after </s>
                 loss.backward()
@@ -734,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, nargs="+", default=[8, 16], help="sampling sizes (default 8 16)")
     ap.add_argument("--quick", action="store_true", help="the sizes of ``ppl-thought demo --quick``")
     ap.add_argument("--steps", type=int, default=None, help="fine-tuning steps of each method (default: config's)")
+    ap.add_argument("--batch", type=int, default=None, help="fine-tuning batch (the base model keeps its own)")
     ap.add_argument("--eval-every", type=int, default=None, help="steps between test-curve points")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file")
@@ -743,6 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Sec7Config.quick() if args.quick else Sec7Config()
     if args.steps is not None:
         cfg = replace(cfg, steps=args.steps, eval_every=max(1, min(cfg.eval_every, args.steps)))
+    if args.batch is not None:
+        cfg = replace(cfg, batch=args.batch)
     if args.eval_every is not None:
         cfg = replace(cfg, eval_every=args.eval_every)
     cmd = "python -m ppl_thought.experiments.sec7 " + " ".join(sys.argv[1:] if argv is None else argv)
