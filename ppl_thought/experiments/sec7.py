@@ -1,6 +1,7 @@
 """Section 7 of slow-thinking-active-perception (App. L, Fig 7.1), at small scale.
 
     python -m ppl_thought.experiments.sec7 [--quick] [--seed S] [--json FILE]
+    python -m ppl_thought.experiments.sec7 --seeds 5 --n 8 16 --json FILE      (run_seeds)
 
 Part 1, Section 7 (App. L, Fig 7.1): explanatory vs predictive samplers on the hidden-choice task
 (:mod:`ppl_thought.data.query_response`, a natural instance of Example 5.1). Three trainings with
@@ -16,6 +17,14 @@ pretrained LLM), repeated over ``Sec7Config.seeds`` replicates:
 
 Test loss: (7.1) on held-out data with each method's own sampler and n samples, per response
 token; the causal gap (7.3) over training.
+
+App. L at fidelity (the defaults, as in the paper): the gating trick (L.1)/(L.2) for P of both latent
+methods and, with its own MLP, for the explanatory sampler (:func:`gate_mix`); joint gradient clipping
+of P and Q (``Sec7Config.clipping="separate"`` for the alternative of Fig L.2, :func:`clip_gradients_`).
+:func:`run_seeds` runs several seeds at n = 8 and 16 (the Table of Section 7 and Fig L.2, right) and
+summarises them with standard errors across seeds and a bootstrap interval of the relative improvement:
+
+    python -m ppl_thought.experiments.sec7 --seeds 5 --n 8 16 [--quick] [--steps N] [--batch B] --json FILE
 """
 
 
@@ -86,7 +95,7 @@ class Sec7Config:
 
     @classmethod
     def quick(cls, n: int = 8) -> Sec7Config:
-        """The sizes of ``ppl-thought demo --quick`` (under five minutes on 2 cores with A5)."""
+        """The sizes of ``ppl-thought demo --quick``."""
         return cls(n=n, steps=300, num_test=512, eval_every=50, seeds=1)
 
 
@@ -665,11 +674,12 @@ def run_seeds(cfg: Sec7Config, seeds: int = 5, ns: tuple[int, ...] = (8, 16), se
     return result(True)
 
 
-def merge_seed_runs(parts: list[dict]) -> dict:
+def merge_seed_runs(parts: list[dict], allow_partial: bool = False) -> dict:
     """One multi-seed result from several :func:`run_seeds` results of the same task and sizes that cover
     different (seed, n) pairs (the run split over processes): the rows of each n are pooled, sorted by seed,
     and summarized again. Each replicate depends only on its seed and n, so the pooled rows are those of
-    one run over all of them. ``seconds`` is the sum, ``commands`` lists the parts' commands."""
+    one run over all of them. ``seconds`` is the sum, ``commands`` lists the parts' commands. Parts still
+    running (``"partial": true``) are refused unless ``allow_partial``; the result then says ``"partial": true``."""
     if not parts:
         raise ConfigError("merge_seed_runs needs at least one run_seeds result, got none")
     skip = ("ns", "seeds")
@@ -690,8 +700,10 @@ def merge_seed_runs(parts: list[dict]) -> dict:
     merged = {n: [runs[n][s] for s in sorted(runs[n])] for n in ns}
     seeds = sorted({s for n in ns for s in runs[n]})
     commits = {p.get("commit") for p in parts}
-    if any(p.get("partial") for p in parts):
-        raise ConfigError("merge_seed_runs: a part is partial (its run has not finished)")
+    partial = any(p.get("partial") for p in parts)
+    if partial and not allow_partial:
+        raise ConfigError("merge_seed_runs: a part is partial (its run has not finished); allow_partial=True "
+                          "(--allow-partial) pools the replicates finished so far")
     return {**{k: v for k, v in parts[0].items() if k not in ("runs", "summary", "seconds", "command", "paper")},
             "commit": parts[0].get("commit") if len(commits) == 1 else sorted(str(c) for c in commits),
             "dirty": any(p.get("dirty") for p in parts),
@@ -699,7 +711,7 @@ def merge_seed_runs(parts: list[dict]) -> dict:
             "paper": {k: v for k, v in PAPER.items() if k in merged},
             "runs": merged, "summary": {n: summarize_seeds(v) for n, v in merged.items()},
             "seconds": round(sum(p["seconds"] for p in parts), 1),
-            "commands": [p.get("command") for p in parts]}
+            "commands": [p.get("command") for p in parts], "partial": partial}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -715,12 +727,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--merge", nargs="+", default=None)
+    ap.add_argument("--allow-partial", action="store_true")
     known, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
     if known.merge is not None:  # --merge A.json B.json ... --json OUT.json
         mp = argparse.ArgumentParser(description="merge multi-seed Section 7 runs")
         mp.add_argument("--json", required=True)
         margs = mp.parse_args(rest)
-        res = merge_seed_runs([json.loads(open(f).read()) for f in known.merge])
+        res = merge_seed_runs([json.loads(open(f).read()) for f in known.merge], known.allow_partial)
         res["command"] = ("python -m ppl_thought.experiments.sec7 "
                           + " ".join(sys.argv[1:] if argv is None else argv))
         atomic_write_json(margs.json, res)
