@@ -38,7 +38,8 @@ def standard_error(x: np.ndarray) -> float:
 
 def provenance() -> dict:
     """Where a result comes from, for the JSON of a documented run: the git commit of the package's checkout
-    (``dirty`` when it has uncommitted changes to tracked files; None outside a git checkout) and the machine."""
+    (``dirty`` when the package's tracked files have uncommitted changes; None outside a git checkout) and the
+    machine."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def git(*args: str) -> str | None:
@@ -49,7 +50,7 @@ def provenance() -> dict:
         return out.stdout.strip() if out.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no", "--", "ppl_thought")  # the code, not the docs
     return {"commit": commit, "dirty": bool(status) if status is not None else None,
             "machine": {"nproc": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
