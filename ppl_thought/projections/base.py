@@ -184,7 +184,7 @@ class Projection(ABC):
             out[-1] = out[-1] + tuple(int(v) for v in za[start:])
         return out
 
-    def next_segments(self, x: Sequence[int], z: Sequence[int], a: int, limit: int = 100_000):
+    def next_segments(self, x: Sequence[int] | str, z: Sequence[int] | str, a: int, limit: int = 100_000):
         """Phi_x(z, a) of (2.20) by enumeration: the strings s with zs in the lifting of xa."""
         xa = np.concatenate([as_id_array(x, self.vocab), [a]]).astype(np.int64)
         za = tuple(int(v) for v in as_id_array(z, self.vocab))
