@@ -293,7 +293,7 @@ def test_token_ids_of_the_wrong_type_are_refused_not_truncated():
     _refused(lambda: vocab.check_ids(torch.tensor([True])), MalformedSequenceError, "bool")
     assert vocab.token(6) == "a" and vocab.token(torch.tensor(7)) == "b"
     vocab.check_ids([6, 7])
-    _refused(lambda: LMState.start(lm, 4, prompt="q2"), ArgumentTypeError, "prompt='q2'", "Sequence[int]")
+    _refused(lambda: LMState.start(lm, 4, prompt="q2"), MalformedSequenceError, "prompt", "'q2'", "encode")
     _refused(lambda: LMState.start(lm, 4, prompt=[6.5]), ArgumentTypeError, "prompt=[6.5]", "int")
     constrained_model = constrained(pt.Vocab(["a", "b", "c"]), 0)
     _refused(lambda: pt.infer.SMC(4).run(constrained_model, None, "a cat"), MalformedSequenceError, "'a cat'",

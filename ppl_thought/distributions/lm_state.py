@@ -82,11 +82,13 @@ class LMState:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def start(cls, lm, n: int, prompt: torch.Tensor | Sequence[int] | None = None, rule: TokenRule | None = None,
+    def start(cls, lm, n: int, prompt: torch.Tensor | Sequence[int] | str | None = None,
+              rule: TokenRule | None = None,
               max_len: int = 1 << 30, stop_ids: torch.Tensor | Sequence[int] | None = None,
               lm_kwargs: dict | None = None, device=None, name: str | None = None, chunk: int = 0) -> LMState:
         """Encode ``<bos> + prompt`` (1-D, shared: encoded once and expanded; or ``[n, P]`` right-padded;
-        ``[r, P]`` with r dividing n gives each prompt to n / r consecutive rows).
+        ``[r, P]`` with r dividing n gives each prompt to n / r consecutive rows). A ``str`` passes the type
+        layer only to be refused with the advice to encode it (``vocab.encode``).
 
         ``chunk = C > 0`` turns on chunked encoding (end of Section 5.6.2): while sampling, a run of up to C
         forced tokens (the only admissible token of their automaton state, e.g. the text between two sparse
