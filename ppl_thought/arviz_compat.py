@@ -63,7 +63,8 @@ def is_arviz_1() -> bool:
 def psislw(log_weights: np.ndarray) -> tuple[np.ndarray, float]:
     """PSIS (Vehtari, Simpson, Gelman, Yao & Gabry 2024) of one 1-D array of finite log weights, as ArviZ 0.x's
     ``az.psislw`` gives it on both lines: ``(smoothed normalised log weights, k-hat)``; a tail too short for the
-    Pareto fit gives k = inf and the normalised raw weights (0.x's answer; 1.x raises there)."""
+    Pareto fit gives k = inf and the normalised raw weights (0.x's answer; 1.x raises there). Where 1.x's fit
+    declines (tied weights: the tail's first quartile equal to its minimum) k is NaN where 0.x fits a number."""
     x = np.asarray(log_weights, dtype=np.float64).reshape(-1).copy()
     az = import_arviz()
     with warnings.catch_warnings():
@@ -75,8 +76,8 @@ def psislw(log_weights: np.ndarray) -> tuple[np.ndarray, float]:
 
         try:
             smoothed, k = array_stats.psislw(-x)  # 1.x takes log ratios with the opposite sign
-        except ValueError as e:
-            if "n_draws_tail" not in str(e):
+        except ValueError as e:  # a tail of < 5 draws, or a constant one: no fit (0.x: k = inf, raw weights)
+            if "n_draws_tail" not in str(e) and "tail values are the same" not in str(e):
                 raise
             m = x.max()
             return x - (m + math.log(np.exp(x - m).sum())), math.inf
@@ -93,7 +94,10 @@ def make_inference_data(groups: Mapping[str, Any]) -> Any:
         warnings.filterwarnings("ignore", category=UserWarning)  # our extra groups (particles, *_text)
         if arviz_major(az.__version__) == 0:
             return az.InferenceData(**dict(groups))
-        return xr.DataTree.from_dict({name: ds for name, ds in groups.items()})
+        # arviz-plots maps over the chain / draw coordinates: give them the indices 0.. where a group has none
+        return xr.DataTree.from_dict({name: ds.assign_coords({d: np.arange(ds.sizes[d]) for d in ("chain", "draw")
+                                                             if d in ds.dims and d not in ds.coords})
+                                      for name, ds in groups.items()})
 
 
 def from_dict(groups: Mapping[str, Mapping[str, Any]], attrs: Mapping[str, Any] | None = None) -> Any:
