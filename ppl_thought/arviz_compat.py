@@ -76,8 +76,9 @@ def psislw(log_weights: np.ndarray) -> tuple[np.ndarray, float]:
 
         try:
             smoothed, k = array_stats.psislw(-x)  # 1.x takes log ratios with the opposite sign
-        except ValueError as e:  # a tail of < 5 draws, or a constant one: no fit (0.x: k = inf, raw weights)
-            if "n_draws_tail" not in str(e) and "tail values are the same" not in str(e):
+        except (ValueError, IndexError) as e:  # a tail of < 5 draws (IndexError: none at all, a handful of
+            # weights), or a constant tail: no fit (0.x: k = inf, the normalised raw weights)
+            if isinstance(e, ValueError) and "n_draws_tail" not in str(e) and "tail values are the same" not in str(e):
                 raise
             m = x.max()
             return x - (m + math.log(np.exp(x - m).sum())), math.inf

@@ -564,6 +564,19 @@ def test_arviz_0x_and_1x_are_supported_and_2x_refused_with_a_clear_error(monkeyp
         import_arviz()
 
 
+def test_psis_of_short_and_constant_tails_is_arviz_0x_answer():
+    """ArviZ 0.x returns k = inf and the normalised raw weights where the tail is too short to fit; 1.x raises
+    (ValueError, or IndexError for a handful of weights): arviz_compat.psislw gives 0.x's answer on both."""
+    from ppl_thought.arviz_compat import psislw
+
+    for x in (np.array([0.3, -1.2, 0.5, 2.0]), np.linspace(-1, 1, 12), np.r_[np.zeros(40), np.ones(10)]):
+        smoothed, k = psislw(x)
+        assert np.isfinite(smoothed).all() and abs(np.logaddexp.reduce(smoothed)) < 1e-12
+        if x.size < 20:
+            assert k == math.inf
+            np.testing.assert_allclose(smoothed, x - np.logaddexp.reduce(x))
+
+
 def test_the_conversion_is_the_installed_arviz_kind_with_the_same_numbers():
     """0.x: ``arviz.InferenceData``; 1.x: ``xarray.DataTree`` with the same groups. Either way the attrs are the
     engine's numbers (log Z-hat, importance ESS) and the particles' log weights are the result's."""
