@@ -134,3 +134,14 @@ class ConcreteValueError(ProgramError):
     """A JAX program needed a concrete value (a numpy array, a Python int) where it got a traced one: an automaton
     built from an argument, ``int(t)``, a Python ``if`` on a sampled value. The message names the argument to pass
     with ``static=`` (a compile-time constant) or the ``jnp.where`` / mask to write instead."""
+
+
+class ArgumentTypeError(PPLThoughtError, TypeError):
+    """An argument of a public function or class whose type is not the one its signature declares (the type
+    layer of :mod:`ppl_thought.validation`): the message names the callable, the argument, what it got and the
+    declared type."""
+
+
+class ResultTypeError(PPLThoughtError, TypeError):
+    """A public function returned a value outside its declared type: a defect of the library (please report it),
+    raised by the type layer of :mod:`ppl_thought.validation` instead of handing the value on."""

@@ -23,3 +23,7 @@ __all__ = [
     "random_cnf",
     "self_reducible_curve",
 ]
+
+from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
+
+check_exports(globals())

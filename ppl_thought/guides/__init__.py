@@ -36,3 +36,7 @@ __all__ = [
     "emission_substitution",
     "explanatory_guide",
 ]
+
+from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
+
+check_exports(globals())

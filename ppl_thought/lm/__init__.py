@@ -9,3 +9,7 @@ from ppl_thought.lm.transformer import Transformer
 
 __all__ = ["GatedCache", "GatedLM", "HuggingFace", "KVCache", "LMCache", "Tabular", "TabularCache", "Transformer",
            "smollm2", "step"]
+
+from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
+
+check_exports(globals())

@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import pyro
 import pyro.distributions as dist
@@ -43,9 +43,7 @@ import torch
 
 from ppl_thought.errors import MalformedSequenceError, TooLargeToEnumerateError, UnknownTokenError
 from ppl_thought.program import Program, particle_frame, particles, run_whole
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ppl_thought.projections.product import Product
+from ppl_thought.projections.product import Product
 
 DTYPE = torch.float64
 _NEG_INF = float("-inf")

@@ -35,3 +35,7 @@ __all__ = [
     "token_automaton",
     "token_texts",
 ]
+
+from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
+
+check_exports(globals())

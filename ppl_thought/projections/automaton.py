@@ -23,6 +23,7 @@ import numpy as np
 
 from ppl_thought.errors import TooLargeToEnumerateError
 from ppl_thought.projections.arrays import as_framework_array, table_key
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 DEAD = -1
@@ -40,9 +41,9 @@ class Automaton:
         max_len: the longest accepted string, or ``None`` when unbounded (a domain automaton).
     """
 
-    next_state: np.ndarray
-    final: np.ndarray
-    emitted: np.ndarray
+    next_state: ArrayLike
+    final: ArrayLike
+    emitted: ArrayLike
     start: int = 0
     max_len: int | None = None
     name: str = "automaton"

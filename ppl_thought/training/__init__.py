@@ -67,3 +67,7 @@ __all__ = [
     "Trainer",
     "TwoSampler",
 ]
+
+from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
+
+check_exports(globals())

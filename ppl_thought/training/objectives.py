@@ -163,7 +163,7 @@ class ParticleObjective(ELBO):
                 return fn(*args, **kwargs)
         return wrapped
 
-    def particles(self, model: Callable, guide: Callable, *args, num_particles: int | None = None,
+    def particles(self, model: Callable | None, guide: Callable | None, *args, num_particles: int | None = None,
                   **kwargs) -> Particles:
         """Sample n particles from ``guide`` in one batched call and score them under ``model``
         (:func:`~ppl_thought.inference.particles.sample_particles`, with the site check)."""
@@ -189,19 +189,21 @@ class ParticleObjective(ELBO):
         """(loss value, surrogate) from one batch of particles."""
         raise NotImplementedError
 
-    def surrogate(self, model: Callable, guide: Callable, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def surrogate(self, model: Callable | None, guide: Callable | None, *args,
+                  **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """(value of the estimated loss, surrogate scalar whose gradient is the estimator)."""
         return self.from_particles(self.particles(model, guide, *args, **kwargs), *args, **kwargs)
 
     # ------------------------------------------------------------------ pyro.infer.ELBO API
-    def loss(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
+    def loss(self, model: Callable | None, guide: Callable | None, *args, **kwargs) -> float:
         """The estimated loss (no gradients)."""
         ctx = torch.enable_grad() if self.needs_grad_for_value else torch.no_grad()
         with ctx:
             value, _ = self.model_surrogate(model, guide, *args, **kwargs)
         return float(value)
 
-    def model_surrogate(self, model: Callable, guide: Callable, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def model_surrogate(self, model: Callable | None, guide: Callable | None, *args,
+                        **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`surrogate`, or the cost-aware loss (5.27) of a model transformed by
         :class:`~ppl_thought.transforms.CostAware` (this objective's loss as the cross-entropy estimate)."""
         cost = getattr(model, "cost_aware", None)
@@ -209,11 +211,11 @@ class ParticleObjective(ELBO):
             return cost.surrogate(self, model, guide, *args, **kwargs)
         return self.surrogate(model, guide, *args, **kwargs)
 
-    def differentiable_loss(self, model: Callable, guide: Callable, *args, **kwargs) -> torch.Tensor:
+    def differentiable_loss(self, model: Callable | None, guide: Callable | None, *args, **kwargs) -> torch.Tensor:
         """The surrogate (its gradient is the estimator; its value is not the loss)."""
         return self.model_surrogate(model, guide, *args, **kwargs)[1]
 
-    def loss_and_grads(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
+    def loss_and_grads(self, model: Callable | None, guide: Callable | None, *args, **kwargs) -> float:
         """The estimated loss; back-propagates the surrogate into every parameter it reaches."""
         value, surr = self.model_surrogate(model, guide, *args, **kwargs)
         if surr.requires_grad:

@@ -1,0 +1,131 @@
+"""The type layer at the public boundary (docs/architecture.md, "Validation at the boundary").
+
+Every public callable (the names in a subpackage's ``__all__``: functions, and the constructors and public
+methods of classes) is checked against its own type hints on each call by ``beartype`` (O(1) per call: one
+check per argument, never per element or per token). A violation raises :class:`ArgumentTypeError` naming the
+callable, the argument, the value and the declared type, where a bare ``TypeError`` / ``AttributeError`` from
+deep inside torch used to come. Value checks (ranges, sizes, vocabularies that must agree) stay in
+:mod:`ppl_thought.checks`, written once per kind of value.
+
+``PPL_THOUGHT_TYPECHECK=0`` in the environment turns the layer off (set before ``import ppl_thought``), for
+benchmarking what it costs (``benchmarks/engines.py --typecheck-ab``).
+
+Numbers: a hint ``int`` also admits NumPy integers, ``float`` admits ``int`` and NumPy floating scalars (the
+numeric tower of PEP 484), so ``SMC(np.int64(64))`` still works.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import typing
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from beartype import BeartypeConf, FrozenDict, beartype
+from beartype.roar import BeartypeDecorHintPep585DeprecationWarning, BeartypeException
+
+from ppl_thought.errors import ArgumentTypeError, ResultTypeError
+
+__all__ = ["ENABLED", "CONF", "ArrayLike", "SupportsArray", "check_exports", "checked", "UNCHECKED"]
+
+
+@runtime_checkable
+class SupportsArray(Protocol):
+    """Anything NumPy turns into an array without copying element by element: NumPy, torch and JAX arrays."""
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+#: the hint of an argument that is read with ``np.asarray``: an array of any framework or a (nested) sequence
+ArrayLike = SupportsArray | Sequence[Any]
+
+ENABLED: bool = os.environ.get("PPL_THOUGHT_TYPECHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+CONF = BeartypeConf(
+    violation_param_type=ArgumentTypeError,
+    violation_return_type=ResultTypeError,
+    hint_overrides=FrozenDict({int: int | np.integer, float: float | int | np.integer | np.floating}),
+)
+
+#: callables whose hints beartype could not compile (qualified name -> reason); empty in a healthy tree
+#: (tests/test_validation.py checks it)
+UNCHECKED: dict[str, str] = {}
+
+_MARK = "__ppl_thought_checked__"
+# methods that engines call per token or per step: checked once per run at the engine's boundary instead
+_HOT = frozenset({"forward", "step", "init", "log_prob", "sample", "rsample", "expand", "reorder", "index_select"})
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+_WRAPPED: dict[Callable, Callable] = {}
+
+
+def checked(func: Callable) -> Callable:
+    """``func`` checked against its hints on every call (or ``func`` itself when the layer is off, when it has
+    no hints, or when its hints cannot be resolved or compiled: then it is listed in :data:`UNCHECKED`). One
+    wrapper per function, however many subpackages export it."""
+    if not ENABLED or getattr(func, _MARK, False) or not getattr(func, "__annotations__", None):
+        return func
+    if func in _WRAPPED:
+        return _WRAPPED[func]
+    try:  # a hint naming what only a TYPE_CHECKING import brings would fail at call time: find it now
+        typing.get_type_hints(func)
+    except Exception as e:  # noqa: BLE001 -- any failure to resolve means: this callable cannot be checked
+        UNCHECKED[_qualname(func)] = f"unresolvable hint: {type(e).__name__}: {e}"
+        return func
+    try:
+        with warnings.catch_warnings():  # beartype's notes on PEP 585 spellings are for us, not for users
+            warnings.simplefilter("ignore", BeartypeDecorHintPep585DeprecationWarning)
+            wrapped = beartype(func, conf=CONF)
+    except BeartypeException as e:
+        UNCHECKED[_qualname(func)] = f"{type(e).__name__}: {e}".splitlines()[0]
+        return func
+    if wrapped is not func:
+        setattr(wrapped, _MARK, True)
+        _WRAPPED[func] = wrapped
+    return wrapped
+
+
+def _check_class(cls: type) -> None:
+    if cls.__dict__.get(_MARK, False):
+        return
+    for name, attr in list(vars(cls).items()):
+        if name in _HOT or (name.startswith("_") and name not in ("__init__", "__call__")):
+            continue
+        if isinstance(attr, staticmethod | classmethod):
+            fn = checked(attr.__func__)
+            if fn is not attr.__func__:
+                setattr(cls, name, type(attr)(fn))
+        elif inspect.isfunction(attr):
+            fn = checked(attr)
+            if fn is not attr:
+                setattr(cls, name, fn)
+    setattr(cls, _MARK, True)
+
+
+def check_exports(namespace: dict[str, Any], names: Iterable[str] | None = None) -> None:
+    """Put the type layer on the public names of a module: call at the end of a subpackage's ``__init__`` as
+    ``check_exports(globals())``. Functions are replaced by their checked version in ``namespace`` (internal
+    callers that imported the function itself stay unchecked: the boundary is checked once); classes get their
+    constructor and public methods checked in place (except the per-step methods of :data:`_HOT`)."""
+    if not ENABLED:
+        return
+    for name in names if names is not None else namespace.get("__all__", ()):
+        obj = namespace.get(name)
+        if not str(getattr(obj, "__module__", "")).startswith("ppl_thought"):
+            continue
+        if inspect.isclass(obj):
+            if not issubclass(obj, BaseException):
+                _check_class(obj)
+        elif inspect.isfunction(obj):
+            namespace[name] = wrapped = checked(obj)
+            home = sys.modules.get(obj.__module__)
+            if home is not None and getattr(home, obj.__name__, None) is obj:
+                setattr(home, obj.__name__, wrapped)  # one object under every public name

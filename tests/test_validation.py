@@ -1,0 +1,115 @@
+"""The type layer at the public boundary (ppl_thought/validation.py, issue 32 item 1).
+
+Each case below was a silent wrong answer or a raw error from deep inside torch before the layer: a float
+token id read as ``<bos>``, a float thought length, a float attention window, a string particle count, ``None``
+as the prior. Now each is an :class:`ArgumentTypeError` (a ``PPLThoughtError`` and a ``TypeError``) that names
+the callable, the argument, the value and the declared type.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ppl_thought as pt
+from ppl_thought.errors import ArgumentTypeError, PPLThoughtError
+from ppl_thought.validation import ENABLED, UNCHECKED, checked
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBPACKAGES = ("data", "diagnostics", "distributions", "guides", "inference", "lm", "models", "projections",
+               "training", "transforms", "verifiers")
+
+pytestmark = pytest.mark.skipif(not ENABLED, reason="PPL_THOUGHT_TYPECHECK=0 turns the type layer off")
+
+
+def _vocab():
+    return pt.Vocab(["a", "b", "c"])
+
+
+CASES = {
+    "float token id": (lambda: _vocab().token(1.5), "Vocab.token", "i=1.5"),
+    "float thought length": (lambda: pt.projections.PauseToThink(_vocab(), 1.5), "PauseToThink.__init__",
+                             "max_thought_len=1.5"),
+    "float window": (lambda: pt.lm.Transformer(8, window=2.5), "Transformer.__init__", "window=2.5"),
+    "string particle count": (lambda: pt.infer.SMC("64"), "SMC.__init__", "num_particles='64'"),
+    "None as the prior": (lambda: pt.models.SlowThinking(None, pt.projections.Identity(_vocab())),
+                          "SlowThinking.__init__", "prior="),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_wrong_types_at_the_boundary_name_the_argument(case):
+    call, where, what = CASES[case]
+    with pytest.raises(ArgumentTypeError) as e:
+        call()
+    assert isinstance(e.value, PPLThoughtError) and isinstance(e.value, TypeError)
+    assert where in str(e.value) and what in str(e.value), str(e.value)
+
+
+def test_numbers_of_any_framework_still_count_as_numbers():
+    """The numeric tower: a NumPy integer is an ``int``, an ``int`` or a NumPy float is a ``float``."""
+    v = _vocab()
+    assert v.token(np.int64(v.id("a"))) == "a"
+    assert pt.infer.SMC(np.int64(8)).num_particles == 8
+    pt.lm.Transformer(np.int64(8), d_model=16, n_layers=1, n_heads=2, window=np.int32(4))
+
+    @checked
+    def f(x: float) -> float:
+        return x
+
+    assert f(3) == 3 and f(np.float32(0.5)) == 0.5
+    with pytest.raises(ArgumentTypeError):
+        f("0.5")
+
+
+def test_every_public_hint_compiles():
+    """beartype understood every hint of every public callable (a hint it cannot compile would leave that callable
+    unchecked, silently)."""
+    for name in SUBPACKAGES:
+        mod = importlib.import_module(f"ppl_thought.{name}")
+        for attr in mod.__all__:
+            getattr(mod, attr)
+    assert UNCHECKED == {}
+
+
+def test_public_callables_are_checked():
+    """Every public function in a subpackage's ``__all__`` that has hints is the checked one, and every public
+    class's hinted constructor is checked; without the layer (a plain function) this test fails."""
+    seen = 0
+    for name in SUBPACKAGES:
+        mod = importlib.import_module(f"ppl_thought.{name}")
+        for attr in mod.__all__:
+            obj = getattr(mod, attr)
+            if not str(getattr(obj, "__module__", "")).startswith("ppl_thought"):
+                continue
+            fn = vars(obj).get("__init__") if inspect.isclass(obj) else obj if inspect.isfunction(obj) else None
+            if fn is None or not inspect.isfunction(fn) or not set(fn.__annotations__) - {"return"}:
+                continue
+            if inspect.isclass(obj) and issubclass(obj, BaseException):
+                continue
+            assert getattr(fn, "__ppl_thought_checked__", False), f"ppl_thought.{name}.{attr} is not checked"
+            seen += 1
+    assert seen >= 140  # 143 public callables with hinted parameters when this test was written
+
+
+def test_the_layer_turns_off_with_the_environment():
+    code = ("import ppl_thought as pt; from ppl_thought.validation import ENABLED; assert not ENABLED; "
+            "pt.infer.SMC(8); print(type(pt.Vocab(['a']).token).__name__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PPL_THOUGHT_TYPECHECK": "0", "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "method"
+
+
+def test_tensors_are_not_token_ids_by_accident():
+    """A one-element tensor where an id goes is refused by the hint (it used to be read through ``int()``)."""
+    with pytest.raises(ArgumentTypeError):
+        _vocab().token(torch.tensor(1.5))
