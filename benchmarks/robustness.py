@@ -21,7 +21,7 @@ each family's oracle) are classified the same way and counted in ``inputs``; its
 ``--public`` runs only the sweep over every public callable of tests/test_robustness_properties.py (every callable
 of ``pt.__all__``, its subpackages' ``__all__`` and ``ptn``'s, N derandomized draws of wrong-type, -size and
 -value arguments each, default 3, what the test runs): callables covered / total, tried / clear / valid / silent /
-crash counts and, per callable, its worst answer (the recorded defects the test holds the library to).
+unclear / crash counts and, per callable, its worst answer (the recorded defects the test holds the library to).
 
 Then a writer overwriting one checkpoint folder (and one saved result) in a loop is killed with SIGKILL at
 random moments; ``unloadable`` counts the folders that could not be loaded afterwards, or whose tensors
@@ -260,15 +260,17 @@ def public_sweep(examples: int) -> dict:
                 rows = mod.run_public(name, fn, examples)
                 answers = Counter(a for _, a, _ in rows)
                 counts.update(answers)
-                odd = [{"input": i, "answer": a, "message": m} for i, a, m in rows if a in ("crash", "silent")]
+                odd = [{"input": i, "answer": a, "message": m} for i, a, m in rows
+                       if a in ("crash", "unclear", "silent")]
                 by_callable[name] = {"worst": mod._worst(rows), "answers": dict(answers), "examples": odd[:2]}
         finally:
             os.chdir(cwd)
     worst = Counter(r["worst"] for r in by_callable.values())
     return {"examples_per_callable": examples, "covered": sum(1 for r in by_callable.values() if r["answers"]),
             "total": len(mod.PUBLIC), "tried": sum(counts.values()),
-            **{k: counts.get(k, 0) for k in ("clear", "valid", "silent", "crash")},
-            "callables_by_worst_answer": {k: worst.get(k, 0) for k in ("crash", "silent", "clear", "valid")},
+            **{k: counts.get(k, 0) for k in ("clear", "valid", "silent", "unclear", "crash")},
+            "callables_by_worst_answer": {k: worst.get(k, 0) for k in ("crash", "unclear", "silent", "clear",
+                                                                       "valid")},
             "by_callable": by_callable}
 
 

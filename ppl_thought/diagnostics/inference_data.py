@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ppl_thought import checks
 from ppl_thought.arviz_compat import import_arviz, load_netcdf, make_inference_data
 from ppl_thought.draws import bounded_num_draws
 from ppl_thought.errors import DiagnosticError, UnsupportedResultError
@@ -467,8 +468,13 @@ def _check_finite_result(result: Result) -> None:
 
 
 def load_inference_data(path) -> Any:
-    """``arviz.from_netcdf(path)`` (the inverse of ``to_inference_data(...).to_netcdf(path)``)."""
-    return load_netcdf(str(path))
+    """``arviz.from_netcdf(path)`` (the inverse of ``to_inference_data(...).to_netcdf(path)``); a path that is not
+    one, or names no file, is a :class:`DiagnosticError` (never ArviZ's or h5py's own error)."""
+    p = checks.path("path", path)
+    if not p.is_file():
+        raise DiagnosticError(f"load_inference_data: no file at {str(p)!r} (path must name a netcdf file written by "
+                              "to_inference_data(...).to_netcdf)")
+    return load_netcdf(str(p))
 
 
 __all__ = ["MCMC_ENGINES", "PSIS_THRESHOLD", "bounded_num_draws", "import_arviz", "load_inference_data",
