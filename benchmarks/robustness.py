@@ -281,14 +281,20 @@ def main() -> None:
     ap.add_argument("--property-examples", type=int, default=None,
                     help="draws per property-based family (default 30, 10 with --quick; 0 leaves them out)")
     ap.add_argument("--public", action="store_true", help="only the sweep over every public callable")
-    ap.add_argument("--public-examples", type=int, default=3, help="draws per public callable (default 3)")
+    ap.add_argument("--public-examples", type=int, default=3,
+                    help="draws per public callable (default 3, what the test runs); --public-slow-examples (20, "
+                         "pytest --slow) is recorded as well")
+    ap.add_argument("--public-slow-examples", type=int, default=20)
     args = ap.parse_args()
     if args.public:
         sweep = public_sweep(args.public_examples)
-        print(json.dumps({k: v for k, v in sweep.items() if k != "by_callable"}, indent=2))
+        slow = public_sweep(args.public_slow_examples)
+        for s in (sweep, slow):
+            print(json.dumps({k: v for k, v in s.items() if k != "by_callable"}, indent=2))
         if args.json:
             pt.io.atomic_write_json(args.json, {"command": "python benchmarks/robustness.py --public --json "
-                                                           + args.json, "public_callables": sweep})
+                                                           + args.json, "public_callables": sweep,
+                                                "public_callables_slow": slow})
         return
     rows = [(name, *classify(call, phrase)) for name, call, phrase in CASES]
     width = max(len(n) for n, _, _ in rows)
