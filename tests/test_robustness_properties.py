@@ -783,3 +783,17 @@ def test_the_public_callables_are_discovered_and_the_recorded_defects_are_real()
     assert set(_known_defects()) <= set(PUBLIC) and set(_known_defects(slow=True)) <= set(PUBLIC)
     data = json.loads(PUBLIC_RESULTS.read_text())["public_callables"]
     assert data["covered"] == len(PUBLIC) == data["total"]
+
+
+def test_dyck_task_refuses_a_depth_whose_automaton_would_not_fit():
+    """Found by the 20-draw sweep: DyckTask(D=10**5) built 2^(D+1) automaton states (no answer within 3 s). Now
+    refused by size before any state is made; depths up to the largest that fits still build."""
+    import time
+
+    t = time.perf_counter()
+    with pytest.raises(pt.errors.ConfigError, match="D=100000"):
+        pt.data.DyckTask(D=10 ** 5)
+    assert time.perf_counter() - t < 1.0
+    assert pt.data.DyckTask(D=12).D == 12  # 2^13 - 1 states
+    with pytest.raises(pt.errors.ConfigError, match="states"):
+        pt.data.DyckTask(D=20)  # 2^21 - 1 > 10^6
