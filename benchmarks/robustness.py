@@ -1,6 +1,7 @@
 """Bad input and killed writers: how the public entry points answer (the reliability issue).
 
     python benchmarks/robustness.py [--quick] [--json FILE] [--property-examples N]
+    python benchmarks/robustness.py --public [--public-examples N] --json benchmarks/results/robustness_public.json
 
 Each case feeds one bad input to one public entry point and classifies the answer:
 
@@ -16,6 +17,11 @@ hypothesis) adds its families: N derandomized draws each (default 30, 10 with ``
 each family's oracle) are classified the same way and counted in ``inputs``; its valid draws are checked too
 (``ok``: a finite or -inf answer that passes the family's exact checks, ``wrong`` otherwise) and reported under
 ``valid``. Without hypothesis installed only the table runs.
+
+``--public`` runs only the sweep over every public callable of tests/test_robustness_properties.py (every callable
+of ``pt.__all__``, its subpackages' ``__all__`` and ``ptn``'s, N derandomized draws of wrong-type, -size and
+-value arguments each, default 3, what the test runs): callables covered / total, tried / clear / valid / silent /
+unclear / crash counts and, per callable, its worst answer (the recorded defects the test holds the library to).
 
 Then a writer overwriting one checkpoint folder (and one saved result) in a loop is killed with SIGKILL at
 random moments; ``unloadable`` counts the folders that could not be loaded afterwards, or whose tensors
@@ -238,13 +244,58 @@ def property_rows(examples: int) -> dict[str, list[tuple[str, str, str]]]:
     return {name: mod.run_family(name, examples) for name in mod.FAMILIES}
 
 
+def public_sweep(examples: int) -> dict:
+    """The sweep over every public callable (tests/test_robustness_properties.py, ``run_public``)."""
+    mod = property_families()
+    if mod is None:
+        return {}
+    cwd = Path.cwd()
+    by_callable, counts = {}, Counter()
+    with tempfile.TemporaryDirectory() as d:
+        import os
+
+        os.chdir(d)  # a drawn path such as "x" lands in a temporary folder
+        try:
+            for name, fn in mod.PUBLIC.items():
+                rows = mod.run_public(name, fn, examples)
+                answers = Counter(a for _, a, _ in rows)
+                counts.update(answers)
+                odd = [{"input": i, "answer": a, "message": m} for i, a, m in rows
+                       if a in ("crash", "unclear", "silent")]
+                by_callable[name] = {"worst": mod._worst(rows), "answers": dict(answers), "examples": odd[:2]}
+        finally:
+            os.chdir(cwd)
+    worst = Counter(r["worst"] for r in by_callable.values())
+    return {"examples_per_callable": examples, "covered": sum(1 for r in by_callable.values() if r["answers"]),
+            "total": len(mod.PUBLIC), "tried": sum(counts.values()),
+            **{k: counts.get(k, 0) for k in ("clear", "valid", "silent", "unclear", "crash")},
+            "callables_by_worst_answer": {k: worst.get(k, 0) for k in ("crash", "unclear", "silent", "clear",
+                                                                       "valid")},
+            "by_callable": by_callable}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--property-examples", type=int, default=None,
                     help="draws per property-based family (default 30, 10 with --quick; 0 leaves them out)")
+    ap.add_argument("--public", action="store_true", help="only the sweep over every public callable")
+    ap.add_argument("--public-examples", type=int, default=3,
+                    help="draws per public callable (default 3, what the test runs); --public-slow-examples (20, "
+                         "pytest --slow) is recorded as well")
+    ap.add_argument("--public-slow-examples", type=int, default=20)
     args = ap.parse_args()
+    if args.public:
+        sweep = public_sweep(args.public_examples)
+        slow = public_sweep(args.public_slow_examples)
+        for s in (sweep, slow):
+            print(json.dumps({k: v for k, v in s.items() if k != "by_callable"}, indent=2))
+        if args.json:
+            pt.io.atomic_write_json(args.json, {"command": "python benchmarks/robustness.py --public --json "
+                                                           + args.json, "public_callables": sweep,
+                                                "public_callables_slow": slow})
+        return
     rows = [(name, *classify(call, phrase)) for name, call, phrase in CASES]
     width = max(len(n) for n, _, _ in rows)
     for name, kind, msg in rows:

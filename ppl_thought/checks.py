@@ -94,6 +94,16 @@ def token_ids(name: str, value, *, vocab_hint: str = "") -> None:
         raise MalformedSequenceError(f"{name} must hold integer token ids, got {list(value)[:8]!r}")
 
 
+def path(name: str, value):
+    """``value`` as a ``pathlib.Path``: a ``str`` or ``os.PathLike`` (not None, bytes, a number or a tensor, which
+    ``str()`` would turn into a file name such as ``'None'``); :class:`ConfigError` naming ``name`` otherwise."""
+    from pathlib import Path
+
+    if isinstance(value, bool) or not isinstance(value, str | os.PathLike) or str(value) == "":
+        raise ConfigError(f"{name} must be a path (a non-empty str or os.PathLike), got {value!r}")
+    return Path(value)
+
+
 def callable_arg(name: str, value, expects: str) -> None:
     """Refuse ``None``, a string or any non-callable where a model, guide or LM goes."""
     if value is None or isinstance(value, str) or not callable(value):

@@ -14,7 +14,6 @@ import os
 import platform
 import sys
 import time
-import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -120,8 +119,9 @@ def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
     per-sequence excess losses. Every file carries ``inference_library = "ppl_thought"`` (what
     ``ppl-thought diagnose`` checks)."""
     try:
-        import arviz as az
         import xarray as xr
+
+        from ppl_thought.arviz_compat import make_inference_data
     except ImportError:  # pragma: no cover
         return []
     try:
@@ -148,16 +148,16 @@ def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
                                    attrs={**ours, "layout": "chain = held-out example, draw = particle (weighted)"})
             loss = np.asarray(s7["per_example"][m])
             observed = xr.Dataset({"test_loss_per_token": (("example",), loss)}, attrs=ours)
-            with warnings.catch_warnings():  # `particles` is not a group of ArviZ's scheme: by design
-                warnings.simplefilter("ignore", UserWarning)
-                idata = az.InferenceData(particles=particles, observed_data=observed)
+            # `particles` is not a group of ArviZ's scheme: by design (InferenceData on ArviZ 0.x, DataTree on 1.x)
+            idata = make_inference_data({"particles": particles, "observed_data": observed})
             p = os.path.join(out, f"sec7_{m}_particles.nc")
             atomic_write(p, idata.to_netcdf)
             written.append(p)
     a5 = arrays.get("a5")
     if a5:
-        idata = az.from_dict(observed_data={"plain_excess": a5["plain_excess"], "latent_excess": a5["latent_excess"]},
-                             attrs=ours)
+        excess = {k: np.asarray(a5[k]) for k in ("plain_excess", "latent_excess")}
+        idata = make_inference_data({"observed_data": xr.Dataset(
+            {k: (tuple(f"{k}_dim_{i}" for i in range(v.ndim)), v) for k, v in excess.items()}, attrs=ours)})
         p = os.path.join(out, "a5_excess.nc")
         atomic_write(p, idata.to_netcdf)
         written.append(p)

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 
+from ppl_thought import checks
 from ppl_thought.checkpoint import (  # noqa: F401  (re-exported: the historical home of these names)
     CONFIG_FILE,
     FORMAT,
@@ -33,6 +34,7 @@ from ppl_thought.checkpoint import (  # noqa: F401  (re-exported: the historical
     read_checkpoint,
     write_checkpoint,
 )
+from ppl_thought.errors import CheckpointError, ConfigError
 
 
 def save_checkpoint(path: str | Path, module: torch.nn.Module | Mapping[str, torch.Tensor], config: dict,
@@ -64,6 +66,10 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tup
 def load_checkpoint_raw(path: str | Path, device: str | torch.device = "cpu") -> tuple[dict, RawCheckpoint]:
     """``(state_dict, raw)``: :func:`load_checkpoint` with the :class:`~ppl_thought.checkpoint.RawCheckpoint`
     it read (stored dtypes, aliases), for loaders that check more (``Transformer.load``, ``Trainer.load``)."""
+    try:
+        path = checks.path("path", path)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     raw = read_checkpoint(path)
     try:
         state = load_bytes(raw.data)

@@ -12,9 +12,11 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+import xarray as xr
 from engine_helpers import VOCAB, tabular
 
 import ppl_thought as pt
+from ppl_thought.arviz_compat import group_names, is_arviz_1, make_inference_data, psislw
 from ppl_thought.cli import main as cli_main
 from ppl_thought.diagnostics import (
     advantage_bound,
@@ -86,7 +88,7 @@ def is_png(path) -> bool:
 # ---------------------------------------------------------------------------------------------- ArviZ export
 def test_importance_inference_data_groups(is_result, tmp_path):
     idata = to_inference_data(is_result, vocab=VOCAB)
-    assert {"posterior", "sample_stats", "observed_data", "log_likelihood", "particles"} <= set(idata.groups())
+    assert {"posterior", "sample_stats", "observed_data", "log_likelihood", "particles"} <= set(group_names(idata))
     post = idata.posterior
     m = bounded_num_draws(float(is_result.ess))  # the ESS-bounded default size
     assert post.sizes["chain"] == 1 and post.sizes["draw"] == m == post.attrs["num_draws"]
@@ -106,8 +108,11 @@ def test_importance_inference_data_groups(is_result, tmp_path):
     assert attrs["log_marginal"] == pytest.approx(float(is_result.log_marginal))
     assert attrs["log_marginal_stderr"] == pytest.approx(float(is_result.log_marginal_stderr))
     assert attrs["ess"] == pytest.approx(float(is_result.ess), rel=1e-5)
-    _, k_arviz = az.psislw(lw.copy())  # PSIS runs on the weights and agrees with the recorded k
-    assert attrs["khat"] == pytest.approx(float(k_arviz)) == pytest.approx(is_result.pareto_k)
+    _, k_arviz = psislw(lw)  # ArviZ's PSIS (0.x or 1.x) runs on the weights and agrees with the recorded k
+    if np.isfinite(k_arviz):
+        assert attrs["khat"] == pytest.approx(k_arviz) == pytest.approx(is_result.pareto_k)
+    else:  # a tail ArviZ does not fit (1.x on tied weights): not available
+        assert math.isnan(attrs["khat"]) and math.isnan(is_result.pareto_k)
     assert idata.observed_data["x"].values.tolist() == ["a b"] or str(idata.observed_data["x"].values) == "a b"
     assert idata.log_likelihood["x"].shape == (1, m)
 
@@ -119,7 +124,7 @@ def test_importance_inference_data_groups(is_result, tmp_path):
     np.testing.assert_array_equal(back.particles["log_weight"].values, idata.particles["log_weight"].values)
     assert back.posterior_text["z_text"].values[0, 0] == text
     assert all(np.issubdtype(v.dtype, np.number) for v in idata.posterior.data_vars.values())
-    assert back.posterior.attrs["khat"] == pytest.approx(attrs["khat"])
+    assert back.posterior.attrs["khat"] == pytest.approx(attrs["khat"], nan_ok=True)
 
 
 def test_arviz_summaries_and_plots_run_on_the_default_conversion(is_result, tmp_path):
@@ -136,7 +141,7 @@ def test_arviz_summaries_and_plots_run_on_the_default_conversion(is_result, tmp_
         table = az.summary(idata)  # every variable of the posterior
         assert "mean" in table.columns and "z_length" in table.index
         az.plot_trace(idata, var_names=["z_length"])
-        az.plot_posterior(idata, var_names=["z_length"])
+        (az.plot_dist if is_arviz_1() else az.plot_posterior)(idata, var_names=["z_length"])
     plt.close("all")
 
 
@@ -202,7 +207,9 @@ def test_sampler_report_exact_and_estimated(model):
     assert rep.kl_est == pytest.approx(rep.kl_exact, rel=0.25)
     assert rep.kl_reverse_est == pytest.approx(rep.kl_reverse_exact, rel=0.25)
     assert abs(rep.log_marginal_est - rep.log_marginal_exact) < 4 * rep.log_marginal_stderr
-    assert 0 < rep.ess_fraction <= 1 and rep.khat < 0.7
+    # k-hat: ArviZ 0.x fits the tail of these tied weights (7 distinct values); 1.x declines (NaN: first quartile
+    # of the tail equal to its minimum, far from a generalised Pareto)
+    assert 0 < rep.ess_fraction <= 1 and (rep.khat < 0.7 or (is_arviz_1() and math.isnan(rep.khat)))
     exact = sampler_report(model, pt.guides.Posterior(model), "a b", n=100)
     assert exact.chi2_exact == pytest.approx(0.0, abs=1e-6) and exact.khat == -math.inf
     assert "chi2" in rep.table()
@@ -333,8 +340,9 @@ def test_diagnose_reads_files_without_a_posterior(tmp_path, capsys):
     from ppl_thought.io import atomic_write
 
     rng = np.random.default_rng(0)
-    idata = az.from_dict(observed_data={"plain_excess": rng.normal(0.7, 0.1, 64),
-                                        "latent_excess": rng.normal(0.2, 0.05, 64)})
+    idata = make_inference_data({"observed_data": xr.Dataset(  # as the demo writes it (demo._arviz)
+        {k: ((f"{k}_dim_0",), v) for k, v in (("plain_excess", rng.normal(0.7, 0.1, 64)),
+                                               ("latent_excess", rng.normal(0.2, 0.05, 64)))})})
     f = atomic_write(tmp_path / "a5_excess.nc", idata.to_netcdf)
     assert cli_main(["diagnose", str(f)]) == 0
     out = capsys.readouterr().out

@@ -33,6 +33,10 @@ __all__ = ["DyckDistribution", "DyckTask"]
 _OPEN, _CLOSE = "([{<", ")]}>"
 
 
+#: the largest Dyck automaton DyckTask builds (a bigger depth is refused before any state is made)
+MAX_DYCK_STATES = 1_000_000
+
+
 @dataclass
 class DyckTask:
     """Dyck_{k,D} strings of length ``N`` over a vocabulary of ``2k`` bracket tokens."""
@@ -47,6 +51,14 @@ class DyckTask:
             raise ConfigError(f"DyckTask supports 1..4 bracket types, got k={self.k}")
         if self.N % 2 or self.N < 2 or self.D < 1:
             raise ConfigError(f"DyckTask needs an even length N >= 2 and a depth D >= 1, got N={self.N}, D={self.D}")
+        states, width = 1, 1  # the automaton's states: the stacks of depth <= D, 1 + k + ... + k^D of them
+        for _ in range(self.D):
+            width *= self.k
+            states += width
+            if states > MAX_DYCK_STATES:
+                raise ConfigError(f"DyckTask: depth D={self.D} with k={self.k} bracket types needs an automaton of "
+                                  f"more than {MAX_DYCK_STATES} states (1 + k + ... + k^D); strings of length "
+                                  f"N={self.N} never go deeper than N/2 = {self.N // 2}")
         self.vocab = Vocab([c for t in range(self.k) for c in (_OPEN[t], _CLOSE[t])])
         self.pairs = [(self.vocab.id(_OPEN[t]), self.vocab.id(_CLOSE[t])) for t in range(self.k)]
         self.automaton: Automaton = dyck(self.k, self.D, self.vocab)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.vocab import Vocab
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -147,7 +147,7 @@ def permutation_choice_task(m: int = 4, query_len: int = 2, num_choices: int = 4
     if not 2 <= m <= len(LETTERS):
         raise ValueError(f"m must lie in [2, {len(LETTERS)}], got {m}")
     if query_len < 1:
-        raise ValueError(f"query_len must be >= 1, got {query_len}")
+        raise ConfigError(f"query_len must be >= 1, got {query_len}")
     if not 1 <= num_choices <= math.factorial(m):
         raise ValueError(f"num_choices must lie in [1, {m}!], got {num_choices}")
     rng = np.random.default_rng(seed)

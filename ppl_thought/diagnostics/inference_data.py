@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from ppl_thought.arviz_compat import import_arviz
+from ppl_thought import checks
+from ppl_thought.arviz_compat import import_arviz, load_netcdf, make_inference_data
 from ppl_thought.draws import bounded_num_draws
 from ppl_thought.errors import DiagnosticError, UnsupportedResultError
 from ppl_thought.inference.decoding import Decoded
@@ -186,16 +186,13 @@ class _Groups:
     def build(self, attr_groups: tuple[str, ...] = ("posterior", "particles", "sample_stats", "predictions")):
         import xarray as xr
 
-        az = import_arviz()
         attrs = _clean_attrs(self.attrs)
         groups = {}
         for name, variables in self.data.items():
             ds = xr.Dataset(variables, coords=self.coords.get(name))
             ds.attrs.update(attrs if name in attr_groups else {"inference_library": "ppl_thought"})
             groups[name] = ds
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=UserWarning)  # our extra groups (particles, *_text)
-            return az.InferenceData(**groups)
+        return make_inference_data(groups)  # InferenceData (ArviZ 0.x) or xarray.DataTree (1.x)
 
 
 def _weighted(g: _Groups, result: Result, vocab, num_draws: int | None, seed: int,
@@ -397,6 +394,9 @@ def to_inference_data(result, vocab=None, log_likelihood: Mapping[str, Any] | No
                       num_draws: int | None = None, seed: int = 0, group: int | None = None):
     """Convert an engine result to ``arviz.InferenceData`` (module docstring; docs/diagnostics.md has the table).
 
+    With ArviZ 1.x installed the answer is the ``xarray.DataTree`` with the same groups, variables and attrs
+    (:func:`ppl_thought.arviz_compat.make_inference_data`).
+
     Args:
         result: a :class:`~ppl_thought.inference.result.Result` of any engine (Importance, SMC, Langevin, SVI,
             RejectionSampling, TokenwiseRejection) or a :class:`~ppl_thought.inference.decoding.Decoded`.
@@ -468,9 +468,13 @@ def _check_finite_result(result: Result) -> None:
 
 
 def load_inference_data(path) -> Any:
-    """``arviz.from_netcdf(path)`` (the inverse of ``to_inference_data(...).to_netcdf(path)``)."""
-    az = import_arviz()
-    return az.from_netcdf(str(path))
+    """``arviz.from_netcdf(path)`` (the inverse of ``to_inference_data(...).to_netcdf(path)``); a path that is not
+    one, or names no file, is a :class:`DiagnosticError` (never ArviZ's or h5py's own error)."""
+    p = checks.path("path", path)
+    if not p.is_file():
+        raise DiagnosticError(f"load_inference_data: no file at {str(p)!r} (path must name a netcdf file written by "
+                              "to_inference_data(...).to_netcdf)")
+    return load_netcdf(str(p))
 
 
 __all__ = ["MCMC_ENGINES", "PSIS_THRESHOLD", "bounded_num_draws", "import_arviz", "load_inference_data",

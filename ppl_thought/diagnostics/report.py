@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ppl_thought.arviz_compat import group_dataset, group_names, is_arviz_1
 from ppl_thought.checkpoint import read_header
 from ppl_thought.diagnostics.inference_data import import_arviz, load_inference_data, to_inference_data
 from ppl_thought.diagnostics.plots import plot_ess, plot_trace, plot_weights
@@ -60,10 +61,10 @@ def _load(path: Path):
     except Exception as e:  # noqa: BLE001 - re-raised with what the file is and what was expected
         raise DiagnosticError(f"{path} is not an ArviZ netcdf file, so not a result file of ppl_thought"
                               f"{_what(path)}. {READS} ({type(e).__name__}: {str(e)[:120]})") from e
-    if not idata.groups():
+    if not group_names(idata):
         raise DiagnosticError(f"{path} is a netcdf file without ArviZ groups, not a result file of ppl_thought. "
                               f"{READS}")
-    ours = any(getattr(idata, g).attrs.get("inference_library") == "ppl_thought" for g in idata.groups())
+    ours = any(idata[g].attrs.get("inference_library") == "ppl_thought" for g in group_names(idata))
     note = None if ours else ("not written by ppl_thought (no inference_library='ppl_thought' attribute): a "
                               "generic ArviZ report")
     return idata, note
@@ -116,7 +117,7 @@ def summary_table(idata, group: str, names: list[str]):
     summary and put NaN in the column: here R-hat is asked for only with >= 2 chains, and ESS / MCSE only
     with >= 4 draws (the table then has no such column instead of a NaN one)."""
     az = import_arviz()
-    ds = idata[group]
+    ds = group_dataset(idata, group)
     chains, draws = int(ds.sizes.get("chain", 1)), int(ds.sizes.get("draw", 0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -176,18 +177,18 @@ def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DiagnosticError(f"cannot make the folder for the plots {str(out_dir)!r}: {e.strerror or e}") from None
-    groups = list(idata.groups())
+    groups = group_names(idata)
     attrs: dict = {}
     for g in ("posterior", "particles", "sample_stats", "predictions"):
         if g in groups:
-            attrs = {**dict(getattr(idata, g).attrs), **attrs}
+            attrs = {**dict(idata[g].attrs), **attrs}
     lines = [f"{path}: engine {attrs.get('engine', '?')}; groups {', '.join(groups)}"]
     if note:
         lines.append(f"  note: {note}")
     files: list[Path] = []
     if not any(g in groups for g in ("posterior", "sample_stats", "predictions")):
         return _describe_groups(idata, path, out_dir, stem, lines)
-    post = idata.posterior if "posterior" in groups else None
+    post = group_dataset(idata, "posterior") if "posterior" in groups else None
     if post is not None:
         desc = f"  posterior: {post.sizes.get('chain', 0)} chain(s) x {post.sizes.get('draw', 0)} draw(s)"
         if "num_particles" in attrs:
@@ -198,9 +199,9 @@ def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list
                 "objective", "num_steps", "final_loss", "acceptance_rate", "num_samples", "message"):
         if key in attrs:
             lines.append(f"  {key:22s} {_fmt(attrs[key])}")
-    weights = idata.particles if "particles" in groups else None
-    if weights is None and "sample_stats" in groups and "log_weight" in idata.sample_stats:
-        weights = idata.sample_stats  # older files kept the weights in sample_stats
+    weights = group_dataset(idata, "particles") if "particles" in groups else None
+    if weights is None and "sample_stats" in groups and "log_weight" in group_dataset(idata, "sample_stats"):
+        weights = group_dataset(idata, "sample_stats")  # older files kept the weights in sample_stats
     if weights is not None and "log_weight" in weights:
         lw = np.asarray(weights["log_weight"]).reshape(-1)
         f = out_dir / f"{stem}.weights.png"
@@ -213,7 +214,7 @@ def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list
             plot_ess(ess.reshape(-1), int(lw.size), f,
                      resampled=np.atleast_1d(attrs.get("resampled", [])).astype(bool).reshape(-1))
             files.append(f)
-    ss = idata.sample_stats if "sample_stats" in groups else None
+    ss = group_dataset(idata, "sample_stats") if "sample_stats" in groups else None
     if ss is not None and "loss" in ss:  # SVI: the trajectory (draw = step)
         loss = np.asarray(ss["loss"], dtype=float).reshape(-1)
         if loss.size:
@@ -238,17 +239,17 @@ def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list
             lines.append(f"  (not in the table: {', '.join(skipped[:6])}{' ...' if len(skipped) > 6 else ''}: "
                          "token sequences or more than 8 values per draw; az.summary(idata) shows them)")
         if "posterior_text" in groups:
-            lines += _texts(idata.posterior_text, "most frequent")
+            lines += _texts(group_dataset(idata, "posterior_text"), "most frequent")
         if names:
             files.append(_posterior_plot(idata, names[:MAX_PLOTTED], out_dir, stem,
                                          trace=post.sizes.get("chain", 1) > 1))
     if "predictions" in groups:
-        pred = idata.predictions
+        pred = group_dataset(idata, "predictions")
         if "tokens_length" in pred:
             lines.append(f"  predictions: {pred.sizes.get('draw', 0)} continuations, mean length "
                          f"{_fmt(float(np.asarray(pred['tokens_length']).mean()))} tokens")
         if "predictions_text" in groups:
-            lines += _texts(idata.predictions_text, "most frequent")
+            lines += _texts(group_dataset(idata, "predictions_text"), "most frequent")
         if ss is not None and "score" in ss and "best" in attrs:
             lines.append(f"  best of {ss.sizes.get('draw', 0)}: candidate {attrs['best']} (score "
                          f"{_fmt(np.asarray(ss['score']).reshape(-1)[int(attrs['best'])])})")
@@ -269,9 +270,13 @@ def _posterior_plot(idata, names: list[str], out_dir: Path, stem: str, trace: bo
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            axes = az.plot_trace(idata, var_names=names) if trace else az.plot_posterior(idata, var_names=names)
-            fig = np.asarray(axes).reshape(-1)[0].figure
-            fig.savefig(f, dpi=90)
+            if is_arviz_1():  # arviz-plots: a PlotCollection; plot_dist is 0.x's plot_posterior
+                pc = (az.plot_trace if trace else az.plot_dist)(idata, var_names=names, backend="matplotlib")
+                pc.savefig(f, dpi=90)
+            else:
+                axes = az.plot_trace(idata, var_names=names) if trace else az.plot_posterior(idata, var_names=names)
+                fig = np.asarray(axes).reshape(-1)[0].figure
+                fig.savefig(f, dpi=90)
         finally:
             plt.close("all")
     return f
@@ -288,8 +293,8 @@ def _describe_groups(idata, path: Path, out_dir: Path, stem: str, lines: list[st
 
     lines.append("  no posterior group: each numeric variable's values")
     series = {}
-    for g in idata.groups():
-        ds = getattr(idata, g)
+    for g in group_names(idata):
+        ds = group_dataset(idata, g)
         for name in ds.data_vars:
             if not np.issubdtype(ds[name].dtype, np.number):
                 continue

@@ -261,8 +261,11 @@ def arviz_summary(rows: list[dict]) -> dict:
     """ArviZ's summary of the thought length under each sampler's posterior, pooled over the problems (right
     answers only): each run converted by ``pt.diagnostics.to_inference_data`` (a systematic resample of its
     particles by their weights, as many draws as particles, so that every problem counts the same)."""
-    import arviz as az
     import numpy as np
+
+    from ppl_thought.arviz_compat import from_dict, import_arviz
+
+    az = import_arviz()
 
     out = {}
     for method in ("predictive", "explanatory"):
@@ -273,7 +276,7 @@ def arviz_summary(rows: list[dict]) -> dict:
                 idata = pt.diagnostics.to_inference_data(res, num_draws=res.log_weights.shape[0])
                 thought = np.asarray(idata.posterior["thought"])  # [chain, draw, tokens], <pad> = 0 after the end
                 draws.append((thought != 0).sum(-1).reshape(-1))
-        pooled = az.from_dict(posterior={"thought_length": np.concatenate(draws)[None].astype(float)})
+        pooled = from_dict({"posterior": {"thought_length": np.concatenate(draws)[None].astype(float)}})
         s = az.summary(pooled, kind="stats")
         out[method] = {k: float(v) for k, v in s.iloc[0].items()}
     return out

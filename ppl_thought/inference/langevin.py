@@ -64,7 +64,7 @@ from pyro.poutine import block, trace
 from pyro.poutine.subsample_messenger import _Subsample
 from pyro.util import optional
 
-from ppl_thought.errors import DiscreteLatentError
+from ppl_thought.errors import ConfigError, DiscreteLatentError
 from ppl_thought.inference.result import Result
 
 __all__ = ["MALA_TARGET_ACCEPT", "ULA_TARGET_ACCEPT", "DiscreteLatentError", "Langevin", "LangevinKernel",
@@ -163,7 +163,7 @@ class LangevinKernel(MCMCKernel):
     ) -> None:
         target_accept = default_target_accept(adjust) if target_accept is None else target_accept
         if (model is None) == (potential_fn is None):
-            raise ValueError("LangevinKernel: give exactly one of `model` or `potential_fn`.")
+            raise ConfigError("LangevinKernel: give exactly one of `model` or `potential_fn`, got neither or both.")
         if not step_size > 0:
             raise ValueError(f"LangevinKernel: step_size must be > 0, got {step_size}.")
         if not 0.0 < target_accept < 1.0:
@@ -448,7 +448,7 @@ class Langevin:
         init_strategy: Callable = init_to_uniform,
     ) -> None:
         if num_steps < 1 or num_chains < 1 or warmup_steps < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"Langevin: need num_steps >= 1, num_chains >= 1, warmup_steps >= 0; got "
                 f"{num_steps}, {num_chains}, {warmup_steps}."
             )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
     (at most 4 weights above the cutoff, e.g. fewer than ~20 particles or weights with ties) gives ``nan``
     (not available), and the weights come back unsmoothed, as ArviZ returns them.
     """
-    from ppl_thought.arviz_compat import import_arviz
+    from ppl_thought.arviz_compat import psislw
 
     lw = torch.as_tensor(log_w).detach().to("cpu", torch.float64)
     lw = lw.reshape(1) if lw.ndim == 0 else lw
@@ -47,7 +46,6 @@ def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
     rows = lw.reshape(-1, lw.shape[-1]).numpy()
     out = np.full(rows.shape, -np.inf)
     ks = np.full(rows.shape[0], np.nan)
-    az = None
     for g, row in enumerate(rows):  # one row per independent weighted sample (SMC groups), not per particle
         fin = np.isfinite(row)
         if not fin.any():
@@ -56,10 +54,7 @@ def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
         if float(x.max() - x.min()) < 1e-12:
             out[g, fin], ks[g] = -math.log(x.size), -math.inf
             continue
-        az = az or import_arviz()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            smoothed, k = az.psislw(x.copy())
+        smoothed, k = psislw(x)  # ArviZ's numbers, 0.x or 1.x (arviz_compat)
         out[g, fin] = smoothed
         ks[g] = float(k) if np.isfinite(k) else math.nan
     smoothed_t = torch.from_numpy(out).reshape(lw.shape)

@@ -11,14 +11,14 @@ of the size :func:`~ppl_thought.draws.bounded_num_draws` gives, so no ``az.ess``
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppl_thought.arviz_compat import import_arviz
+from ppl_thought.arviz_compat import make_inference_data
+from ppl_thought.arviz_compat import psislw as _psislw
 from ppl_thought.draws import bounded_num_draws
 from ppl_thought.errors import DiagnosticError, UnsupportedResultError
 from ppl_thought.numpyro.infer.resampling import check_log_weights, effective_sample_size, systematic_resample
@@ -37,9 +37,7 @@ def psis(lw: np.ndarray) -> tuple[np.ndarray, float]:
     if float(x.max() - x.min()) < 1e-12:
         out[fin] = -math.log(x.size)
         return out, -math.inf
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        smoothed, k = import_arviz().psislw(x.copy())
+    smoothed, k = _psislw(x)
     out[fin] = smoothed
     return out, float(k) if np.isfinite(k) else math.nan
 
@@ -54,7 +52,8 @@ def _vars(name: str, a: np.ndarray) -> dict[str, Any]:
 
 def to_inference_data(result, num_draws: int | None = None, seed: int = 0, group: int | None = None):
     """Convert a :class:`~ppl_thought.numpyro.infer.Result` of Importance or SMC to ``arviz.InferenceData``
-    (module docstring). ``group``: the group of a grouped SMC result (``SMC(n, groups=G)``)."""
+    (module docstring; an ``xarray.DataTree`` with the same groups under ArviZ 1.x). ``group``: the group of a
+    grouped SMC result (``SMC(n, groups=G)``)."""
     import xarray as xr
 
     from ppl_thought.numpyro.infer.result import Result
@@ -117,10 +116,7 @@ def to_inference_data(result, num_draws: int | None = None, seed: int = 0, group
               "particles": xr.Dataset(parts, attrs=attrs)}
     if stats:
         groups["sample_stats"] = xr.Dataset(stats, attrs=attrs)
-    az = import_arviz()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=UserWarning)  # the extra group "particles"
-        return az.InferenceData(**groups)
+    return make_inference_data(groups)  # InferenceData (ArviZ 0.x) or xarray.DataTree (1.x)
 
 
 __all__ = ["PSIS_THRESHOLD", "psis", "to_inference_data"]

@@ -29,7 +29,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer import ELBO
 
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.inference.particles import (
     PARTICLES,
     Particles,
@@ -91,7 +91,7 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """
     r = torch.as_tensor(rewards, dtype=torch.get_default_dtype())
     if r.ndim == 0 or r.shape[-1] < 2:
-        raise ValueError(f"group_advantages needs a group of at least 2 rewards, got shape {tuple(r.shape)}")
+        raise ConfigError(f"group_advantages needs a group of at least 2 rewards, got shape {tuple(r.shape)}")
     _finite_rewards(r, "reward")
     centred = r - r.mean(-1, keepdim=True)
     return centred / (r.std(-1, correction=0, keepdim=True) + eps)
@@ -141,7 +141,7 @@ class ParticleObjective(ELBO):
 
     def __init__(self, num_particles: int = 8, max_plate_nesting: int | None = None):
         if not isinstance(num_particles, int) or num_particles < self.min_particles:
-            raise ValueError(f"{type(self).__name__} needs num_particles >= {self.min_particles} (an int), "
+            raise ConfigError(f"{type(self).__name__} needs num_particles >= {self.min_particles} (an int), "
                              f"got {num_particles!r}")
         if max_plate_nesting is not None and max_plate_nesting < 0:
             raise ValueError(f"max_plate_nesting must be >= 0, got {max_plate_nesting}")
