@@ -11,8 +11,8 @@ deep inside torch used to come. Value checks (ranges, sizes, vocabularies that m
 benchmarking what it costs (``benchmarks/engines.py --typecheck-ab``).
 
 Numbers: a hint ``int`` also admits NumPy integers, ``float`` admits ``int`` and NumPy floating scalars (the
-numeric tower of PEP 484), so ``SMC(np.int64(64))`` still works; ``Sequence[int]`` / ``Iterable[int]`` of ids
-admit any framework's array.
+numeric tower of PEP 484), so ``SMC(np.int64(64))`` still works; ``Sequence[int]`` / ``Iterable[int]`` (and
+``float``) admit any framework's array.
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ CONF = BeartypeConf(
     hint_overrides=FrozenDict({
         int: int | np.integer,
         float: float | int | np.integer | np.floating,
-        # ids may come as any framework's array wherever a sequence of them is read
+        # ids and numbers may come as any framework's array wherever a sequence of them is read
         Sequence[int]: Sequence[int] | SupportsArray,
         Iterable[int]: Iterable[int] | SupportsArray,
+        Sequence[float]: Sequence[float] | SupportsArray,
+        Iterable[float]: Iterable[float] | SupportsArray,
     }),
 )
 
