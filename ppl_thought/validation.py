@@ -59,6 +59,8 @@ CONF = BeartypeConf(
         Iterable[int]: Iterable[int] | SupportsArray,
         Sequence[float]: Sequence[float] | SupportsArray,
         Iterable[float]: Iterable[float] | SupportsArray,
+        Sequence[bool]: Sequence[bool] | SupportsArray,
+        Iterable[bool]: Iterable[bool] | SupportsArray,
     }),
 )
 
