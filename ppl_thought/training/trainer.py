@@ -27,7 +27,7 @@ import math
 import random
 import re
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ FORMAT = "ppl_thought.trainer/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def clip_joint_(params: Sequence[torch.Tensor], max_norm: float | None) -> float:
+def clip_joint_(params: Iterable[torch.Tensor], max_norm: float | None) -> float:
     """Clip the gradients of ``params`` (all models together) to ``v / max(1, ||v|| / max_norm)`` (App. L).
 
     Returns the joint norm ||v|| before clipping (``inf``/NaN norms are returned and the gradients
