@@ -17,6 +17,7 @@ import numpy as np
 
 from ppl_thought import checks
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
+from ppl_thought.validation import ArrayLike
 
 PAD, BOS, EOS, THINK, END_THINK, EXPLAIN = "<pad>", "<bos>", "<eos>", "<s>", "</s>", "<explain>"
 RESERVED: tuple[str, ...] = (PAD, BOS, EOS, THINK, END_THINK, EXPLAIN)
@@ -159,7 +160,7 @@ class Vocab:
             return [self._ids[t] for t in self.tokenize(text)]
         return [self.id(t) for t in text]
 
-    def decode(self, ids: Iterable[int], skip_pad: bool = True) -> str:
+    def decode(self, ids: ArrayLike | Iterable[int], skip_pad: bool = True) -> str:
         """Ids (one 1-D sequence of integers) -> string; padding is dropped unless ``skip_pad=False``."""
         parts = []
         try:
@@ -374,7 +375,7 @@ class TokenizerVocab(Vocab):
             raise UnknownTokenError(f"the tokenizer gave ids outside its own vocabulary for {text[:40]!r}")
         return self.library_ids[hf].tolist()
 
-    def decode(self, ids: Iterable[int], skip_pad: bool = True) -> str:
+    def decode(self, ids: ArrayLike | Iterable[int], skip_pad: bool = True) -> str:
         """Library ids -> text through ``tokenizer.decode`` (``<pad>`` dropped, or written ``"<pad>"`` with
         ``skip_pad=False``)."""
         flat = np.asarray(list(ids) if not hasattr(ids, "tolist") else ids.tolist(), dtype=np.int64).ravel()

@@ -44,6 +44,7 @@ from ppl_thought.projections.dfa_build import (
     trim,
 )
 from ppl_thought.projections.regex import Intervals, char_set, parse
+from ppl_thought.validation import ArrayLike
 
 __all__ = ["CharDFA", "MAX_DFA_STATES", "MAX_NFA_STATES"]
 
@@ -116,7 +117,7 @@ class CharDFA:
     def num_classes(self) -> int:
         return self.delta.shape[1]
 
-    def classify(self, codes) -> np.ndarray:
+    def classify(self, codes: ArrayLike | int) -> np.ndarray | np.integer:
         """Class ids of code points (an int array of any shape; vectorised)."""
         codes = np.asarray(codes, dtype=np.int64)
         return self.interval_class[np.searchsorted(self.bounds, codes, side="right") - 1]
