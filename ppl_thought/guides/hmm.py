@@ -60,7 +60,7 @@ class HMMGuide(Program):
     def __repr__(self) -> str:
         return f"HMMGuide({self.hmm!r}, {'posterior' if self.backward else 'filtering'})"
 
-    def __call__(self, x=None, length: int | None = None) -> dict:
+    def __call__(self, x: ArrayLike | None = None, length: int | None = None) -> dict:
         """Run the guide as one Pyro trace (sites ``z_0 .. z_{T-1}``); returns the final state."""
         return run_whole(self, x=x, length=length)
 

@@ -462,7 +462,7 @@ class HMM(Program):
             raise ValueError(f"length={length} but x has {T} observations")
         return T
 
-    def __call__(self, x=None, length: int | None = None) -> dict:
+    def __call__(self, x: ArrayLike | None = None, length: int | None = None) -> dict:
         """Run the HMM as one Pyro trace: ``hmm(x)`` observes ``x [T]``, ``hmm(length=T)`` generates.
 
         Sites ``z_0 .. z_{T-1}`` and ``x_0 .. x_{T-1}`` (see the class docstring for shapes);
