@@ -70,8 +70,11 @@ CONF = BeartypeConf(
 UNCHECKED: dict[str, str] = {}
 
 _MARK = "__ppl_thought_checked__"
-# methods that engines call per token or per step: checked once per run at the engine's boundary instead
-_HOT = frozenset({"forward", "step", "init", "log_prob", "sample", "rsample", "expand", "reorder", "index_select"})
+# methods that engines call per token or per step: checked once per run at the engine's boundary instead (the
+# automaton's and the token rule's per-token tables, LMState.feed: a protocol hint such as ArrayLike or LMCache costs
+# tens of microseconds per isinstance, more than the step itself on a small model)
+_HOT = frozenset({"forward", "step", "init", "log_prob", "sample", "rsample", "expand", "reorder", "index_select",
+                  "advance", "mask", "is_final", "num_emitted", "feed", "feed_checked"})
 
 
 def _qualname(obj: Any) -> str:
