@@ -17,11 +17,13 @@ next-token log loss per token on p and H the entropy rate of p (so L - H is the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from ppl_thought.validation import ArrayLike
 
 
 @dataclass
@@ -61,7 +63,7 @@ def advantage_bound(k: int, loss: float, entropy_rate: float) -> float:
     return math.sqrt(k * max(0.0, loss - entropy_rate) / 2)
 
 
-def k_token_advantage(distinguisher: Callable, prefixes: Sequence, held_out: Sequence, model: Sequence, k: int,
+def k_token_advantage(distinguisher: Callable, prefixes: ArrayLike, held_out: ArrayLike, model: ArrayLike, k: int,
                       level: float = 0.95, loss: float | None = None,
                       entropy_rate: float | None = None) -> KTokenAdvantage:
     """Paired estimate of the advantage (Eq 1.2) of ``distinguisher`` between model and held-out continuations.

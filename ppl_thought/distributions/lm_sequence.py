@@ -104,7 +104,7 @@ class LMSequence(TorchDistribution):
         lm: torch.nn.Module,
         prompt: ArrayLike | None = None,
         constraint: Automaton | None = None,
-        stop: str | int | Sequence[str | int] | None = None,
+        stop: str | int | Sequence[str | int] | torch.Tensor | None = None,
         max_len: int | None = None,
         vocab: Vocab | None = None,
         batch_shape: torch.Size | tuple = (),

@@ -119,7 +119,7 @@ class SMC:
             raise ConfigError("graphs=True needs backend='static' (the captured step is the static path's)")
         self.backend, self.graphs = backend, graphs
 
-    def run(self, model: Callable[..., Any], guide: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Result:
+    def run(self, model: Callable[..., Any], guide: Any, *args: Any, **kwargs: Any) -> Result:
         """Run SMC over the steps of ``model``; see the class docstring."""
         require_program(model, "model")
         if self.backend == "static":
