@@ -1,6 +1,11 @@
 """Old against new, alternated in one run: the engines' workloads at a base commit and at this checkout.
 
     python benchmarks/engine_core_ab.py --base 60fef74 --json FILE [--rounds 3] [--runs 40]
+    python benchmarks/engine_core_ab.py --typecheck-ab --json FILE   # this checkout, type layer off vs on
+
+With ``--typecheck-ab`` the two sides are this checkout with the type layer of ``ppl_thought/validation.py``
+off (``PPL_THOUGHT_TYPECHECK=0``, "old") and on ("new"): what checking every public call costs (issue 32 asks
+for no figure more than 3% slower).
 
 The base commit is checked out into a temporary git worktree; each round runs the workloads once in a fresh
 process of each tree (old, new, old, new, ...), so the two see the same load. Every workload is run ``--runs``
@@ -81,8 +86,8 @@ print(json.dumps(out))
 """
 
 
-def run_tree(tree: Path, runs: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+def run_tree(tree: Path, runs: int, typecheck: bool = True) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree), PPL_THOUGHT_TYPECHECK="1" if typecheck else "0")
     r = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(runs)], capture_output=True, text=True, env=env,
                        cwd=tempfile.gettempdir(), timeout=1800)
     if r.returncode != 0:
@@ -92,30 +97,53 @@ def run_tree(tree: Path, runs: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", required=True, help="the old commit (e.g. 60fef74)")
+    ap.add_argument("--base", default=None, help="the old commit (e.g. 60fef74)")
+    ap.add_argument("--typecheck-ab", action="store_true",
+                    help="instead of --base: this checkout with the type layer off (old) and on (new)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--runs", type=int, default=40)
     args = ap.parse_args()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.base], capture_output=True, text=True,
-                            check=True).stdout.strip()
+    if (args.base is None) == (not args.typecheck_ab):
+        ap.error("give exactly one of --base COMMIT and --typecheck-ab")
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
     t0 = time.perf_counter()
+    if args.typecheck_ab:
+        commit = "HEAD, PPL_THOUGHT_TYPECHECK=0"
+        rounds = []
+        for i in range(args.rounds):
+            order = [("old", False), ("new", True)][:: 1 if i % 2 == 0 else -1]
+            rounds.append({side: run_tree(ROOT, args.runs, typecheck=on) for side, on in order})
+            r = rounds[-1]
+            print(f"round {i + 1}/{args.rounds} (cpu ratio on/off): " + ", ".join(
+                f"{k} {r['new'][k]['cpu'] / r['old'][k]['cpu']:.3f}" for k in r["old"]), flush=True)
+    else:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.base], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        rounds = _old_and_new(commit, args.rounds, args.runs)
+    _report(args, commit, head, rounds, t0)
+
+
+def _old_and_new(commit: str, n_rounds: int, runs: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "old"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), commit], check=True,
                        capture_output=True)
         try:
             rounds = []
-            for i in range(args.rounds):
+            for i in range(n_rounds):
                 order = [("old", old), ("new", ROOT)][:: 1 if i % 2 == 0 else -1]  # old first, then new first
-                rounds.append({side: run_tree(tree, args.runs) for side, tree in order})
+                rounds.append({side: run_tree(tree, runs) for side, tree in order})
                 r = rounds[-1]
-                print(f"round {i + 1}/{args.rounds} (cpu ratio new/old): " + ", ".join(
+                print(f"round {i + 1}/{n_rounds} (cpu ratio new/old): " + ", ".join(
                     f"{k} {r['new'][k]['cpu'] / r['old'][k]['cpu']:.3f}" for k in r["old"]), flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], capture_output=True)
+    return rounds
+
+
+def _report(args: argparse.Namespace, commit: str, head: str, rounds: list[dict], t0: float) -> None:
     names = list(rounds[0]["old"])
     best = {clock: {side: {k: min(r[side][k][clock] for r in rounds) for k in names} for side in ("old", "new")}
             for clock in ("cpu", "wall")}

@@ -136,10 +136,10 @@ class ConcreteValueError(ProgramError):
     with ``static=`` (a compile-time constant) or the ``jnp.where`` / mask to write instead."""
 
 
-class ArgumentTypeError(PPLThoughtError, TypeError):
+class ArgumentTypeError(ConfigError, TypeError):
     """An argument of a public function or class whose type is not the one its signature declares (the type
     layer of :mod:`ppl_thought.validation`): the message names the callable, the argument, what it got and the
-    declared type."""
+    declared type. A bad argument like any other (a :class:`ConfigError`) and a ``TypeError``."""
 
 
 class ResultTypeError(PPLThoughtError, TypeError):

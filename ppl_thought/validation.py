@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
+import typing
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -81,10 +83,21 @@ def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
+_WRAPPED: dict[Callable, Callable] = {}
+
+
 def checked(func: Callable) -> Callable:
     """``func`` checked against its hints on every call (or ``func`` itself when the layer is off, when it has
-    no hints, or when beartype cannot compile them: then it is listed in :data:`UNCHECKED`)."""
+    no hints, or when its hints cannot be resolved or compiled: then it is listed in :data:`UNCHECKED`). One
+    wrapper per function, however many subpackages export it."""
     if not ENABLED or getattr(func, _MARK, False) or not getattr(func, "__annotations__", None):
+        return func
+    if func in _WRAPPED:
+        return _WRAPPED[func]
+    try:  # a hint naming what only a TYPE_CHECKING import brings would fail at call time: find it now
+        typing.get_type_hints(func)
+    except Exception as e:  # noqa: BLE001 -- any failure to resolve means: this callable cannot be checked
+        UNCHECKED[_qualname(func)] = f"unresolvable hint: {type(e).__name__}: {e}"
         return func
     try:
         with warnings.catch_warnings():  # beartype's notes on PEP 585 spellings are for us, not for users
@@ -95,6 +108,7 @@ def checked(func: Callable) -> Callable:
         return func
     if wrapped is not func:
         setattr(wrapped, _MARK, True)
+        _WRAPPED[func] = wrapped
     return wrapped
 
 
@@ -130,4 +144,7 @@ def check_exports(namespace: dict[str, Any], names: Iterable[str] | None = None)
             if not issubclass(obj, BaseException):
                 _check_class(obj)
         elif inspect.isfunction(obj):
-            namespace[name] = checked(obj)
+            namespace[name] = wrapped = checked(obj)
+            home = sys.modules.get(obj.__module__)
+            if home is not None and getattr(home, obj.__name__, None) is obj:
+                setattr(home, obj.__name__, wrapped)  # one object under every public name

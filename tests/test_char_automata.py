@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 
 import ppl_thought as pt
 from ppl_thought.distributions import LMSequence
-from ppl_thought.errors import ConfigError, PatternError, PPLThoughtError, UnsatisfiableConstraintError
+from ppl_thought.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    PatternError,
+    PPLThoughtError,
+    UnsatisfiableConstraintError,
+)
 from ppl_thought.projections import CharDFA, token_automaton, token_texts
 from ppl_thought.verifiers import ProcessVerifier, dyck
 from ppl_thought.vocab import EOS_ID
@@ -126,7 +132,7 @@ def test_unsupported_patterns_raise_pattern_error(pattern, msg):
 
 
 def test_pattern_must_be_a_string_and_state_blowup_is_bounded():
-    with pytest.raises(PatternError, match="must be a str"):
+    with pytest.raises(ArgumentTypeError, match="pattern"):  # the type layer
         CharDFA.from_regex(b"ab")
     with pytest.raises(PatternError, match="DFA states"):  # (a|b)*a(a|b){15}: 2^16 subset states
         CharDFA.from_regex("(a|b)*a(a|b){15}")
@@ -392,7 +398,7 @@ def test_lifting_errors():
         token_automaton(dfa, [None, None, None, 3])
     with pytest.raises(ConfigError, match="too few"):
         token_automaton(dfa, [None, None])
-    with pytest.raises(ConfigError, match="CharDFA"):
+    with pytest.raises(ArgumentTypeError, match="CharDFA"):
         token_automaton("[^e]*", TEXTS)
     for bad in (-1, 0, 1, "2", True):
         with pytest.raises(ConfigError, match="eos_id"):

@@ -20,7 +20,7 @@ import torch
 
 import ppl_thought as pt
 from ppl_thought.distributions.lm_state import TokenRule
-from ppl_thought.errors import ChunkMismatchError, ConfigError
+from ppl_thought.errors import ArgumentTypeError, ChunkMismatchError, ConfigError
 from ppl_thought.projections import PauseToThink, SparseThoughts
 from ppl_thought.projections.automaton import step_ends
 
@@ -84,7 +84,7 @@ def test_step_ends():
 def test_bad_chunk_is_refused():
     with pytest.raises(ConfigError, match="chunk"):
         pt.guides.Causal(_tabular(), SPARSE, chunk=-1)
-    with pytest.raises(ConfigError, match="chunk"):
+    with pytest.raises(ArgumentTypeError, match="chunk"):
         pt.dist.LMSequence(_tabular(), max_len=3, chunk=1.5)
 
 

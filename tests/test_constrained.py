@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ppl_thought as pt
-from ppl_thought.errors import ConfigError
+from ppl_thought.errors import ArgumentTypeError, ConfigError
 from ppl_thought.inference import SMC, Importance
 from ppl_thought.lm import Tabular
 from ppl_thought.projections import CharDFA, token_automaton, token_texts
@@ -78,7 +78,7 @@ def test_constrained_refuses_bad_arguments():
     lm, auto = setup()
     with pytest.raises(ConfigError, match="max_tokens"):
         pt.models.Constrained(lm, auto, 0)
-    with pytest.raises(ConfigError, match="Automaton"):
+    with pytest.raises(ArgumentTypeError, match="Automaton"):
         pt.models.Constrained(lm, "no e", 4)
     with pytest.raises(ConfigError, match="twist"):
         pt.models.Constrained(lm, auto, 4, twist=3)

@@ -293,8 +293,21 @@ def test_k_token_advantage_ci():
     assert a_list.advantage == pytest.approx(a_diff.advantage)
     assert advantage_bound(k, 1.5, 1.0) == pytest.approx(math.sqrt(k * 0.5 / 2))
     assert advantage_bound(k, 1.0, 1.2) == 0.0
-    r = k_token_advantage(d, prefixes, held, diff, k, loss=math.log(V), entropy_rate=0.5)
-    assert abs(r.advantage) <= r.bound
+    # exact: the window law given the prefix's last token c, enumerated over V^k windows; p = the true
+    # chain, q = uniform, one window per prefix (n = k). L = log V exactly; H = log V - KL_window / k.
+    windows = torch.cartesian_prod(*[torch.arange(V)] * k)  # [V^k, k]
+    logP = torch.log_softmax(true_table.double(), -1)
+    kl_w, adv = 0.0, 0.0
+    for c in range(V):  # prefixes are uniform, so c is uniform
+        prev = torch.cat([torch.full((len(windows), 1), c), windows[:, :-1]], 1)
+        lp = logP[prev, windows].sum(-1)
+        dv = d(torch.full((len(windows), 2), c), windows).double()
+        kl_w += float((lp.exp() * (lp + k * math.log(V))).sum()) / V
+        adv += float(((V ** -k - lp.exp()) * dv).sum()) / V  # model minus held-out, as k_token_advantage
+    r = k_token_advantage(d, prefixes, held, diff, k, loss=math.log(V), entropy_rate=math.log(V) - kl_w / k)
+    assert r.bound == pytest.approx(math.sqrt(kl_w / 2)) and r.bound < 1  # informative: below 1
+    assert abs(adv) <= r.bound
+    assert r.ci_low <= adv <= r.ci_high  # the estimate covers the exact advantage
     with pytest.raises(ValueError, match="pair up"):
         k_token_advantage(d, prefixes, held[:5], diff, k)
 

@@ -1,7 +1,7 @@
 """Synthetic tasks with exact answers (docs/architecture.md, "The layers")."""
 
 from ppl_thought.data.a5 import A5Task, a5_hmm
-from ppl_thought.data.dyck import DyckTask
+from ppl_thought.data.dyck import DyckDistribution, DyckTask
 from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
 from ppl_thought.data.self_reducible import (
     CNF,
@@ -14,6 +14,7 @@ from ppl_thought.data.self_reducible import (
 __all__ = [
     "CNF",
     "A5Task",
+    "DyckDistribution",
     "DyckTask",
     "PermutationChoiceTask",
     "WeakCoT",

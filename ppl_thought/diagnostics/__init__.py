@@ -8,10 +8,17 @@ posterior drift, k-token advantage and plots. ArviZ and matplotlib are imported 
 - :func:`scaling_law` (Table 3.1: encoding (3.4), direct decoding (Prop 3.3), gradients (3.24));
 - :func:`causal_gap` (7.3), :class:`CausalGapTracker`, :func:`posterior_drift` (Def 3.10, Ex 3.4);
 - :func:`k_token_advantage`, :func:`advantage_bound` (next-token-long-range Def 2, Eq 1.2, App. A);
+  :class:`Boosted`, :func:`exact_boosting`, :func:`self_boosting_schedule` (its Lemmas 1-2, (1.3)-(1.4), Algorithm 1);
 - plots: :func:`plot_weights`, :func:`plot_scaling_law`, :func:`plot_ess`, :func:`plot_causal_gap`,
   :func:`plot_trace`; :func:`diagnose` (what ``ppl-thought diagnose`` runs).
 """
 
+from ppl_thought.diagnostics.boosting import (
+    Boosted,
+    BoostingReport,
+    exact_boosting,
+    self_boosting_schedule,
+)
 from ppl_thought.diagnostics.causal import (
     CausalGapTracker,
     ZeroWeightsError,
@@ -44,6 +51,8 @@ from ppl_thought.diagnostics.sampler_quality import (
 from ppl_thought.diagnostics.scaling import ScalingLaw, scaling_law
 
 __all__ = [
+    "Boosted",
+    "BoostingReport",
     "CausalGapTracker",
     "KTokenAdvantage",
     "SamplerReport",
@@ -55,6 +64,7 @@ __all__ = [
     "chi2",
     "chi2_from_weights",
     "diagnose",
+    "exact_boosting",
     "k_token_advantage",
     "kl",
     "kl_from_weights",
@@ -70,6 +80,7 @@ __all__ = [
     "sample_continuations",
     "sampler_report",
     "scaling_law",
+    "self_boosting_schedule",
     "to_inference_data",
 ]
 

@@ -9,9 +9,10 @@ averaged over prefixes (positions) of documents from p. Given, for each of N pre
 continuation (from p) and one model continuation (from q), :func:`k_token_advantage` estimates a(d)
 by the paired mean of d(prefix, model) - d(prefix, held-out) with a normal confidence interval.
 
-App. A (Theorem 3, Pinsker's inequality) bounds |a(d)| <= sqrt(k (L - H) / 2), where L is the model's
-next-token log loss per token on p and H the entropy rate of p (so L - H is the KL rate, in nats):
-:func:`advantage_bound`.
+App. A (Theorem 3, Pinsker's inequality) bounds |a(d)| <= sqrt(min(k, W) n (L - H) / (2 W)) for documents of
+n tokens with W = n - k + 1 window starts, where L is the model's next-token log loss per token on p and H the
+entropy rate of p (so n (L - H) = KL(p || q), in nats): :func:`advantage_bound`. The boosting construction of
+Lemmas 1-2 is in :mod:`ppl_thought.diagnostics.boosting`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ppl_thought.errors import ConfigError
 from ppl_thought.validation import ArrayLike
 
 
@@ -37,7 +39,7 @@ class KTokenAdvantage:
     n: int
     k: int
     level: float
-    bound: float = math.nan  # sqrt(k (L - H) / 2) (App. A) when the entropy rate is known
+    bound: float = math.nan  # Theorem 3 (App. A, :func:`advantage_bound`) when the entropy rate is known
 
     @property
     def covers_zero(self) -> bool:
@@ -50,22 +52,32 @@ def _normal_quantile(level: float) -> float:
     return float(norm.ppf(0.5 + level / 2))
 
 
-def advantage_bound(k: int, loss: float, entropy_rate: float) -> float:
-    """sqrt(k (L - H) / 2): the Pinsker bound of App. A on |advantage| of any next-k-token distinguisher.
+def advantage_bound(k: int, loss: float, entropy_rate: float, n: int | None = None) -> float:
+    """Theorem 3 (App. A) on |advantage| of any next-k-token distinguisher, from per-token rates.
 
-    ``loss`` L: next-token log loss per token (nats) of the model on the data; ``entropy_rate`` H (nats).
+    ``loss`` L: next-token log loss per token (nats) of the model on documents of p; ``entropy_rate`` H
+    (nats per token), so KL(p || q) = n (L - H) for documents of n tokens. With N = n - k + 1 window starts,
+    Theorem 3 gives sqrt(min(k, N) n (L - H) / (2 N)) (:func:`~ppl_thought.diagnostics.boosting.kl_advantage_bound`).
+    ``n=None``: sqrt(k (L - H) / 2), which is that bound for a single window (n = k) and its limit for
+    n -> infinity; for finite n > k it is too small by sqrt(n / N) (a test shows it failing), so pass ``n``.
     L - H < 0 can only come from estimation noise in L; it is clipped to 0.
     """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"k must be an integer >= 1, got {k!r}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < k):
+        raise ConfigError(f"n (the document length) must be an integer >= k = {k}, got {n!r}")
     if not (math.isfinite(loss) and math.isfinite(entropy_rate)):
         return math.inf
-    return math.sqrt(k * max(0.0, loss - entropy_rate) / 2)
+    rate = max(0.0, loss - entropy_rate)
+    if n is None:
+        return math.sqrt(k * rate / 2)
+    N = n - k + 1
+    return math.sqrt(min(k, N) * n * rate / (2 * N))
 
 
 def k_token_advantage(distinguisher: Callable, prefixes: ArrayLike, held_out: ArrayLike, model: ArrayLike, k: int,
                       level: float = 0.95, loss: float | None = None,
-                      entropy_rate: float | None = None) -> KTokenAdvantage:
+                      entropy_rate: float | None = None, doc_len: int | None = None) -> KTokenAdvantage:
     """Paired estimate of the advantage (Eq 1.2) of ``distinguisher`` between model and held-out continuations.
 
     Args:
@@ -76,7 +88,8 @@ def k_token_advantage(distinguisher: Callable, prefixes: ArrayLike, held_out: Ar
         model: N continuations from the model q given the same prefixes.
         k: the window length; only the first k tokens of each continuation are shown to ``distinguisher``.
         level: confidence level of the normal interval advantage +- z * stderr.
-        loss, entropy_rate: when both are given, ``bound`` = sqrt(k (L - H) / 2) (App. A).
+        loss, entropy_rate: when both are given, ``bound`` = :func:`advantage_bound` ``(k, L, H, doc_len)``
+            (Theorem 3, App. A); ``doc_len`` n is the length of the documents the prefixes were cut from.
     """
     N = len(prefixes)
     if not (N == len(held_out) == len(model)):
@@ -104,7 +117,8 @@ def k_token_advantage(distinguisher: Callable, prefixes: ArrayLike, held_out: Ar
     adv = float(diff.mean())
     se = float(diff.std(ddof=1) / math.sqrt(N))
     z = _normal_quantile(level)
-    bound = advantage_bound(k, loss, entropy_rate) if loss is not None and entropy_rate is not None else math.nan
+    known = loss is not None and entropy_rate is not None
+    bound = advantage_bound(k, loss, entropy_rate, doc_len) if known else math.nan
     return KTokenAdvantage(advantage=adv, stderr=se, ci_low=adv - z * se, ci_high=adv + z * se, n=N, k=int(k),
                            level=float(level), bound=bound)
 

@@ -13,6 +13,9 @@
    verifier calls per sample.
 3. Propositions 3.1.1-3.1.2 on the uniform oracle: the oracle-call counts and the tokenwise bias.
 4. Self-reducible sampling (cot-or-loop Section 5), when :mod:`ppl_thought.data.self_reducible` is present.
+5. ``thesis_tables``: the thesis' own protocol, Tables 3.1-3.3 at small scale (Definition 3.2.1's Dyck law, a
+   trained imperfect verifier, OOD error counts with and without backtracking at top-p 0.9 / 1.0) beside the
+   thesis' figures: :mod:`ppl_thought.experiments.dyck_thesis`. ``--thesis-only`` runs that part alone.
 
 Everything is built from library parts: :class:`~ppl_thought.data.DyckTask`, :class:`~ppl_thought.lm.Transformer`,
 the engines of :mod:`ppl_thought.inference`.
@@ -29,6 +32,7 @@ import torch
 from ppl_thought.data.dyck import DyckTask
 from ppl_thought.data.self_reducible import self_reducible_curve
 from ppl_thought.distributions.lm_state import generated_tokens
+from ppl_thought.experiments import dyck_thesis
 from ppl_thought.experiments.common import score
 from ppl_thought.inference.resampling import resample
 from ppl_thought.io import atomic_write_json
@@ -180,8 +184,11 @@ def self_reducible(quick: bool, seed: int = 0) -> dict:
     return self_reducible_curve([1, 3, 5, 9, 17, 33], seed=seed, quick=quick)
 
 
-def run(quick: bool = False, seed: int = 0) -> dict:
-    """The whole experiment; the returned dict is what ``--json`` writes."""
+def run(quick: bool = False, seed: int = 0, thesis_only: bool = False) -> dict:
+    """The whole experiment; the returned dict is what ``--json`` writes (``thesis_only``: the
+    ``thesis_tables`` entry alone)."""
+    if thesis_only:
+        return {"thesis_tables": dyck_thesis.run(quick, seed)}
     t0 = time.perf_counter()
     task = DyckTask(k=2, D=4, N=12)
     lm = train_dyck_lm(task, steps=300 if quick else 1500, seed=seed)
@@ -193,6 +200,7 @@ def run(quick: bool = False, seed: int = 0) -> dict:
         "tokenwise_bias": bias,
         "oracle_calls": calls,
         "self_reducible": self_reducible(quick, seed),
+        "thesis_tables": dyck_thesis.run(quick, seed),
         "setup": {"k": task.k, "D": task.D, "N": task.N, "prompt_len": task.N // 2, "prompts": len(prompts),
                   "samples_per_prompt": 200 if quick else 500, "tv_floor": floor,
                   "train_types": IN_DIST, "prompt_types": OUT_OF_DIST,
@@ -201,6 +209,8 @@ def run(quick: bool = False, seed: int = 0) -> dict:
 
 
 def format_table(result: dict) -> str:
+    if "dyck" not in result:
+        return dyck_thesis.format_table(result["thesis_tables"])
     lines = [f"{'method':<13}{'accuracy':>9}{'TV':>8}{'distinct':>9}{'LM calls':>10}{'verifier':>10}"]
     for m, r in result["dyck"].items():
         lines.append(f"{m:<13}{r['accuracy']:>9.3f}{r['tv']:>8.3f}{r['distinct']:>9.3f}{r['lm_calls']:>10.1f}"
@@ -215,6 +225,7 @@ def format_table(result: dict) -> str:
         sr = result["self_reducible"]
         lines.append("self-reducible: T " + " ".join(str(t) for t in sr["T"]) + " | TV "
                      + " ".join(f"{v:.3f}" for v in sr["tv"]))
+    lines.append(dyck_thesis.format_table(result["thesis_tables"]))
     return "\n".join(lines)
 
 
@@ -223,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer training steps, prompts and samples (minutes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write the results as JSON to this file")
+    ap.add_argument("--thesis-only", action="store_true", help="only the thesis' Tables 3.1-3.3 protocol")
     args = ap.parse_args(argv)
-    result = run(args.quick, args.seed)
+    result = run(args.quick, args.seed, args.thesis_only)
     print(format_table(result))
     if args.json is not None:
         atomic_write_json(args.json, result)

@@ -118,7 +118,7 @@ class CharDFA:
         return self.delta.shape[1]
 
     def classify(self, codes: ArrayLike | int) -> np.ndarray | np.integer:
-        """Class ids of code points (an int array of any shape; vectorised)."""
+        """Class ids of code points (an int array of any shape, vectorised; a scalar for a scalar)."""
         codes = np.asarray(codes, dtype=np.int64)
         return self.interval_class[np.searchsorted(self.bounds, codes, side="right") - 1]
 

@@ -193,7 +193,8 @@ class _ActiveObjective(ParticleObjective):
             out["log_g"] = lift.generator_log_probs(x, z)[None]
         return out
 
-    def surrogate(self, model: Callable[..., Any], guide: Callable[..., Any], x: ArrayLike, *args: Any, **kwargs: Any):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, x: ArrayLike, *args: Any,
+                  **kwargs: Any):
         z = self.sample_latents(model, guide, x, **kwargs)
         value, surr = active_terms(self.kind, baseline=self.baseline, **self.terms(z, x))
         self.last_stats = {"objective": float(value)}
@@ -259,7 +260,8 @@ class ConditionalSamplerLoss(ParticleObjective):
         super().__init__(num_particles, 0)
         self.lift = lift
 
-    def surrogate(self, model: Callable[..., Any], guide: Callable[..., Any], x: ArrayLike, *args: Any, **kwargs: Any):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, x: ArrayLike, *args: Any,
+                  **kwargs: Any):
         lift = self.lift
         xi = lift.as_ids(x)[0]
         L = int((xi != PAD_ID).sum())

@@ -165,7 +165,7 @@ class ParticleObjective(ELBO):
                 return fn(*args, **kwargs)
         return wrapped
 
-    def particles(self, model: Callable, guide: Callable, *args, num_particles: int | None = None,
+    def particles(self, model: Callable | None, guide: Callable | None, *args, num_particles: int | None = None,
                   **kwargs) -> Particles:
         """Sample n particles from ``guide`` in one batched call and score them under ``model``
         (:func:`~ppl_thought.inference.particles.sample_particles`, with the site check)."""
@@ -175,7 +175,7 @@ class ParticleObjective(ELBO):
         depth = self.plate_nesting(model, guide, args, kwargs)
         return sample_particles(model, guide, n, *args, max_plate_nesting=depth, **kwargs)
 
-    def plate_nesting(self, model: Callable[..., Any], guide: Callable[..., Any] | None, args: tuple = (),
+    def plate_nesting(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, args: tuple = (),
                       kwargs: dict | None = None) -> int:
         """``max_plate_nesting`` as given, else as declared by model and guide (every library model and
         guide declares it), else found by tracing them once (cached per model and guide)."""
@@ -192,19 +192,21 @@ class ParticleObjective(ELBO):
         """(loss value, surrogate) from one batch of particles."""
         raise NotImplementedError
 
-    def surrogate(self, model: Callable, guide: Callable, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def surrogate(self, model: Callable | None, guide: Callable | None, *args,
+                  **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """(value of the estimated loss, surrogate scalar whose gradient is the estimator)."""
         return self.from_particles(self.particles(model, guide, *args, **kwargs), *args, **kwargs)
 
     # ------------------------------------------------------------------ pyro.infer.ELBO API
-    def loss(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
+    def loss(self, model: Callable | None, guide: Callable | None, *args, **kwargs) -> float:
         """The estimated loss (no gradients)."""
         ctx = torch.enable_grad() if self.needs_grad_for_value else torch.no_grad()
         with ctx:
             value, _ = self.model_surrogate(model, guide, *args, **kwargs)
         return float(value)
 
-    def model_surrogate(self, model: Callable, guide: Callable, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def model_surrogate(self, model: Callable | None, guide: Callable | None, *args,
+                        **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`surrogate`, or the cost-aware loss (5.27) of a model transformed by
         :class:`~ppl_thought.transforms.CostAware` (this objective's loss as the cross-entropy estimate)."""
         cost = getattr(model, "cost_aware", None)
@@ -212,11 +214,11 @@ class ParticleObjective(ELBO):
             return cost.surrogate(self, model, guide, *args, **kwargs)
         return self.surrogate(model, guide, *args, **kwargs)
 
-    def differentiable_loss(self, model: Callable, guide: Callable, *args, **kwargs) -> torch.Tensor:
+    def differentiable_loss(self, model: Callable | None, guide: Callable | None, *args, **kwargs) -> torch.Tensor:
         """The surrogate (its gradient is the estimator; its value is not the loss)."""
         return self.model_surrogate(model, guide, *args, **kwargs)[1]
 
-    def loss_and_grads(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
+    def loss_and_grads(self, model: Callable | None, guide: Callable | None, *args, **kwargs) -> float:
         """The estimated loss; back-propagates the surrogate into every parameter it reaches."""
         value, surr = self.model_surrogate(model, guide, *args, **kwargs)
         if surr.requires_grad:
@@ -261,7 +263,7 @@ class TwoSampler(ParticleObjective):
         super().__init__(num_particles, max_plate_nesting)
         self.train_guide = train_guide
 
-    def surrogate(self, model: Callable[..., Any], guide: Callable[..., Any], *args: Any, **kwargs: Any):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, *args: Any, **kwargs: Any):
         with torch.no_grad():
             inf = self.particles(model, guide, *args, **kwargs)
         tr = self.particles(model, self.train_guide, *args, **kwargs)
@@ -289,7 +291,7 @@ class SFT(ParticleObjective):
         super().__init__(num_particles, max_plate_nesting)
         self.site = site
 
-    def surrogate(self, model: Callable[..., Any], guide: Callable[..., Any], *args: Any,
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, *args: Any,
                   sequences: ArrayLike | None = None, **kwargs: Any):
         if sequences is None:
             pt = self.particles(model, guide, *args, **kwargs)
@@ -397,7 +399,7 @@ class Inquisitive(SamplerPolicyGradient):
         super().__init__(num_particles, invalid_reward, max_plate_nesting)
         self.norm_floor = norm_floor
 
-    def surrogate(self, model: Callable[..., Any], guide: Callable[..., Any], *args: Any, **kwargs: Any):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, *args: Any, **kwargs: Any):
         with torch.enable_grad():
             pt = self.particles(model, guide, *args, **kwargs)
             if not pt.params:
@@ -437,7 +439,7 @@ class SeparatePolicy(ParticleObjective):
         super().__init__(num_particles, max_plate_nesting)
         self.reward, self.site, self.train_sampler, self.floor = reward, site, train_sampler, floor
 
-    def surrogate(self, model: Callable[..., Any], guide: Callable[..., Any], *args: Any, **kwargs: Any):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, *args: Any, **kwargs: Any):
         with torch.enable_grad():
             pt = self.particles(model, guide, *args, **kwargs)
             if self.site not in pt.values:
@@ -536,7 +538,7 @@ class Sum(ParticleObjective):
     def _shares(t: ParticleObjective) -> bool:
         return type(t).surrogate is ParticleObjective.surrogate
 
-    def surrogate(self, model: Callable[..., Any], guide: Callable[..., Any], *args: Any, **kwargs: Any):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, *args: Any, **kwargs: Any):
         shared = [t for t in self.terms if self._shares(t)]
         pt = None
         if shared and len({t.num_particles for t in shared}) == 1:

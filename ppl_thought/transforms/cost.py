@@ -118,8 +118,8 @@ class CostAware(Transform):
         t_tilde = (wt * lp).sum() - wt.sum().detach() * (w * lp).sum()
         return tau.mean(), t_tilde
 
-    def surrogate(self, objective: SupportsParticles, model: Callable[..., Any], guide: Callable[..., Any], *args: Any,
-                  **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def surrogate(self, objective: SupportsParticles, model: Callable[..., Any] | None,
+                  guide: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(value C_s T_s, surrogate) of the cost-aware loss for an SVI ``objective`` (a ParticleObjective)."""
         value_c, surr_c = objective.surrogate(model, guide, *args, **kwargs)
         cost_kwargs = {k: v for k, v in kwargs.items() if k != "sequences"}

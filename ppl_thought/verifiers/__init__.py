@@ -6,7 +6,9 @@
   (:class:`LocallyOptimalProposal`, :class:`WeightedRejectionProposal`);
 * the samplers: :class:`RejectionSampling` (Def 3.1.4), :class:`TokenwiseRejection` (Def 3.1.5),
   :class:`VerifierSMC` (``pt.infer.SMC`` on :class:`VerifiedLM`), :class:`TokenwiseBacktracking` (Algorithm 1),
-  :class:`VGB`.
+  :class:`VGB`;
+* a trained, imperfect verifier: :class:`LinearProbeVerifier` (Section 3.2.1.2) and its error parser
+  :func:`first_errors`.
 
 Names are imported on first use: :mod:`ppl_thought.verifiers.process` sits low in the layers (data sets build
 verifiers), the samplers above the engines (docs/architecture.md, "The layers").
@@ -24,6 +26,7 @@ _NAMES = {
     "NextToken": "program", "verifier_factor": "program",
     "RejectionSampling": "sampling", "TokenwiseRejection": "sampling", "VerifierSMC": "sampling",
     "TokenwiseBacktracking": "backtracking", "VGB": "backtracking", "TabularValue": "backtracking",
+    "LinearProbeVerifier": "trained", "first_errors": "trained",
 }
 
 __all__ = sorted(_NAMES)

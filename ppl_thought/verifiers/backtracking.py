@@ -55,7 +55,29 @@ class PrefixRows:
         self.head = head  # [P]
         self.tokens = torch.full((n, horizon), PAD_ID, dtype=torch.long, device=dev)
         self.lengths = torch.zeros(n, dtype=torch.long, device=dev)
+        self.floor = torch.zeros(n, dtype=torch.long, device=dev)  # pop never goes below it
         self.mask = generated_tokens(lm.vocab_size, dev)
+
+    def start_at(self, prefixes: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """Start every row at its own right-padded prefix ``[n, P]`` (``P <= horizon``); rows never erase their
+        first ``keep [n]`` tokens (default: the whole prefix)."""
+        prefixes = torch.as_tensor(prefixes, dtype=torch.long, device=self.tokens.device)
+        if prefixes.ndim != 2 or prefixes.shape[0] != self.n or prefixes.shape[1] > self.horizon:
+            raise ConfigError(f"row_prompts must be right-padded token ids [num_samples={self.n}, P <= "
+                              f"{self.horizon}], got shape {tuple(prefixes.shape)}")
+        is_tok = prefixes != PAD_ID
+        if prefixes.shape[1] > 1 and (is_tok[:, 1:] & ~is_tok[:, :-1]).any():
+            raise ConfigError("row_prompts must be right-padded: a token after <pad>")
+        self.tokens[:, :prefixes.shape[1]] = prefixes
+        self.lengths = is_tok.sum(-1)
+        if keep is None:
+            self.floor = self.lengths.clone()
+        else:
+            keep = torch.as_tensor(keep, dtype=torch.long, device=self.tokens.device)
+            if keep.shape != (self.n,) or (keep < 0).any() or (keep > self.lengths).any():
+                raise ConfigError(f"keep must be [{self.n}] counts between 0 and each row's prompt length, got "
+                                  f"{keep.tolist() if keep.numel() <= 8 else tuple(keep.shape)}")
+            self.floor = keep.clone()
 
     def reset(self, rows: torch.Tensor) -> None:
         self.tokens[rows] = PAD_ID
@@ -77,7 +99,7 @@ class PrefixRows:
 
     def pop(self, rows: torch.Tensor, k: int | torch.Tensor = 1) -> None:
         """Erase the last ``k`` tokens of each row (fewer if the row is shorter)."""
-        new = (self.lengths[rows] - k).clamp(min=0)
+        new = torch.maximum(self.lengths[rows] - k, self.floor[rows])
         cols = torch.arange(self.horizon, device=self.tokens.device)
         erase = cols[None, :] >= new[:, None]
         self.tokens[rows] = torch.where(erase, torch.full_like(self.tokens[rows], PAD_ID), self.tokens[rows])
@@ -122,11 +144,19 @@ class TokenwiseBacktracking:
         quota: Q >= 0, backtracks allowed per row.
         stride: B >= 1, tokens erased per backtrack.
 
-    ``run(lm, verifier, prompt=None, generator=None)``: ``verifier`` is a
-    :class:`~ppl_thought.verifiers.ProcessVerifier` or any callable mapping right-padded prefixes
+    ``run(lm, verifier, prompt=None, generator=None, row_prompts=None, keep=None)``: ``verifier`` is
+    a :class:`~ppl_thought.verifiers.ProcessVerifier` or any callable mapping right-padded prefixes
     ``[m, D]`` to bool ``[m]`` (a trained, imperfect verifier). Returns a :class:`Result` with
     ``samples[site]`` ``[num_samples, D]`` and ``stats``: ``lm_calls``, ``verifier_calls`` (totals) and per
     sample (``lm_calls_per_sample``, ``verifier_calls_per_sample``, ``backtracks_per_sample``).
+
+    Per-row prompts (Table 3.3 completes a different prompt in every row): ``row_prompts`` ``[num_samples, P]``
+    right-padded (``prompt`` must then be ``None``). Each row starts at its prompt ``x`` and ``D`` is the length
+    of the whole string ``x o s``: the verifier is asked about ``x o s`` and the samples are the whole strings.
+    Erasures stop at the prompt (``s <- s_{1:|s|-B}`` erases generated tokens only); ``keep [num_samples]``
+    lowers that floor to the first ``keep`` tokens of each row, for prompts that end with tokens the model
+    generated (the error-inducing prefixes of Sections 3.2.1.3-3.2.1.4: the OOD prompt, kept, then the
+    model's own tokens up to its error, which a backtrack may erase).
     """
 
     def __init__(self, num_samples: int, max_len: int, quota: int = 4, stride: int = 4, top_p: float = 1.0,
@@ -141,10 +171,17 @@ class TokenwiseBacktracking:
         self.site = site
 
     def run(self, lm: torch.nn.Module, verifier: Verifier, prompt: torch.Tensor | None = None,
-            generator: torch.Generator | None = None) -> Result:
+            generator: torch.Generator | None = None, row_prompts: torch.Tensor | None = None,
+            keep: torch.Tensor | None = None) -> Result:
         _check_lm_verifier(lm, verifier, self.max_len, "TokenwiseBacktracking")
         n, D, B = self.num_samples, self.max_len, self.stride
+        if row_prompts is not None and prompt is not None:
+            raise ConfigError("give either prompt (shared by every row) or row_prompts (one per row), not both")
         rows = PrefixRows(lm, n, D, prompt)
+        if row_prompts is not None:
+            rows.start_at(row_prompts, keep)
+        elif keep is not None:
+            raise ConfigError("keep needs row_prompts")
         dev = rows.tokens.device
         quota = torch.full((n,), self.quota, dtype=torch.long, device=dev)
         lm_calls = torch.zeros(n, dtype=torch.long, device=dev)
