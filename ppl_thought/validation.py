@@ -59,6 +59,7 @@ class SupportsLogProb(Protocol):
 
     def log_prob(self, *args: Any, **kwargs: Any) -> Any: ...
 
+
 ENABLED: bool = os.environ.get("PPL_THOUGHT_TYPECHECK", "1").strip().lower() not in ("0", "false", "no", "off")
 
 CONF = BeartypeConf(
