@@ -125,7 +125,7 @@ class Projection(ABC):
     def _check_image(self, x: np.ndarray) -> None:  # noqa: B027 (optional hook)
         """Raise NotInImageError if x is not a prefix of any sequence in the image of Proj."""
 
-    def project(self, z: ArrayLike):
+    def project(self, z: ArrayLike | int | float):  # a scalar: the rows of a list batch reach as_id_array's message
         """Proj^{<w}(z) (Def 2.6), batched.
 
         ``z`` is one latent string (1-D ids, a string, or token strings) -> 1-D int64 array; or a
