@@ -22,6 +22,7 @@ import torch
 
 from ppl_thought.errors import DependencyError
 from ppl_thought.experiments.a5 import A5Config, run_a5
+from ppl_thought.experiments.common import provenance
 from ppl_thought.experiments.sec7 import Sec7Config, run_sec7
 from ppl_thought.inference.result import Result
 from ppl_thought.io import atomic_write, atomic_write_json
@@ -232,7 +233,9 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
             raise ValueError(f"seeds must be >= 1, got {seeds}")
         c7 = replace(c7, seeds=seeds)
     t0 = time.time()
-    results: dict = {"quick": quick, "seed": seed, "machine": _machine()}
+    source = provenance()  # the commit (and whether the checkout had uncommitted changes) of the code that runs
+    results: dict = {"quick": quick, "seed": seed, "commit": source["commit"], "dirty": source["dirty"],
+                     "machine": _machine()}
     arrays: dict = {}
     if "sec7" in parts:
         results["sec7"] = run_sec7(c7, seed, progress)

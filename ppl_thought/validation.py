@@ -73,11 +73,19 @@ CONF = BeartypeConf(
 UNCHECKED: dict[str, str] = {}
 
 _MARK = "__ppl_thought_checked__"
-# methods that engines call per token or per step: checked once per run at the engine's boundary instead (the
-# automaton's and the token rule's per-token tables, LMState.feed: a protocol hint such as ArrayLike or LMCache costs
-# tens of microseconds per isinstance, more than the step itself on a small model)
-_HOT = frozenset({"forward", "step", "init", "log_prob", "sample", "rsample", "expand", "reorder", "index_select",
-                  "advance", "mask", "is_final", "num_emitted", "feed", "feed_checked"})
+# methods that engines call per token or per step: checked once per run at the engine's boundary instead
+_HOT = frozenset({
+    "forward", "step", "init", "log_prob", "sample", "rsample", "expand", "reorder", "index_select",
+    # LMState / Segment / LMSequence: an engine calls these once per token step
+    "segment", "next_token", "extend", "snapshot", "feed", "feed_checked", "sample_with_log_prob", "step_log_probs",
+    "lm_kwargs_for",
+    # TokenRule (automaton stepping for all particles at once)
+    "allowed", "log_probs", "inactive_row", "advance", "is_final", "num_emitted", "end_tables", "forced_runs",
+    # Automaton (its states/tokens hint ArrayLike: a protocol isinstance costs tens of microseconds per call)
+    "mask",
+    # caches and the HuggingFace adapter's per-step id maps
+    "with_rows", "append", "store", "finish", "latent_projections", "empty", "to_hf", "from_hf", "library_logits",
+})
 
 
 def _qualname(obj: Any) -> str:

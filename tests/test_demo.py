@@ -193,6 +193,7 @@ def test_tiny_end_to_end_demo_writes_json(tmp_path):
         res = run_demo(out=str(tmp_path), quick=True, seed=0, n=4, sec7_config=c7, a5_config=ca5, progress=False,
                        parts=("sec7", "a5"))
     saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["commit"]) == 40 and "dirty" in saved and saved["seconds"] > 0  # where the numbers come from
     for key in ("L_fast", "L_pred", "L_expl", "L_fast_se", "L_pred_se", "L_expl_se", "relative_improvement",
                 "causal_gap", "causal_gap_curve", "test_loss_curve"):
         assert key in saved["sec7"], key

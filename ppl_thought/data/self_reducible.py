@@ -61,6 +61,33 @@ argument),
 
 and :func:`tv_bound` also gives the sharper version with the exact good interval and binomial tail.
 
+Theorem 5.13's rejection step (:func:`rejection_log_law`, :func:`rejection_sample`)
+-------------------------------------------------------------------------------------
+The proof of Theorem 5.13 (Appendix D.3, after (66)) turns the approximate sampler into an exact one by
+rejection, as in Jerrum, Valiant and Vazirani:
+
+    draw y ~ pi(. | x);  if y not in R(x), reject;  else accept with probability p(y | x) / (beta pi(y | x)),
+    beta = e^{1/2},  and repeat, at most N times (error source (2), N = O(beta^2 log(2 / eps)), (68)).
+
+The proposal ``pi`` is the self-consistent sampler of Lemma 5.11, and ``pi(y | x)`` is its probability of ``y``:
+``q_T(y) = prod_i q_T(y_i | y_<i)`` with ``q_T(. | y_<i) = E[pi*]``, the law of the token it emits at each
+prefix (:func:`sampler_log_law`). This is the probability the identity (67) needs (the proposal's own law of
+``y``), and it makes the output law exact: one trial emits an accepted ``y`` with probability
+``a(y) = min(q_T(y), p(y) / beta)`` on ``R(x)`` (the acceptance is clipped at 1 where ``q_T(y) < p(y) / beta``,
+i.e. where the Lemma-5.11 estimates of (62)-(66) fail, error source (1)), and 0 outside. With ``A = sum_y a(y)``
+and at most ``N`` trials, the algorithm returns the first accepted ``y``, or the ``N``-th proposal if all were
+rejected (so it always returns an assignment; that fallback is where error source (2) lands):
+
+    out(y) = a(y) (1 - (1 - A)^N) / A + (1 - A)^{N - 1} (q_T(y) - a(y)).
+
+Where every solution has ``q_T(y) >= p(y) / beta``, ``a(y) = 1 / (beta |R(x)|)`` is constant, (67), and the
+accepted part of ``out`` is exactly uniform: the O(sqrt(alpha)) floor of Lemma 5.11 is gone and only the
+clipped solutions and the fallback mass ``(1 - A)^N`` remain. ``p(y | x) = 1 / |R(x)|`` needs the count;
+``log_count`` may pass an estimate (e.g. from :func:`count_by_sampling`); a wrong count only rescales ``A`` and
+the clipping threshold. (Using the *random* consensus product ``prod_i pi*_i(y_i)`` of one draw in the
+acceptance instead gives, per trial, ``E[min(prod_i pi*_i(y_i), p(y) / beta)] <= a(y)`` by Jensen, since
+``E[prod_i pi*_i(y_i)] = q_T(y)``; that law has no product form and is not computed here.)
+
 Counting by sampling (:func:`count_by_sampling`): the sampler records the consensus probability of
 every token it draws; along a drawn solution, ``-sum_i log pi*(y_i | y_<i)`` estimates ``log |R(x)|``.
 :func:`self_reducible_curve` reports the total variation and the mean absolute log-count error per T.
@@ -328,6 +355,92 @@ def tv_bound(cnf: CNF, model: WeakCoT, T: int, sharp: bool = False) -> float:
         weight = cnf.counts[i].to(_DTYPE) / cnf.num_solutions  # p(y_<i)
         total += float((weight * per_prefix).sum())
     return total
+
+
+SQRT_E = math.exp(0.5)  # beta of Theorem 5.13's proof, (66)
+
+
+def _check_rejection_args(beta: float, trials: int) -> float:
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (math.isfinite(beta) and beta >= 1):
+        raise ConfigError(f"beta (the ratio band of Theorem 5.13, (66)) must be a finite real >= 1, got {beta!r}")
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ConfigError(f"trials (N of Theorem 5.13, (68)) must be a positive integer, got {trials!r}")
+    return float(beta)
+
+
+def _log_p_target(cnf: CNF, log_count: float | None) -> float:
+    """``log p(y | x)`` on ``R(x)`` as the acceptance rule uses it: ``-log |R(x)|`` or ``-log_count``."""
+    if log_count is None:
+        return -math.log(cnf.num_solutions)
+    if isinstance(log_count, bool) or not isinstance(log_count, (int, float)) or not math.isfinite(log_count):
+        raise ConfigError(f"log_count (an estimate of log |R(x)|) must be a finite real, got {log_count!r}")
+    return -float(log_count)
+
+
+def rejection_acceptance(cnf: CNF, log_q: torch.Tensor, beta: float = SQRT_E,
+                         log_count: float | None = None) -> torch.Tensor:
+    """Acceptance probability of every assignment in Theorem 5.13's rejection step: ``[2^m]`` float64.
+
+    ``0`` outside ``R(x)``; ``min(1, p(y | x) / (beta q(y)))`` on ``R(x)``, where ``q = exp(log_q)`` is the
+    proposal's law (``1`` where ``q(y) = 0``: such ``y`` is never proposed).
+    """
+    beta = _check_rejection_args(beta, 1)
+    if log_q.shape != (2**cnf.m,):
+        raise MalformedSequenceError(f"log_q must have shape [2^m] = [{2**cnf.m}], got {tuple(log_q.shape)}")
+    if torch.isnan(log_q).any():
+        raise MalformedSequenceError("log_q has NaN entries")
+    log_ratio = _log_p_target(cnf, log_count) - math.log(beta) - log_q.to(_DTYPE)  # +inf where q = 0
+    acc = torch.exp(log_ratio.clamp(max=0.0))
+    return torch.where(cnf.satisfied, acc, torch.zeros_like(acc))
+
+
+def rejection_log_law(cnf: CNF, model: WeakCoT, T: int, beta: float = SQRT_E, trials: int = 16,
+                      log_count: float | None = None, proposal_log_law: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """``log out(y)`` for all ``2^m`` assignments: Theorem 5.13's rejection step on the Lemma-5.11 sampler, exact.
+
+    The proposal is ``q_T`` (:func:`sampler_log_law`, or ``proposal_log_law`` if given); one trial accepts ``y``
+    with probability :func:`rejection_acceptance`; at most ``trials`` trials, then the last proposal is returned:
+    ``out(y) = a(y) (1 - (1 - A)^N) / A + (1 - A)^{N-1} (q(y) - a(y))`` with ``a = q * acceptance``,
+    ``A = sum a`` (module docstring). Compare with :func:`total_variation`.
+    """
+    beta = _check_rejection_args(beta, trials)
+    _check_T(T)
+    log_q = sampler_log_law(cnf, model, T) if proposal_log_law is None else proposal_log_law.to(_DTYPE)
+    acc = rejection_acceptance(cnf, log_q, beta, log_count)
+    q = log_q.exp()
+    a = q * acc
+    A = float(a.sum())
+    miss = min(max(1.0 - A, 0.0), 1.0)  # A <= sum q = 1 up to rounding
+    geometric = trials if A <= 0 else (1.0 - miss**trials) / A  # sum_{n < N} (1 - A)^n
+    out = a * geometric + miss ** (trials - 1) * (q - a).clamp_min(0.0)
+    return torch.log(out)
+
+
+def rejection_sample(cnf: CNF, model: WeakCoT, T: int, n: int, beta: float = SQRT_E, trials: int = 16,
+                     generator: torch.Generator | None = None, log_count: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw ``n`` outputs of Theorem 5.13's rejection step (the algorithm itself, vectorised over ``n``).
+
+    Each trial draws ``y`` from ``q_T`` by :func:`sample` (fresh paths and consensus at every prefix), accepts it
+    with probability ``min(1, p(y) / (beta q_T(y)))`` on ``R(x)`` (``q_T(y)`` from :func:`sampler_log_law`), and
+    rows still waiting after ``trials`` trials keep their last proposal. Returns ``(y [n, m] int64,
+    accepted [n] bool)``; the law of ``y`` is :func:`rejection_log_law`.
+    """
+    beta = _check_rejection_args(beta, trials)
+    _check_T(T)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"rejection_sample needs a positive integer n, got {n!r}")
+    acc_table = rejection_acceptance(cnf, sampler_log_law(cnf, model, T), beta, log_count)
+    out = torch.zeros(n, cnf.m, dtype=torch.long, device=cnf.device)
+    done = torch.zeros(n, dtype=torch.bool, device=cnf.device)
+    for _ in range(trials):
+        y, _ = sample(cnf, model, T, n, generator)
+        u = torch.rand(n, generator=generator, dtype=_DTYPE, device=cnf.device)
+        take = ~done
+        out[take] = y[take]
+        done = done | (u < acc_table[cnf.prefix_index(y)])
+    return out, done
 
 
 def sample(cnf: CNF, model: WeakCoT, T: int, n: int, generator: torch.Generator | None = None

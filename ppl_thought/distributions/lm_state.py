@@ -84,8 +84,9 @@ class LMState:
     # ------------------------------------------------------------------ construction
     @classmethod
     def start(cls, lm: torch.nn.Module, n: int, prompt: ArrayLike | None = None, rule: TokenRule | None = None,
-              max_len: int = 1 << 30, stop_ids: torch.Tensor | None = None, lm_kwargs: dict | None = None,
-              device: torch.device | str | None = None, name: str | None = None, chunk: int = 0) -> LMState:
+              max_len: int = 1 << 30, stop_ids: torch.Tensor | Sequence[int] | None = None,
+              lm_kwargs: dict | None = None, device: torch.device | str | None = None, name: str | None = None,
+              chunk: int = 0) -> LMState:
         """Encode ``<bos> + prompt`` (1-D, shared: encoded once and expanded; or ``[n, P]`` right-padded;
         ``[r, P]`` with r dividing n gives each prompt to n / r consecutive rows).
 
@@ -118,8 +119,8 @@ class LMState:
 
     @classmethod
     def encode(cls, lm: torch.nn.Module, n: int, prompt: ArrayLike | None = None, rule: TokenRule | None = None,
-               max_len: int = 1 << 30, stop_ids: torch.Tensor | None = None, lm_kwargs: dict | None = None,
-               device: torch.device | str | None = None, chunk: int = 0) -> LMState:
+               max_len: int = 1 << 30, stop_ids: torch.Tensor | Sequence[int] | None = None,
+               lm_kwargs: dict | None = None, device: torch.device | str | None = None, chunk: int = 0) -> LMState:
         """:meth:`start` for an LM registered already (no ``pyro.module`` call): what a distribution or a
         transform that registered its LM at its own site uses."""
         state = cls._encode_prompt(lm, n, prompt, rule, max_len, stop_ids, lm_kwargs, device)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import platform
+import subprocess
 from collections.abc import Callable
 
 import numpy as np
@@ -13,7 +16,7 @@ import torch
 from ppl_thought.distributions.lm_state import masked_log_softmax
 from ppl_thought.io import atomic_write_json
 
-__all__ = ["score", "set_lr", "standard_error", "run_alone"]
+__all__ = ["score", "set_lr", "standard_error", "run_alone", "provenance"]
 
 
 def score(lm: torch.nn.Module, tokens: torch.Tensor, start: int, allowed: torch.Tensor) -> torch.Tensor:
@@ -31,6 +34,27 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 def standard_error(x: np.ndarray) -> float:
     """The standard error of the mean of ``x`` (NaN for fewer than two values)."""
     return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan")
+
+
+def provenance() -> dict:
+    """Where a result comes from, for the JSON of a documented run: the git commit of the package's checkout
+    (``dirty`` when the package's tracked files have uncommitted changes; None outside a git checkout) and the
+    machine."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no", "--", "ppl_thought")  # the code, not the docs
+    return {"commit": commit, "dirty": bool(status) if status is not None else None,
+            "machine": {"nproc": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                        "python": platform.python_version(), "torch": torch.__version__}}
 
 
 def run_alone(doc: str, run: Callable, config_cls, argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """Section 7 of slow-thinking-active-perception (App. L, Fig 7.1), at small scale.
 
     python -m ppl_thought.experiments.sec7 [--quick] [--seed S] [--json FILE]
+    python -m ppl_thought.experiments.sec7 --seeds 5 --n 8 16 --json FILE      (run_seeds)
 
 Part 1, Section 7 (App. L, Fig 7.1): explanatory vs predictive samplers on the hidden-choice task
 (:mod:`ppl_thought.data.query_response`, a natural instance of Example 5.1). Three trainings with
@@ -16,6 +17,14 @@ pretrained LLM), repeated over ``Sec7Config.seeds`` replicates:
 
 Test loss: (7.1) on held-out data with each method's own sampler and n samples, per response
 token; the causal gap (7.3) over training.
+
+App. L at fidelity (the defaults, as in the paper): the gating trick (L.1)/(L.2) for P of both latent
+methods and, with its own MLP, for the explanatory sampler (:func:`gate_mix`); joint gradient clipping
+of P and Q (``Sec7Config.clipping="separate"`` for the alternative of Fig L.2, :func:`clip_gradients_`).
+:func:`run_seeds` runs several seeds at n = 8 and 16 (the Table of Section 7 and Fig L.2, right) and
+summarises them with standard errors across seeds and a bootstrap interval of the relative improvement:
+
+    python -m ppl_thought.experiments.sec7 --seeds 5 --n 8 16 [--quick] [--steps N] [--batch B] --json FILE
 """
 
 
@@ -24,7 +33,8 @@ from __future__ import annotations
 import copy
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -32,7 +42,8 @@ from tqdm.auto import tqdm
 
 from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
 from ppl_thought.distributions.lm_state import masked_log_softmax
-from ppl_thought.experiments.common import run_alone, score, set_lr, standard_error
+from ppl_thought.errors import ConfigError
+from ppl_thought.experiments.common import provenance, run_alone, score, set_lr, standard_error
 from ppl_thought.lm import Transformer
 from ppl_thought.lm.gated import gate_mlp
 from ppl_thought.projections import QueryResponse
@@ -65,13 +76,26 @@ class Sec7Config:
     pretrain_steps: int = 6000  # at most this many steps ...
     pretrain_target: float = 0.005  # ... or until the held-out loss of a response given its method is below this
     pretrain_lr: float = 1e-2
+    pretrain_batch: int = 32  # the base model's batch (fine-tuning uses ``batch``)
     thought_alphabet: str = "methods"  # "methods": thoughts are method names; "ordinary": any ordinary token
     seeds: int = 3  # replicates of the whole experiment (base model, data, initialisation, sampling)
-    gating: bool = False  # the gating trick (L.1)/(L.2) for the latent model P of both latent methods
+    # App. L, as the paper does by default: the gating trick (L.1)/(L.2) for the latent model P of both latent
+    # methods, the same trick with its own MLP for the explanatory sampler, and joint gradient clipping
+    gating: bool = True  # gate P (L.1)/(L.2)
+    gate_sampler: bool = True  # gate the explanatory sampler (App. L, after (L.2)); the predictive one has no x_r
+    clipping: str = "joint"  # "joint": P and Q clipped as one model (App. L); "separate": each alone (Fig L.2)
+
+    def __post_init__(self) -> None:
+        if self.clipping not in ("joint", "separate"):
+            raise ConfigError(f"Sec7Config.clipping must be 'joint' or 'separate' (App. L, Fig L.2), "
+                              f"got {self.clipping!r}")
+        if self.thought_alphabet not in ("methods", "ordinary"):
+            raise ConfigError(f"Sec7Config.thought_alphabet must be 'methods' or 'ordinary', "
+                              f"got {self.thought_alphabet!r}")
 
     @classmethod
     def quick(cls, n: int = 8) -> Sec7Config:
-        """The sizes of ``ppl-thought demo --quick`` (under five minutes on 2 cores with A5)."""
+        """The sizes of ``ppl-thought demo --quick``."""
         return cls(n=n, steps=300, num_test=512, eval_every=50, seeds=1)
 
 
@@ -85,6 +109,29 @@ def _logits_and_features(lm: Transformer, tokens: torch.Tensor) -> tuple[torch.T
     finally:
         handle.remove()
     return logits, out["f"]
+
+
+def gate_mix(gate: torch.nn.Module, f_fast: torch.Tensor, f_slow: torch.Tensor, fast: torch.Tensor,
+             slow: torch.Tensor) -> torch.Tensor:
+    """The gating trick of App. L: (L.1) ``p_fast * fast + p_slow * slow`` with (L.2)
+    ``[p_fast, p_slow] = softmax(MLP(f_fast (+) f_slow))`` row by row, for the latent model P (fast: ``x x_r``,
+    slow: ``x <s> y </s> x_r``) and for the explanatory sampler (fast: the predictive format ``x <s> y``, slow:
+    the explanatory one). ``f_*`` are the features before the unembedding ``[..., d]``, ``fast``/``slow`` the
+    logits ``[..., V]`` at the same rows."""
+    g = torch.softmax(gate(torch.cat([f_fast, f_slow], -1)), -1)
+    return g[..., :1] * fast + g[..., 1:] * slow
+
+
+def clip_gradients_(groups: list[list[torch.Tensor]], max_norm: float, mode: str) -> list[float]:
+    """Gradient clipping of App. L. ``mode="joint"``: all groups as one model, v / max(1, ||v|| / max_norm)
+    with v = v_latent (+) v_sampler (what the paper does); ``"separate"``: each group alone,
+    v_latent / max(1, ||v_latent|| / max_norm) (+) v_sampler / max(1, ||v_sampler|| / max_norm) (the
+    alternative of Fig L.2, left). Returns the norm(s) before clipping (one for joint, one per group)."""
+    if mode == "joint":
+        return [clip_joint_([p for g in groups for p in g], max_norm)]
+    if mode == "separate":
+        return [clip_joint_(g, max_norm) for g in groups]
+    raise ConfigError(f"clipping mode must be 'joint' or 'separate' (App. L, Fig L.2), got {mode!r}")
 
 
 def latent_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -132,10 +179,8 @@ class Sec7:
         self.thought = torch.zeros(V, dtype=torch.bool)  # the thought alphabet (ordinary tokens, QueryResponse)
         if cfg.thought_alphabet == "ordinary":
             self.thought[torch.as_tensor(v.ordinary_ids)] = True
-        elif cfg.thought_alphabet == "methods":
+        else:  # "methods" (Sec7Config checks the value)
             self.thought[[v.id(t) for t in task.methods]] = True
-        else:
-            raise ValueError(f"thought_alphabet must be 'methods' or 'ordinary', got {cfg.thought_alphabet!r}")
         self.projection = QueryResponse(v, max_thought_len=cfg.thought_len)
         k = task.query_len
         self.k = k
@@ -180,7 +225,7 @@ class Sec7:
         with tqdm(total=c.pretrain_steps, desc="Section 7: base model (shared)", disable=not progress) as bar:
             for step in range(1, c.pretrain_steps + 1):
                 set_lr(opt, cosine_lr(c.pretrain_lr, step - 1, c.pretrain_steps))
-                q, _, r = self.task.sample(c.batch, generator=g)
+                q, _, r = self.task.sample(c.pretrain_batch, generator=g)
                 opt.zero_grad()
                 loss = -score(lm, self._worked(q, r), self.k + 5, allowed).mean()  # the solution after </s>
                 loss.backward()
@@ -230,19 +275,39 @@ class Sec7:
         return torch.cat([self._obs(q, r), col(v.explain_id), col(v.think_id)], 1)
 
     # --- the pieces of (7.1)
-    def sample_thoughts(self, Q: torch.nn.Module, prompt: torch.Tensor) -> torch.Tensor:
-        """y ~ Q(. | prompt) exactly (no temperature, (7.2)), ``[B, thought_len]`` thought-token ids."""
-        y = torch.zeros(prompt.shape[0], 0, dtype=torch.long)
+    def q_logits(self, Q: torch.nn.Module, q: torch.Tensor, r: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+        """The sampler's logits at the thought positions, ``[B, |y| + 1, V]``: row j predicts thought token
+        j + 1 given ``y[:, :j]`` (the last row the token after ``y``). Predictive sampler (``r is None``):
+        Q on ``x <s> y``. Explanatory sampler: Q on ``x x_r <explain> <s> y``; with the gating trick
+        (``Q.gate``, App. L after (L.2)) the mixture :func:`gate_mix` of Q on the predictive format (fast)
+        and on the explanatory one (slow), so a fresh gate starts the explanatory sampler as a predictive one.
+        The gate acts at every decoding step of (7.2) too (decoding is repeated encoding)."""
+        prompt = self._sampler_prompt(q, r)
+        a = prompt.shape[1] - 1
+        gate = getattr(Q, "gate", None)
+        if gate is None or r is None:
+            logits, _ = Q(torch.cat([prompt, y], 1))
+            return logits[:, a:]
+        slow, f_slow = _logits_and_features(Q, torch.cat([prompt, y], 1))
+        fast_prompt = self._sampler_prompt(q, None)
+        b = fast_prompt.shape[1] - 1
+        fast, f_fast = _logits_and_features(Q, torch.cat([fast_prompt, y], 1))
+        return gate_mix(gate, f_fast[:, b:], f_slow[:, a:], fast[:, b:], slow[:, a:])
+
+    def sample_thoughts(self, Q: torch.nn.Module, q: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        """y ~ Q(. | x) (predictive, ``r is None``) or Q(. | x x_r) exactly (no temperature, (7.2)),
+        ``[B, thought_len]`` thought-token ids."""
+        y = torch.zeros(q.shape[0], 0, dtype=torch.long)
         with torch.no_grad():
             for _ in range(self.cfg.thought_len):
-                logits, _ = Q(torch.cat([prompt, y], 1))
-                p = masked_log_softmax(logits[:, -1], self.thought).exp()
+                p = masked_log_softmax(self.q_logits(Q, q, r, y)[:, -1], self.thought).exp()
                 y = torch.cat([y, torch.multinomial(p, 1)], 1)
         return y
 
-    def log_q(self, Q: torch.nn.Module, prompt: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """log Q(y | prompt) ``[B]``."""
-        return score(Q, torch.cat([prompt, y], 1), prompt.shape[1], self.thought).sum(-1)
+    def log_q(self, Q: torch.nn.Module, q: torch.Tensor, r: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+        """log Q(y | x) or log Q(y | x x_r), ``[B]``."""
+        lq = masked_log_softmax(self.q_logits(Q, q, r, y[:, :-1]), self.thought)
+        return lq.gather(-1, y[..., None]).squeeze(-1).sum(-1)
 
     def log_p_parts(self, P: torch.nn.Module, q, y, r) -> tuple[torch.Tensor, torch.Tensor]:
         """(log P(y | x), log P(x_r | x y)) ``[B]`` each, masked to Dom(Proj) (Def 2.8). With the gating
@@ -259,8 +324,7 @@ class Sec7:
         else:
             logits, f_slow = _logits_and_features(P, z[:, :-1])
             fast, f_fast = _logits_and_features(P, self._obs(q, r)[:, :-1])
-            g = torch.softmax(gate(torch.cat([f_fast[:, k + 1:], f_slow[:, rs - 1:]], -1)), -1)  # (L.2)
-            resp = g[..., :1] * fast[:, k + 1:] + g[..., 1:] * logits[:, rs - 1:]  # (L.1)
+            resp = gate_mix(gate, f_fast[:, k + 1:], f_slow[:, rs - 1:], fast[:, k + 1:], logits[:, rs - 1:])
         lp_y = masked_log_softmax(logits[:, ys - 1: ys - 1 + L], self.thought).gather(-1, z[:, ys:ys + L, None])
         lp_r = masked_log_softmax(resp, self.sigma).gather(-1, z[:, rs:, None])
         return lp_y.squeeze(-1).sum(-1), lp_r.squeeze(-1).sum(-1)
@@ -269,15 +333,14 @@ class Sec7:
         """n thoughts per example from the method's sampler (7.2) and their log P, log Q ``[B, n]``."""
         B = q.shape[0]
         qn, rn = q.repeat_interleave(n, 0), r.repeat_interleave(n, 0)
-        prompt = self._sampler_prompt(qn, rn if explanatory else None)
+        cond = rn if explanatory else None
         if self.cfg.thought_len == 1:  # one pass gives both the sample and log Q
-            logits, _ = Q(prompt)
-            lq_all = masked_log_softmax(logits[:, -1], self.thought)
+            lq_all = masked_log_softmax(self.q_logits(Q, qn, cond, qn[:, :0])[:, -1], self.thought)
             y = torch.multinomial(lq_all.detach().exp(), 1)
             lq = lq_all.gather(1, y).squeeze(1)
         else:
-            y = self.sample_thoughts(Q, prompt)
-            lq = self.log_q(Q, prompt, y)
+            y = self.sample_thoughts(Q, qn, cond)
+            lq = self.log_q(Q, qn, cond, y)
         lp_y, lp_r = self.log_p_parts(P, qn, y, rn)
         return y.view(B, n, -1), lp_y.view(B, n), lp_r.view(B, n), lq.view(B, n)
 
@@ -287,6 +350,7 @@ class Sec7:
         c = self.cfg
         q_all, r_all = data
         g = torch.Generator().manual_seed(self.seed + 17)
+        torch.manual_seed(1000 * self.seed + {"fast": 1, "pred": 2, "expl": 3}[method])  # sampling, gate init
         P = self._lm()
         nets = [P]
         Q = None
@@ -296,6 +360,8 @@ class Sec7:
             Q = self._lm()
             with torch.no_grad():
                 Q.embed.weight.mul_(c.sampler_init_scale)
+            if c.gate_sampler and method == "expl":
+                Q.gate = gate_mlp(c.d_model)  # the explanatory sampler's own MLP (App. L)
             nets.append(Q)
         params = [p for net in nets for p in net.parameters()]
         opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
@@ -316,7 +382,7 @@ class Sec7:
                 gaps = causal_gaps(lp_y, lp, lq)
                 train_gap.append(float(gaps.mean()) / norm)
             loss.backward()
-            clip_joint_(params, c.clip)  # joint clipping of P and Q together (App. L)
+            clip_gradients_([list(net.parameters()) for net in nets], c.clip, c.clipping)  # App. L, Fig L.2
             opt.step()
             bar.update(1)
             if step % c.eval_every == 0 or step == c.steps:
@@ -426,21 +492,34 @@ def _mean_curves(reps: list[dict], curves: str, value: str) -> dict:
 
 
 def _sec7_replicate(task: PermutationChoiceTask, cfg: Sec7Config, seed: int, test, progress: bool,
-                    label: str) -> dict:
-    """One replicate of the three trainings from one shared base model (see :func:`run_sec7`)."""
+                    label: str, shared: dict | None = None) -> dict:
+    """One replicate of the three trainings from one shared base model (see :func:`run_sec7`).
+
+    ``shared`` (a dict, filled on first use) carries the base model and the SFT run of this seed to the
+    replicates at other sampling sizes n: neither depends on n (:func:`run_seeds`)."""
     q_te, c_te, r_te = test
     g = torch.Generator().manual_seed(seed)
     q_tr, _, r_tr = task.sample(cfg.steps * cfg.batch, generator=g)  # one fixed training set for all three
     exp = Sec7(task, cfg, seed)
+    shared = {} if shared is None else shared
     runs = {}
     t0 = time.time()
-    exp.base(progress)
+    if "base" in shared:
+        exp._base, exp.base_info = shared["base"], shared["base_info"]
+    else:
+        exp.base(progress)
+        shared["base"], shared["base_info"] = exp._base, exp.base_info
     with tqdm(total=3 * cfg.steps, desc=f"Section 7, {label}: SFT / predictive / explanatory",
               disable=not progress) as bar:
         for method in ("fast", "pred", "expl"):
+            if method == "fast" and "fast" in shared:
+                runs[method] = shared["fast"]
+                bar.update(cfg.steps)
+                continue
             t = time.time()
             runs[method] = exp.train(method, (q_tr, r_tr), (q_te, r_te), bar)
             runs[method]["seconds"] = round(time.time() - t, 1)
+    shared["fast"] = runs["fast"]
     Lf, Lp, Le = (runs[m]["final"] for m in ("fast", "pred", "expl"))
     d_pred = Lf["per_example"] - Lp["per_example"]
     d_expl = Lf["per_example"] - Le["per_example"]
@@ -490,9 +569,207 @@ def mutual_information(thoughts: np.ndarray, choices: np.ndarray) -> float:
     return float((joint[nz] * np.log(joint[nz] / (py @ pc)[nz])).sum())
 
 
+# the paper's Section 7 / App. L numbers (Qwen2.5-7B on OpenWebMath), for comparison in the JSON
+PAPER = {"8": {"L_fast": 1.7345, "L_pred": 1.7331, "L_expl": 1.7294, "relative_improvement": 2.64},
+         "16": {"L_fast": 1.7345, "L_pred": 1.7301, "L_expl": 1.7278, "relative_improvement": 0.52}}
+
+# what run_seeds keeps of each replicate (the curves stay in the JSON too)
+_SEED_KEYS = ("seed", "L_fast", "L_pred", "L_expl", "L_fast_se", "L_pred_se", "L_expl_se", "gain_pred", "gain_pred_se",
+              "gain_expl", "gain_expl_se", "relative_improvement", "causal_gap", "causal_gap_pred",
+              "thought_choice_mutual_information", "criterion_expl_ge_2x_pred_and_3se", "base_model", "seconds",
+              "total_seconds", "num_params", "test_loss_curve", "causal_gap_curve")
+
+
+def bootstrap_relative_improvement(gain_pred: np.ndarray, gain_expl: np.ndarray, resamples: int = 10000,
+                                   seed: int = 0) -> dict:
+    """The relative improvement of Section 7, mean(gain_expl) / mean(gain_pred) - 1 over seeds, and its
+    bootstrap over seeds: resample the S seeds with replacement ``resamples`` times (paired: a seed brings
+    both its gains), the ratio of each resample's mean gains, its 2.5 / 97.5 percentiles (resamples whose
+    mean predictive gain is exactly 0 have no ratio and are left out). ``share_gain_pred_nonpositive`` is
+    the share of resamples with mean predictive gain <= 0, where the ratio does not read as "how much more
+    the explanatory sampler gains"; the same bootstrap of the difference gain_expl - gain_pred is always
+    defined."""
+    gp, ge = np.asarray(gain_pred, dtype=float), np.asarray(gain_expl, dtype=float)
+    if gp.shape != ge.shape or gp.ndim != 1 or len(gp) < 2:
+        raise ConfigError(f"gain_pred and gain_expl must be 1-d arrays of the same length >= 2 (one value per seed), "
+                          f"got shapes {gp.shape} and {ge.shape}")
+    idx = np.random.default_rng(seed).integers(len(gp), size=(resamples, len(gp)))
+    mp, me = gp[idx].mean(1), ge[idx].mean(1)
+    ok = mp != 0
+    ratio = me[ok] / mp[ok] - 1
+    diff = me - mp
+    return {"relative_improvement": _relative_improvement(float(gp.mean()), float(ge.mean())),
+            "ci95": [float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))] if ok.any() else None,
+            "share_gain_pred_nonpositive": float((mp <= 0).mean()),
+            "difference_ci95": [float(np.percentile(diff, 2.5)), float(np.percentile(diff, 97.5))],
+            "resamples": int(resamples), "bootstrap_seed": int(seed)}
+
+
+def summarize_seeds(rows: list[dict], resamples: int = 10000) -> dict:
+    """Across-seed summary of one n: mean and standard error across seeds (std / sqrt(S)) of the three test
+    losses, both gains and the causal gaps; the relative improvement with its bootstrap interval
+    (:func:`bootstrap_relative_improvement`)."""
+    out: dict = {"seeds": [r["seed"] for r in rows]}
+    for key in ("L_fast", "L_pred", "L_expl", "gain_pred", "gain_expl", "causal_gap", "causal_gap_pred",
+                "thought_choice_mutual_information"):
+        v = np.array([r[key] for r in rows], dtype=float)
+        out[key] = {"mean": float(v.mean()), "se": standard_error(v), "per_seed": v.tolist()}
+    gp = np.array(out["gain_pred"]["per_seed"])
+    ge = np.array(out["gain_expl"]["per_seed"])
+    d = ge - gp
+    out["gain_difference"] = {"mean": float(d.mean()), "se": standard_error(d)}
+    out["seeds_expl_beats_pred"] = int((d > 0).sum())
+    out["seeds_gain_pred_positive"] = int((gp > 0).sum())
+    out["seeds_gain_expl_positive"] = int((ge > 0).sum())
+    out["relative_improvement"] = bootstrap_relative_improvement(gp, ge, resamples) if len(rows) > 1 else {
+        "relative_improvement": _relative_improvement(float(gp.mean()), float(ge.mean()))}
+    return out
+
+
+def run_seeds(cfg: Sec7Config, seeds: int = 5, ns: tuple[int, ...] = (8, 16), seed: int = 0,
+              progress: bool = True, task_seed: int = 0, partial: Callable[[dict], None] | None = None) -> dict:
+    """The multi-seed Section 7 run (Table of Section 7 and Fig L.2, right): for seeds ``seed, ..., seed +
+    seeds - 1`` and each sampling size n in ``ns``, the three trainings; per seed and n the three test losses
+    (7.1), both gains and the causal gap (7.3); per n the summary across seeds (:func:`summarize_seeds`;
+    standard errors and the bootstrap need >= 2 seeds; a run split over processes is pooled by
+    :func:`merge_seed_runs`). ``partial``, if given, gets the result so far after every replicate (its
+    ``"partial"`` is True until the last).
+    One task and one test set (both from ``task_seed``); each seed's base model and SFT run are shared by its
+    sampling sizes (neither depends on n); ``cfg.n`` and ``cfg.seeds`` are ignored."""
+    if seeds < 1:
+        raise ConfigError(f"seeds must be >= 1, got {seeds}")
+    if not ns or any(int(n) < 1 for n in ns):
+        raise ConfigError(f"ns must be sampling sizes >= 1, got {ns}")
+    t0 = time.time()
+    source = provenance()  # at the start: the code that runs, whatever the checkout becomes meanwhile
+    task = permutation_choice_task(cfg.m, cfg.query_len, cfg.num_choices, seed=task_seed)
+    q_te, c_te, r_te = task.sample(cfg.num_test, generator=torch.Generator().manual_seed(task_seed + 7919))
+    runs: dict[str, list[dict]] = {str(n): [] for n in ns}
+    floor = -task.exact_log_prob(q_te, r_te).numpy() / (cfg.query_len + 2)
+
+    def result(done: bool) -> dict:
+        have = {k: v for k, v in runs.items() if v}
+        return {
+            **source,
+            "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("n", "seeds")},
+                       "ns": [int(n) for n in ns], "seeds": [seed + i for i in range(seeds)], "task_seed": task_seed},
+            "task": {"m": cfg.m, "query_len": cfg.query_len, "num_choices": cfg.num_choices,
+                     "thought_len": cfg.thought_len, "perms": task.perms.tolist()},
+            "entropy_floor": float(floor.mean()), "entropy_floor_exact": task.entropy_floor_per_token(),
+            "paper": {k: v for k, v in PAPER.items() if k in have},
+            "runs": have,
+            "summary": {k: summarize_seeds(v) for k, v in have.items()},
+            "seconds": round(time.time() - t0, 1),
+            "partial": not done,
+        }
+
+    for i in range(seeds):
+        shared: dict = {}
+        for n in ns:
+            rep = _sec7_replicate(task, replace(cfg, n=int(n), seeds=1), seed + i, (q_te, c_te, r_te), progress,
+                                  f"seed {seed + i}, n = {n}", shared)
+            runs[str(n)].append({k: rep[k] for k in _SEED_KEYS})
+            if partial is not None:
+                partial(result(False))
+    return result(True)
+
+
+def merge_seed_runs(parts: list[dict], allow_partial: bool = False) -> dict:
+    """One multi-seed result from several :func:`run_seeds` results of the same task and sizes that cover
+    different (seed, n) pairs (the run split over processes): the rows of each n are pooled, sorted by seed,
+    and summarized again. Each replicate depends only on its seed and n, so the pooled rows are those of
+    one run over all of them. ``seconds`` is the sum, ``commands`` lists the parts' commands. Parts still
+    running (``"partial": true``) are refused unless ``allow_partial``; the result then says ``"partial": true``."""
+    if not parts:
+        raise ConfigError("merge_seed_runs needs at least one run_seeds result, got none")
+    skip = ("ns", "seeds")
+    base = {k: v for k, v in parts[0]["config"].items() if k not in skip}
+    for p in parts[1:]:
+        other = {k: v for k, v in p["config"].items() if k not in skip}
+        if other != base or p["task"] != parts[0]["task"]:
+            diff = {k: (base.get(k), other.get(k)) for k in set(base) | set(other) if base.get(k) != other.get(k)}
+            raise ConfigError(f"merge_seed_runs: the parts differ in config or task; config differences {diff}")
+    runs: dict[str, dict[int, dict]] = {}
+    for p in parts:
+        for n, rows in p["runs"].items():
+            for r in rows:
+                if r["seed"] in runs.setdefault(n, {}):
+                    raise ConfigError(f"merge_seed_runs: seed {r['seed']} at n = {n} appears twice")
+                runs[n][r["seed"]] = r
+    ns = sorted(runs, key=int)
+    merged = {n: [runs[n][s] for s in sorted(runs[n])] for n in ns}
+    seeds = sorted({s for n in ns for s in runs[n]})
+    commits = {p.get("commit") for p in parts}
+    partial = any(p.get("partial") for p in parts)
+    if partial and not allow_partial:
+        raise ConfigError("merge_seed_runs: a part is partial (its run has not finished); allow_partial=True "
+                          "(--allow-partial) pools the replicates finished so far")
+    return {**{k: v for k, v in parts[0].items() if k not in ("runs", "summary", "seconds", "command", "paper")},
+            "commit": parts[0].get("commit") if len(commits) == 1 else sorted(str(c) for c in commits),
+            "dirty": any(p.get("dirty") for p in parts),
+            "config": {**base, "ns": [int(n) for n in ns], "seeds": seeds},
+            "paper": {k: v for k, v in PAPER.items() if k in merged},
+            "runs": merged, "summary": {n: summarize_seeds(v) for n, v in merged.items()},
+            "seconds": round(sum(p["seconds"] for p in parts), 1),
+            "commands": [p.get("command") for p in parts], "partial": partial}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run this experiment alone: ``python -m ppl_thought.experiments.sec7 [--quick] [--seed S] [--json FILE]``."""
-    return run_alone(__doc__, run_sec7, Sec7Config, argv)
+    """Run this experiment alone: ``python -m ppl_thought.experiments.sec7 [--quick] [--seed S] [--json FILE]``;
+    with ``--seeds S [--n 8 16] [--steps N] [--eval-every N] [--threads T]`` the multi-seed run
+    (:func:`run_seeds`); ``--merge A.json B.json --json OUT`` pools runs split over processes."""
+    import argparse
+    import json
+    import sys
+
+    from ppl_thought.io import atomic_write_json
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--merge", nargs="+", default=None)
+    ap.add_argument("--allow-partial", action="store_true")
+    known, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.merge is not None:  # --merge A.json B.json ... --json OUT.json
+        mp = argparse.ArgumentParser(description="merge multi-seed Section 7 runs")
+        mp.add_argument("--json", required=True)
+        margs = mp.parse_args(rest)
+        res = merge_seed_runs([json.loads(open(f).read()) for f in known.merge], known.allow_partial)
+        res["command"] = ("python -m ppl_thought.experiments.sec7 "
+                          + " ".join(sys.argv[1:] if argv is None else argv))
+        atomic_write_json(margs.json, res)
+        print(json.dumps(res["summary"], indent=1))
+        return 0
+    if known.seeds is None:
+        return run_alone(__doc__, run_sec7, Sec7Config, rest)
+    ap = argparse.ArgumentParser(description="Section 7 over several seeds at several sampling sizes n")
+    ap.add_argument("--seeds", type=int, required=True, help="number of seeds: seed, seed + 1, ...")
+    ap.add_argument("--seed", type=int, default=0, help="the first seed")
+    ap.add_argument("--task-seed", type=int, default=0, help="the seed of the task and the test set")
+    ap.add_argument("--n", type=int, nargs="+", default=[8, 16], help="sampling sizes (default 8 16)")
+    ap.add_argument("--quick", action="store_true", help="the sizes of ``ppl-thought demo --quick``")
+    ap.add_argument("--steps", type=int, default=None, help="fine-tuning steps of each method (default: config's)")
+    ap.add_argument("--batch", type=int, default=None, help="fine-tuning batch (the base model keeps its own)")
+    ap.add_argument("--eval-every", type=int, default=None, help="steps between test-curve points")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--json", default=None, help="write the results as JSON to this file")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    cfg = Sec7Config.quick() if args.quick else Sec7Config()
+    if args.steps is not None:
+        cfg = replace(cfg, steps=args.steps, eval_every=max(1, min(cfg.eval_every, args.steps)))
+    if args.batch is not None:
+        cfg = replace(cfg, batch=args.batch)
+    if args.eval_every is not None:
+        cfg = replace(cfg, eval_every=args.eval_every)
+    cmd = "python -m ppl_thought.experiments.sec7 " + " ".join(sys.argv[1:] if argv is None else argv)
+    save = (lambda r: atomic_write_json(args.json, {**r, "command": cmd})) if args.json else None
+    res = run_seeds(cfg, args.seeds, tuple(args.n), args.seed, progress=True, task_seed=args.task_seed, partial=save)
+    res["command"] = cmd
+    if args.json:
+        atomic_write_json(args.json, res)
+    print(json.dumps(res["summary"], indent=1))
+    return 0
 
 
 if __name__ == "__main__":

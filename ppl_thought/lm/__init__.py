@@ -4,11 +4,12 @@ from ppl_thought.lm.base import LMCache, step
 from ppl_thought.lm.gated import GatedCache, GatedLM
 from ppl_thought.lm.huggingface import HuggingFace, smollm2
 from ppl_thought.lm.kv_cache import KVCache
+from ppl_thought.lm.looped import Looped
 from ppl_thought.lm.tabular import Tabular, TabularCache
 from ppl_thought.lm.transformer import Transformer
 
-__all__ = ["GatedCache", "GatedLM", "HuggingFace", "KVCache", "LMCache", "Tabular", "TabularCache", "Transformer",
-           "smollm2", "step"]
+__all__ = ["GatedCache", "GatedLM", "HuggingFace", "KVCache", "LMCache", "Looped", "Tabular", "TabularCache",
+           "Transformer", "smollm2", "step"]
 
 from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
 

@@ -1,0 +1,287 @@
+"""Documented experiment tables, rendered from the committed JSON in benchmarks/results/ (issue 30, item 1).
+
+    python tools/doc_tables.py            # check: exit 1 if a documented table differs from its JSON
+    python tools/doc_tables.py --write    # rewrite every generated block from its JSON
+    python tools/doc_tables.py --list     # the tables, their JSON and the command that writes it
+
+In README.md and docs/*.md a generated block is
+
+    <!-- doc-table NAME -->
+    ...rendered from TABLES[NAME].source; never edited by hand...
+    <!-- /doc-table -->
+
+Each block ends with the command that wrote its JSON and the commit, machine and seconds recorded in it.
+``tests/test_doc_tables.py`` checks that every block equals its rendering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ("README.md", "docs")
+BLOCK = re.compile(r"<!-- doc-table (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /doc-table -->", re.S)
+
+
+def _pm(mean: float, se: float | None, digits: int = 3, sign: bool = False) -> str:
+    f = f"{{:{'+' if sign else ''}.{digits}f}}"
+    if se is None or not math.isfinite(se):
+        return f.format(mean)
+    return f"{f.format(mean)} ± {se:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "n.d."
+    return f"{100 * x:+.0f} %"
+
+
+def _provenance(d: dict, command: str | None = None) -> str:
+    cmd = command or d.get("command")
+    m = d.get("machine") or {}
+    commit = d.get("commit")
+    commit = (commit[:7] + (" + uncommitted changes" if d.get("dirty") else "")) if commit else "not recorded"
+    machine = (f"{m.get('nproc')} cores ({m.get('processor') or '?'}), torch {m.get('torch')} with "
+               f"{m.get('torch_threads')} thread(s)") if m else "not recorded"
+    secs = d.get("seconds", d.get("total_seconds"))
+    if not isinstance(secs, (int, float)):
+        secs = "time not recorded"
+    elif d.get("commands"):
+        secs = f"{secs:.0f} s wall summed over its {len(d['commands'])} parts (run in parallel)"
+    else:
+        secs = f"{secs:.0f} s wall"
+    return f"Written by `{cmd}`; commit {commit}; machine {machine}; {secs}."
+
+
+# ---------------------------------------------------------------------------------------------- Section 7
+def sec7_summary(d: dict) -> str:
+    """README / docs: the Section 7 table over seeds, one column per sampling size n."""
+    ns = list(d["summary"])
+    S = {n: d["summary"][n] for n in ns}
+    c = d["config"]
+    rows = ["| mean over seeds ± s.e. across seeds | "
+            + " | ".join(f"n = {n} ({len(S[n]['seeds'])} seeds)" for n in ns) + " |",
+            "|---|" + "---|" * len(ns)]
+
+    def row(label: str, cell: Callable[[dict], str]) -> None:
+        rows.append(f"| {label} | " + " | ".join(cell(S[n]) for n in ns) + " |")
+
+    row("L_fast (SFT)", lambda s: _pm(s["L_fast"]["mean"], s["L_fast"]["se"]))
+    row("L_pred (latent + predictive)", lambda s: _pm(s["L_pred"]["mean"], s["L_pred"]["se"]))
+    row("L_expl (latent + explanatory)", lambda s: _pm(s["L_expl"]["mean"], s["L_expl"]["se"]))
+    row("gain_pred = L_fast - L_pred", lambda s: _pm(s["gain_pred"]["mean"], s["gain_pred"]["se"], sign=True))
+    row("gain_expl = L_fast - L_expl", lambda s: _pm(s["gain_expl"]["mean"], s["gain_expl"]["se"], sign=True))
+    row("gain_expl - gain_pred (bootstrap 95 % CI)", lambda s: (
+        f"{s['gain_difference']['mean']:+.3f} [{s['relative_improvement']['difference_ci95'][0]:+.3f}, "
+        f"{s['relative_improvement']['difference_ci95'][1]:+.3f}]"))
+    row("relative improvement gain_expl / gain_pred - 1 (bootstrap 95 % CI)", lambda s: (
+        (_pct(s['relative_improvement']['relative_improvement']) if s["gain_pred"]["mean"] > 0
+         else "not defined (mean gain_pred <= 0)") + " "
+        f"[{_pct(s['relative_improvement']['ci95'][0])}, {_pct(s['relative_improvement']['ci95'][1])}]"))
+    row("bootstrap resamples with mean gain_pred <= 0",
+        lambda s: f"{100 * s['relative_improvement']['share_gain_pred_nonpositive']:.0f} %")
+    row("seeds with gain_expl > gain_pred / gain_pred > 0 / gain_expl > 0", lambda s: (
+        f"{s['seeds_expl_beats_pred']} / {s['seeds_gain_pred_positive']} / {s['seeds_gain_expl_positive']} "
+        f"of {len(s['seeds'])}"))
+    row("causal gap (7.3) at the end, explanatory / predictive",
+        lambda s: f"{s['causal_gap']['mean']:+.3f} / {s['causal_gap_pred']['mean']:+.3f}")
+    row("I(thought; method), explanatory (max log C)", lambda s: _pm(
+        s["thought_choice_mutual_information"]["mean"], s["thought_choice_mutual_information"]["se"], 2))
+    paper = d.get("paper", {})
+    row("paper (Qwen2.5-7B, OpenWebMath): relative improvement",
+        lambda s: next((_pct(paper[n]["relative_improvement"]) for n in ns if S[n] is s and n in paper), "-"))
+    cfg = (f"{c['steps']} steps per training, batch {c['batch']}, {c['num_test']} test examples, "
+           f"C = {c['num_choices']} methods, gating of P {'on' if c['gating'] else 'off'}, gating of the "
+           f"explanatory sampler {'on' if c['gate_sampler'] else 'off'}, {c['clipping']} clipping; entropy floor "
+           f"{d['entropy_floor_exact']:.4f}")
+    part = (" **Partial**: the run was stopped before every (seed, n) finished; the columns pool the replicates "
+            "that did." if d.get("partial") else "")
+    return "\n".join(rows) + f"\n\n{cfg}. {_provenance(d)}{part}\n"
+
+
+def sec7_per_seed(d: dict) -> str:
+    """docs/demo.md: every seed and n of the multi-seed run."""
+    rows = ["| n | seed | L_fast | L_pred | L_expl | gain_pred | gain_expl | causal gap expl / pred | "
+            "I(thought; method) | base steps |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, runs in d["runs"].items():
+        for r in runs:
+            rows.append(f"| {n} | {r['seed']} | {r['L_fast']:.4f} | {r['L_pred']:.4f} | {r['L_expl']:.4f} | "
+                        f"{_pm(r['gain_pred'], r['gain_pred_se'], 4, True)} | "
+                        f"{_pm(r['gain_expl'], r['gain_expl_se'], 4, True)} | "
+                        f"{r['causal_gap']:+.3f} / {r['causal_gap_pred']:+.3f} | "
+                        f"{r['thought_choice_mutual_information']:.2f} | {r['base_model']['steps']} |")
+    return "\n".join(rows) + "\n\n± is the test-set (paired) standard error of one seed. " + _provenance(d) + "\n"
+
+
+def _interval_verdict(lo: float, hi: float) -> str:
+    if lo > 0:
+        return "reproduced"
+    if hi < 0:
+        return "contradicted"
+    return "not shown (the interval contains 0)"
+
+
+def sec7_verdict(d: dict) -> str:
+    """README / docs: what of Section 7 is reproduced and what is not, decided from the JSON by fixed rules:
+    a claim about a difference is *reproduced* when its 95 % bootstrap interval over seeds lies above 0,
+    *contradicted* when it lies below 0, *not shown* otherwise; a gain counts as positive when its mean is
+    more than 2 standard errors (across seeds) above 0."""
+    S = d["summary"]
+    lines = []
+    for n, s in S.items():
+        ri = s["relative_improvement"]
+        lo, hi = ri["difference_ci95"]
+        gp, ge = s["gain_pred"], s["gain_expl"]
+        pos = lambda g: ("positive" if g["mean"] > 2 * g["se"] else  # noqa: E731
+                         "negative" if g["mean"] < -2 * g["se"] else "not distinguishable from 0")
+        paper = d.get("paper", {}).get(n, {}).get("relative_improvement")
+        if gp["mean"] > 0 and ri.get("ci95"):
+            rel = (f"the relative improvement is {_pct(ri['relative_improvement'])} (95 % interval "
+                   f"{_pct(ri['ci95'][0])} to {_pct(ri['ci95'][1])}; "
+                   f"{100 * ri['share_gain_pred_nonpositive']:.0f} % of the resamples have no positive predictive "
+                   "gain, where the ratio is meaningless)")
+            if paper is not None:
+                inside = ri["ci95"][0] <= paper <= ri["ci95"][1]
+                rel += f"; the paper's {_pct(paper)} is {'inside' if inside else 'outside'} that interval"
+        else:
+            rel = ("the relative improvement is not defined: the mean predictive gain is not positive"
+                   + (f" (the paper: {_pct(paper)})" if paper is not None else ""))
+        lines.append(
+            f"- n = {n}: explanatory beats predictive (L_expl < L_pred, the claim of Section 7): "
+            f"**{_interval_verdict(lo, hi)}** (gain_expl - gain_pred {s['gain_difference']['mean']:+.3f}, 95 % "
+            f"interval {lo:+.3f} to {hi:+.3f}; {s['seeds_expl_beats_pred']} of {len(s['seeds'])} seeds). "
+            f"Gain over SFT: explanatory {pos(ge)}, predictive {pos(gp)}; {rel}.")
+    ns = [n for n in S if S[n]["gain_pred"]["mean"] > 0]
+    if len(ns) >= 2:
+        a, b = sorted(ns, key=int)[:2]
+        ra, rb = (S[x]["relative_improvement"]["relative_improvement"] for x in (a, b))
+        lines.append(f"- Saturation with n (App. L: the relative improvement falls from n = {a} to n = {b}): "
+                     f"**{'reproduced on the point values' if rb < ra else 'not reproduced'}** "
+                     f"({_pct(ra)} vs {_pct(rb)}; the intervals above say how far to trust this).")
+    else:
+        lines.append("- Saturation with n (App. L: the relative improvement falls from n = 8 to n = 16): "
+                     "**not testable here**: the relative improvement is undefined at one or both n.")
+    rules = ("From `benchmarks/results/sec7_seeds.json` (the table above). "
+             "Rules (tools/doc_tables.py `sec7_verdict`): a difference is reproduced when its 95 % bootstrap "
+             "interval over seeds lies above 0, contradicted below 0, not shown otherwise; a gain is positive or "
+             "negative beyond 2 standard errors across seeds. The scale is far from the paper's (a 2-layer "
+             "Transformer with d_model 64 on a synthetic task, not Qwen2.5-7B on OpenWebMath), so magnitudes are "
+             "not comparable; the signs and the ordering are.")
+    return "\n".join(lines) + "\n\n" + rules + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- real model
+def real_quick(d: dict) -> str:
+    """README: latent thoughts on SmolLM2-135M-Instruct (``demo_real_quick.json``)."""
+    r = d["real"]
+    rows = ["| scoring | accuracy (4 candidates) | log P(right \\| candidates) | gain over direct (paired) | ESS / n |",
+            "|---|---|---|---|---|"]
+    for key, label in (("direct", "direct scoring (no thought)"),
+                       ("predictive", "thoughts marginalised, predictive sampler"),
+                       ("explanatory", "thoughts marginalised, explanatory sampler")):
+        s = r[key]
+        gain = s.get("gain_over_direct")
+        rows.append(f"| {label} | {_pm(s['accuracy'], s['accuracy_se'], 2)} | "
+                    f"{_pm(s['log_p_right_among_candidates'], s['log_p_right_se'], 2)} | "
+                    f"{_pm(gain['mean'], gain['se'], 2) if gain else ''} | "
+                    f"{_ess(s.get('ess'))} |")
+    cfg = f"{r['problems']} problems, {r['particles']} particles, thoughts of at most {r['max_thought_tokens']} tokens"
+    cmd = ("ppl-thought demo --quick --parts real --seed 0 --threads 1 "
+           "--json benchmarks/results/demo_real_quick.json")
+    return "\n".join(rows) + f"\n\n{cfg}. " + _provenance(d, cmd) + "\n"
+
+
+def _ess(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+@dataclass(frozen=True)
+class Table:
+    source: str  # JSON under the repository root
+    render: Callable[[dict], str]
+    command: str  # what writes the JSON
+
+
+SEC7_CMD = "python -m ppl_thought.experiments.sec7 --seeds 5 --n 8 16 --quick --json benchmarks/results/sec7_seeds.json"
+TABLES: dict[str, Table] = {
+    "sec7-seeds": Table("benchmarks/results/sec7_seeds.json", sec7_summary, SEC7_CMD),
+    "sec7-verdict": Table("benchmarks/results/sec7_seeds.json", sec7_verdict, SEC7_CMD),
+    "sec7-per-seed": Table("benchmarks/results/sec7_seeds.json", sec7_per_seed, SEC7_CMD),
+    "real-quick": Table("benchmarks/results/demo_real_quick.json", real_quick,
+                        "ppl-thought demo --quick --parts real --seed 0 --threads 1 "
+                        "--json benchmarks/results/demo_real_quick.json"),
+}
+
+
+def render(name: str, root: Path = ROOT) -> str:
+    t = TABLES[name]
+    return t.render(json.loads((root / t.source).read_text()))
+
+
+def doc_files(root: Path = ROOT) -> list[Path]:
+    out = []
+    for p in DOCS:
+        q = root / p
+        out += sorted(q.rglob("*.md")) if q.is_dir() else [q]
+    return out
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """``(name, body)`` of every generated block of a Markdown text."""
+    return [(m["name"], m["body"]) for m in BLOCK.finditer(text)]
+
+
+def check(root: Path = ROOT) -> list[str]:
+    """Problems: blocks that differ from their JSON, unknown names, tables no document shows."""
+    problems, seen = [], set()
+    for f in doc_files(root):
+        for name, body in blocks(f.read_text()):
+            seen.add(name)
+            if name not in TABLES:
+                problems.append(f"{f.relative_to(root)}: unknown table {name!r}")
+            elif body != render(name, root):
+                problems.append(f"{f.relative_to(root)}: table {name!r} differs from {TABLES[name].source} "
+                                "(python tools/doc_tables.py --write)")
+    problems += [f"table {n!r} is in no document" for n in TABLES if n not in seen]
+    return problems
+
+
+def write(root: Path = ROOT) -> list[Path]:
+    changed = []
+    for f in doc_files(root):
+        text = f.read_text()
+        new = BLOCK.sub(lambda m: f"<!-- doc-table {m['name']} -->\n{render(m['name'], root)}<!-- /doc-table -->",
+                        text)
+        if new != text:
+            f.write_text(new)
+            changed.append(f)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--write", action="store_true", help="rewrite the generated blocks from their JSON")
+    ap.add_argument("--list", action="store_true", help="list the tables")
+    args = ap.parse_args(argv)
+    if args.list:
+        for name, t in TABLES.items():
+            print(f"{name}: {t.source}  <-  {t.command}")
+        return 0
+    if args.write:
+        for f in write():
+            print(f"rewrote {f.relative_to(ROOT)}")
+    problems = check()
+    for p in problems:
+        print(p, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
