@@ -101,7 +101,7 @@ CASES = [
     ("vocab: no ordinary token", lambda: pt.Vocab([]), "at least one"),
     ("vocab: duplicate token", lambda: pt.Vocab(["a", "a"]), "twice"),
     ("vocab: whitespace token", lambda: pt.Vocab(["a b"]), "whitespace"),
-    ("vocab: non-string token", lambda: pt.Vocab([3]), "string"),
+    ("vocab: non-string token", lambda: pt.Vocab([3]), "tokens"),
     ("vocab: duplicate special", lambda: pt.Vocab(["a"], specials=["<x>", "<x>"]), "more than once"),
     ("vocab: unknown token", lambda: VOCAB.id("zz"), "not in the vocabulary"),
     ("vocab: id out of range", lambda: VOCAB.token(99), "outside"),

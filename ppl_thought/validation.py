@@ -11,7 +11,8 @@ deep inside torch used to come. Value checks (ranges, sizes, vocabularies that m
 benchmarking what it costs (``benchmarks/engines.py --typecheck-ab``).
 
 Numbers: a hint ``int`` also admits NumPy integers, ``float`` admits ``int`` and NumPy floating scalars (the
-numeric tower of PEP 484), so ``SMC(np.int64(64))`` still works.
+numeric tower of PEP 484), so ``SMC(np.int64(64))`` still works; ``Sequence[int]`` / ``Iterable[int]`` of ids
+admit any framework's array.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from ppl_thought.errors import ArgumentTypeError, ResultTypeError
 
 __all__ = ["ENABLED", "CONF", "ArrayLike", "SupportsArray", "SupportsLogProb", "SupportsSampleWithLogProb",
            "check_exports", "checked", "UNCHECKED"]
+
+
 
 
 @runtime_checkable
@@ -65,7 +68,13 @@ ENABLED: bool = os.environ.get("PPL_THOUGHT_TYPECHECK", "1").strip().lower() not
 CONF = BeartypeConf(
     violation_param_type=ArgumentTypeError,
     violation_return_type=ResultTypeError,
-    hint_overrides=FrozenDict({int: int | np.integer, float: float | int | np.integer | np.floating}),
+    hint_overrides=FrozenDict({
+        int: int | np.integer,
+        float: float | int | np.integer | np.floating,
+        # ids may come as any framework's array wherever a sequence of them is read
+        Sequence[int]: Sequence[int] | SupportsArray,
+        Iterable[int]: Iterable[int] | SupportsArray,
+    }),
 )
 
 #: callables whose hints beartype could not compile (qualified name -> reason); empty in a healthy tree
@@ -154,6 +163,7 @@ def check_exports(namespace: dict[str, Any], names: Iterable[str] | None = None)
                 _check_class(obj)
         elif inspect.isfunction(obj):
             namespace[name] = wrapped = checked(obj)
-            home = sys.modules.get(obj.__module__)
-            if home is not None and getattr(home, obj.__name__, None) is obj:
-                setattr(home, obj.__name__, wrapped)  # one object under every public name
+            if wrapped is not obj:  # one object under every public name: its home and every re-export
+                for mod_name, mod in list(sys.modules.items()):
+                    if mod_name.startswith("ppl_thought") and getattr(mod, obj.__name__, None) is obj:
+                        setattr(mod, obj.__name__, wrapped)

@@ -80,7 +80,7 @@ def test_trainer_bad_input(tmp_path):
     prior, q, model, guide = problem()
     with pytest.raises(ValueError, match="modules"):
         Trainer(model, guide, OneSampler(2), {})
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match="Module"):
         Trainer(model, guide, OneSampler(2), {"prior": "x"})
     with pytest.raises(TypeError, match="ELBO"):
         Trainer(model, guide, object(), {"prior": prior})

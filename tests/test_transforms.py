@@ -14,7 +14,7 @@ import torch
 
 import ppl_thought as pt
 from ppl_thought.distributions import LMSequence
-from ppl_thought.errors import TransformError
+from ppl_thought.errors import ArgumentTypeError, TransformError
 from ppl_thought.transforms import (
     Forgetful,
     ForgetfulLM,
@@ -118,7 +118,7 @@ def test_projection_lift_generates_and_rejects_bad_input():
     tr = pyro.poutine.trace(model).get_trace(None, length=3)
     z, x = tr.nodes["z"]["value"], tr.nodes["x"]["value"]
     assert proj.project(z[z != 0]).tolist() == x.tolist() and len(x) == 3
-    with pytest.raises(TransformError):
+    with pytest.raises(ArgumentTypeError, match="projection"):
         ProjectionLift("not a projection")
     with pytest.raises(TransformError):
         ProjectionLift(proj, site="x", latent="x")
@@ -268,7 +268,7 @@ def test_compose_is_nesting():
     f, p = Forgetful(), ProjectionLift(proj)
     a = compose(f, p)(pt.models.PlainLM(tab(1), VOCAB))
     assert a.transforms == [f, p] and isinstance(a.base, pt.models.PlainLM)
-    with pytest.raises(TransformError):
+    with pytest.raises(ArgumentTypeError, match="transforms"):
         compose(f, "x")
 
 

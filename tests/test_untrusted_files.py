@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 import ppl_thought as pt
 from ppl_thought import io as ptio
-from ppl_thought.errors import CheckpointError
+from ppl_thought.errors import ArgumentTypeError, CheckpointError
 
 V = 8
 
@@ -245,8 +245,12 @@ def test_save_result_never_stores_two_values_under_one_name(tmp_path):
     back = pt.infer.load_result(pt.infer.save_result(tmp_path / "r2", r))
     assert torch.equal(back.samples["a%2F0"], t1) and torch.equal(back.samples["a/0"], t0)
     # keys that are equal as strings cannot both be kept: refused, not merged
+    with pytest.raises(ArgumentTypeError, match="samples"):  # names are strings (the type layer)
+        pt.infer.Result(samples={1: t0, "1": t1}, engine="x")
+    res = pt.infer.Result(samples={"1": t1}, engine="x")
+    res.samples[1] = t0  # put there behind the constructor's back
     with pytest.raises(CheckpointError, match="equal as strings"):
-        pt.infer.save_result(tmp_path / "r3", pt.infer.Result(samples={1: t0, "1": t1}, engine="x"))
+        pt.infer.save_result(tmp_path / "r3", res)
 
 
 # ---------------------------------------------------------------------------------------------- Trainer
