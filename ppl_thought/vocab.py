@@ -17,7 +17,7 @@ import numpy as np
 
 from ppl_thought import checks
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, SupportsArray
 
 PAD, BOS, EOS, THINK, END_THINK, EXPLAIN = "<pad>", "<bos>", "<eos>", "<s>", "</s>", "<explain>"
 RESERVED: tuple[str, ...] = (PAD, BOS, EOS, THINK, END_THINK, EXPLAIN)
@@ -127,7 +127,7 @@ class Vocab:
                 f"token {token!r} is not in the vocabulary ({len(self)} tokens: {self._preview()})"
             ) from None
 
-    def token(self, i: int) -> str:
+    def token(self, i: int | SupportsArray) -> str:
         """The token string of one id: an integer in [0, len(vocab)) (a float or a bool is refused, not
         truncated: ``token(1.5)`` is a :class:`MalformedSequenceError`, not ``'<bos>'``)."""
         return self._tokens[checks.token_id("token id", i, len(self))]

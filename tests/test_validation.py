@@ -109,10 +109,12 @@ def test_the_layer_turns_off_with_the_environment():
     assert r.stdout.strip() == "method"
 
 
-def test_tensors_are_not_token_ids_by_accident():
-    """A one-element tensor where an id goes is refused by the hint (it used to be read through ``int()``)."""
-    with pytest.raises(ArgumentTypeError):
-        _vocab().token(torch.tensor(1.5))
+def test_a_tensor_id_passes_the_type_layer_and_meets_the_value_check():
+    """A 0-d tensor is an id to the type layer (an array); the value check still refuses a float one."""
+    v = _vocab()
+    assert v.token(torch.tensor(v.id("b"))) == "b"
+    with pytest.raises(PPLThoughtError, match="integer"):
+        v.token(torch.tensor(1.5))
 
 
 def _public_callables():
