@@ -42,7 +42,6 @@ from ppl_thought.distributions.token_rule import (
 )
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.lm.base import LMCache, ids_checked, lm_device, match_rows
-from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 # LMState's module is where programs meet the decoding loop: the token rule and the segment are re-exported
@@ -83,7 +82,8 @@ class LMState:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def start(cls, lm: torch.nn.Module, n: int, prompt: ArrayLike | None = None, rule: TokenRule | None = None,
+    def start(cls, lm: torch.nn.Module, n: int, prompt: torch.Tensor | Sequence[int] | None = None,
+              rule: TokenRule | None = None,
               max_len: int = 1 << 30, stop_ids: torch.Tensor | Sequence[int] | None = None,
               lm_kwargs: dict | None = None, device: torch.device | str | None = None, name: str | None = None,
               chunk: int = 0) -> LMState:
@@ -118,7 +118,8 @@ class LMState:
                              "or the tokenizer's encode")
 
     @classmethod
-    def encode(cls, lm: torch.nn.Module, n: int, prompt: ArrayLike | None = None, rule: TokenRule | None = None,
+    def encode(cls, lm: torch.nn.Module, n: int, prompt: torch.Tensor | Sequence[int] | None = None,
+               rule: TokenRule | None = None,
                max_len: int = 1 << 30, stop_ids: torch.Tensor | Sequence[int] | None = None,
                lm_kwargs: dict | None = None, device: torch.device | str | None = None, chunk: int = 0) -> LMState:
         """:meth:`start` for an LM registered already (no ``pyro.module`` call): what a distribution or a
