@@ -31,7 +31,8 @@ from beartype.roar import BeartypeDecorHintPep585DeprecationWarning, BeartypeExc
 
 from ppl_thought.errors import ArgumentTypeError, ResultTypeError
 
-__all__ = ["ENABLED", "CONF", "ArrayLike", "SupportsArray", "check_exports", "checked", "UNCHECKED"]
+__all__ = ["ENABLED", "CONF", "ArrayLike", "SupportsArray", "SupportsLogProb", "SupportsSampleWithLogProb",
+           "check_exports", "checked", "UNCHECKED"]
 
 
 
@@ -45,6 +46,22 @@ class SupportsArray(Protocol):
 
 #: the hint of an argument that is read with ``np.asarray``: an array of any framework or a (nested) sequence
 ArrayLike = SupportsArray | Sequence[Any]
+
+
+@runtime_checkable
+class SupportsSampleWithLogProb(Protocol):
+    """A sampler Q(z | x) of Def 3.1 as the engines call it: ``sample_with_log_prob(x, n) -> (z [n, L], log Q [n])``
+    (every :mod:`ppl_thought.guides` sampler, or a user's class offering the method)."""
+
+    def sample_with_log_prob(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+@runtime_checkable
+class SupportsLogProb(Protocol):
+    """A sampler scored on given latents: ``log_prob(z, x) -> log Q(z | x)`` (the exact divergences of Table 3.1)."""
+
+    def log_prob(self, *args: Any, **kwargs: Any) -> Any: ...
+
 
 ENABLED: bool = os.environ.get("PPL_THOUGHT_TYPECHECK", "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -77,6 +94,8 @@ _HOT = frozenset({
     "lm_kwargs_for",
     # TokenRule (automaton stepping for all particles at once)
     "allowed", "log_probs", "inactive_row", "advance", "is_final", "num_emitted", "end_tables", "forced_runs",
+    # Automaton (its states/tokens hint ArrayLike: a protocol isinstance costs tens of microseconds per call)
+    "mask",
     # caches and the HuggingFace adapter's per-step id maps
     "with_rows", "append", "store", "finish", "latent_projections", "empty", "to_hf", "from_hf", "library_logits",
 })

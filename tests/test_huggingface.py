@@ -125,7 +125,10 @@ def test_missing_transformers_is_a_clear_error(monkeypatch):
     code = ("import sys; sys.modules['transformers'] = None; sys.modules['tokenizers'] = None\n"
             "import ppl_thought as pt, torch\n"
             "from ppl_thought.errors import MissingDependencyError\n"
-            "try:\n    pt.lm.HuggingFace(torch.nn.Linear(1, 1), None)\n"
+            "class Tok:  # what the adapter reads of a tokenizer (the hint), without transformers to build one\n"
+            "    def get_vocab(self): return {}\n    def encode(self, *a, **k): return []\n"
+            "    def decode(self, *a, **k): return ''\n"
+            "try:\n    pt.lm.HuggingFace(torch.nn.Linear(1, 1), Tok())\n"
             "except MissingDependencyError as e:\n    print('ok', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).parent.parent)

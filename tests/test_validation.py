@@ -115,3 +115,55 @@ def test_a_tensor_id_passes_the_type_layer_and_meets_the_value_check():
     assert v.token(torch.tensor(v.id("b"))) == "b"
     with pytest.raises(PPLThoughtError, match="integer"):
         v.token(torch.tensor(1.5))
+
+
+def _public_callables():
+    """(qualified name, function) of every callable the type layer checks: the functions in a subpackage's
+    ``__all__`` and, of its classes, ``__init__``, ``__call__``, the public methods, static and class methods."""
+    for name in SUBPACKAGES:
+        mod = importlib.import_module(f"ppl_thought.{name}")
+        for attr in mod.__all__:
+            obj = getattr(mod, attr)
+            if not str(getattr(obj, "__module__", "")).startswith("ppl_thought"):
+                continue
+            if inspect.isfunction(obj):
+                yield f"ppl_thought.{name}.{attr}", obj
+            elif inspect.isclass(obj) and not issubclass(obj, BaseException):
+                for key, value in vars(obj).items():
+                    if key.startswith("_") and key not in ("__init__", "__call__"):
+                        continue
+                    fn = value.__func__ if isinstance(value, staticmethod | classmethod) else value
+                    if inspect.isfunction(fn):
+                        yield f"ppl_thought.{name}.{attr}.{key}", fn
+
+
+def _unhinted(fn) -> list[str]:
+    """The parameters of ``fn`` without a hint (``self`` / ``cls`` and ``*args`` / ``**kwargs`` aside)."""
+    sig = inspect.signature(fn)
+    return [p for p, q in sig.parameters.items() if p not in ("self", "cls") and p not in fn.__annotations__
+            and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+
+
+def test_every_public_parameter_has_a_hint():
+    """A parameter without a hint is a parameter the type layer cannot check: every public callable hints all
+    of its parameters, so a wrong type anywhere at the boundary is an ArgumentTypeError naming it."""
+    missing, seen = [], 0
+    for where, fn in _public_callables():
+        seen += 1
+        if gaps := _unhinted(fn):
+            missing.append(f"{where}: {', '.join(gaps)}")
+    assert seen >= 480  # 492 public callables when this test was written (147 of them had unhinted parameters)
+    assert missing == [], "\n".join(missing)
+
+
+def test_the_hint_check_sees_a_missing_hint():
+    """The check above is not vacuous: a function with one unhinted parameter is reported, a hinted one is not."""
+
+    def half(x: int, y, *args, **kwargs) -> int:
+        return x
+
+    def full(x: int, y: str = "", *args: int) -> int:
+        return x
+
+    assert _unhinted(half) == ["y"] and _unhinted(full) == []
+    assert _unhinted(checked(half)) == ["y"]  # read through the layer's wrapper too

@@ -41,6 +41,7 @@ import torch
 from ppl_thought.errors import MalformedSequenceError
 from ppl_thought.models.hmm import HMM, EntropyEstimate
 from ppl_thought.models.hmm_lifting import slow_thinking_parts
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import Vocab
 
 #: Permutations of {1..5} as tuples ``p`` with ``p[v - 1] = sigma(v)``.
@@ -128,14 +129,14 @@ class A5Task:
             v = SIGMAS[b][v - 1]
         return v
 
-    def swaps(self, x) -> list[int]:
+    def swaps(self, x: ArrayLike) -> list[int]:
         """The bits ``i_1 i_2 ...`` of the swap symbols ``s0``/``s1`` in one observation sequence."""
         xa = self._indices(x)
         if xa.ndim != 1:
             raise MalformedSequenceError(f"swaps takes one sequence [T], got shape {tuple(xa.shape)}")
         return [int(a) - SWAP_INDEX[0] for a in xa.tolist() if a in SWAP_INDEX]
 
-    def ball_position(self, x) -> torch.Tensor:
+    def ball_position(self, x: ArrayLike) -> torch.Tensor:
         """``v_t = F(swaps among x_{<t})`` for every t: the cup a reveal at step t must show.
 
         ``[T]`` or ``[N, T]`` LongTensor with values 1..5 (vectorised over sequences).
@@ -166,18 +167,18 @@ class A5Task:
         z, x = self.hmm.sample(num_sequences, length, generator=generator)
         return (z, x) if return_hidden else x
 
-    def to_vocab_ids(self, x) -> torch.Tensor:
+    def to_vocab_ids(self, x: ArrayLike) -> torch.Tensor:
         """Observation indices -> ids of :attr:`vocab` (for an LM over the observable tokens)."""
         return self._indices(x) + self.vocab.num_specials
 
-    def from_vocab_ids(self, ids) -> torch.Tensor:
+    def from_vocab_ids(self, ids: ArrayLike) -> torch.Tensor:
         """Ids of :attr:`vocab` -> observation indices."""
         t = torch.as_tensor(ids).long() - self.vocab.num_specials
         if t.numel() and (t.min() < 0 or t.max() >= len(self.observable_tokens)):
             raise MalformedSequenceError("ids contain tokens that are not A5 observations (specials?)")
         return t
 
-    def decode(self, x) -> str:
+    def decode(self, x: ArrayLike) -> str:
         """One observation sequence as text, e.g. ``"s1 s0 3 s1 5"``."""
         return " ".join(self.observable_tokens[int(a)] for a in self._indices(x).reshape(-1).tolist())
 
@@ -192,7 +193,7 @@ class A5Task:
         return t
 
     # ------------------------------------------------------------------ exact answers
-    def log_prob_by_tracking(self, x) -> torch.Tensor:
+    def log_prob_by_tracking(self, x: ArrayLike) -> torch.Tensor:
         """``log P(x)`` by tracking the ball step by step (the chain computation of Section 2.5).
 
         Each step contributes ``log P(w_t)``; a reveal that disagrees with F of the swaps so far
@@ -211,7 +212,7 @@ class A5Task:
         lp = torch.where(wrong, torch.full_like(lp, -math.inf), lp)
         return lp[0] if single else lp
 
-    def exact_cross_entropy(self, x) -> float:
+    def exact_cross_entropy(self, x: ArrayLike) -> float:
         """Exact per-token cross-entropy (nats) of held-out sequences by the forward algorithm (3.1)."""
         return self.hmm.cross_entropy(self._indices(x))
 

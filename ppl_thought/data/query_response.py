@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import Vocab
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -110,13 +111,13 @@ class PermutationChoiceTask:
         body = (applied.transpose(-1, -2) == r[..., None, :-1]).all(-1)
         return body & (r[..., -1:] == self.m + torch.arange(self.num_choices))
 
-    def exact_log_prob(self, q, r) -> torch.Tensor:
+    def exact_log_prob(self, q: ArrayLike, r: ArrayLike) -> torch.Tensor:
         """log p(r | q) of (D.2), float64, shape ``q.shape[:-1]``; ``-inf`` (never NaN) when no choice fits."""
         q, r = self._check(q, r)
         count = self._fits(q, r).sum(-1).double()
         return torch.log(count) - math.log(self.num_choices)
 
-    def posterior_choices(self, q, r) -> torch.Tensor:
+    def posterior_choices(self, q: ArrayLike, r: ArrayLike) -> torch.Tensor:
         """p(c | q, r) ``[..., C]``: uniform over the methods that produce r from q (the sharp posterior)."""
         q, r = self._check(q, r)
         fits = self._fits(q, r).double()

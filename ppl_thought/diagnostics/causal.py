@@ -23,12 +23,15 @@ Pi_{t0} # Q_*(.|x_{<=t1}) and Pi_{t0} # Q_*(.|x_{<=t2}) (Ex 3.4) exactly by enum
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from ppl_thought.diagnostics.plots import plot_causal_gap
 from ppl_thought.errors import ZeroWeightsError
 from ppl_thought.inference.importance import lifted_prefix_length
+from ppl_thought.models.slow_thinking import SlowThinking
+from ppl_thought.validation import ArrayLike
 
 
 def causal_gap(log_q: torch.Tensor, log_prior_thought: torch.Tensor, log_response: torch.Tensor,
@@ -76,14 +79,15 @@ class CausalGapTracker:
     values: list[float] = field(default_factory=list)
     label: str = "causal gap (7.3)"
 
-    def update(self, step: int, log_q, log_prior_thought, log_response, response_length=None) -> float:
+    def update(self, step: int, log_q: torch.Tensor, log_prior_thought: torch.Tensor, log_response: torch.Tensor,
+               response_length: int | torch.Tensor | None = None) -> float:
         """Compute (7.3) for one batch, record it under ``step`` and return it."""
         v = float(causal_gap(log_q, log_prior_thought, log_response, response_length))
         self.steps.append(int(step))
         self.values.append(v)
         return v
 
-    def plot(self, path=None, others: dict[str, CausalGapTracker] | None = None):
+    def plot(self, path: str | Path | None = None, others: dict[str, CausalGapTracker] | None = None):
 
         series = {self.label: (self.steps, self.values)}
         for name, t in (others or {}).items():
@@ -105,7 +109,8 @@ def _prefix_marginal(model, x, t0: int, t: int, limit: int) -> dict[tuple[int, .
     return out
 
 
-def posterior_drift(model, x, t0: int, t1: int | None = None, t2: int | None = None, limit: int = 20_000) -> float:
+def posterior_drift(model: SlowThinking, x: ArrayLike, t0: int, t1: int | None = None, t2: int | None = None,
+                    limit: int = 20_000) -> float:
     """Total variation between Pi_{t0} # Q_*(.|x_{<=t1}) and Pi_{t0} # Q_*(.|x_{<=t2}) (Def 3.10, Ex 3.4).
 
     Defaults t1 = t0 and t2 = |x|: the drift of Def 3.10 between the posterior given x_{<=t0} and the
@@ -122,7 +127,7 @@ def posterior_drift(model, x, t0: int, t1: int | None = None, t2: int | None = N
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
 
-def posterior_drift_curve(model, x, limit: int = 20_000) -> list[float]:
+def posterior_drift_curve(model: SlowThinking, x: ArrayLike, limit: int = 20_000) -> list[float]:
     """[posterior_drift(model, x, t) for t = 1..|x|-1] (Def 3.10 at every earlier time)."""
     T = len(model.x_ids(x))
     return [posterior_drift(model, x, t, limit=limit) for t in range(1, T)]

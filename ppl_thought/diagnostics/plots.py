@@ -8,11 +8,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from ppl_thought.diagnostics.inference_data import psis_khat
+from ppl_thought.validation import ArrayLike
 
 
 def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.6):
@@ -33,7 +35,7 @@ def _save(fig, path: str | Path | None):
     return fig
 
 
-def plot_weights(log_weights, path: str | Path | None = None, khat: float | None = None,
+def plot_weights(log_weights: ArrayLike, path: str | Path | None = None, khat: float | None = None,
                  title: str = "importance weights"):
     """Sorted normalised importance weights (log scale) and the PSIS Pareto k against 0.5 / 0.7."""
 
@@ -65,7 +67,21 @@ def plot_weights(log_weights, path: str | Path | None = None, khat: float | None
     return _save(fig, path)
 
 
-def plot_scaling_law(law, path: str | Path | None = None):
+@runtime_checkable
+class ScalingLawLike(Protocol):
+    """What :func:`plot_scaling_law` reads of a :class:`~ppl_thought.diagnostics.scaling.ScalingLaw` (that module
+    imports this one, so the class is named by its fields here)."""
+
+    task: str
+    ns: Any
+    measured: Any
+    measured_se: Any
+    predicted: Any
+    chi2: float
+    slope: float
+
+
+def plot_scaling_law(law: ScalingLawLike, path: str | Path | None = None):
     """Measured error against n (2 standard errors) with the Table 3.1 prediction, log-log."""
     fig, (ax,) = _figure()
     ns = np.asarray(law.ns, dtype=float)
@@ -118,7 +134,7 @@ def plot_causal_gap(series: Mapping[str, tuple[Sequence[int], Sequence[float]]] 
     return _save(fig, path)
 
 
-def plot_trace(values, path: str | Path | None = None, name: str = "accept_prob"):
+def plot_trace(values: ArrayLike, path: str | Path | None = None, name: str = "accept_prob"):
     """A per-chain trace ``[chains, draws]`` (e.g. Langevin acceptance probabilities)."""
     v = np.asarray(values, dtype=float)
     if v.ndim == 1:

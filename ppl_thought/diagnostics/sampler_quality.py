@@ -20,6 +20,8 @@ import torch
 from ppl_thought.diagnostics.inference_data import psis_khat
 from ppl_thought.errors import DiagnosticError, TooLargeToEnumerateError
 from ppl_thought.inference.importance import Importance
+from ppl_thought.models.slow_thinking import SlowThinking
+from ppl_thought.validation import ArrayLike, SupportsLogProb, SupportsSampleWithLogProb
 from ppl_thought.weights import check_log_weights
 
 
@@ -41,7 +43,8 @@ def _log_vectors(p, q, model=None, x=None) -> tuple[torch.Tensor, torch.Tensor]:
     return lp, lq
 
 
-def chi2(p, q, *, model=None, x=None) -> float:
+def chi2(p: ArrayLike | SupportsLogProb, q: ArrayLike | SupportsLogProb, *, model: SlowThinking | None = None,
+         x: ArrayLike | None = None) -> float:
     """chi^2(p || q) = sum_z p(z)^2 / q(z) - 1 (``inf`` if q misses mass of p).
 
     ``p``, ``q``: log-probability vectors over the same enumerated support (e.g. Q_* first),
@@ -55,7 +58,8 @@ def chi2(p, q, *, model=None, x=None) -> float:
     return max(0.0, float(torch.logsumexp(terms, -1).exp() - 1.0))  # >= 0 up to rounding
 
 
-def kl(p, q, *, model=None, x=None) -> float:
+def kl(p: ArrayLike | SupportsLogProb, q: ArrayLike | SupportsLogProb, *, model: SlowThinking | None = None,
+       x: ArrayLike | None = None) -> float:
     """KL(p || q) = sum_z p(z) (log p(z) - log q(z)) (``inf`` if q misses mass of p)."""
     lp, lq = _log_vectors(p, q, model, x)
     has = torch.isfinite(lp)
@@ -78,7 +82,7 @@ def _weights(log_w, what: str) -> torch.Tensor:
     return lw
 
 
-def chi2_from_weights(log_w) -> float:
+def chi2_from_weights(log_w: ArrayLike) -> float:
     """Monte-Carlo chi^2(Q_* || Q) = E_q[w^2] / E_q[w]^2 - 1 from log-weights w = P(z)/Q(z), z ~ Q
     (the normaliser cancels: n sum w^2 / (sum w)^2 - 1). :class:`DiagnosticError` for NaN or +inf log
     weights and for no nonzero weight (never NaN)."""
@@ -89,7 +93,7 @@ def chi2_from_weights(log_w) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- estimates
-def kl_from_weights(log_w) -> tuple[float, float]:
+def kl_from_weights(log_w: ArrayLike) -> tuple[float, float]:
     """Self-normalised Monte-Carlo (KL(Q_* || Q), KL(Q || Q_*)) from log-weights w = P(z)/Q(z), z ~ Q.
 
     With p_n = mean(w) ((3.2)) and normalised weights W_i: KL(Q_* || Q) ~ sum_i W_i log(w_i / p_n) and
@@ -148,7 +152,8 @@ class SamplerReport:
         return "\n".join(lines)
 
 
-def sampler_report(model, sampler, x, n: int = 1000, seed: int | None = 0, limit: int = 20_000) -> SamplerReport:
+def sampler_report(model: SlowThinking, sampler: SupportsSampleWithLogProb, x: ArrayLike, n: int = 1000,
+                   seed: int | None = 0, limit: int = 20_000) -> SamplerReport:
     """Exact and estimated sampler quality of ``sampler`` (a Q(.|x) with ``sample_with_log_prob`` and
     ``log_prob``) against the posterior Q_*(.|x) of the :class:`~ppl_thought.models.SlowThinking` ``model``.
 

@@ -22,6 +22,7 @@ sampler Q(.|x) for each n and measures
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ import torch
 from ppl_thought.diagnostics.plots import plot_scaling_law
 from ppl_thought.diagnostics.sampler_quality import chi2
 from ppl_thought.guides.exact import Inquisitive
+from ppl_thought.models.slow_thinking import SlowThinking
+from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb
 
 TASKS = ("encoding", "decoding", "gradient")
 _ALPHA = {"encoding": 1.0, "decoding": 0.5, "gradient": 1.0}  # error ~ n^-alpha
@@ -92,7 +95,8 @@ def support_index(support: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return table[inv[len(s):]]
 
 
-def scaling_law(model, sampler, x, task: str = "encoding", ns=(4, 8, 16, 32, 64), reps: int = 500,
+def scaling_law(model: SlowThinking, sampler: SupportsSampleWithLogProb, x: ArrayLike, task: str = "encoding",
+                ns: Iterable[int] = (4, 8, 16, 32, 64), reps: int = 500,
                 seed: int | None = 0, limit: int = 2_000) -> ScalingLaw:
     """Measure a Table 3.1 scaling law on a small (enumerable) model; see the module docstring.
 

@@ -26,6 +26,7 @@ from ppl_thought.distributions.registry import register_lm
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.projections.automaton import Automaton
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
 
 
@@ -101,7 +102,7 @@ class LMSequence(TorchDistribution):
     def __init__(
         self,
         lm: torch.nn.Module,
-        prompt=None,
+        prompt: ArrayLike | None = None,
         constraint: Automaton | None = None,
         stop: str | int | Sequence[str | int] | torch.Tensor | None = None,
         max_len: int | None = None,
@@ -164,7 +165,7 @@ class LMSequence(TorchDistribution):
             bad = t[(t < 0) | (t >= self.vocab_size)][:5].tolist()
             raise UnknownTokenError(f"{what} contain ids {bad} outside the vocabulary [0, {self.vocab_size})")
 
-    def expand(self, batch_shape, _instance=None):
+    def expand(self, batch_shape: Sequence[int], _instance: LMSequence | None = None):
         new = self._get_checked_instance(LMSequence, _instance)
         new.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_batch_shape"})
         new._last = None
@@ -216,7 +217,7 @@ class LMSequence(TorchDistribution):
         return match_rows(self.lm_kwargs, n)
 
     # ------------------------------------------------------------------ Distribution API
-    def sample_with_log_prob(self, sample_shape=(), generator: torch.Generator | None = None):
+    def sample_with_log_prob(self, sample_shape: Sequence[int] = (), generator: torch.Generator | None = None):
         """Draw sequences and their log-probabilities in one batched decoding loop: the segment of
         :meth:`start` that ends with the sequence (stop token, final state or ``max_len``), right-padded
         to ``max_len``."""
@@ -237,7 +238,7 @@ class LMSequence(TorchDistribution):
             z[:, : value.shape[1]] = value
         return z.reshape(shape + (self.max_len,)), lp.reshape(shape)
 
-    def sample(self, sample_shape=()) -> torch.Tensor:
+    def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         z, lp = self.sample_with_log_prob(sample_shape)
         self._last = (z, lp)
         return z

@@ -41,7 +41,7 @@ from ppl_thought.distributions.token_rule import (
     upcast,
 )
 from ppl_thought.errors import ConfigError, MalformedSequenceError
-from ppl_thought.lm.base import ids_checked, lm_device, match_rows
+from ppl_thought.lm.base import LMCache, ids_checked, lm_device, match_rows
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 # LMState's module is where programs meet the decoding loop: the token rule and the segment are re-exported
@@ -58,9 +58,9 @@ class LMState:
     unspecified: nothing reads them again.
     """
 
-    def __init__(self, lm, rule: TokenRule, max_len: int, stop_ids: torch.Tensor, lm_kwargs: dict | None,
-                 logits: torch.Tensor, cache, rule_state: torch.Tensor, context: torch.Tensor | None = None,
-                 chunk: int = 0):
+    def __init__(self, lm: torch.nn.Module, rule: TokenRule, max_len: int, stop_ids: torch.Tensor,
+                 lm_kwargs: dict | None, logits: torch.Tensor, cache: LMCache | None, rule_state: torch.Tensor,
+                 context: torch.Tensor | None = None, chunk: int = 0):
         self.lm = lm
         self.chunk = chunk_size(chunk)
         self.rule = rule
@@ -82,10 +82,11 @@ class LMState:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def start(cls, lm, n: int, prompt: torch.Tensor | Sequence[int] | str | None = None,
+    def start(cls, lm: torch.nn.Module, n: int, prompt: torch.Tensor | Sequence[int] | str | None = None,
               rule: TokenRule | None = None,
               max_len: int = 1 << 30, stop_ids: torch.Tensor | Sequence[int] | None = None,
-              lm_kwargs: dict | None = None, device=None, name: str | None = None, chunk: int = 0) -> LMState:
+              lm_kwargs: dict | None = None, device: torch.device | str | None = None, name: str | None = None,
+              chunk: int = 0) -> LMState:
         """Encode ``<bos> + prompt`` (1-D, shared: encoded once and expanded; or ``[n, P]`` right-padded;
         ``[r, P]`` with r dividing n gives each prompt to n / r consecutive rows). A ``str`` passes the type
         layer only to be refused with the advice to encode it (``vocab.encode``).
@@ -118,8 +119,10 @@ class LMState:
                              "or the tokenizer's encode")
 
     @classmethod
-    def encode(cls, lm, n: int, prompt=None, rule=None, max_len: int = 1 << 30, stop_ids=None, lm_kwargs=None,
-               device=None, chunk: int = 0) -> LMState:
+    def encode(cls, lm: torch.nn.Module, n: int, prompt: torch.Tensor | Sequence[int] | None = None,
+               rule: TokenRule | None = None,
+               max_len: int = 1 << 30, stop_ids: torch.Tensor | Sequence[int] | None = None,
+               lm_kwargs: dict | None = None, device: torch.device | str | None = None, chunk: int = 0) -> LMState:
         """:meth:`start` for an LM registered already (no ``pyro.module`` call): what a distribution or a
         transform that registered its LM at its own site uses."""
         state = cls._encode_prompt(lm, n, prompt, rule, max_len, stop_ids, lm_kwargs, device)
@@ -181,7 +184,8 @@ class LMState:
                 + (f", chunk={self.chunk})" if self.chunk else ")"))
 
     # ------------------------------------------------------------------ distributions over what comes next
-    def segment(self, until_emitted: int | torch.Tensor | None = None, stop=None, max_tokens: int | None = None,
+    def segment(self, until_emitted: int | torch.Tensor | None = None,
+                stop: str | int | Sequence[str | int] | torch.Tensor | None = None, max_tokens: int | None = None,
                 name_hint: str = "") -> Segment:
         """The next segment of every row: tokens until (first of) the constraint has emitted
         ``until_emitted`` observables, a stop token (``stop`` ids, or else the state's own stop ids), a
@@ -237,13 +241,15 @@ class LMState:
         return {k: getattr(self, k) for k in STATE_KEYS}
 
     # ------------------------------------------------------------------ feeding the LM
-    def feed(self, cache, context, toks: torch.Tensor, valid: torch.Tensor | None, kw: dict | None = None):
+    def feed(self, cache: LMCache | None, context: torch.Tensor | None, toks: torch.Tensor, valid: torch.Tensor | None,
+             kw: dict | None = None):
         """Feed ``toks [n, S]`` (only where ``valid``; ``None``: everywhere) after ``cache`` (valid mode) or
         ``context`` (recompute mode); return (logits after each position [n, S, V], cache, context)."""
         with ids_checked():  # sampled ids (below vocab_size) or a segment checked by Segment._check: no sync
             return self.feed_checked(cache, context, toks, valid, kw)
 
-    def feed_checked(self, cache, context, toks: torch.Tensor, valid: torch.Tensor | None, kw: dict | None):
+    def feed_checked(self, cache: LMCache | None, context: torch.Tensor | None, toks: torch.Tensor,
+                     valid: torch.Tensor | None, kw: dict | None):
         n, S = toks.shape
         kw = match_rows(self.lm_kwargs, n) if kw is None else kw
         if context is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -10,6 +11,7 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
 from ppl_thought.errors import NotInImageError
+from ppl_thought.projections.base import Projection
 from ppl_thought.vocab import PAD_ID
 
 
@@ -23,17 +25,17 @@ class ProjectionDelta(TorchDistribution):
     arg_constraints: dict = {}
     support = constraints.independent(constraints.nonnegative_integer, 1)
 
-    def __init__(self, projection, z: torch.Tensor, num_observed: int, validate_args=None):
+    def __init__(self, projection: Projection, z: torch.Tensor, num_observed: int, validate_args: bool | None = None):
         self.projection = projection
         self.z = z
         self.num_observed = int(num_observed)
         super().__init__(z.shape[:-1], torch.Size([self.num_observed]), validate_args=validate_args)
 
-    def expand(self, batch_shape, _instance=None):
+    def expand(self, batch_shape: Sequence[int], _instance: ProjectionDelta | None = None):
         z = self.z.expand(torch.Size(batch_shape) + self.z.shape[-1:])
         return ProjectionDelta(self.projection, z, self.num_observed)
 
-    def sample(self, sample_shape=()) -> torch.Tensor:
+    def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         flat = self.z.reshape(-1, self.z.shape[-1])
         xs = self.projection.project(flat.cpu().numpy()) if flat.shape[0] else []
         out = torch.full((flat.shape[0], self.num_observed), PAD_ID, dtype=torch.long, device="cpu")

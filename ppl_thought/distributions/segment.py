@@ -6,6 +6,7 @@ segment as in (2.13).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
@@ -108,8 +109,9 @@ class Segment(TorchDistribution):
     #: once more than this fraction of the rows it steps have ended their sequence
     drop_fraction: float = 0.25
 
-    def __init__(self, lm_state: Any, until_emitted=None, stop=None, max_tokens: int | None = None,
-                 scalar: bool = False, open_end: bool = False, validate_args=None):
+    def __init__(self, lm_state: Any, until_emitted: int | torch.Tensor | None = None,
+                 stop: str | int | Sequence[str | int] | torch.Tensor | None = None, max_tokens: int | None = None,
+                 scalar: bool = False, open_end: bool = False, validate_args: bool | None = None):
         self.base = lm_state
         self.snap = lm_state.snapshot()
         self.base_version = lm_state.version
@@ -128,7 +130,7 @@ class Segment(TorchDistribution):
         event = () if scalar else (width,)
         super().__init__(torch.Size([lm_state.n]), torch.Size(event), validate_args=False)
 
-    def expand(self, batch_shape, _instance=None):
+    def expand(self, batch_shape: Sequence[int], _instance: Segment | None = None):
         batch_shape = torch.Size(batch_shape)
         if batch_shape != self.batch_shape:
             raise MalformedSequenceError(
@@ -174,7 +176,7 @@ class Segment(TorchDistribution):
         return active
 
     # ------------------------------------------------------------------ sampling: the decoding loop
-    def sample(self, sample_shape=()) -> torch.Tensor:
+    def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         if torch.Size(sample_shape) != torch.Size():
             raise MalformedSequenceError("a Segment draws one segment per row; use the particle plate for more")
         return self.sample_with_log_prob()[0]

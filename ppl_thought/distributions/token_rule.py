@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError
+from ppl_thought.projections.automaton import Automaton
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 __all__ = ["TokenRule", "TokenStep", "chunk_size", "generated_tokens", "left_pack", "masked_log_softmax", "nucleus",
@@ -80,7 +81,7 @@ class TokenRule:
     :meth:`log_probs` and may keep a wider state ``[n, k]``.
     """
 
-    def __init__(self, constraint, vocab_size: int):
+    def __init__(self, constraint: Automaton | None, vocab_size: int):
         self.constraint = constraint
         self.vocab_size = int(vocab_size)
         self._tables: dict[tuple, torch.Tensor] = {}
@@ -107,7 +108,7 @@ class TokenRule:
         table = self._table("allowed", s.device)
         return table.expand(s.shape[0], -1) if self.constraint is None else table[s]
 
-    def start(self, n: int, device) -> torch.Tensor:
+    def start(self, n: int, device: torch.device | str | None) -> torch.Tensor:
         if self.constraint is None:
             return torch.zeros(n, dtype=torch.long, device=device)
         return self.constraint.start_states(n, device)
@@ -121,7 +122,7 @@ class TokenRule:
         # clamped to the lowest float it leaves the row -inf instead of NaN
         return x - torch.logsumexp(x, -1, keepdim=True).clamp(min=_LOWEST)
 
-    def inactive_row(self, device) -> torch.Tensor:
+    def inactive_row(self, device: torch.device | str | None) -> torch.Tensor:
         """``[1, V]`` (default float dtype): all the mass on ``<pad>``, the law an inactive row draws from in
         :func:`token_step` (cached per device)."""
         key = ("inactive", device, torch.get_default_dtype())  # (not str(device): read at every token)
@@ -151,7 +152,8 @@ class TokenRule:
             raise MalformedSequenceError("until_emitted needs a constraint automaton that counts observables")
         return self.constraint.num_emitted(s)
 
-    def end_tables(self, until: int | None, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def end_tables(self, until: int | None,
+                   device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Bool tables over states (last row: dead): (a segment that must reach ``until`` observables
         ends here, the sequence ends here). ``None`` for rules whose state is not one automaton state
         (subclasses): the engine then asks ``is_final`` / ``num_emitted``."""
@@ -172,7 +174,7 @@ class TokenRule:
             self._tables[key] = tabs
         return tabs
 
-    def forced_runs(self, until: int | None, stop_ids: torch.Tensor, limit: int, device):
+    def forced_runs(self, until: int | None, stop_ids: torch.Tensor, limit: int, device: torch.device | str | None):
         """Per-state tables of the *forced runs* of chunked encoding (end of Section 5.6.2), or ``None`` for rules
         that are not one automaton state per row with the masked softmax of Def 2.8 (subclasses).
 

@@ -17,6 +17,8 @@ A sampler Q maps an observation x to a law Q(. | x) supported on the lifting Pro
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
 
 import pyro
 import torch
@@ -30,6 +32,7 @@ from ppl_thought.lm.base import as_id_batch, lm_device
 from ppl_thought.program import Program, Shared, is_program, particles
 from ppl_thought.projections.automaton import Automaton, step_ends
 from ppl_thought.projections.base import Projection, as_id_array
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import PAD_ID
 
 
@@ -48,7 +51,7 @@ class Sampler(Program, ABC):
             cache = self.__dict__["_automata_cache"] = {}
         return cache
 
-    def lifting(self, x) -> Automaton:
+    def lifting(self, x: ArrayLike) -> Automaton:
         """The lifting automaton of x (Prop 2.3), cached per x; NotInImageError names bad input."""
         xa = as_id_array(x, self.projection.vocab, "observation x", unpad=True)
         key = ("lift", tuple(xa.tolist()))
@@ -73,14 +76,14 @@ class Sampler(Program, ABC):
                 return lm_device(lm)
         return torch.device("cpu")
 
-    def x_ids(self, x) -> torch.Tensor:
+    def x_ids(self, x: ArrayLike) -> torch.Tensor:
         """x as a 1-D LongTensor of ids on the sampler's device (text, token strings, ids); non-observable
         tokens raise."""
         xa = as_id_array(x, self.projection.vocab, "observation x", unpad=True)
         self.lifting(xa)  # NotInImageError naming the problem
         return torch.as_tensor(xa, dtype=torch.long, device=self.device)
 
-    def event_length(self, x) -> int:
+    def event_length(self, x: ArrayLike) -> int:
         """L = ``projection.domain(|x|).max_len``: the event length of the model's site ``"z"``."""
         n = len(self.x_ids(x))
         L = self.domain(n).max_len
@@ -110,18 +113,18 @@ class Sampler(Program, ABC):
     def _log_prob(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """log Q(z | x) ``[n]`` for validated ``z [n, L]``."""
 
-    def sample_with_log_prob(self, x, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_with_log_prob(self, x: ArrayLike, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """n draws Z ~ Q(. | x) (one batched decoding, no loop over particles) and log Q(Z | x)."""
         xt = self.x_ids(x)
         if int(n) < 0:
             raise ValueError(f"number of samples must be >= 0, got {n}")
         return self._sample(xt, int(n))
 
-    def sample(self, x, n: int) -> torch.Tensor:
+    def sample(self, x: ArrayLike, n: int) -> torch.Tensor:
         """n latent sequences ``[n, L]`` drawn from Q(. | x), right-padded with ``<pad>``."""
         return self.sample_with_log_prob(x, n)[0]
 
-    def log_prob(self, z, x) -> torch.Tensor:
+    def log_prob(self, z: ArrayLike, x: ArrayLike) -> torch.Tensor:
         """log Q(z | x) ``[n]`` (Def 3.1): ``-inf`` for z outside the lifting of x, never NaN."""
         xt = self.x_ids(x)
         zt = self._check_z(z, self.event_length(xt))
@@ -129,7 +132,7 @@ class Sampler(Program, ABC):
             return torch.zeros(0, device=zt.device)
         return self._log_prob(zt, xt)
 
-    def token_log_probs(self, z, x) -> torch.Tensor:
+    def token_log_probs(self, z: ArrayLike, x: ArrayLike) -> torch.Tensor:
         """log Q(z_i | z_<i, x) ``[n, L]`` for ``z [n, L]`` (0 on padding): the factors of log Q(z | x)
         (the shared-sample estimator of Remark 3.5 needs them)."""
         xt = self.x_ids(x)
@@ -139,13 +142,13 @@ class Sampler(Program, ABC):
     def _token_log_probs(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not give token probabilities")
 
-    def distribution(self, x) -> SamplerDistribution:
+    def distribution(self, x: ArrayLike) -> SamplerDistribution:
         return SamplerDistribution(self, x)
 
     def _register(self) -> None:  # noqa: B027 (optional hook)
         """Register trainable modules with Pyro's param store (overridden by LM-based samplers)."""
 
-    def __call__(self, x=None, *args, **kwargs):
+    def __call__(self, x: ArrayLike | None = None, *args: Any, **kwargs: Any):
         """The Pyro guide: samples the site ``"z"`` (batch from an enclosing particle plate)."""
         if x is None:
             raise ValueError("a guide needs the observation x")
@@ -168,7 +171,7 @@ class Sampler(Program, ABC):
             cache[key] = TokenRule(self.lifting(x), len(self.projection.vocab))
         return cache[key]
 
-    def init(self, state: dict, x=None, *args, **kwargs) -> None:
+    def init(self, state: dict, x: ArrayLike | None = None, *args: Any, **kwargs: Any) -> None:
         if x is None:
             raise ValueError("a guide needs the observation x")
         self._register()
@@ -177,7 +180,7 @@ class Sampler(Program, ABC):
         state["num_observed"] = len(xt)
         state["step_ends"] = Shared(step_ends(self.lifting(xt), chunked=bool(getattr(self, "chunk", 0))))
 
-    def step(self, state: dict, t: int, x=None, *args, **kwargs):
+    def step(self, state: dict, t: int, x: ArrayLike | None = None, *args: Any, **kwargs: Any):
         """Segment t of the lifting (Lemma 2.1): until x_{t+1} is determined; the last one until the end.
         With chunked encoding (``chunk > 0``) step t runs until ``step_ends[t]`` observables are determined
         (:func:`~ppl_thought.projections.automaton.step_ends`: the forced segments that follow a step join it)."""
@@ -251,20 +254,21 @@ class SamplerDistribution(TorchDistribution):
     support = constraints.independent(constraints.nonnegative_integer, 1)
     has_rsample = False
 
-    def __init__(self, sampler: Sampler, x, batch_shape=(), validate_args=None):
+    def __init__(self, sampler: Sampler, x: ArrayLike, batch_shape: Sequence[int] = (),
+                 validate_args: bool | None = None):
         self.sampler = sampler
         self.x = sampler.x_ids(x)
         self.L = sampler.event_length(self.x)
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         super().__init__(torch.Size(batch_shape), torch.Size([self.L]), validate_args=validate_args)
 
-    def expand(self, batch_shape, _instance=None):
+    def expand(self, batch_shape: Sequence[int], _instance: SamplerDistribution | None = None):
         new = self._get_checked_instance(SamplerDistribution, _instance)
         new.sampler, new.x, new.L, new._last = self.sampler, self.x, self.L, None
         TorchDistribution.__init__(new, torch.Size(batch_shape), self.event_shape, validate_args=False)
         return new
 
-    def sample(self, sample_shape=()) -> torch.Tensor:
+    def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         shape = torch.Size(sample_shape) + self.batch_shape
         n = int(shape.numel())
         z, lq = self.sampler._sample(self.x, n)

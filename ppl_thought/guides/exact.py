@@ -13,13 +13,15 @@ from torch.distributions import constraints
 
 from ppl_thought.errors import NotInImageError
 from ppl_thought.guides.base import Sampler, num_observed
+from ppl_thought.models.slow_thinking import SlowThinking
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import PAD_ID
 
 
 class _TableSampler(Sampler):
     """A sampler given by log-probabilities over the enumerated lifting of x (cached per x)."""
 
-    def __init__(self, model, limit: int = 20_000):
+    def __init__(self, model: SlowThinking, limit: int = 20_000):
         self.model = model
         self.projection = model.projection
         self.limit = limit
@@ -101,11 +103,11 @@ class Inquisitive(_TableSampler):
     fallback for LMs that vmap cannot trace.
     """
 
-    def __init__(self, model, centered: bool = False, limit: int = 2_000):
+    def __init__(self, model: SlowThinking, centered: bool = False, limit: int = 2_000):
         super().__init__(model, limit)
         self.centered = centered
 
-    def per_sequence_gradients(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def per_sequence_gradients(self, x: ArrayLike) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(support ``[K, L]``, log P(z) ``[K]``, flattened grad_theta log P(z) ``[K, D]``)."""
         xt = self.x_ids(x)
         params = [p for p in self.model.prior.parameters() if p.requires_grad]

@@ -12,6 +12,7 @@ import torch
 
 from ppl_thought.models.hmm import DTYPE, HMM, all_done, prior_logits
 from ppl_thought.program import Program, run_whole
+from ppl_thought.validation import ArrayLike
 
 __all__ = ["HMMGuide"]
 
@@ -59,7 +60,7 @@ class HMMGuide(Program):
     def __repr__(self) -> str:
         return f"HMMGuide({self.hmm!r}, {'posterior' if self.backward else 'filtering'})"
 
-    def __call__(self, x=None, length: int | None = None) -> dict:
+    def __call__(self, x: ArrayLike | None = None, length: int | None = None) -> dict:
         """Run the guide as one Pyro trace (sites ``z_0 .. z_{T-1}``); returns the final state."""
         return run_whole(self, x=x, length=length)
 
@@ -79,12 +80,12 @@ class HMMGuide(Program):
         self._key, self._score = xt.detach().clone(), score
         return score
 
-    def init(self, state: dict, x=None, length: int | None = None) -> None:
+    def init(self, state: dict, x: ArrayLike | None = None, length: int | None = None) -> None:
         """Compute the per-step scores for x (backward messages for the posterior) and set ``max_steps = T``."""
         self.max_steps = max(1, self.hmm.program_length(x, length))
         self._scores(x)
 
-    def step(self, state: dict, t: int, x=None, length: int | None = None) -> torch.Tensor | None:
+    def step(self, state: dict, t: int, x: ArrayLike | None = None, length: int | None = None) -> torch.Tensor | None:
         """Sample ``z_t`` from the proposal given ``state["z"] = z_{t-1}``; all-True flags at t = T - 1."""
         score = self._scores(x)
         T = score.shape[0]

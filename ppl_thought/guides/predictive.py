@@ -29,6 +29,7 @@ from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.distributions.token_rule import token_step
 from ppl_thought.guides.base import Sampler
 from ppl_thought.lm.base import lm_device
+from ppl_thought.models.slow_thinking import SlowThinking
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.substitution import emission_substitution
@@ -57,7 +58,8 @@ class MarginalizedDecoder(Sampler):
     def _device(self) -> torch.device:
         return lm_device(self.lm)
 
-    def step_log_probs(self, logits, sD, sL, x, D: Automaton, lift: Automaton) -> torch.Tensor:
+    def step_log_probs(self, logits: torch.Tensor, sD: torch.Tensor, sL: torch.Tensor, x: torch.Tensor, D: Automaton,
+                       lift: Automaton) -> torch.Tensor:
         """log Q(next token | prefix) ``[N, V]`` for rows in domain state sD / lifting state sL.
 
         p = softmax of the logits masked to Dom(Proj) (Def 2.8); the mass of every emitting token
@@ -202,7 +204,7 @@ class Identity(MarginalizedDecoder):
     the model registers it).
     """
 
-    def __init__(self, model):
+    def __init__(self, model: SlowThinking):
         super().__init__(model.prior, model.projection, name="prior")
         self.model = model
 

@@ -80,8 +80,9 @@ decoding, ``LMSequence`` under a constraint).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyro.poutine as poutine
 import torch
@@ -108,6 +109,7 @@ from ppl_thought.lm.base import as_id_batch, lm_device
 from ppl_thought.lm.base import step as lm_step
 from ppl_thought.models.slow_thinking import pad_sequences
 from ppl_thought.program import OUTPUT, as_done, is_output
+from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb
 from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID
 
 METHODS = ("direct", "streaming", "resampling", "unbiased", "exact", "best_of_k")
@@ -239,7 +241,8 @@ def lifts_lm(model) -> bool:
         and callable(getattr(model, "x_ids", None))
 
 
-def decode(model, guide, *args, method: str = "resampling", n: int = 16, max_new_tokens: int | None = None,
+def decode(model: Callable[..., Any], guide: Callable[..., Any] | SupportsSampleWithLogProb | None, *args: Any,
+           method: str = "resampling", n: int = 16, max_new_tokens: int | None = None,
            num_samples: int = 1, stop_at_eos: bool | None = None, k: int = 4,
            generator: torch.Generator | None = None, **kwargs) -> Decoded | Iterator:
     """Decode continuations of a prompt; see the module docstring for ``method`` ((3.12)-(3.14), Algorithms 1
@@ -358,7 +361,8 @@ def _next_token_loop(model, xt, max_new, num_samples, stop_at_eos, generator, di
     return Decoded(out, None, {"next_token_probs": probs_log, "sigma": sigma})
 
 
-def next_token_distribution(model, sampler, x, n: int = 16, method: str = "unbiased",
+def next_token_distribution(model: Callable[..., Any], sampler: SupportsSampleWithLogProb | None, x: ArrayLike,
+                            n: int = 16, method: str = "unbiased",
                             generator: torch.Generator | None = None) -> torch.Tensor:
     """(Proj # P)^{<=|x|+1}(a | x) over a in Sigma (``projection.observable_ids`` order).
 

@@ -16,6 +16,7 @@ variant of Remark 3.5.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pyro.poutine as poutine
@@ -26,6 +27,7 @@ from ppl_thought.checks import integer
 from ppl_thought.errors import NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
 from ppl_thought.inference.particles import check_compatible, infinite_sites, sample_particles
 from ppl_thought.inference.result import Result, pareto_k
+from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 
@@ -142,7 +144,7 @@ class Importance:
         self.max_plate_nesting = max_plate_nesting
 
     # ------------------------------------------------------------------ public API
-    def run(self, model, guide, *args, **kwargs) -> Result:
+    def run(self, model: Callable[..., Any], guide: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Result:
         """Draw n particles from the guide, weight them by p/q, and estimate log p(data) by (3.2)."""
         observed = {"args": args, "kwargs": kwargs}
         check_compatible(model, guide)
@@ -166,7 +168,8 @@ class Importance:
             engine="Importance",
         )
 
-    def log_prob(self, model, guide, *args, **kwargs) -> torch.Tensor:
+    def log_prob(self, model: Callable[..., Any], guide: Callable[..., Any] | None, *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
         """log p_n of (3.2) (``-inf`` for x outside the image of Proj)."""
         return self.run(model, guide, *args, **kwargs).log_marginal
 
@@ -181,7 +184,8 @@ class Importance:
                                      "traces": (pt.model_trace, pt.guide_trace)}
 
     # ------------------------------------------------------------------ (3.7) and Remark 3.5
-    def conditional_log_prob(self, model, sampler, x, y, shared: bool = True) -> Result:
+    def conditional_log_prob(self, model: Callable[..., Any], sampler: SupportsSampleWithLogProb, x: ArrayLike,
+                             y: ArrayLike, shared: bool = True) -> Result:
         """log (Proj # P)(y | x) ~ log p_n(xy) - log q_n(x), estimator (3.7).
 
         ``shared=False``: p_n from W_i ~ Q(. | xy) and q_n from independent Z_i ~ Q(. | x), the

@@ -14,6 +14,7 @@ import torch
 from ppl_thought.checkpoint import parse_json
 from ppl_thought.errors import CheckpointError, ConfigError, PPLThoughtError
 from ppl_thought.io import CONFIG_FILE, load_checkpoint, save_checkpoint
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import Vocab
 from ppl_thought.weights import (  # noqa: F401 (effective_sample_size, log_mean_exp: their old import path)
     check_log_weights,
@@ -61,7 +62,7 @@ def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
     return smoothed_t, torch.from_numpy(ks).reshape(lw.shape[:-1])
 
 
-def pareto_k(log_w) -> float | torch.Tensor:
+def pareto_k(log_w: ArrayLike | float) -> float | torch.Tensor:
     """The PSIS k-hat of :func:`psis` (a float for one row of weights, a tensor ``[...]`` for several)."""
     k = psis(log_w)[1]
     return float(k) if k.ndim == 0 else k
@@ -236,7 +237,7 @@ def _decode_tree(obj, tensors: Mapping[str, torch.Tensor]):
     return obj
 
 
-def save_result(path: str | Path, result, vocab=None) -> Path:
+def save_result(path: str | Path, result: Result, vocab: Vocab | None = None) -> Path:
     """Write an engine :class:`Result` to directory ``path`` (with ``vocab``, a :class:`~ppl_thought.vocab.Vocab`,
     the vocabulary its token sites use: ``ppl-thought diagnose`` then shows tokens, not ids).
 

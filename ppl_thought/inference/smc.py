@@ -14,6 +14,9 @@ with ``cache.reorder``). The one-step runner and the site check live in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pyro.poutine as poutine
 import torch
 
@@ -116,7 +119,7 @@ class SMC:
             raise ConfigError("graphs=True needs backend='static' (the captured step is the static path's)")
         self.backend, self.graphs = backend, graphs
 
-    def run(self, model, guide, *args, **kwargs) -> Result:
+    def run(self, model: Callable[..., Any], guide: Any, *args: Any, **kwargs: Any) -> Result:
         """Run SMC over the steps of ``model``; see the class docstring."""
         require_program(model, "model")
         if self.backend == "static":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -35,7 +35,7 @@ class LMCache(Protocol):
     def expand(self, n: int) -> LMCache: ...
 
 
-def step(lm: torch.nn.Module, tokens: torch.Tensor, cache=None, **kwargs):
+def step(lm: torch.nn.Module, tokens: torch.Tensor, cache: LMCache | None = None, **kwargs: Any):
     """One incremental step: ``tokens [B]`` -> ``(logits [B, V], cache)``."""
     logits, cache = lm(tokens[:, None], cache=cache, **kwargs)
     return logits[:, -1], cache

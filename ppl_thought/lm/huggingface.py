@@ -28,7 +28,7 @@ import inspect
 import operator
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -43,6 +43,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 __all__ = ["HuggingFace", "random_gpt2", "smollm2", "train_bpe_tokenizer"]
+
+
+@runtime_checkable
+class HFTokenizer(Protocol):
+    """What the adapter reads of a tokenizer (duck-typed, :class:`~ppl_thought.vocab.TokenizerVocab`): every
+    ``transformers`` tokenizer has these."""
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any: ...
 
 #: attention implementations that take an explicit [B, 1, T, K] additive mask (ragged rows)
 _MASKABLE = ("sdpa", "eager")
@@ -170,7 +182,7 @@ class HuggingFace(nn.Module):
     slower). The model's train/eval mode is the caller's (dropout is active in train mode).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, *, think: str = "<think>", end_think: str = "</think>",
+    def __init__(self, model: nn.Module, tokenizer: HFTokenizer, *, think: str = "<think>", end_think: str = "</think>",
                  explain: str = "<explain>", bos: str | None = None, eos: str | None = None,
                  add_markers: bool = False):
         _require_transformers()

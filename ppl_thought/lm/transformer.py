@@ -372,7 +372,7 @@ class Transformer(nn.Module):
                 "cross_attention": self.cross_attention, "d_latent": self.d_latent,
                 "rope_base": self.rope_base, "dropout": self.dropout, "tie_embeddings": self.tie_embeddings}
 
-    def save(self, path: str | Path, extra: dict | None = None, vocab=None) -> Path:
+    def save(self, path: str | Path, extra: dict | None = None, vocab: Vocab | None = None) -> Path:
         """Write a checkpoint directory (safetensors + JSON config, atomically; see ``ppl_thought.io``).
 
         ``vocab`` (a :class:`~ppl_thought.vocab.Vocab` of ``vocab_size`` ids) is saved with the model, so

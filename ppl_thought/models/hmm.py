@@ -44,6 +44,7 @@ import torch
 from ppl_thought.errors import MalformedSequenceError, TooLargeToEnumerateError, UnknownTokenError
 from ppl_thought.program import Program, particle_frame, particles, run_whole
 from ppl_thought.projections.product import Product
+from ppl_thought.validation import ArrayLike
 
 DTYPE = torch.float64
 _NEG_INF = float("-inf")
@@ -156,9 +157,9 @@ class HMM(Program):
 
     def __init__(
         self,
-        A,
-        B,
-        lam,
+        A: ArrayLike,
+        B: ArrayLike,
+        lam: ArrayLike,
         *,
         observable_tokens: Sequence[str] | None = None,
         hidden_names: Sequence[str] | None = None,
@@ -216,7 +217,7 @@ class HMM(Program):
         return f"HMM(|Omega|={self.num_states}, |Sigma|={self.num_observations})"
 
     # ------------------------------------------------------------------ input checking
-    def check_x(self, x, what: str = "observations x") -> tuple[torch.Tensor, bool]:
+    def check_x(self, x: ArrayLike, what: str = "observations x") -> tuple[torch.Tensor, bool]:
         """x -> (LongTensor [N, T], whether the input was a single 1-D sequence)."""
         if not isinstance(x, torch.Tensor):
             x = torch.as_tensor(x)
@@ -270,7 +271,7 @@ class HMM(Program):
             pred[:, T] = prior @ self.B
         return prefix, filt, pred
 
-    def log_prob(self, x) -> torch.Tensor:
+    def log_prob(self, x: ArrayLike) -> torch.Tensor:
         """``log P_{A,B,lam}(x_1 .. x_T)`` (Def 2.2) by the forward algorithm (3.1).
 
         ``x``: ``[T]`` -> 0-d tensor, or ``[N, T]`` -> ``[N]``. ``-inf`` for impossible sequences
@@ -283,13 +284,13 @@ class HMM(Program):
             out = self._forward(xb)[0][:, -1]
         return out[0] if single else out
 
-    def prefix_log_probs(self, x) -> torch.Tensor:
+    def prefix_log_probs(self, x: ArrayLike) -> torch.Tensor:
         """``log P(x_{<=t})`` for t = 1..T: ``[T]`` or ``[N, T]`` (the marginal of every prefix)."""
         xb, single = self.check_x(x)
         out = self._forward(xb)[0]
         return out[0] if single else out
 
-    def filter(self, x) -> torch.Tensor:
+    def filter(self, x: ArrayLike) -> torch.Tensor:
         """The filtered laws ``P(Z_t | x_{<=t})`` for t = 1..T: ``[T, |Omega|]`` or ``[N, T, |Omega|]``.
 
         After an impossible prefix (P(x_{<=t}) = 0) the conditional law is undefined and the
@@ -299,7 +300,7 @@ class HMM(Program):
         out = self._forward(xb, want_filter=True)[1]
         return out[0] if single else out
 
-    def predictive(self, x) -> torch.Tensor:
+    def predictive(self, x: ArrayLike) -> torch.Tensor:
         """Next-observation laws ``P(X_{t+1} | x_{<=t})`` for t = 0..T: ``[(N,) T+1, |Sigma|]``.
 
         Row 0 is ``lam B`` (nothing observed yet); row t follows the prefix of length t, so
@@ -310,7 +311,7 @@ class HMM(Program):
         return out[0] if single else out
 
     # ------------------------------------------------------------------ cross-entropy / entropy rate
-    def per_token_nll(self, x) -> torch.Tensor:
+    def per_token_nll(self, x: ArrayLike) -> torch.Tensor:
         """``-log P(x) / T`` (nats per token) of each sequence: ``[N]`` (or 0-d for one sequence)."""
         xb, single = self.check_x(x)
         T = xb.shape[1]
@@ -319,7 +320,7 @@ class HMM(Program):
         out = -self.log_prob(xb) / T
         return out[0] if single else out
 
-    def cross_entropy(self, x) -> float:
+    def cross_entropy(self, x: ArrayLike) -> float:
         """Exact per-token cross-entropy of held-out sequences: the mean over sequences of ``-log P(x)/T``.
 
         This is the loss a model of the observations can reach at best on these sequences
@@ -354,7 +355,7 @@ class HMM(Program):
                                num_sequences, length)
 
     # ------------------------------------------------------------------ joint law and brute force
-    def log_joint(self, z, x) -> torch.Tensor:
+    def log_joint(self, z: ArrayLike, x: ArrayLike) -> torch.Tensor:
         """``log P(Z = z, X = x) = log lam[z_1] + sum log A[z_t, z_{t+1}] + sum log B[z_t, x_t]``.
 
         ``z`` and ``x`` of the same shape ``[T]`` or ``[N, T]``.
@@ -377,7 +378,7 @@ class HMM(Program):
             out = out + self.log_A[z[:, :-1], z[:, 1:]].sum(-1)
         return out
 
-    def brute_force_log_prob(self, x, limit: int = 1_000_000) -> torch.Tensor:
+    def brute_force_log_prob(self, x: ArrayLike, limit: int = 1_000_000) -> torch.Tensor:
         """``log P(x)`` by summing ``P(z, x)`` over all ``|Omega|^T`` hidden paths (Def 2.2), for tests.
 
         Raises :class:`TooLargeToEnumerateError` when ``|Omega|^T`` exceeds ``limit``.
@@ -425,7 +426,7 @@ class HMM(Program):
         return z, x
 
     # ------------------------------------------------------------------ backward algorithm
-    def backward(self, x) -> torch.Tensor:
+    def backward(self, x: ArrayLike) -> torch.Tensor:
         """Backward messages ``log beta_t(z) = log P(x_{t+1} .. x_{T-1} | Z_t = z)``: ``[(N,) T, |Omega|]``.
 
         The right-to-left twin of the forward algorithm (3.1), in log space:
@@ -443,7 +444,7 @@ class HMM(Program):
         return out[0] if single else out
 
     # ------------------------------------------------------------------ the Pyro program (Def 2.2)
-    def program_length(self, x, length: int | None) -> int:
+    def program_length(self, x: ArrayLike | None, length: int | None) -> int:
         """T from ``x [T]`` or ``length`` (checked; x must be one sequence)."""
         if x is None:
             if length is None:
@@ -461,7 +462,7 @@ class HMM(Program):
             raise ValueError(f"length={length} but x has {T} observations")
         return T
 
-    def __call__(self, x=None, length: int | None = None) -> dict:
+    def __call__(self, x: ArrayLike | None = None, length: int | None = None) -> dict:
         """Run the HMM as one Pyro trace: ``hmm(x)`` observes ``x [T]``, ``hmm(length=T)`` generates.
 
         Sites ``z_0 .. z_{T-1}`` and ``x_0 .. x_{T-1}`` (see the class docstring for shapes);
@@ -469,7 +470,7 @@ class HMM(Program):
         """
         return run_whole(self, x=x, length=length)
 
-    def init(self, state: dict, x=None, length: int | None = None) -> None:
+    def init(self, state: dict, x: ArrayLike | None = None, length: int | None = None) -> None:
         """Check x / length and set ``max_steps = T`` (``1`` for T = 0: one empty step); samples nothing.
 
         ``max_steps`` is per call (T depends on x), so read it after ``init``, as
@@ -477,7 +478,7 @@ class HMM(Program):
         """
         self.max_steps = max(1, self.program_length(x, length))
 
-    def step(self, state: dict, t: int, x=None, length: int | None = None) -> torch.Tensor | None:
+    def step(self, state: dict, t: int, x: ArrayLike | None = None, length: int | None = None) -> torch.Tensor | None:
         """Step t of Def 2.2: ``z_t ~ lam`` (t = 0) or ``A[z_{t-1}]``, then ``x_t ~ B[z_t]`` (observed if x given).
 
         Returns all-True finished flags ``[n]`` at ``t = T - 1`` (immediately, sampling nothing,

@@ -27,6 +27,7 @@ from ppl_thought.program import Program, Shared, particles
 from ppl_thought.projections.base import as_id_array
 from ppl_thought.projections.identity import Identity
 from ppl_thought.transforms.base import sequence_start
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import Vocab
 
 __all__ = ["PlainLM"]
@@ -59,7 +60,7 @@ class PlainLM(Program):
         self.identity = Identity(vocab)
         self._domains: dict = {}
 
-    def x_ids(self, x) -> torch.Tensor:
+    def x_ids(self, x: ArrayLike) -> torch.Tensor:
         """x as a 1-D LongTensor of ids on the LM's device (accepts text, token strings, ids; right padding
         dropped)."""
         return torch.as_tensor(as_id_array(x, self.vocab, "observation x", unpad=True), dtype=torch.long,
@@ -75,7 +76,7 @@ class PlainLM(Program):
         return LMSequence(self.lm, constraint=self._domains[n], vocab=self.vocab)
 
     # ------------------------------------------------------------------ whole view
-    def __call__(self, x=None, length: int | None = None):
+    def __call__(self, x: ArrayLike | None = None, length: int | None = None):
         if x is None and length is None:
             raise ValueError("give the observation x, or length= to generate")
         xt = self.x_ids(x) if x is not None else None
@@ -86,7 +87,7 @@ class PlainLM(Program):
     model = __call__
 
     # ------------------------------------------------------------------ step view
-    def init(self, state: dict, x=None, length: int | None = None) -> None:
+    def init(self, state: dict, x: ArrayLike | None = None, length: int | None = None) -> None:
         if x is None:
             raise ProgramError(f"the step-wise {type(self).__name__} program needs the observation x "
                                "(SMC conditions on it)")
@@ -99,7 +100,7 @@ class PlainLM(Program):
         # (ProjectionLift(proj, chunk=C): the forced segments join the step before them, end of 5.6.2)
         state.setdefault(f"{self.site}:step_ends", Shared(tuple(range(1, len(xt) + 1))))
 
-    def step(self, state: dict, t: int, x=None, length: int | None = None):
+    def step(self, state: dict, t: int, x: ArrayLike | None = None, length: int | None = None):
         """The segment that emits x_t (one token of x here; the latent segment z^(t) under ProjectionLift), or
         the tokens up to ``state[f"{site}:step_ends"][t]`` when a transform set coarser steps."""
         xt = state[f"{self.site}:observed"].value

@@ -18,6 +18,7 @@ vocab))`` with the exact answers below.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,10 +33,12 @@ from ppl_thought.models.plain import PlainLM
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.transforms.base import Transformed
 from ppl_thought.transforms.projection_lift import ProjectionLift
+from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb
 from ppl_thought.vocab import PAD_ID
 
 
-def pad_sequences(seqs, length: int | None = None, pad_id: int = PAD_ID, device=None) -> torch.Tensor:
+def pad_sequences(seqs: Sequence[ArrayLike], length: int | None = None, pad_id: int = PAD_ID,
+                  device: torch.device | str | None = None) -> torch.Tensor:
     """A list of 1-D id sequences -> a right-padded LongTensor ``[len(seqs), length]`` (built on the host,
     then moved to ``device`` in one copy)."""
     L = max((len(s) for s in seqs), default=0) if length is None else length
@@ -106,7 +109,7 @@ class SlowThinking(Transformed):
         self.vocab = projection.vocab
 
     # ------------------------------------------------------------------ the program
-    def x_ids(self, x) -> torch.Tensor:
+    def x_ids(self, x: ArrayLike) -> torch.Tensor:
         """x as a 1-D LongTensor of ids on the prior's device (accepts text, token strings, ids)."""
         return torch.as_tensor(as_id_array(x, self.vocab, "observation x", unpad=True), dtype=torch.long,
                                device=self.device)
@@ -123,7 +126,8 @@ class SlowThinking(Transformed):
     model = Transformed.__call__
 
     # ------------------------------------------------------------------ the sampler fast path
-    def sampler_weights(self, sampler, x, n: int) -> tuple[dict, torch.Tensor, dict]:
+    def sampler_weights(self, sampler: SupportsSampleWithLogProb, x: ArrayLike,
+                        n: int) -> tuple[dict, torch.Tensor, dict]:
         """Importance's fast path (the protocol of :class:`~ppl_thought.inference.Importance`, docs/architecture.md,
         "Engines"): n particles of (3.2) from a sampler guide (``sample_with_log_prob(x, n)``, Def 3.1) without
         tracing: z and log Q(z | x) in one decoding loop, log P^{<=|z|}(z) by one teacher-forced pass, and the
@@ -147,7 +151,7 @@ class SlowThinking(Transformed):
         return {"z": z}, log_w, {"log_p": log_p, "log_q": log_q, "log_likelihood": log_lik.expand(n)}
 
     # ------------------------------------------------------------------ exact answers
-    def enumerate_log_joint(self, x, limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
+    def enumerate_log_joint(self, x: ArrayLike, limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
         """(support ``[K, L]``, log P^{<=|z|}(z) ``[K]``) for every z in the lifting of x."""
         xt = self.x_ids(x)
         try:
@@ -164,7 +168,7 @@ class SlowThinking(Transformed):
                 torch.zeros(0, device=self.device)
         return support, lp
 
-    def exact_log_prob(self, x, limit: int = 20_000) -> torch.Tensor:
+    def exact_log_prob(self, x: ArrayLike, limit: int = 20_000) -> torch.Tensor:
         """log (Proj # P)^{<=|x|}(x) = log sum_{z in lifting(x)} P^{<=|z|}(z), equation (2.22).
 
         ``-inf`` for x outside the image of Proj. Raises TooLargeToEnumerateError when the
@@ -176,7 +180,7 @@ class SlowThinking(Transformed):
             return torch.tensor(float("-inf"), device=self.device)
         return torch.logsumexp(lp, 0) if len(lp) else torch.tensor(float("-inf"), device=self.device)
 
-    def exact_posterior(self, x, limit: int = 20_000) -> EnumeratedPosterior:
+    def exact_posterior(self, x: ArrayLike, limit: int = 20_000) -> EnumeratedPosterior:
         """Q_*(z | x) = P^{<=|z|}(z) / (Proj # P)^{<=|x|}(x) on the lifting of x, equation (2.24)."""
         support, lp = self.enumerate_log_joint(x, limit)
         logz = torch.logsumexp(lp, 0) if len(lp) else torch.tensor(float("-inf"), device=self.device)

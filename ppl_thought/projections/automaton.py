@@ -18,6 +18,7 @@ cached per device (:mod:`ppl_thought.projections.arrays`), so this module import
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class Automaton:
         return self.next_state >= 0
 
     # ------------------------------------------------------------------ batched stepping
-    def step(self, states, tokens):
+    def step(self, states: ArrayLike | int, tokens: ArrayLike | int):
         """States after reading ``tokens`` (same shape; numpy, torch or jax arrays). Numpy states (e.g.
         ``start_states(n)``) read with framework tokens come back in the tokens' framework and device."""
         states = _like_tokens(states, tokens)
@@ -93,37 +94,37 @@ class Automaton:
             return self.device_table("table", states)[states, tokens]
         return self._table[np.asarray(states), np.asarray(tokens)]
 
-    def advance(self, states, tokens):
+    def advance(self, states: ArrayLike | int, tokens: ArrayLike | int):
         """:meth:`step` on framework arrays, except that ``<pad>`` (id 0, never admissible) keeps the state:
         one gather steps a right-padded batch."""
         states = _like_tokens(states, tokens)
         return self.device_table("advance", states)[states, tokens]
 
-    def mask(self, states):
+    def mask(self, states: ArrayLike | int):
         """bool ``[..., V]``: admissible next tokens for a batch of states (dead -> all False)."""
         if table_key(states) is not None:
             return self.device_table("table", states)[states] >= 0
         return self._table[np.asarray(states)] >= 0
 
-    def is_final(self, states):
+    def is_final(self, states: ArrayLike | int):
         if table_key(states) is not None:
             return (states >= 0) & self.device_table("final", states)[states]
         s = np.asarray(states)
         return (s >= 0) & self._host_table("final")[s]
 
-    def num_emitted(self, states):
+    def num_emitted(self, states: ArrayLike | int):
         """|Proj^{<w}| of the prefixes that led to ``states`` (dead -> -1)."""
         if table_key(states) is not None:
             return self.device_table("emitted", states)[states]
         return self._host_table("emitted")[np.asarray(states)]
 
-    def start_states(self, n: int, like=None):
+    def start_states(self, n: int, like: Any = None):
         """``n`` start states (int64) in the framework and on the device of ``like`` (an array, a torch
         device, or a torch device name; numpy when ``None``)."""
         return self.device_table("start", like).repeat(n)
 
     # ------------------------------------------------------------------ tables on a device
-    def device_table(self, what: str, like):
+    def device_table(self, what: str, like: Any):
         """One of the tables, with the dead state as row ``-1``, in the framework and on the device of
         ``like`` (cached per device):
 
@@ -159,7 +160,7 @@ class Automaton:
         raise ValueError(f"unknown automaton table {what!r}")
 
     # ------------------------------------------------------------------ single strings
-    def run(self, z) -> np.ndarray:
+    def run(self, z: ArrayLike) -> np.ndarray:
         """The state after each prefix of ``z``: array of length ``len(z) + 1`` (``-1`` once dead)."""
         z = np.asarray(z, dtype=np.int64).ravel()
         out = np.empty(len(z) + 1, dtype=np.int64)
@@ -170,12 +171,12 @@ class Automaton:
             out[i + 1] = s
         return out
 
-    def accepts(self, z) -> bool:
+    def accepts(self, z: ArrayLike) -> bool:
         """Whether ``z`` is read without leaving the automaton and ends in a final state."""
         s = int(self.run(z)[-1])
         return s >= 0 and bool(self.final[s])
 
-    def admits_prefix(self, z) -> bool:
+    def admits_prefix(self, z: ArrayLike) -> bool:
         """Whether ``z`` is a prefix of some accepted string (for a domain: z in Dom(Proj^{<w}))."""
         return int(self.run(z)[-1]) >= 0
 
@@ -258,7 +259,7 @@ class AutomatonBuilder:
         self._emitted.append(int(emitted))
         return len(self._rows) - 1
 
-    def edge(self, src: int, tokens, dst: int) -> None:
+    def edge(self, src: int, tokens: ArrayLike | int, dst: int) -> None:
         self._rows[src][np.asarray(tokens, dtype=np.int64)] = dst
 
     def build(self, start: int = 0, max_len: int | None = None) -> Automaton:

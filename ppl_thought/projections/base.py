@@ -10,7 +10,6 @@ derived from those: batching, enumeration, the segment decomposition of Lemma 2.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -18,6 +17,7 @@ from ppl_thought import checks
 from ppl_thought.errors import MalformedSequenceError, NotInDomainError, NotInImageError
 from ppl_thought.projections.arrays import host_array
 from ppl_thought.projections.automaton import Automaton
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import Vocab
 
 
@@ -95,7 +95,7 @@ class Projection(ABC):
         return self.vocab.latent_ids
 
     # ------------------------------------------------------------ derived API
-    def lifting(self, x) -> Automaton:
+    def lifting(self, x: ArrayLike) -> Automaton:
         """An automaton accepting exactly Proj^{-1}_{<w}(x) (Prop 2.3, Def 2.3).
 
         Raises :class:`NotInImageError` when x contains a non-observable token or is otherwise
@@ -125,7 +125,7 @@ class Projection(ABC):
     def _check_image(self, x: np.ndarray) -> None:  # noqa: B027 (optional hook)
         """Raise NotInImageError if x is not a prefix of any sequence in the image of Proj."""
 
-    def project(self, z):
+    def project(self, z: ArrayLike | int | float):  # a scalar: the rows of a list batch reach as_id_array's message
         """Proj^{<w}(z) (Def 2.6), batched.
 
         ``z`` is one latent string (1-D ids, a string, or token strings) -> 1-D int64 array; or a
@@ -150,15 +150,15 @@ class Projection(ABC):
                 "Omega = Sigma (the ordinary tokens and <eos>)"
             )
 
-    def in_domain(self, z) -> bool:
+    def in_domain(self, z: ArrayLike) -> bool:
         """Whether z is in Dom(Proj^{<w}), i.e. a prefix of some sequence in Dom(Proj)."""
         return self.domain().admits_prefix(as_id_array(z, self.vocab, "latent z"))
 
-    def enumerate_lifting(self, x, limit: int = 100_000) -> list[tuple[int, ...]]:
+    def enumerate_lifting(self, x: ArrayLike, limit: int = 100_000) -> list[tuple[int, ...]]:
         """All z in Proj^{-1}_{<w}(x), for small x (TooLargeToEnumerateError past ``limit``)."""
         return self.lifting(x).enumerate(limit=limit)
 
-    def segments(self, z, x=None) -> list[tuple[int, ...]]:
+    def segments(self, z: ArrayLike, x: ArrayLike | None = None) -> list[tuple[int, ...]]:
         """The unique decomposition z = z^(1) ... z^(|x|), z^(t) in Phi_{x<t}(z^(<t), x_t) (Lemma 2.1).
 
         ``x`` defaults to Proj^{<w}(z), truncated to the tokens that z's lifting fixes. A segment
@@ -184,7 +184,7 @@ class Projection(ABC):
             out[-1] = out[-1] + tuple(int(v) for v in za[start:])
         return out
 
-    def next_segments(self, x: Sequence[int] | str, z: Sequence[int] | str, a: int, limit: int = 100_000):
+    def next_segments(self, x: ArrayLike, z: ArrayLike, a: int, limit: int = 100_000):
         """Phi_x(z, a) of (2.20) by enumeration: the strings s with zs in the lifting of xa."""
         xa = np.concatenate([as_id_array(x, self.vocab), [a]]).astype(np.int64)
         za = tuple(int(v) for v in as_id_array(z, self.vocab))

@@ -11,6 +11,7 @@ from ppl_thought.errors import NotInDomainError, NotRegularError
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.projections.phase_tables import phase_tables, set_edges, unroll
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import Vocab
 
 
@@ -130,7 +131,7 @@ class SparseThoughts(Projection):
                                        "here (an observable token is expected)")
         return np.asarray(out, dtype=np.int64)
 
-    def in_domain(self, z) -> bool:
+    def in_domain(self, z: ArrayLike) -> bool:
         """Whether z is in Dom(Proj^{<w}) (decided by a scan; the domain may not be regular)."""
         try:
             self._project_one(as_id_array(z, self.vocab, "latent z"))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -48,6 +49,7 @@ from ppl_thought.distributions.lm_sequence import LMSequence, concat
 from ppl_thought.errors import ActiveLiftError
 from ppl_thought.training.objectives import ParticleObjective
 from ppl_thought.transforms.active import ActiveLift
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import END_THINK_ID, EOS_ID, PAD_ID
 
 __all__ = [
@@ -191,7 +193,8 @@ class _ActiveObjective(ParticleObjective):
             out["log_g"] = lift.generator_log_probs(x, z)[None]
         return out
 
-    def surrogate(self, model, guide, x, *args, **kwargs):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, x: ArrayLike, *args: Any,
+                  **kwargs: Any):
         z = self.sample_latents(model, guide, x, **kwargs)
         value, surr = active_terms(self.kind, baseline=self.baseline, **self.terms(z, x))
         self.last_stats = {"objective": float(value)}
@@ -257,7 +260,8 @@ class ConditionalSamplerLoss(ParticleObjective):
         super().__init__(num_particles, 0)
         self.lift = lift
 
-    def surrogate(self, model, guide, x, *args, **kwargs):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, x: ArrayLike, *args: Any,
+                  **kwargs: Any):
         lift = self.lift
         xi = lift.as_ids(x)[0]
         L = int((xi != PAD_ID).sum())
@@ -282,7 +286,7 @@ def _log_weights(lift: ActiveLift, z: torch.Tensor, x) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def encode(lift: ActiveLift, x, num_particles: int, incremental: bool = True) -> torch.Tensor:
+def encode(lift: ActiveLift, x: ArrayLike, num_particles: int, incremental: bool = True) -> torch.Tensor:
     """Unconditional encoding along the time axis: ``[T + 1]`` log p_{t,n}, t = 0..T, estimates of
     log P_model(x) = log sum_z P^{<=t}(z) G^{<=t}(x | z) from one set of particles Z^(i) ~ Q^{<=T}(. | x)
     (their prefixes Z_<=t are draws of Q^{<=t}).
@@ -309,7 +313,7 @@ def encode(lift: ActiveLift, x, num_particles: int, incremental: bool = True) ->
 
 
 @torch.no_grad()
-def conditional_encode(lift: ActiveLift, x_q, x_r, num_particles: int) -> torch.Tensor:
+def conditional_encode(lift: ActiveLift, x_q: ArrayLike, x_r: ArrayLike, num_particles: int) -> torch.Tensor:
     """Conditional encoding (6.22): an estimate of log P_model(x_q x_r | [x_q]),
 
         p_n = [(1/n) sum_i G(x_q x_r | Z_i) P(Z_i) / Q(Z_i | x_q x_r)]
@@ -333,7 +337,7 @@ def conditional_encode(lift: ActiveLift, x_q, x_r, num_particles: int) -> torch.
 
 
 @torch.no_grad()
-def conditional_decode(lift: ActiveLift, x, num_samples: int = 1, num_particles: int = 1,
+def conditional_decode(lift: ActiveLift, x: ArrayLike, num_samples: int = 1, num_particles: int = 1,
                        resample: bool = True) -> torch.Tensor:
     """Conditional decoding given a prompt x: ``[num_samples, max_x_len]`` right-padded texts X = x X'.
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pyro
 import pyro.poutine as poutine
@@ -38,6 +39,7 @@ from ppl_thought.inference.particles import (
     sample_particles,
 )
 from ppl_thought.lm.base import as_id_batch
+from ppl_thought.validation import ArrayLike
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 __all__ = [
@@ -173,7 +175,8 @@ class ParticleObjective(ELBO):
         depth = self.plate_nesting(model, guide, args, kwargs)
         return sample_particles(model, guide, n, *args, max_plate_nesting=depth, **kwargs)
 
-    def plate_nesting(self, model, guide, args: tuple = (), kwargs: dict | None = None) -> int:
+    def plate_nesting(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, args: tuple = (),
+                      kwargs: dict | None = None) -> int:
         """``max_plate_nesting`` as given, else as declared by model and guide (every library model and
         guide declares it), else found by tracing them once (cached per model and guide)."""
         if self._given_nesting:
@@ -260,7 +263,7 @@ class TwoSampler(ParticleObjective):
         super().__init__(num_particles, max_plate_nesting)
         self.train_guide = train_guide
 
-    def surrogate(self, model, guide, *args, **kwargs):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, *args: Any, **kwargs: Any):
         with torch.no_grad():
             inf = self.particles(model, guide, *args, **kwargs)
         tr = self.particles(model, self.train_guide, *args, **kwargs)
@@ -288,7 +291,8 @@ class SFT(ParticleObjective):
         super().__init__(num_particles, max_plate_nesting)
         self.site = site
 
-    def surrogate(self, model, guide, *args, sequences=None, **kwargs):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, *args: Any,
+                  sequences: ArrayLike | None = None, **kwargs: Any):
         if sequences is None:
             pt = self.particles(model, guide, *args, **kwargs)
             log_p = pt.log_p
@@ -395,7 +399,7 @@ class Inquisitive(SamplerPolicyGradient):
         super().__init__(num_particles, invalid_reward, max_plate_nesting)
         self.norm_floor = norm_floor
 
-    def surrogate(self, model, guide, *args, **kwargs):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, *args: Any, **kwargs: Any):
         with torch.enable_grad():
             pt = self.particles(model, guide, *args, **kwargs)
             if not pt.params:
@@ -435,7 +439,7 @@ class SeparatePolicy(ParticleObjective):
         super().__init__(num_particles, max_plate_nesting)
         self.reward, self.site, self.train_sampler, self.floor = reward, site, train_sampler, floor
 
-    def surrogate(self, model, guide, *args, **kwargs):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, *args: Any, **kwargs: Any):
         with torch.enable_grad():
             pt = self.particles(model, guide, *args, **kwargs)
             if self.site not in pt.values:
@@ -534,7 +538,7 @@ class Sum(ParticleObjective):
     def _shares(t: ParticleObjective) -> bool:
         return type(t).surrogate is ParticleObjective.surrogate
 
-    def surrogate(self, model, guide, *args, **kwargs):
+    def surrogate(self, model: Callable[..., Any] | None, guide: Callable[..., Any] | None, *args: Any, **kwargs: Any):
         shared = [t for t in self.terms if self._shares(t)]
         pt = None
         if shared and len({t.num_particles for t in shared}) == 1:

@@ -32,6 +32,7 @@ teacher-forced pass each: :meth:`ActiveLift.prior_log_probs`, :meth:`ActiveLift.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pyro
 import torch
@@ -43,6 +44,7 @@ from ppl_thought.distributions.lm_state import masked_log_softmax
 from ppl_thought.errors import ActiveLiftError, MalformedSequenceError
 from ppl_thought.lm.base import as_id_batch, lm_device
 from ppl_thought.projections.automaton import AutomatonBuilder
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import BOS_ID, END_THINK_ID, EOS_ID, PAD_ID, THINK_ID, Vocab
 
 __all__ = ["ActiveLift", "score_continuation"]
@@ -144,7 +146,7 @@ class ActiveLift(Messenger):
     def _device(self) -> torch.device:
         return lm_device(self.lm)
 
-    def as_ids(self, x, what: str = "x") -> torch.Tensor:
+    def as_ids(self, x: ArrayLike, what: str = "x") -> torch.Tensor:
         """x as right-padded ids ``[B, L]`` on the LM's device (text, a 1-D or a 2-D LongTensor)."""
         if isinstance(x, str):
             x = self.vocab.encode(x)
@@ -169,7 +171,7 @@ class ActiveLift(Messenger):
         return torch.full((B, 1), token, dtype=torch.long, device=self._device())
 
     # ------------------------------------------------------------------ the three parts as distributions
-    def sampler(self, x) -> LMSequence:
+    def sampler(self, x: ArrayLike) -> LMSequence:
         """Q^{<=T}(. | x) (6.1): the LM after ``x <s>``, masked to Omega; batch shape ``[B]`` for ``[B, L]`` x
         (``()`` for a 1-D x)."""
         xi = self.as_ids(x)
@@ -183,7 +185,7 @@ class ActiveLift(Messenger):
         prompt = torch.tensor([THINK_ID], dtype=torch.long, device=self._device())
         return LMSequence(self.prior_lm, prompt=prompt, constraint=self._omega_auto, max_len=self.latent_len)
 
-    def generator(self, z) -> LMSequence:
+    def generator(self, z: ArrayLike) -> LMSequence:
         """G(. | z) (6.13): the LM after ``z </s>``, decoding x over Sigma until ``<eos>`` (or ``max_x_len``)."""
         zi = self._latents(z)
         prompt = torch.cat([zi, self._column(zi.shape[0], END_THINK_ID)], 1)
@@ -192,11 +194,11 @@ class ActiveLift(Messenger):
         return LMSequence(self.generator_lm, prompt=prompt, constraint=self._sigma_auto, stop=EOS_ID,
                           max_len=self.max_x_len)
 
-    def guide(self, x, *args, **kwargs) -> torch.Tensor:
+    def guide(self, x: ArrayLike, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The sampler Q as a Pyro guide: samples the site ``latent_site`` from Q^{<=T}(. | x)."""
         return pyro.sample(self.latent_site, self.sampler(x))
 
-    def model(self, x, *args, **kwargs):
+    def model(self, x: ArrayLike | None, *args: Any, **kwargs: Any):
         """The lifted model (6.13) on its own: Z ~ P, X ~ G(. | Z) observed at ``x`` (None: generated)."""
         obs = None if x is None else self.as_ids(x)[0]
         z = pyro.sample(self.latent_site, self.prior())
@@ -213,7 +215,7 @@ class ActiveLift(Messenger):
             msg["value"] = self.as_ids(msg["value"])[0]
 
     # ------------------------------------------------------------------ prefix quantities (one pass each)
-    def sampler_log_probs(self, z, x) -> torch.Tensor:
+    def sampler_log_probs(self, z: ArrayLike, x: ArrayLike) -> torch.Tensor:
         """``[B, T]``: log Q(z_t | x, z_<t) of (6.1), one teacher-forced pass over ``<bos> x <s> z``.
         ``x`` is ``[B, L]`` (or one row shared by the B latents)."""
         zi = self._latents(z)
@@ -222,13 +224,13 @@ class ActiveLift(Messenger):
         ctx = concat(self._column(xi.shape[0], BOS_ID), xi, self._column(xi.shape[0], THINK_ID))
         return score_continuation(self.lm, ctx, zi, self.omega)
 
-    def prior_log_probs(self, z) -> torch.Tensor:
+    def prior_log_probs(self, z: ArrayLike) -> torch.Tensor:
         """``[B, T]``: log P(z_t | z_<t), one pass over ``<bos> <s> z``."""
         zi = self._latents(z)
         ctx = torch.cat([self._column(zi.shape[0], BOS_ID), self._column(zi.shape[0], THINK_ID)], 1)
         return score_continuation(self.prior_lm, ctx, zi, self.omega)
 
-    def generator_log_probs(self, x, z) -> torch.Tensor:
+    def generator_log_probs(self, x: ArrayLike, z: ArrayLike) -> torch.Tensor:
         """``[B, T + 1]``: log G^{<=t}(x | z_<=t) for t = 0..T (column t reads the first t latent tokens).
 
         The teacher-forced sum of log G over the tokens of x, i.e. log G([x] | z_<=t), the probability that

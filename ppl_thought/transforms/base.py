@@ -97,7 +97,7 @@ class Transform(Messenger):
         self.key = f"_transform{next(Transform._keys)}"
 
     # -- applying --------------------------------------------------------------------------------------
-    def __call__(self, model):  # type: ignore[override]
+    def __call__(self, model: Callable[..., Any]):  # type: ignore[override]
         """Apply the transform: a :class:`Transformed` program for a ``pt.Program``, a handled function
         (:class:`TransformedFunction`) for a plain Pyro function."""
         if is_program(model):

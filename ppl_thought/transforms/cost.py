@@ -19,8 +19,10 @@ objective (the third approximation of 5.6.3).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+from pyro.poutine import Trace
 
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import Segment
@@ -28,10 +30,20 @@ from ppl_thought.errors import TransformError
 from ppl_thought.transforms.base import Transform
 from ppl_thought.vocab import PAD_ID
 
+
+@runtime_checkable
+class SupportsParticles(Protocol):
+    """What :meth:`CostAware.surrogate` reads of an SVI objective (every ``pt.train`` ParticleObjective): its own
+    ``surrogate(model, guide, *args)`` and the weighted ``particles(model, guide, *args)`` of (3.2)."""
+
+    def surrogate(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def particles(self, *args: Any, **kwargs: Any) -> Any: ...
+
 __all__ = ["CostAware", "latent_lengths"]
 
 
-def latent_lengths(trace, n: int) -> torch.Tensor:
+def latent_lengths(trace: Trace, n: int) -> torch.Tensor:
     """|Z_i| ``[n]``: the tokens of every latent sequence site of a trace (the whole ``z`` or the segments
     ``z_t`` of a step-wise program), per particle."""
     total = torch.zeros(n)
@@ -106,7 +118,8 @@ class CostAware(Transform):
         t_tilde = (wt * lp).sum() - wt.sum().detach() * (w * lp).sum()
         return tau.mean(), t_tilde
 
-    def surrogate(self, objective, model, guide, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def surrogate(self, objective: SupportsParticles, model: Callable[..., Any] | None,
+                  guide: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(value C_s T_s, surrogate) of the cost-aware loss for an SVI ``objective`` (a ParticleObjective)."""
         value_c, surr_c = objective.surrogate(model, guide, *args, **kwargs)
         cost_kwargs = {k: v for k, v in kwargs.items() if k != "sequences"}

@@ -7,6 +7,8 @@ the plain LM program :class:`~ppl_thought.models.PlainLM`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pyro
 import torch
@@ -21,6 +23,7 @@ from ppl_thought.program import Shared
 from ppl_thought.projections.automaton import Automaton, step_ends
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.transforms.base import Transform, rebuild
+from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import PAD_ID
 
 __all__ = ["ProjectionLift", "SegmentCheck", "enumerate_log_joint", "exact_log_prob"]
@@ -38,18 +41,18 @@ class SegmentCheck(TorchDistribution):
     support = constraints.independent(constraints.nonnegative_integer, 1)
     ragged_event = True
 
-    def __init__(self, log_factor: torch.Tensor, validate_args=None):
+    def __init__(self, log_factor: torch.Tensor, validate_args: bool | None = None):
         self.log_factor = log_factor
         super().__init__(log_factor.shape, torch.Size([1]), validate_args=False)
 
-    def expand(self, batch_shape, _instance=None):
+    def expand(self, batch_shape: Sequence[int], _instance: SegmentCheck | None = None):
         batch_shape = torch.Size(batch_shape)
         return self if batch_shape == self.batch_shape else SegmentCheck(self.log_factor.expand(batch_shape))
 
-    def log_prob(self, value) -> torch.Tensor:
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         return self.log_factor
 
-    def sample(self, sample_shape=()):  # pragma: no cover - the site is always observed
+    def sample(self, sample_shape: Sequence[int] = ()):  # pragma: no cover - the site is always observed
         raise TransformError("a lifted observation site is observed; it has nothing to sample")
 
 
@@ -97,7 +100,7 @@ class ProjectionLift(Transform):
     def provides(self) -> dict:
         return {"projection": self.projection, "chunk": self.chunk}
 
-    def __call__(self, model):
+    def __call__(self, model: Callable[..., Any]):
         """Lift ``model``; a model that already has a projection is refused: the innermost lifting would take
         the site and this one would find no LM site left (liftings do not commute, nor stack)."""
         have = getattr(model, "projection", None)
@@ -200,7 +203,8 @@ class ProjectionLift(Transform):
 
 
 # ---------------------------------------------------------------------------------------------- exact answers
-def enumerate_log_joint(model, x, latent: str = "z", limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
+def enumerate_log_joint(model: Callable[..., Any], x: ArrayLike, latent: str = "z",
+                        limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
     """(support ``[K, L]``, log p(z, x) ``[K]``) over every z in the lifting of x, for any model with a
     projection (``model.projection``, e.g. one transformed by :class:`ProjectionLift`): the model's whole
     view run ONCE with the latent site conditioned on all K liftings under a particle plate (2.22)."""
@@ -234,7 +238,7 @@ def enumerate_log_joint(model, x, latent: str = "z", limit: int = 20_000) -> tup
         return support, total
 
 
-def exact_log_prob(model, x, latent: str = "z", limit: int = 20_000) -> torch.Tensor:
+def exact_log_prob(model: Callable[..., Any], x: ArrayLike, latent: str = "z", limit: int = 20_000) -> torch.Tensor:
     """log p(x) = log sum_{z in lifting(x)} p(z, x) by enumeration (2.22) for a transformed model; ``-inf``
     outside the image of the projection."""
 

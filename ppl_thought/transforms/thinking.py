@@ -11,16 +11,19 @@ does: delete the earlier thoughts, discard the KV cache, encode the conversation
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import left_pack, trim_padding
 from ppl_thought.errors import TransformError
+from ppl_thought.lm.base import LMCache
 from ppl_thought.projections.pause import PauseToThink
 from ppl_thought.transforms.base import Transform, rebuild
 from ppl_thought.transforms.projection_lift import ProjectionLift
-from ppl_thought.vocab import END_THINK_ID, EXPLAIN_ID, PAD_ID, THINK_ID
+from ppl_thought.vocab import END_THINK_ID, EXPLAIN_ID, PAD_ID, THINK_ID, Vocab
 
 __all__ = ["Forgetful", "ForgetfulLM", "Persistent", "Ubiquitous", "forgetful_context"]
 
@@ -77,7 +80,7 @@ class ForgetfulLM(nn.Module):
         if hasattr(lm, "max_len"):
             self.max_len = lm.max_len
 
-    def forward(self, tokens: torch.Tensor, cache=None, **kwargs):
+    def forward(self, tokens: torch.Tensor, cache: LMCache | None = None, **kwargs: Any):
         if cache is not None:
             raise TransformError("ForgetfulLM keeps no cache: feed the whole context (recompute mode)")
         n, L = tokens.shape
@@ -180,7 +183,7 @@ class Ubiquitous(ProjectionLift):
     lifting automaton of x (the masks Phi^{<=1} listed in 5.6.2), so every thought may depend on all of x.
     """
 
-    def __init__(self, vocab, max_thought_len: int, site: str = "x", latent: str = "z"):
+    def __init__(self, vocab: Vocab, max_thought_len: int, site: str = "x", latent: str = "z"):
         super().__init__(PauseToThink(vocab, max_thought_len), site, latent)
 
     @staticmethod

@@ -18,7 +18,7 @@ live in :mod:`ppl_thought.verifiers.sampling`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -146,7 +146,7 @@ class ProcessVerifier:
 
     @classmethod
     def from_char_dfa(cls, dfa: CharDFA, token_text: Sequence[str | None], length: int | None = None,
-                      allow=None) -> ProcessVerifier:
+                      allow: np.ndarray | Iterable[int] | None = None) -> ProcessVerifier:
         """The process verifier of a character language (a regular expression, a lipogram, Dyck over
         characters: a :class:`~ppl_thought.projections.CharDFA`) over any token vocabulary.
 

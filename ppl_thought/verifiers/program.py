@@ -37,6 +37,8 @@ rounds test whether rows are still pending, one sync per round, as tokenwise rej
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pyro
 import torch
 from pyro.distributions import TorchDistribution
@@ -72,18 +74,19 @@ class NextToken(TorchDistribution):
     support = constraints.nonnegative_integer
     has_rsample = False
 
-    def __init__(self, log_probs: torch.Tensor, generator: torch.Generator | None = None, validate_args=None):
+    def __init__(self, log_probs: torch.Tensor, generator: torch.Generator | None = None,
+                 validate_args: bool | None = None):
         self.log_probs = log_probs
         self.generator = generator
         super().__init__(batch_shape=log_probs.shape[:-1], event_shape=(), validate_args=False)
 
-    def expand(self, batch_shape, _instance=None):
+    def expand(self, batch_shape: Sequence[int], _instance: NextToken | None = None):
         batch_shape = torch.Size(batch_shape)
         if batch_shape == self.batch_shape:
             return self
         return NextToken(self.log_probs.expand(batch_shape + self.log_probs.shape[-1:]), self.generator)
 
-    def sample(self, sample_shape=()) -> torch.Tensor:
+    def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         if tuple(sample_shape):
             raise ProgramError("NextToken draws one token per particle row; sample_shape is not supported")
         lp = self.log_probs.reshape(-1, self.log_probs.shape[-1])
@@ -290,12 +293,12 @@ class _RejectionDraw(NextToken):
         self.proposal, self.q, self.t = proposal, state["q"], t
         self._drawn: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def expand(self, batch_shape, _instance=None):
+    def expand(self, batch_shape: Sequence[int], _instance: _RejectionDraw | None = None):
         if torch.Size(batch_shape) != self.batch_shape:
             raise ProgramError("the weighted-rejection proposal draws one token per particle row")
         return self
 
-    def sample(self, sample_shape=()) -> torch.Tensor:
+    def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         if tuple(sample_shape):
             raise ProgramError("the weighted-rejection proposal draws one token per particle row")
         tok, tries = self.proposal.weighted_rejection(torch.exp(self.log_probs), self.q, self.t)
