@@ -161,8 +161,10 @@ class LMState:
         room = integer("max_len", max_len, minimum=0)
         V = int(lm.vocab_size)
         rule = TokenRule(None, V) if rule is None else rule
-        if not isinstance(rule, TokenRule) or rule.vocab_size != V:
-            raise ConfigError(f"rule must be a ptn.dist.TokenRule over the LM's {V} tokens, got {rule!r}")
+        if not all(callable(getattr(rule, m, None)) for m in ("start", "log_probs", "step", "is_final")) \
+                or int(getattr(rule, "vocab_size", V)) != V:
+            raise ConfigError(f"rule must be a ptn.dist.TokenRule over the LM's {V} tokens (or a rule with start, "
+                              f"log_probs, step and is_final over them), got {rule!r}")
         if prompt is None:
             p = jnp.zeros((0,), jnp.int32)
         elif isinstance(prompt, jax.Array):
