@@ -203,11 +203,18 @@ class LMState:
     def extend(self, value) -> LMState:
         """Feed ``value`` (a token, tokens ``[n]``, or segments ``[n, S]`` right-padded with ``<pad>``) to every row;
         returns the state (updated in place)."""
+        sampled = self.__dict__.pop("_sampled", None)
+        if sampled is not None and sampled[0] is value and sampled[1] is self.cache:
+            # the segment this state just sampled: its decoding loop already fed these tokens (no second LM pass)
+            self.logp, self.cache, self.rule_state = sampled[2:]
+            return self
         v = _ids(value, self.n, "LMState.extend")
         if v.shape[1] == 0:
             return self
         valid = jnp.cumprod(v != PAD_ID, axis=1).astype(bool)  # the tokens before the first <pad>
         logp, cache = self.lm.apply(lm_params(self.lm), self.cache, v, valid=valid)
+        # a segment site scored afterwards (the engine weighs the value a guide proposed) reads these outputs
+        self._extended = (value, self.cache, logp)
         count = valid.sum(1)
         last = jnp.take_along_axis(logp, jnp.clip(count - 1, 0)[:, None, None], 1)[:, 0]
         self.logp = jnp.where((count > 0)[:, None], last, self.logp)
@@ -270,6 +277,7 @@ class Segment(Distribution):
     def __init__(self, state: LMState, stop_ids: np.ndarray, max_tokens: int, until=None, validate_args=None):
         # a snapshot: the program extends its state after the site, the engine scores the site afterwards
         self.state = LMState(state.lm, state.rule, state.logp, state.cache, state.rule_state, state.room)
+        self.origin = state  # its extend reuses this site's LM pass (sampled) or gives it its own (scored)
         self.stop_ids, self.max_tokens, self.until = stop_ids, max_tokens, until
         super().__init__((state.n,), (max_tokens,), validate_args=validate_args)
 
@@ -303,8 +311,10 @@ class Segment(Distribution):
         if K == 0:
             return jnp.zeros((n, 0), jnp.int32), [jnp.zeros(n)]
         init = (st.logp, st.cache, st.rule_state, done0, jnp.zeros(n))
-        (_, _, _, _, lq), toks = jax.lax.scan(body, init, jax.random.split(key, K))
-        return toks.T, [lq]
+        (logp, cache, s, _, lq), toks = jax.lax.scan(body, init, jax.random.split(key, K))
+        z = toks.T
+        self.origin._sampled = (z, st.cache, logp, cache, s)  # extend(z) takes the loop's final state
+        return z, [lq]
 
     def sample(self, key, sample_shape=()):
         return self.sample_with_intermediates(key, sample_shape)[0]
@@ -320,7 +330,10 @@ class Segment(Distribution):
         prefix = jnp.cumprod(nonpad, axis=1).astype(bool)
         length = prefix.sum(1)
         gap = (nonpad & ~prefix).any(1)  # a token after <pad>: not a right-padded segment
-        if K > 1:
+        ext = self.origin.__dict__.get("_extended")
+        if K > 1 and ext is not None and ext[0] is value and ext[1] is st.cache:
+            logps = jnp.concatenate([st.logp[:, None], ext[2][:, :-1]], 1)  # the pass extend(value) made
+        elif K > 1:
             out, _ = st.lm.apply(lm_params(st.lm), st.cache, v[:, :-1], valid=prefix[:, :-1])
             logps = jnp.concatenate([st.logp[:, None], out], 1)
         else:
