@@ -8,7 +8,8 @@ context). Its sites:
 
 * ``state.next_token()``: a NumPyro distribution over one token per row ``[n]``;
 * ``state.segment(stop=ids, max_tokens=k)``: a distribution over the next segment of every row, ``[n, k]``
-  right-padded with ``<pad>``: sampled in one lockstep ``lax.scan`` over k tokens (the cache carried), scored by
+  right-padded with ``<pad>``: sampled in one lockstep ``lax.while_loop`` of at most k tokens that stops once every
+  row ended (the cache carried), scored by
   one teacher-forced pass from the current cache. A segment ends at a ``stop`` token (included), in a final
   state of the rule, or after ``k`` tokens;
 * ``state.extend(value)``: feed a token ``[n]`` / a segment ``[n, k]`` (padding skipped) / one shared token to
@@ -296,22 +297,27 @@ class Segment(Distribution):
         lm, rule, params = st.lm, st.rule, lm_params(st.lm)
         done0 = self._done(st.rule_state) | (K == 0)
 
-        def body(carry, k):
-            logp, cache, s, done, lq = carry
+        keys = jax.random.split(key, max(K, 1))
+
+        def body(carry):
+            i, logp, cache, s, done, lq, toks = carry
             q = rule.log_probs(logp, s)
-            tok = jnp.where(done, PAD_ID, jax.random.categorical(k, jnp.where(done[:, None], 0.0, q), -1))
+            tok = jnp.where(done, PAD_ID, jax.random.categorical(keys[i], jnp.where(done[:, None], 0.0, q), -1))
             tok = tok.astype(jnp.int32)
             lq = lq + jnp.where(done, 0.0, _take(q, tok))
             s = tree_where(done, s, rule.step(s, tok))
             ends = self._ends(tok, s)
             nlogp, cache = lm.apply(params, cache, jnp.where(done, BOS_ID, tok)[:, None], valid=~done[:, None])
             logp = jnp.where(done[:, None], logp, nlogp[:, 0])
-            return (logp, cache, s, done | ends, lq), tok
+            return i + 1, logp, cache, s, done | ends, lq, toks.at[i].set(tok)
 
         if K == 0:
             return jnp.zeros((n, 0), jnp.int32), [jnp.zeros(n)]
-        init = (st.logp, st.cache, st.rule_state, done0, jnp.zeros(n))
-        (logp, cache, s, _, lq), toks = jax.lax.scan(body, init, jax.random.split(key, K))
+        # a while loop, not a scan over K: it stops once every row's segment ended (a segment is often far
+        # shorter than its bound K, e.g. one step of Lemma 2.1 against the whole latent length L)
+        init = (jnp.zeros((), jnp.int32), st.logp, st.cache, st.rule_state, done0, jnp.zeros(n),
+                jnp.full((K, n), PAD_ID, jnp.int32))
+        _, logp, cache, s, _, lq, toks = jax.lax.while_loop(lambda c: (c[0] < K) & ~c[4].all(), body, init)
         z = toks.T
         self.origin._sampled = (z, st.cache, logp, cache, s)  # extend(z) takes the loop's final state
         return z, [lq]
