@@ -2,7 +2,8 @@
 
 Every sampler Q(. | x) is supported exactly on the lifting of x and offers ``guide(x)`` (a NumPyro guide
 sampling ``"z"``), ``dist(x)`` (the NumPyro distribution of that site), ``sample_with_log_prob(key, x, n)``,
-``log_prob(z, x)`` and, for SMC, ``proposal(x)`` (the LM, parameters, prompt and token rule it decodes with).
+``log_prob(z, x)``, ``proposal(x)`` (the LM, parameters, prompt and token rule it decodes with) and, for SMC,
+``program(x)`` (:class:`SamplerProgram`: Q segment by segment, Lemma 2.1).
 
 - :class:`Identity` (3.30) / :class:`Predictive` (Def 3.7): the thought decision with the next observable
   marginalised (the emission substitution of (3.29)), then x_t forced (:class:`MarginalRule`).
@@ -32,7 +33,9 @@ from ppl_thought.numpyro.distributions import (
     tables,
 )
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.numpyro.lm_state import LMState
 from ppl_thought.numpyro.params import param_tree
+from ppl_thought.numpyro.program import Program, particles, sample
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.projections.substitution import emission_substitution
@@ -124,6 +127,17 @@ class Sampler:
     def proposal(self, x, params: Any = None) -> Proposal:
         raise NotImplementedError(f"{type(self).__name__} has no step-wise form")
 
+    def program(self, x) -> SamplerProgram:
+        """Q(. | x) as a :class:`~ppl_thought.numpyro.program.Program` that proposes the segments of Lemma 2.1
+        (site ``"z"``, ``[n, L]`` per step): the guide of ``SlowThinking.program(x)`` in ``ptn.infer.SMC``.
+        Cached per x (a compiled run is keyed by the program object)."""
+        xa = self.x_ids(x)
+        key = ("program", tuple(xa.tolist()))
+        c = self._cache()
+        if key not in c:
+            c[key] = SamplerProgram(self, xa)
+        return c[key]
+
 
 class _LMSampler(Sampler):
     """An LM decoded under the lifting of x after a prompt; its parameters trainable under ``name``."""
@@ -183,6 +197,67 @@ class Explanatory(_LMSampler):
         return np.concatenate([np.asarray(x, np.int64), [EXPLAIN_ID], self._tag]).astype(np.int64)
 
 
+class _NoLM(LM):
+    """The LM of a table sampler (:class:`Posterior`): no parameters, an empty cache, uniform log-probabilities
+    (its :class:`TableRule` ignores them), so it decodes through :class:`~ppl_thought.numpyro.lm_state.LMState`."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = int(vocab_size)
+        self.params: dict = {}
+
+    def init_cache(self, batch: int, max_len: int = 0) -> dict:
+        return {"none": jnp.zeros((int(batch), 0), jnp.int32)}
+
+    def apply(self, params, cache, tokens, valid=None, latents=None):
+        B, T = jnp.shape(tokens)
+        return jnp.zeros((B, T, self.vocab_size)), cache
+
+
+def lifting_state(rule, s) -> tuple[Any, jax.Array]:
+    """(the lifting automaton's tables, its state ``[n]``) inside the state ``s`` of a sampler's token rule."""
+    if isinstance(rule, TokenRule):
+        return rule.t, s
+    return rule.lifting_state(s)
+
+
+class SamplerProgram(Program):
+    """A sampler Q(z | x) as a step-wise program (Lemma 2.1; torch twin: ``Sampler.init`` / ``Sampler.step``).
+
+    ``init`` starts the sampler's :class:`~ppl_thought.numpyro.lm_state.LMState` (its LM after its prompt, under
+    its token rule: the lifting of x for :class:`Causal` / :class:`Explanatory`, (3.30) for :class:`Identity` /
+    :class:`Predictive`, the table of Q_* for :class:`Posterior`); step t samples the segment z^(t) (site
+    ``"z"``, ``[n, L]``): the tokens up to the one that determines x_{t+1} (the lifting automaton has emitted
+    t + 1 observables), the last segment up to a final state, and extends the state with it. The same sites
+    and segment ends as ``SlowThinking.program(x)``, so SMC weighs each segment by P / Q.
+    """
+
+    def __init__(self, sampler: Sampler, x: np.ndarray):
+        self.sampler = sampler
+        self.prop = sampler.proposal(x)
+        self.lm = self.prop.lm if self.prop.lm is not None else _NoLM(len(sampler.projection.vocab))
+        self.max_steps = len(x)
+        self.max_len = int(self.prop.max_len)
+
+    def init(self, state: dict) -> None:
+        state["q"] = LMState.start(self.lm, particles(), prompt=self.prop.prompt, rule=self.prop.rule,
+                                   max_len=self.max_len)
+
+    def step(self, state: dict, t) -> jax.Array:
+        q = state["q"]
+        last = t == self.max_steps - 1
+
+        def until(s):
+            Lf, sL = lifting_state(q.rule, s)
+            return jnp.where(last, Lf.final[sL], Lf.emitted[sL] >= t + 1) | (sL < 0)
+
+        z = sample(self.sampler.site, q.segment(max_tokens=self.max_len, until=until))
+        q.extend(z)
+        return jnp.broadcast_to(last, (q.n,))
+
+    def __repr__(self) -> str:
+        return f"SamplerProgram({type(self.sampler).__name__}, |x|={self.max_steps})"
+
+
 # ---------------------------------------------------------------------------------------------- (3.30)
 class MarginalRule:
     """The next-token rule of (3.30) for a disentangled Proj: the LM masked to Dom(Proj) (Def 2.8), the mass of
@@ -196,7 +271,7 @@ class MarginalRule:
         self.x = const(np.asarray(x, np.int32) if len(x) else np.zeros(1, np.int32))
         self.T = len(x)
         self.sub = const(emission_substitution(projection), jnp.int32)
-        self.V = self.sub.shape[0]
+        self.V = self.vocab_size = int(self.sub.shape[0])
 
     def start(self, n: int):
         return (jnp.full((n,), self.D.start, jnp.int32), jnp.full((n,), self.Lf.start, jnp.int32))
@@ -224,6 +299,9 @@ class MarginalRule:
 
     def is_final(self, s) -> jax.Array:
         return self.Lf.final[s[1]]
+
+    def lifting_state(self, s):
+        return self.Lf, s[1]
 
 
 class Identity(_LMSampler):
@@ -267,7 +345,7 @@ class TableRule:
         self.support = const(support, jnp.int32)
         self.lq = const(log_probs)
         self.Lf = tables(lifting)
-        self.V = int(vocab_size)
+        self.V = self.vocab_size = int(vocab_size)
 
     def start(self, n: int):
         K = self.support.shape[0]
@@ -291,6 +369,9 @@ class TableRule:
 
     def is_final(self, s) -> jax.Array:
         return self.Lf.final[s[2]]
+
+    def lifting_state(self, s):
+        return self.Lf, s[2]
 
 
 class TableDistribution(Distribution):
@@ -347,4 +428,4 @@ class Posterior(Sampler):
 
 
 __all__ = ["Causal", "Explanatory", "Identity", "MarginalRule", "Posterior", "Predictive", "Proposal", "Sampler",
-           "TableDistribution", "TableRule"]
+           "SamplerProgram", "TableDistribution", "TableRule", "lifting_state"]

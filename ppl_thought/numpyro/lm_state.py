@@ -8,7 +8,8 @@ context). Its sites:
 
 * ``state.next_token()``: a NumPyro distribution over one token per row ``[n]``;
 * ``state.segment(stop=ids, max_tokens=k)``: a distribution over the next segment of every row, ``[n, k]``
-  right-padded with ``<pad>``: sampled in one lockstep ``lax.scan`` over k tokens (the cache carried), scored by
+  right-padded with ``<pad>``: sampled in one lockstep ``lax.while_loop`` of at most k tokens that stops once every
+  row ended (the cache carried), scored by
   one teacher-forced pass from the current cache. A segment ends at a ``stop`` token (included), in a final
   state of the rule, or after ``k`` tokens;
 * ``state.extend(value)``: feed a token ``[n]`` / a segment ``[n, k]`` (padding skipped) / one shared token to
@@ -161,8 +162,10 @@ class LMState:
         room = integer("max_len", max_len, minimum=0)
         V = int(lm.vocab_size)
         rule = TokenRule(None, V) if rule is None else rule
-        if not isinstance(rule, TokenRule) or rule.vocab_size != V:
-            raise ConfigError(f"rule must be a ptn.dist.TokenRule over the LM's {V} tokens, got {rule!r}")
+        if not all(callable(getattr(rule, m, None)) for m in ("start", "log_probs", "step", "is_final")) \
+                or int(getattr(rule, "vocab_size", V)) != V:
+            raise ConfigError(f"rule must be a ptn.dist.TokenRule over the LM's {V} tokens (or a rule with start, "
+                              f"log_probs, step and is_final over them), got {rule!r}")
         if prompt is None:
             p = jnp.zeros((0,), jnp.int32)
         elif isinstance(prompt, jax.Array):
@@ -201,11 +204,18 @@ class LMState:
     def extend(self, value) -> LMState:
         """Feed ``value`` (a token, tokens ``[n]``, or segments ``[n, S]`` right-padded with ``<pad>``) to every row;
         returns the state (updated in place)."""
+        sampled = self.__dict__.pop("_sampled", None)
+        if sampled is not None and sampled[0] is value and sampled[1] is self.cache:
+            # the segment this state just sampled: its decoding loop already fed these tokens (no second LM pass)
+            self.logp, self.cache, self.rule_state = sampled[2:]
+            return self
         v = _ids(value, self.n, "LMState.extend")
         if v.shape[1] == 0:
             return self
         valid = jnp.cumprod(v != PAD_ID, axis=1).astype(bool)  # the tokens before the first <pad>
         logp, cache = self.lm.apply(lm_params(self.lm), self.cache, v, valid=valid)
+        # a segment site scored afterwards (the engine weighs the value a guide proposed) reads these outputs
+        self._extended = (value, self.cache, logp)
         count = valid.sum(1)
         last = jnp.take_along_axis(logp, jnp.clip(count - 1, 0)[:, None, None], 1)[:, 0]
         self.logp = jnp.where((count > 0)[:, None], last, self.logp)
@@ -268,6 +278,7 @@ class Segment(Distribution):
     def __init__(self, state: LMState, stop_ids: np.ndarray, max_tokens: int, until=None, validate_args=None):
         # a snapshot: the program extends its state after the site, the engine scores the site afterwards
         self.state = LMState(state.lm, state.rule, state.logp, state.cache, state.rule_state, state.room)
+        self.origin = state  # its extend reuses this site's LM pass (sampled) or gives it its own (scored)
         self.stop_ids, self.max_tokens, self.until = stop_ids, max_tokens, until
         super().__init__((state.n,), (max_tokens,), validate_args=validate_args)
 
@@ -286,23 +297,30 @@ class Segment(Distribution):
         lm, rule, params = st.lm, st.rule, lm_params(st.lm)
         done0 = self._done(st.rule_state) | (K == 0)
 
-        def body(carry, k):
-            logp, cache, s, done, lq = carry
+        keys = jax.random.split(key, max(K, 1))
+
+        def body(carry):
+            i, logp, cache, s, done, lq, toks = carry
             q = rule.log_probs(logp, s)
-            tok = jnp.where(done, PAD_ID, jax.random.categorical(k, jnp.where(done[:, None], 0.0, q), -1))
+            tok = jnp.where(done, PAD_ID, jax.random.categorical(keys[i], jnp.where(done[:, None], 0.0, q), -1))
             tok = tok.astype(jnp.int32)
             lq = lq + jnp.where(done, 0.0, _take(q, tok))
             s = tree_where(done, s, rule.step(s, tok))
             ends = self._ends(tok, s)
             nlogp, cache = lm.apply(params, cache, jnp.where(done, BOS_ID, tok)[:, None], valid=~done[:, None])
             logp = jnp.where(done[:, None], logp, nlogp[:, 0])
-            return (logp, cache, s, done | ends, lq), tok
+            return i + 1, logp, cache, s, done | ends, lq, toks.at[i].set(tok)
 
         if K == 0:
             return jnp.zeros((n, 0), jnp.int32), [jnp.zeros(n)]
-        init = (st.logp, st.cache, st.rule_state, done0, jnp.zeros(n))
-        (_, _, _, _, lq), toks = jax.lax.scan(body, init, jax.random.split(key, K))
-        return toks.T, [lq]
+        # a while loop, not a scan over K: it stops once every row's segment ended (a segment is often far
+        # shorter than its bound K, e.g. one step of Lemma 2.1 against the whole latent length L)
+        init = (jnp.zeros((), jnp.int32), st.logp, st.cache, st.rule_state, done0, jnp.zeros(n),
+                jnp.full((K, n), PAD_ID, jnp.int32))
+        _, logp, cache, s, _, lq, toks = jax.lax.while_loop(lambda c: (c[0] < K) & ~c[4].all(), body, init)
+        z = toks.T
+        self.origin._sampled = (z, st.cache, logp, cache, s)  # extend(z) takes the loop's final state
+        return z, [lq]
 
     def sample(self, key, sample_shape=()):
         return self.sample_with_intermediates(key, sample_shape)[0]
@@ -318,7 +336,10 @@ class Segment(Distribution):
         prefix = jnp.cumprod(nonpad, axis=1).astype(bool)
         length = prefix.sum(1)
         gap = (nonpad & ~prefix).any(1)  # a token after <pad>: not a right-padded segment
-        if K > 1:
+        ext = self.origin.__dict__.get("_extended")
+        if K > 1 and ext is not None and ext[0] is value and ext[1] is st.cache:
+            logps = jnp.concatenate([st.logp[:, None], ext[2][:, :-1]], 1)  # the pass extend(value) made
+        elif K > 1:
             out, _ = st.lm.apply(lm_params(st.lm), st.cache, v[:, :-1], valid=prefix[:, :-1])
             logps = jnp.concatenate([st.logp[:, None], out], 1)
         else:

@@ -210,13 +210,15 @@ class StepEngine:
         dyn_struct = tuple((i, a.shape, str(a.dtype)) for i, a in dyn)
         p_struct = (jax.tree.structure(params), tuple((jnp.shape(x), str(jnp.result_type(x)))
                                                       for x in jax.tree.leaves(params)))
+        groups = int(getattr(self, "groups", 1))
         key = (type(self), engine, id(model), id(guide), n, float(threshold), T, depth, len(args), dyn_struct,
-               tuple((i, k) for i, k, _ in stat), p_struct, tuple(id(lm) for lm in lms))
+               tuple((i, k) for i, k, _ in stat), p_struct, tuple(id(lm) for lm in lms), groups)
         hit = _CACHE.get(key)
         if hit is None:
             consts = {i: a for i, _, a in stat}
-            fn = jax.jit(self._build_program(model, guide, n, T, threshold, depth, len(args), consts,
-                                     [i for i, _ in dyn], [id(lm) for lm in lms]))
+            fn = self._build_program(model, guide, n, T, threshold, depth, len(args), consts,
+                                     [i for i, _ in dyn], [id(lm) for lm in lms])
+            fn = jax.jit(fn if groups == 1 else jax.vmap(fn, in_axes=(0, None, None)))  # G runs: one vmap
             hit = (fn, model, guide, lms)  # the refs keep the ids of the key alive
             _CACHE[key] = hit
             while len(_CACHE) > _CACHE_SIZE:
@@ -224,6 +226,8 @@ class StepEngine:
         else:
             _CACHE.move_to_end(key)
         rng = jax.random.PRNGKey(0) if rng_key is None else rng_key
+        if groups != 1:
+            rng = jax.random.split(rng, groups)
         try:
             out = hit[0](rng, params, tuple(a for _, a in dyn))
         except _TRACER_ERRORS as e:
@@ -238,7 +242,7 @@ class StepEngine:
         except BaseException:
             _CACHE.pop(key, None)
             raise
-        done = bool(out["all_done"])
+        done = bool(jnp.all(out["all_done"]))
         if not done:
             raise ProgramError(f"{type(model).__name__} did not finish within max_steps={T} steps: return a bool array "
                                "[num_particles] from step marking finished particles, and set the class attribute "
@@ -281,7 +285,9 @@ class StepEngine:
         finished0 = jnp.zeros(n, bool) if init.done is None else init.done
 
         def one(sm, sg, t, k):
-            sm2, sg2 = dict(sm), dict(sg)
+            # fresh containers all the way down (an LMState extends itself in place): the old state stays intact
+            # for the rows of finished particles (_freeze)
+            sm2, sg2 = jax.tree.map(lambda a: a, sm), jax.tree.map(lambda a: a, sg)
             out = _run_step(lambda: model.step(sm2, t, *args),
                             (lambda: guide.step(sg2, t, *args)) if guide is not None else None,
                             k, n, depth, "in step")
@@ -363,20 +369,27 @@ class StepEngine:
                 "resampled": flags, "ancestry": anc, "steps": ran.sum(), "all_done": finished.all()}
 
 
-def program_result(out: dict, engine: str, args: tuple) -> Result:
-    """The :class:`Result` of a compiled program run (:mod:`ppl_thought.numpyro.infer.steps`)."""
+def program_result(out: dict, engine: str, args: tuple, observed: dict | None = None) -> Result:
+    """The :class:`Result` of a compiled program run (:mod:`ppl_thought.numpyro.infer.steps`); a grouped run
+    (``SMC(groups=G)``: every output with a leading ``[G]``) adds the pooled estimate of the G runs."""
     lw = out["log_weights"]
+    grouped = lw.ndim == 2
     if bool(jnp.isnan(lw).any()):
         raise NumericalError(f"{engine}: NaN log weights (a log-probability, factor or twist is NaN)")
-    if bool(jnp.isneginf(lw).all()):
-        raise ZeroWeightsError(f"{engine}: all {lw.shape[0]} particle weights are zero (log weight -inf): the "
-                               "proposal only produced values the model gives probability 0")
+    if bool(jnp.isneginf(lw).all(-1).any()):
+        raise ZeroWeightsError(f"{engine}: all {lw.shape[-1]} particle weights " + ("of a group " if grouped else "") +
+                               "are zero (log weight -inf): the proposal only produced values the model gives "
+                               "probability 0")
     resampled = bool(out["resampled"].any())
-    steps = int(out["steps"])
-    return Result(samples=out["samples"], log_weights=lw, log_marginal=out["log_marginal"],
-                  log_marginal_stderr=None if resampled else log_marginal_stderr(lw), ancestry=out["ancestry"],
-                  stats={"ess": out["ess"], "resampled": out["resampled"], "steps": steps},
-                  observed={"args": args}, engine=engine)
+    stats: dict[str, Any] = {"ess": out["ess"], "resampled": out["resampled"], "steps": int(jnp.max(out["steps"]))}
+    logz = out["log_marginal"]
+    if grouped:
+        stats["log_marginal_pooled"] = log_mean_exp(logz)
+        stats["log_marginal_pooled_stderr"] = log_marginal_stderr(logz)
+    se = None if resampled else (jax.vmap(log_marginal_stderr)(lw) if grouped else log_marginal_stderr(lw))
+    return Result(samples=out["samples"], log_weights=lw, log_marginal=logz, log_marginal_stderr=se,
+                  ancestry=out["ancestry"], stats=stats, observed={"args": args} if observed is None else observed,
+                  engine=engine)
 
 
 def _static_key(a: Any):

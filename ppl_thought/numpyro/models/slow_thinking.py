@@ -103,8 +103,16 @@ class SlowThinking:
     def program(self, x) -> SlowThinkingProgram:
         """This model for the observation ``x`` as a :class:`~ppl_thought.numpyro.program.Program` whose step t
         samples the segment z^(t) of Lemma 2.1 (site ``"z"``) and checks x_t (site ``"x"``, a factor 0 / -inf):
-        what the generic engines (``ptn.infer.SMC`` / ``Importance``) run."""
-        return SlowThinkingProgram(self, x)
+        what the generic engines (``ptn.infer.SMC`` / ``Importance``) run. Cached per x (a compiled run is keyed
+        by the program object, so running the same x again does not recompile)."""
+        xa = self.x_ids(x)
+        cache = self.__dict__.setdefault("_programs", {})
+        key = tuple(xa.tolist())
+        if key not in cache:
+            if len(cache) >= 64:
+                cache.clear()
+            cache[key] = SlowThinkingProgram(self, xa)
+        return cache[key]
 
     # ------------------------------------------------------------------ exact answers
     def enumerate_log_joint(self, x, limit: int = 20_000) -> tuple[np.ndarray, jax.Array]:
@@ -160,7 +168,9 @@ class SlowThinkingProgram(Program):
     has emitted x_{t+1}'s position, or reaches a final state at the last step), extends the state with it, advances
     the lifting automaton and adds the factor ``"x"``: 0 if z^(<=t) emits x_{<=t}, else -inf. So the product of
     the steps' weights is P^{<=|z|}(z) 1[Proj(z) = x] and Z = (Proj # P)^{<=|x|}(x), (2.22). x is a constant of
-    the program (its automata are numpy tables built from it): one program per observation.
+    the program (its automata are numpy tables built from it): one program per observation. The state also
+    collects the whole latent sequence (``"toks" [n, L]``, the segments joined): :meth:`outputs` returns it as
+    ``"z"``, so ``Result.samples["z"]`` is ``[n, L]`` as for the whole-trace model.
     """
 
     def __init__(self, model: SlowThinking, x):
@@ -178,6 +188,8 @@ class SlowThinkingProgram(Program):
         n = particles()
         state["lm"] = LMState.start(self.model.prior, n, rule=self.rule, max_len=self.max_len)
         state["lift"] = jnp.full((n,), self.lift.start, jnp.int32)
+        state["toks"] = jnp.full((n, self.max_len), PAD_ID, jnp.int32)
+        state["length"] = jnp.zeros((n,), jnp.int32)
 
     def step(self, state: dict, t) -> jax.Array:
         lm, D, Lf = state["lm"], self.rule.t, self.lift
@@ -192,6 +204,15 @@ class SlowThinkingProgram(Program):
         for j in range(self.max_len):
             s_l = Lf.advance(s_l, z[:, j])
         state["lift"] = s_l
+        keep = jnp.cumprod(z != PAD_ID, axis=1).astype(bool)  # the segment's tokens (it is right-padded)
+        cols = jnp.where(keep, state["length"][:, None] + jnp.arange(self.max_len)[None], self.max_len)
+        rows = jnp.arange(lm.n)[:, None]
+        state["toks"] = state["toks"].at[rows, cols].set(z, mode="drop")
+        state["length"] = state["length"] + keep.sum(1)
         emits = jnp.where(last, Lf.final[s_l], Lf.emitted[s_l] >= t + 1) & (s_l >= 0)
         factor("x", jnp.where(emits, 0.0, NEG_INF))
         return jnp.broadcast_to(last, (lm.n,))
+
+    def outputs(self, state: dict) -> dict:
+        """The whole latent z ``[n, L]`` (right-padded): the segments of every particle joined."""
+        return {"z": state["toks"]}
