@@ -68,6 +68,9 @@ def block(result) -> object:
     return result
 
 
+_T0 = time.perf_counter()
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="N in {16, 256}, one timed repetition")
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--only", choices=("all", "program"), default="all",
                     help="'program': only the user-program entry")
+    global _T0
+    _T0 = time.perf_counter()
     args = ap.parse_args(argv)
     ns = (16, 256) if args.quick else (16, 64, 256)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
@@ -153,10 +158,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _write(out: dict, path: str | None) -> dict:
+    from ppl_thought.experiments.common import provenance
+    from ppl_thought.io import atomic_write_json
+
+    out.update(provenance())  # the commit and the machine of the run (docs tables show them)
+    out["total_seconds"] = time.perf_counter() - _T0
     print(json.dumps(out, indent=2))
     if path:
-        with open(path, "w") as f:
-            json.dump(out, f, indent=2)
+        atomic_write_json(path, out)
     return out
 
 

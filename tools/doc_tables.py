@@ -50,7 +50,7 @@ def _provenance(d: dict, command: str | None = None) -> str:
     commit = (commit[:7] + (" + uncommitted changes" if d.get("dirty") else "")) if commit else "not recorded"
     machine = (f"{m.get('nproc')} cores ({m.get('processor') or '?'}), torch {m.get('torch')} with "
                f"{m.get('torch_threads')} thread(s)") if m else "not recorded"
-    secs = d.get("seconds", d.get("total_seconds"))
+    secs = next((v for v in (d.get("seconds"), d.get("total_seconds")) if isinstance(v, (int, float))), None)
     if not isinstance(secs, (int, float)):
         secs = "time not recorded"
     elif d.get("commands"):
@@ -202,6 +202,31 @@ def _ess(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}"
 
 
+# ---------------------------------------------------------------------------------------------- backends
+BACKENDS_CMD = "python benchmarks/backends.py --json benchmarks/results/backends.json"
+
+
+def backends(d: dict) -> str:
+    """docs/numpyro.md: torch vs JAX on SlowThinking (IS, SMC) and on the user program (``backends.json``)."""
+    rows = ["| workload | N | torch particle-steps/s | JAX particle-steps/s | JAX / torch | JAX compile s |",
+            "|---|---|---|---|---|---|"]
+    for key, label in (("is", "SlowThinking, Importance"), ("smc", "SlowThinking, SMC (ESS 0.5)"),
+                       ("program", "user program, bootstrap SMC")):
+        for n, r in d.get(key, {}).items():
+            comp = d.get("compile_s", {}).get(key, {}).get(n)
+            rows.append(f"| {label} | {n} | {r['torch']:,.0f} | {r['jax']:,.0f} | {r['ratio_jax_over_torch']:.2f} | "
+                        f"{'' if comp is None else f'{comp:.1f}'} |")
+    fresh = d.get("rerun_fresh_engine_s", {})
+    par = d.get("parity", {})
+    lfp, lfe = par.get("max_abs_log_prob_diff", float("nan")), par.get("max_abs_exact_diff", float("nan"))
+    tail = (f"A fresh `ptn.infer.SMC(N)` object on the user program, same configuration: "
+            f"{', '.join(f'{v * 1000:.1f} ms (N = {n})' for n, v in fresh.items())} (no recompilation). "
+            f"Parity on the same weights: max |log P(z)| difference {lfp:.1e}, max |exact log p(x)| difference "
+            f"{lfe:.1e}. jax {d.get('jax')} on {d.get('jax_device')}; load average "
+            f"{d.get('load_average_before', [float('nan')])[0]:.1f} before the run. " + _provenance(d, BACKENDS_CMD))
+    return "\n".join(rows) + "\n\n" + tail + "\n"
+
+
 @dataclass(frozen=True)
 class Table:
     source: str  # JSON under the repository root
@@ -214,6 +239,7 @@ TABLES: dict[str, Table] = {
     "sec7-seeds": Table("benchmarks/results/sec7_seeds.json", sec7_summary, SEC7_CMD),
     "sec7-verdict": Table("benchmarks/results/sec7_seeds.json", sec7_verdict, SEC7_CMD),
     "sec7-per-seed": Table("benchmarks/results/sec7_seeds.json", sec7_per_seed, SEC7_CMD),
+    "backends": Table("benchmarks/results/backends.json", backends, BACKENDS_CMD),
     "real-quick": Table("benchmarks/results/demo_real_quick.json", real_quick,
                         "ppl-thought demo --quick --parts real --seed 0 --threads 1 "
                         "--json benchmarks/results/demo_real_quick.json"),
