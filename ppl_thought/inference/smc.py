@@ -14,7 +14,6 @@ with ``cache.reorder``). The one-step runner and the site check live in
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pyro.poutine as poutine
@@ -119,7 +118,7 @@ class SMC:
             raise ConfigError("graphs=True needs backend='static' (the captured step is the static path's)")
         self.backend, self.graphs = backend, graphs
 
-    def run(self, model: Callable[..., Any], guide: Any, *args: Any, **kwargs: Any) -> Result:
+    def run(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> Result:  # require_program checks it
         """Run SMC over the steps of ``model``; see the class docstring."""
         require_program(model, "model")
         if self.backend == "static":
