@@ -153,11 +153,13 @@ def _check_class(cls: type) -> None:
 
 def check_exports(namespace: dict[str, Any], names: Iterable[str] | None = None) -> None:
     """Put the type layer on the public names of a module: call at the end of a subpackage's ``__init__`` as
-    ``check_exports(globals())``. Functions are replaced by their checked version in ``namespace`` (internal
-    callers that imported the function itself stay unchecked: the boundary is checked once); classes get their
-    constructor and public methods checked in place (except the per-step methods of :data:`_HOT`)."""
+    ``check_exports(globals())``. Functions are replaced by their checked version in ``namespace`` and under
+    every name already bound to them in a loaded ``ppl_thought`` module (its home, every re-export), so there is
+    one object per function; classes get their constructor and public methods checked in place (except the
+    per-step methods of :data:`_HOT`)."""
     if not ENABLED:
         return
+    replaced: dict[int, Callable] = {}  # id(original) -> its checked version
     for name in names if names is not None else namespace.get("__all__", ()):
         obj = namespace.get(name)
         if not str(getattr(obj, "__module__", "")).startswith("ppl_thought"):
@@ -167,7 +169,11 @@ def check_exports(namespace: dict[str, Any], names: Iterable[str] | None = None)
                 _check_class(obj)
         elif inspect.isfunction(obj):
             namespace[name] = wrapped = checked(obj)
-            if wrapped is not obj:  # one object under every public name: its home and every re-export
-                for mod_name, mod in list(sys.modules.items()):
-                    if mod_name.startswith("ppl_thought") and getattr(mod, obj.__name__, None) is obj:
-                        setattr(mod, obj.__name__, wrapped)
+            if wrapped is not obj:
+                replaced[id(obj)] = wrapped
+    if replaced:  # one pass over the loaded modules for all of this namespace's functions
+        for mod_name, mod in list(sys.modules.items()):
+            if mod_name.startswith("ppl_thought") and mod is not None:
+                for key, value in list(vars(mod).items()):
+                    if id(value) in replaced and replaced[id(value)].__wrapped__ is value:
+                        setattr(mod, key, replaced[id(value)])
