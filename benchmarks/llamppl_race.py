@@ -37,8 +37,8 @@ The JSON has ``{"model", "n", "ppl_thought", "limit", "fraction", "llamppl", "wo
 holds the ratio to LLaMPPL, the forward-only rate through the adapter (``adapter_forward``: the same
 loop as ``limit`` with library ids, float32 library logits and the in-place KVCache), the seconds of each
 run and the number of resampling steps. The runs of one particle count are timed in interleaved rounds
-(best of each; one warm-up round), so their ratios are measured under the same load; ``--quick`` takes
-one round instead of five.
+(best of each; one warm-up round), so their ratios are measured under the same load; ``--rounds R`` sets the
+number of timed rounds (default five; ``--quick`` takes one).
 """
 
 from __future__ import annotations
@@ -189,10 +189,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 32)")
     ap.add_argument("--no-llamppl", action="store_true", help="leave LLaMPPL out even where it is installed")
     ap.add_argument("--genlm", action="store_true", help="add genlm-control as a third column (where installed)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timed rounds per size after the warm-up (default 5; 1 with --quick)")
     args = ap.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else SIZES
-    rounds = 1 if args.quick else 5
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
     if args.model == "smollm2":
         workload = dict(SMOLLM2)
         lm, prompt, texts = build_smollm2()
