@@ -169,6 +169,15 @@ def _machine() -> dict:
             "processor": platform.processor(), "torch": torch.__version__}
 
 
+def _load_average() -> float | None:
+    """The machine's 1-minute load average (None where the OS has none): a busy machine makes every part slower,
+    so the times in ``results.json`` are read with it."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def _print(results: dict) -> None:
     s7, a5 = results.get("sec7"), results.get("a5")
     if s7:
@@ -236,18 +245,28 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
     source = provenance()  # the commit (and whether the checkout had uncommitted changes) of the code that runs
     results: dict = {"quick": quick, "seed": seed, "commit": source["commit"], "dirty": source["dirty"],
                      "machine": _machine()}
+    results["load_average_at_start"] = _load_average()
     arrays: dict = {}
+    part_seconds: dict[str, float] = {}
     if "sec7" in parts:
+        t = time.time()
         results["sec7"] = run_sec7(c7, seed, progress)
         arrays["sec7"] = results["sec7"].pop("_arrays")
+        part_seconds["sec7"] = round(time.time() - t, 1)
     if "a5" in parts:
+        t = time.time()
         results["a5"] = run_a5(ca5, seed, progress)
         arrays["a5"] = results["a5"].pop("_arrays")
+        part_seconds["a5"] = round(time.time() - t, 1)
     if "real" in parts:
         from ppl_thought.experiments.real_thoughts import run as run_real  # needs the [real] extra
 
+        t = time.time()
         results["real"] = run_real(quick=quick, seed=seed, progress=progress)
+        part_seconds["real"] = round(time.time() - t, 1)
     results["seconds"] = round(time.time() - t0, 1)
+    results["seconds_per_part"] = part_seconds
+    results["load_average_at_end"] = _load_average()
     _print(results)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "results.json")
