@@ -190,19 +190,24 @@ class Automaton:
         if self.max_len is None:
             raise TooLargeToEnumerateError(f"{self.name} accepts unboundedly long strings; cannot enumerate")
         out: list[tuple[int, ...]] = []
+        # every state's moves, as Python ints, read once (in reverse id order, so the stack pops in id order)
+        rows, cols = np.nonzero(self.allowed)
+        targets = self.next_state[rows, cols]
+        moves: list[list[tuple[int, int]]] = [[] for _ in range(self.allowed.shape[0])]
+        for s_, a, t in zip(rows.tolist()[::-1], cols.tolist()[::-1], targets.tolist()[::-1], strict=True):
+            moves[s_].append((t, a))
+        final = self.final.tolist()
         stack: list[tuple[int, tuple[int, ...]]] = [(self.start, ())]
-        allowed = self.allowed
         while stack:
             s, z = stack.pop()
-            if self.final[s]:
+            if final[s]:
                 out.append(z)
                 if len(out) > limit:
                     raise TooLargeToEnumerateError(
                         f"{self.name} accepts more than {limit} strings; raise `limit` or use a sampler"
                     )
-            toks = np.nonzero(allowed[s])[0]
-            for a in toks[::-1]:
-                stack.append((int(self.next_state[s, a]), z + (int(a),)))
+            for t, a in moves[s]:
+                stack.append((t, z + (a,)))
         return out
 
     def count(self) -> int:

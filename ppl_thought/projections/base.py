@@ -152,7 +152,10 @@ class Projection(ABC):
 
     def in_domain(self, z: ArrayLike) -> bool:
         """Whether z is in Dom(Proj^{<w}), i.e. a prefix of some sequence in Dom(Proj)."""
-        return self.domain().admits_prefix(as_id_array(z, self.vocab, "latent z"))
+        dom = self.__dict__.get("_prefix_domain")
+        if dom is None:  # Dom(Proj^{<w}) does not change (projections are immutable, as the lifting cache assumes)
+            dom = self.__dict__["_prefix_domain"] = self.domain()
+        return dom.admits_prefix(as_id_array(z, self.vocab, "latent z"))
 
     def enumerate_lifting(self, x: ArrayLike, limit: int = 100_000) -> list[tuple[int, ...]]:
         """All z in Proj^{-1}_{<w}(x), for small x (TooLargeToEnumerateError past ``limit``)."""
