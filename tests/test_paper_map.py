@@ -66,7 +66,8 @@ NUM = r"(?:[A-Z]\.)?\d+(?:\.\d+)*"
 # one mention in a seed: "Theorem 5.13", "Def. 2", "Lemma G.1"
 # (capitalised, on one line: "definitions.\n1.1 Language models" is a heading; a letter suffix is a panel: "2.11c")
 _KW_CAP = "|".join(k.capitalize() for k in sorted(KINDS, key=len, reverse=True))
-MENTION = re.compile(rf"\b(?P<kw>{_KW_CAP})\.?[ \t\xa0]+(?P<num>{NUM})[a-z]?\b(?!\.\d)")
+_ONE = rf"{NUM}[a-z]?\b(?!\.\d)"
+MENTION = re.compile(rf"\b(?P<kw>{_KW_CAP})\.?[ \t\xa0]+(?P<list>{_ONE}(?:[ \t\xa0]*(?:,|and|-|–)[ \t\xa0]*{_ONE})*)")
 # a reference in paper-map's Paper column: "Defs 3.1.3-3.1.5", "Lemmas 13, 14, 16", "Thm 2.1, 2.3", "Def 5.1 / C.4"
 REFERENCE = re.compile(rf"\b(?P<kw>{_KW})\.?\s+(?P<list>{NUM}(?:\s*(?:-|–|,|/|and)\s*{NUM}\b(?!\)))*)", re.I)
 # a mention that cites another work: "[92, Theorem 15.6]", "[160, Corollary 3.34]", "Theorem 5.2.1 of [178]"
@@ -80,6 +81,7 @@ EXCLUDED: dict[str, dict[str, str]] = {
         "Algorithm 103": "table of contents: 'Unbiased Decoding Algorithm' on page 103",
         "Theorem 5.4.1": "'Theorems 5.4.1 and 5.4.7 (for simplified GAN)' of [178], cited in Section 2",
         "Theorem 5.3.6": "'Theorem 5.3.6 (for Flow Matching)' of [178], cited in Section 2",
+        "Theorem 5.4.7": "'Theorems 5.4.1 and 5.4.7 (for simplified GAN)' of [178], cited in Section 2",
         "Proposition 6.2.3": "'Proposition 6.2.3 for Flow Matching' of [178], cited in Section 2",
         "Proposition 5.4.5": "'Proposition 5.4.5 and Lemma 5.4.9 for a simplified GAN model' of [178], cited",
         "Lemma 5.4.9": "'Proposition 5.4.5 and Lemma 5.4.9 for a simplified GAN model' of [178], cited",
@@ -105,7 +107,7 @@ def seed_items(text: str) -> set[str]:
     for m in MENTION.finditer(text):
         if CITED_BEFORE.search(text[max(0, m.start() - 60):m.start()]) or CITED_AFTER.match(text[m.end():]):
             continue
-        out.add(canonical(m["kw"], m["num"]))
+        out |= {canonical(m["kw"], n) for n in _numbers(re.sub(r"(\d)[a-z]\b", r"\1", m["list"]))}
     return out
 
 
@@ -119,21 +121,23 @@ def _expand(a: str, b: str) -> list[str]:
     return [a, b]
 
 
+def _numbers(listed: str) -> list[str]:
+    """ "4.10-4.13, 5.1 and C.4" -> the numbers, ranges expanded."""
+    parts = re.split(r"\s*(,|/|and|-|–)\s*", listed.strip())
+    nums, i = [parts[0]], 1
+    while i + 1 < len(parts):
+        sep, nxt = parts[i], parts[i + 1]
+        if sep in "-–":
+            nums[-1:] = _expand(nums[-1], nxt)
+        else:
+            nums.append(nxt)
+        i += 2
+    return nums
+
+
 def referenced_items(cell: str) -> set[str]:
     """Items a Paper cell names, ranges expanded: "Lemmas 7-11" -> Lemma 7, ..., Lemma 11."""
-    out = set()
-    for m in REFERENCE.finditer(cell):
-        parts = re.split(r"\s*(,|/|and|-|–)\s*", m["list"])
-        nums, i = [parts[0]], 1
-        while i < len(parts):
-            sep, nxt = parts[i], parts[i + 1]
-            if sep in "-–":
-                nums[-1:] = _expand(nums[-1], nxt)
-            else:
-                nums.append(nxt)
-            i += 2
-        out |= {canonical(m["kw"], n) for n in nums}
-    return out
+    return {canonical(m["kw"], n) for m in REFERENCE.finditer(cell) for n in _numbers(m["list"])}
 
 
 def sections(text: str) -> dict[str, list[list[str]]]:
@@ -195,6 +199,8 @@ def test_seed_extraction_keeps_items_and_drops_citations():
                       " (2024)") == set()
     assert seed_items("Theorems\n\nE.1 Part I; definitions.\n1.1 Language models; Figures 2.11c and 2.11d") == {
         "Figure 2.11"}
+    assert seed_items("shown in Figures 2.14 and 2.16. By Lemmas 7-9, Theorem 2.1, we") == {
+        "Figure 2.14", "Figure 2.16", "Lemma 7", "Lemma 8", "Lemma 9", "Theorem 2.1"}
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +244,13 @@ def test_deleting_a_row_is_caught(seed_dir):
         assert rows, probe
         scratch = "\n".join(line for line in text.splitlines() if line not in rows)
         assert probe in missing_items(seed_dir, scratch)[s]
+
+
+def test_paper_map_names_only_items_its_seed_has(seed_dir):
+    """The reverse check: an item named in a seed's section exists in that seed (a wrong number, or a section
+    number read as an item: "Def 2.8, 5.6.2" names a Definition 5.6.2, so write "Sec 5.6.2")."""
+    rows = sections(PAPER_MAP.read_text(encoding="utf-8"))
+    for s in SEEDS:
+        named = set().union(*(referenced_items(r[1]) for r in rows[s]))
+        unknown = named - seed_items((seed_dir / s).read_text(encoding="utf-8"))
+        assert not unknown, f"docs/paper-map.md names items that {s} does not have: {sorted(unknown)}"
