@@ -20,14 +20,33 @@ def test_every_documented_table_equals_its_json():
     assert doc_tables.check() == []
 
 
+# JSON files that record neither the machine nor the time; their renderings must say so
+NOT_RECORDED = {"smollm2-markers": "next-token probabilities (no timing)",
+                "smollm2-load": "load times; benchmarks/smollm2_load.py does not record the machine"}
+
+
+def _recorded(d: dict) -> tuple[bool, bool]:
+    """(machine recorded, time recorded) anywhere the benchmarks put it: top level, ``workload`` or ``--meta``."""
+    places = [d, d.get("workload") or {}, d.get("meta") or {}]
+    machine = any("cpu_count" in p or isinstance(p.get("machine"), dict) and "nproc" in p["machine"] for p in places)
+    seconds = any("seconds" in p or "total_seconds" in p or (p.get("extra") or {}).get("seconds") for p in places)
+    return machine, bool(seconds)
+
+
 def test_each_table_is_shown_and_its_json_says_where_it_comes_from():
     shown = {name for f in doc_tables.doc_files() for name, _ in doc_tables.blocks(f.read_text())}
     assert shown == set(doc_tables.TABLES)
     for name, t in doc_tables.TABLES.items():
         d = json.loads((ROOT / t.source).read_text())
-        assert "machine" in d and ("seconds" in d or "total_seconds" in d), name
+        if t.meta:
+            d["meta"] = json.loads((ROOT / t.meta).read_text())
         text = doc_tables.render(name)
         assert "Written by `" in text or f"From `{t.source}`" in text, name
+        if name in NOT_RECORDED:
+            assert "not recorded" in text, name
+        else:
+            assert _recorded(d) == (True, True), name
+            assert "machine not recorded" not in text, name
 
 
 def _copy(tmp_path: Path) -> Path:
@@ -35,8 +54,9 @@ def _copy(tmp_path: Path) -> Path:
         src = ROOT / p
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / p)
     for t in doc_tables.TABLES.values():
-        (tmp_path / t.source).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / t.source, tmp_path / t.source)
+        for src in filter(None, (t.source, t.meta)):
+            (tmp_path / src).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / src, tmp_path / src)
     return tmp_path
 
 
@@ -94,3 +114,48 @@ def test_sec7_verdict_follows_its_rules():
     d["summary"]["16"] = summ(0.01, 0.3, -0.1, 0.1, -2.0)
     n16, sat = doc_tables.sec7_verdict(d).split("\n")[1:3]
     assert "not defined" in n16 and "**not testable here**" in sat
+
+
+def test_an_indented_block_is_checked_and_rewritten_with_its_indentation(tmp_path):
+    """A block inside a list item (docs/huggingface.md, smollm2-markers) keeps its indentation; a hand-edited
+    number in it is caught and --write restores it indented."""
+    root = _copy(tmp_path)
+    f = root / "docs" / "huggingface.md"
+    text = f.read_text()
+    start = text.index("  <!-- doc-table smollm2-markers -->\n")
+    body = text[start:text.index("<!-- /doc-table -->", start)]
+    assert all(line.startswith("  ") for line in body.splitlines() if line.strip())
+    edited = body.replace("6.0e-10", "7.0e-10")
+    assert edited != body
+    f.write_text(text.replace(body, edited, 1))
+    assert any("smollm2-markers" in p and "differs" in p for p in doc_tables.check(root))
+    assert doc_tables.write(root) == [f] and f.read_text() == text
+
+
+def test_benchmark_tables_cells_are_the_json_values():
+    d = json.loads((ROOT / doc_tables.TABLES["llamppl-race"].source).read_text())
+    text = doc_tables.render("llamppl-race")
+    x = d["workload"]["extra"]
+    for n in map(str, d["n"]):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {n} |"))
+        assert f"| {d['ppl_thought'][n]:,.0f} | {d['llamppl'][n]:,.0f} | {d['limit'][n]:,.0f} |" in row
+        assert f"| {d['fraction'][n]:.2f} | {x['llamppl_ratio'][n]:.1f}x |" in row
+    big = str(max(d["n"]))
+    assert ("**met**" in text) == (d["fraction"][big] >= 0.6)
+    g = json.loads((ROOT / doc_tables.TABLES["gpu-cpu-quick"].source).read_text())
+    text = doc_tables.render("gpu-cpu-quick")
+    rows = [line for line in text.splitlines() if line.startswith("| transformer") or line.startswith("| hf_gpt2")]
+    assert len(rows) == sum(len(by_n) for by_d in g["smc"].values() for by_n in by_d.values())
+    assert f"| transformer | fp32 | 16 | {g['smc']['transformer']['fp32']['16']:,.0f} |" in text
+
+
+def test_real_quick_gains_verdict_follows_its_rule():
+    """'neither sampler beats direct scoring' unless a paired gain is more than 2 s.e. above 0."""
+    d = json.loads((ROOT / doc_tables.TABLES["real-quick-gains"].source).read_text())
+    r = d["real"]
+    for key in ("predictive", "explanatory"):
+        g = r[key]["gain_over_direct"]
+        assert f"{g['mean']:+.2f} ± {g['se']:.2f}" in doc_tables.real_quick_gains(d)
+    r["explanatory"]["gain_over_direct"] = {"mean": 0.5, "se": 0.1}
+    r["predictive"]["gain_over_direct"] = {"mean": 0.15, "se": 0.1}
+    assert "the explanatory sampler beats direct scoring" in doc_tables.real_quick_gains(d)

@@ -27,7 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs")
-BLOCK = re.compile(r"<!-- doc-table (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /doc-table -->", re.S)
+# a block may be indented (inside a list item): its body is the rendering with every line so indented
+BLOCK = re.compile(r"^(?P<indent> *)<!-- doc-table (?P<name>[\w.-]+) -->\n(?P<body>.*?)^(?P=indent)<!-- /doc-table -->",
+                   re.S | re.M)
 
 
 def _pm(mean: float, se: float | None, digits: int = 3, sign: bool = False) -> str:
@@ -227,11 +229,157 @@ def backends(d: dict) -> str:
     return "\n".join(rows) + "\n\n" + tail + "\n"
 
 
+# ---------------------------------------------------------------------------------------------- benchmarks
+def _bench_provenance(cmd: str, w: dict) -> str:
+    """Provenance of a benchmark JSON whose machine is recorded in its ``workload`` (or ``--meta``) entry."""
+    cores = w.get("cpu_count") or w.get("nproc")
+    threads = w.get("torch_threads")
+    machine = (f"{cores} cores{f' ({m})' if (m := w.get('machine')) else ''}, torch {w.get('torch')}"
+               + ("" if threads is None else f" with {threads} thread(s)")) if cores else "not recorded"
+    load = w.get("load_average_at_start")
+    end = w.get("load_average_at_end")
+    load = ("" if load is None else f"; load average {load:.1f} at the start"
+            + ("" if end is None else f" and {end:.1f} at the end"))
+    secs = w.get("extra", {}).get("seconds") or {}
+    timed = sum(v for row in secs.values() for v in (row.values() if isinstance(row, dict) else [row]))
+    timed = f"; {timed:.1f} s in the timed rounds" if secs else "; wall time not recorded"
+    return f"Written by `{cmd}`; commit not recorded; machine {machine}{load}{timed}."
+
+
+def _int(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+GPU_CPU_CMD = ("python benchmarks/gpu.py --device cpu --quick --json benchmarks/results/gpu_cpu_quick.json "
+               "--meta benchmarks/results/gpu_cpu_quick_meta.json")
+
+
+def gpu_cpu_quick(d: dict) -> str:
+    """docs/gpu.md: the CPU quick run of benchmarks/gpu.py (``gpu_cpu_quick.json`` and its ``--meta`` file)."""
+    m = d["meta"]
+    rows = ["| LM | dtype | N | smc | limit_eager | limit_graph (eager, CPU) | fraction |",
+            "|---|---|---|---|---|---|---|"]
+    for lm, by_dtype in d["smc"].items():
+        for dtype, by_n in by_dtype.items():
+            for n, v in by_n.items():
+                rows.append(f"| {lm} | {dtype} | {n} | {_int(v)} | {_int(d['limit_eager'][lm][dtype][n])} | "
+                            f"{_int(d['limit_graph'][lm][dtype][n])} | "
+                            f"{d['fraction_of_graph_limit'][lm][dtype][n]:.2f} |")
+    cfg = (f"A tiny model ({m['n_layer']} layers, d_model {m['d_model']}, library vocabulary {m['library_vocab']}), "
+           f"{m['prompt_tokens']}-token prompt, {m['new_tokens']} new tokens, {m['rounds']} timed round(s); "
+           f"device: {d['device']}. Particle-tokens per second.")
+    return "\n".join(rows) + f"\n\n{cfg} " + _bench_provenance(GPU_CPU_CMD, m) + "\n"
+
+
+RACE_CMD = "python benchmarks/llamppl_race.py --json benchmarks/results/llamppl_race.json"
+
+
+def llamppl_race(d: dict) -> str:
+    """docs/huggingface.md: the race of issue 16 on the toy GPT-2 (``llamppl_race.json``)."""
+    w, x = d["workload"], d["workload"]["extra"]
+    rows = ["| particles | ppl_thought | LLaMPPL " + str(w.get("llamppl")) + " | limit (HF forward, DynamicCache) | "
+            "adapter forward | ppl_thought / limit | ppl_thought / LLaMPPL | LLaMPPL / limit |",
+            "|---|---|---|---|---|---|---|---|"]
+    for n in map(str, d["n"]):
+        rows.append(f"| {n} | {_int(d['ppl_thought'][n])} | {_int(d['llamppl'][n])} | {_int(d['limit'][n])} | "
+                    f"{_int(x['adapter_forward'][n])} | {d['fraction'][n]:.2f} | {x['llamppl_ratio'][n]:.1f}x | "
+                    f"{100 * d['llamppl'][n] / d['limit'][n]:.1f} % |")
+    big = str(max(d["n"]))
+    goal = (f"Issue 16's goal, at least 0.6 of the limit at {big} particles (about 10x LLaMPPL): "
+            f"**{'met' if d['fraction'][big] >= 0.6 else 'not met'}** ({d['fraction'][big]:.2f} of the limit, "
+            f"{x['llamppl_ratio'][big]:.1f}x LLaMPPL).")
+    cfg = (f"Particle-tokens per second, best of {w['rounds']} interleaved rounds after a warm-up, "
+           f"{w['new_tokens']} new tokens after a {w['prompt_tokens']}-token prompt.")
+    return "\n".join(rows) + f"\n\n{cfg} {goal} " + _bench_provenance(RACE_CMD, w) + "\n"
+
+
+RACE_SMOLLM2_CMD = ("python benchmarks/llamppl_race.py --model smollm2 --quick "
+                    "--json benchmarks/results/llamppl_race_smollm2.json")
+
+
+def llamppl_race_smollm2(d: dict) -> str:
+    """docs/huggingface.md: the race on SmolLM2-135M-Instruct (``llamppl_race_smollm2.json``)."""
+    w, x = d["workload"], d["workload"]["extra"]
+    rows = ["| particles | ppl_thought | LLaMPPL | limit (DynamicCache) | ppl_thought / limit | ppl_thought / LLaMPPL "
+            "| LLaMPPL seconds in its round |", "|---|---|---|---|---|---|---|"]
+    for n in map(str, d["n"]):
+        rows.append(f"| {n} | {d['ppl_thought'][n]:.1f} | {d['llamppl'][n]:.1f} | {d['limit'][n]:.1f} | "
+                    f"{d['fraction'][n]:.2f} | {x['llamppl_ratio'][n]:.1f}x | {x['seconds'][n]['llamppl']:.0f} |")
+    cfg = (f"Particle-tokens per second, {w['rounds']} round{'s' if w['rounds'] != 1 else ''} "
+           f"({'--quick' if w.get('quick') else 'full'}), {w['new_tokens']} new tokens after a "
+           f"{w['prompt_tokens']}-token prompt, {w['admitted_tokens']:,} of {w['library_vocab']:,} tokens admitted.")
+    return "\n".join(rows) + f"\n\n{cfg} " + _bench_provenance(RACE_SMOLLM2_CMD, w) + "\n"
+
+
+GENLM_CMD = ("python benchmarks/llamppl_race.py --model smollm2 --quick --sizes 16 --new-tokens 8 --no-llamppl "
+             "--genlm --json benchmarks/results/llamppl_race_smollm2_genlm_n16.json")
+
+
+def genlm_smollm2(d: dict) -> str:
+    """docs/huggingface.md: genlm-control beside ppl_thought on SmolLM2 (``llamppl_race_smollm2_genlm_n16.json``)."""
+    w, x = d["workload"], d["workload"]["extra"]
+    n = str(d["n"][0])
+    g = x["genlm_control"][n]
+    return (f"At {n} particles and {w['new_tokens']} new tokens, {w['rounds']} round: ppl_thought "
+            f"{d['ppl_thought'][n]:.2f} particle-tokens/s, genlm-control {g:.2f} "
+            f"({d['ppl_thought'][n] / g:.1f}x slower), the forward limit {d['limit'][n]:.2f}. "
+            + _bench_provenance(GENLM_CMD, w) + "\n")
+
+
+MARKERS_CMD = "python benchmarks/smollm2_markers.py --json benchmarks/results/smollm2_markers.json"
+
+
+def smollm2_markers(d: dict) -> str:
+    """docs/huggingface.md: the next-token mass of the added, untrained markers (``smollm2_markers.json``)."""
+    totals = {p: v["total"] for p, v in d["mass"].items()}
+    spread = max((max(v["per_marker"].values()) - min(v["per_marker"].values())) / min(v["per_marker"].values())
+                 for v in d["mass"].values())
+    lo, hi = min(totals.values()), max(totals.values())
+    return (f"On {d['model']} the {len(d['added_markers'])} new tokens take between {lo:.1e} and {hi:.1e} of the "
+            f"next-token mass after {len(totals)} prompts (chat and plain text), and about the same for each of "
+            f"them (at most {100 * spread:.2g} % apart after one prompt). Written by `{d.get('command', MARKERS_CMD)}`;"
+            " commit, machine and time not recorded (the masses do not depend on them beyond float rounding).\n")
+
+
+LOAD_CMD = "python benchmarks/smollm2_load.py --json benchmarks/results/smollm2_load.json"
+
+
+def smollm2_load(d: dict) -> str:
+    """docs/huggingface.md: loading SmolLM2 from its GGUF file, first and cached (``smollm2_load.json``)."""
+    imports = [d["first"]["import_s"]] + [c["import_s"] for c in d["cached"]]
+    cached = " and ".join(f"{c['load_s']:.1f} s" for c in d["cached"])
+    return (f"{d['dtype']} on {d['device']}, {d['torch_threads']} torch thread, each load in a fresh process: first "
+            f"load {d['first']['load_s']:.1f} s, cached loads {cached}, plus the import of torch, ppl_thought and "
+            f"transformers' Llama module ({min(imports):.1f} s to {max(imports):.1f} s, paid by any transformers "
+            f"Llama); the cache entry is {d['cache_bytes']:,} bytes. Written by `{d.get('command', LOAD_CMD)}`; "
+            "commit and machine not recorded.\n")
+
+
+def real_quick_gains(d: dict) -> str:
+    """docs/huggingface.md: the paired gains of the two samplers over direct scoring (``demo_real_quick.json``)."""
+    r = d["real"]
+    p, e = r["predictive"]["gain_over_direct"], r["explanatory"]["gain_over_direct"]
+    beats = [k for k, g in (("predictive", p), ("explanatory", e)) if g["mean"] - 2 * g["se"] > 0]
+    verdict = (f"the {' and '.join(beats)} sampler{'s' if len(beats) > 1 else ''} beat{'' if len(beats) > 1 else 's'}"
+               " direct scoring by more than 2 s.e." if beats else "neither sampler beats direct scoring")
+    return (f"On {r['problems']} problems with {r['particles']} particles, {verdict} (paired gains "
+            f"{_pm(p['mean'], p['se'], 2, True)} and {_pm(e['mean'], e['se'], 2, True)} nats of log P(right | "
+            f"candidates), predictive and explanatory); direct accuracy "
+            f"{_pm(r['direct']['accuracy'], r['direct']['accuracy_se'], 2)} with "
+            f"{len(r['questions'][0]['candidates'])} candidates. "
+            + _provenance(d, TABLES_REAL_CMD) + "\n")
+
+
+TABLES_REAL_CMD = ("ppl-thought demo --quick --parts real --seed 0 --threads 1 "
+                   "--json benchmarks/results/demo_real_quick.json")
+
+
 @dataclass(frozen=True)
 class Table:
     source: str  # JSON under the repository root
     render: Callable[[dict], str]
     command: str  # what writes the JSON
+    meta: str | None = None  # a second JSON of the same run (``--meta``), passed to ``render`` as d["meta"]
 
 
 SEC7_CMD = "python -m ppl_thought.experiments.sec7 --seeds 5 --n 8 16 --quick --json benchmarks/results/sec7_seeds.json"
@@ -240,15 +388,25 @@ TABLES: dict[str, Table] = {
     "sec7-verdict": Table("benchmarks/results/sec7_seeds.json", sec7_verdict, SEC7_CMD),
     "sec7-per-seed": Table("benchmarks/results/sec7_seeds.json", sec7_per_seed, SEC7_CMD),
     "backends": Table("benchmarks/results/backends.json", backends, BACKENDS_CMD),
-    "real-quick": Table("benchmarks/results/demo_real_quick.json", real_quick,
-                        "ppl-thought demo --quick --parts real --seed 0 --threads 1 "
-                        "--json benchmarks/results/demo_real_quick.json"),
+    "real-quick": Table("benchmarks/results/demo_real_quick.json", real_quick, TABLES_REAL_CMD),
+    "real-quick-gains": Table("benchmarks/results/demo_real_quick.json", real_quick_gains, TABLES_REAL_CMD),
+    "gpu-cpu-quick": Table("benchmarks/results/gpu_cpu_quick.json", gpu_cpu_quick, GPU_CPU_CMD,
+                           meta="benchmarks/results/gpu_cpu_quick_meta.json"),
+    "llamppl-race": Table("benchmarks/results/llamppl_race.json", llamppl_race, RACE_CMD),
+    "llamppl-race-smollm2": Table("benchmarks/results/llamppl_race_smollm2.json", llamppl_race_smollm2,
+                                  RACE_SMOLLM2_CMD),
+    "genlm-smollm2": Table("benchmarks/results/llamppl_race_smollm2_genlm_n16.json", genlm_smollm2, GENLM_CMD),
+    "smollm2-markers": Table("benchmarks/results/smollm2_markers.json", smollm2_markers, MARKERS_CMD),
+    "smollm2-load": Table("benchmarks/results/smollm2_load.json", smollm2_load, LOAD_CMD),
 }
 
 
 def render(name: str, root: Path = ROOT) -> str:
     t = TABLES[name]
-    return t.render(json.loads((root / t.source).read_text()))
+    d = json.loads((root / t.source).read_text())
+    if t.meta:
+        d = {**d, "meta": json.loads((root / t.meta).read_text())}
+    return t.render(d)
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
@@ -264,15 +422,20 @@ def blocks(text: str) -> list[tuple[str, str]]:
     return [(m["name"], m["body"]) for m in BLOCK.finditer(text)]
 
 
+def _indented(text: str, indent: str) -> str:
+    return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
+
+
 def check(root: Path = ROOT) -> list[str]:
     """Problems: blocks that differ from their JSON, unknown names, tables no document shows."""
     problems, seen = [], set()
     for f in doc_files(root):
-        for name, body in blocks(f.read_text()):
+        for m in BLOCK.finditer(f.read_text()):
+            name, body = m["name"], m["body"]
             seen.add(name)
             if name not in TABLES:
                 problems.append(f"{f.relative_to(root)}: unknown table {name!r}")
-            elif body != render(name, root):
+            elif body != _indented(render(name, root), m["indent"]):
                 problems.append(f"{f.relative_to(root)}: table {name!r} differs from {TABLES[name].source} "
                                 "(python tools/doc_tables.py --write)")
     problems += [f"table {n!r} is in no document" for n in TABLES if n not in seen]
@@ -283,7 +446,8 @@ def write(root: Path = ROOT) -> list[Path]:
     changed = []
     for f in doc_files(root):
         text = f.read_text()
-        new = BLOCK.sub(lambda m: f"<!-- doc-table {m['name']} -->\n{render(m['name'], root)}<!-- /doc-table -->",
+        new = BLOCK.sub(lambda m: f"{m['indent']}<!-- doc-table {m['name']} -->\n"
+                                  f"{_indented(render(m['name'], root), m['indent'])}{m['indent']}<!-- /doc-table -->",
                         text)
         if new != text:
             f.write_text(new)
