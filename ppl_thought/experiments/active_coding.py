@@ -509,30 +509,36 @@ def run_active_coding(cfg: CodingConfig, seed: int = 0, progress: bool = True) -
 
 
 def plot_coding(res: dict, path: str) -> None:
-    """Figure 6.1 (right) from our runs: (6.12) against expected code length, learned and Huffman, per N."""
+    """Figure 6.1 (right) from our runs: (6.10)/(6.12) against expected code length, Huffman and the kept restart
+    of every variant (remedy), per N."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     items = sorted(res["coding"].items(), key=lambda kv: int(kv[0]))
-    fig, ax = plt.subplots(figsize=(5, 4))
+    markers = {"learned": "x", "learned+anneal": "+", "exact": "^", "exact+anneal": "s"}
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
     cmap = plt.get_cmap("viridis")
+    pts = []
     for k, (N, r) in enumerate(items):
         c = cmap(k / max(1, len(items) - 1))
         ax.scatter(r["huffman_length"], r["huffman_objective"], marker="o", color=c, s=50,
                    label="Huffman" if k == 0 else None)
-        ax.scatter(r["learned_length"], r["learned_objective"], marker="x", color=c, s=60,
-                   label="active lifting (learned Q)" if k == 0 else None)
+        pts.append(r["huffman_length"])
+        for v, s in r.get("remedies", {"learned": r}).items():
+            ax.scatter(s["learned_length"], s["learned_objective"], marker=markers.get(v, "x"), color=c, s=45,
+                       facecolors="none" if markers.get(v) in ("^", "s") else None,
+                       label=f"learned Q: {v}" if k == 0 else None)
+            pts.append(s["learned_length"])
         ax.annotate(f"N={N}", (r["huffman_length"], r["huffman_objective"]), textcoords="offset points",
                     xytext=(6, -10), fontsize=8)
-    lo = min(min(r["huffman_length"], r["learned_length"]) for _, r in items) - 0.3
-    hi = max(max(r["huffman_length"], r["learned_length"]) for _, r in items) + 0.3
+    lo, hi = min(pts) - 0.3, max(pts) + 0.3
     ax.plot([lo, hi], [lo, hi], ls=":", color="grey", lw=1, label="y = x")
     ax.set_xlabel("expected code length E|c(X)| (bits)")
     ax.set_ylabel("(6.12): sum_t E[-log2 P*(X | z_<=t)] (bits)")
     ax.set_title("Minimum-length coding (Fig. 6.1 right)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -551,7 +557,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=None, help="processes for the runs (default: the config's)")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file")
+    ap.add_argument("--plot", default=None, help="draw Figure 6.1 (right) from the results to this PNG")
+    ap.add_argument("--from-json", default=None, help="read the results from this JSON instead of running")
     args = ap.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            res = json.load(f)
+        if args.plot:
+            plot_coding(res, args.plot)
+        return 0
     torch.set_num_threads(1)
     cfg = CodingConfig.quick() if args.quick else CodingConfig()
     if args.workers is not None:
@@ -563,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
                       + (f" --json {args.json}" if args.json else ""))
     if args.json:
         atomic_write_json(args.json, res)
+    if args.plot:
+        plot_coding(res, args.plot)
     for N, r in res["coding"].items():
         for v, s in r["remedies"].items():
             print(f"N = {N:>2} {v:>14}: (6.10) {s['learned_objective']:.3f} bits vs Huffman "
