@@ -115,6 +115,8 @@ class CodingConfig:
                               f"{self.particles!r}")
         if not math.isfinite(self.entropy_start) or self.entropy_start < 0:
             raise ConfigError(f"CodingConfig.entropy_start must be a finite number >= 0, got {self.entropy_start!r}")
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ConfigError(f"CodingConfig.steps must be an integer >= 1, got {self.steps!r}")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ConfigError(f"CodingConfig.workers must be an integer >= 1, got {self.workers!r}")
         if not 0 < self.entropy_until <= 1:
@@ -556,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the committed run: N = 8 and 16, every variant, 3 restarts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=None, help="processes for the runs (default: the config's)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per run (default: the config's)")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file")
     ap.add_argument("--plot", default=None, help="draw Figure 6.1 (right) from the results to this PNG")
     ap.add_argument("--from-json", default=None, help="read the results from this JSON instead of running")
@@ -570,10 +573,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = CodingConfig.quick() if args.quick else CodingConfig()
     if args.workers is not None:
         cfg.workers = args.workers
-        cfg.__post_init__()
+    if args.steps is not None:
+        cfg.steps = args.steps
+    cfg.__post_init__()
     res = run_active_coding(cfg, args.seed, progress=True)
     res["command"] = ("python -m ppl_thought.experiments.active_coding" + (" --quick" if args.quick else "")
                       + f" --seed {args.seed}" + (f" --workers {args.workers}" if args.workers is not None else "")
+                      + (f" --steps {args.steps}" if args.steps is not None else "")
                       + (f" --json {args.json}" if args.json else ""))
     if args.json:
         atomic_write_json(args.json, res)
