@@ -228,7 +228,7 @@ def backends(d: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- active coding
-ACTIVE_CODING_CMD = ("python -m ppl_thought.experiments.active_coding --quick --seed 0 "
+ACTIVE_CODING_CMD = ("python -m ppl_thought.experiments.active_coding --quick --seed 0 --steps 300 "
                      "--json benchmarks/results/active_coding.json")
 _VARIANT_LABEL = {"learned": "plain run (learned decoder G)", "learned+anneal": "entropy annealing",
                   "exact": "exact posterior decoder", "exact+anneal": "exact posterior decoder + entropy annealing"}

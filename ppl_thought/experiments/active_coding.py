@@ -125,7 +125,7 @@ class CodingConfig:
     @classmethod
     def quick(cls) -> CodingConfig:
         """The committed run (``benchmarks/results/active_coding.json``): N = 8 and 16, every variant, 3 restarts."""
-        return cls(sizes=(8, 16), steps=200, restarts=3, workers=2)
+        return cls(sizes=(8, 16), steps=300, restarts=3, workers=2)
 
     @classmethod
     def smoke(cls) -> CodingConfig:
