@@ -390,7 +390,7 @@ def test_huffman_and_code_objective():
 
 
 def test_example_quick_runs(tmp_path):
-    """``examples/active_lifting.py --quick --json FILE --plot FILE``: keys and sanity (N = 8)."""
+    """``examples/active_lifting.py --smoke --json FILE --plot FILE``: keys and sanity (N = 8)."""
     import importlib.util
     import json
     import pathlib
@@ -400,7 +400,7 @@ def test_example_quick_runs(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out, png = tmp_path / "coding.json", tmp_path / "coding.png"
-    assert mod.main(["--quick", "--json", str(out), "--plot", str(png)]) == 0
+    assert mod.main(["--smoke", "--json", str(out), "--plot", str(png)]) == 0
     res = json.loads(out.read_text())
     assert set(res["coding"]) == {"8"}
     r = res["coding"]["8"]
@@ -415,4 +415,5 @@ def test_example_quick_runs(tmp_path):
     assert ce[0] == pytest.approx(r["entropy"], abs=1e-5)
     assert all(b <= a + 1e-6 for a, b in zip(ce, ce[1:]))
     assert 0 <= r["h_x_given_z"] <= ce[0] * math.log(2) + 1e-6
+    assert set(r["remedies"]) == {"learned", "exact+anneal"} and 0 <= r["restarts_within_5pct"] <= 1
     assert png.stat().st_size > 0
