@@ -43,7 +43,7 @@ from ppl_thought.models import LatentThought
 from ppl_thought.training import DualRateTrainer, LangevinTrainer, VAETrainer, langevin_evaluate, slow_lr_schedule
 
 __all__ = ["LTMConfig", "SweepConfig", "ar_log_likelihood", "main", "plot", "run_latent_thought", "run_sweep",
-           "score_continuations", "score_samples"]
+           "score_continuations", "score_samples", "sweep_tables"]
 
 
 @dataclass
@@ -284,7 +284,7 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict:
     and by the common evaluation (``elbo_ppl_Teval``: ``eval_T`` fast steps; ``iw_ppl``: the IW bound with
     ``iw_samples`` draws from that q), next to the data's exact perplexity ``exact_ppl``.
     """
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     gen = torch.Generator().manual_seed(cfg.seed)
     data = MarkovMixture(cfg.vocab_size, cfg.num_chains, cfg.concentration, gen)
     train = data.sample(cfg.train_size, cfg.seq_len, gen)
@@ -314,10 +314,10 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict:
             encoder = AmortizedGaussianEncoder(cfg.vocab_size, ltm.latent_shape, cfg.encoder_hidden)
             trainer = VAETrainer(ltm, encoder, cfg.steps, **common)
         torch.manual_seed(cfg.seed + 1)
-        t = time.time()
+        t, cpu = time.time(), time.process_time()
         trainer.fit(train[i] for i in order)
-        train_s = time.time() - t
-        t = time.time()
+        train_s, train_cpu = time.time() - t, time.process_time() - cpu
+        t, cpu = time.time(), time.process_time()
         fast_lr = trainer.current_fast_lr()
         res: dict = {"learner": learner, "T_fast": T, "n_z": n_z, "decoder_updates": trainer.step_count}
         torch.manual_seed(cfg.seed + 2)
@@ -335,6 +335,7 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict:
                            amortised_kl_per_token=float(q.kl_to_prior().sum()) / n_tokens)
         res["train_final"] = trainer.history[-1] if trainer.history else {}
         res["seconds"] = {"train": train_s, "eval": time.time() - t}
+        res["cpu_seconds"] = {"train": train_cpu, "eval": time.process_time() - cpu}
         runs[key] = {"result": res, "ltm": ltm, "fast_lr": fast_lr}
         return runs[key]
 
@@ -385,7 +386,52 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict:
 
     return {"sweep": {"T_fast": sweep_T, "N_z": sweep_nz}, "learners": learners, "generation": generation,
             "exact_ppl": exact_ppl, "ar_window_ppl": ar_ppl, "config": asdict(cfg), **provenance(),
-            "seconds": time.time() - t0}
+            "seconds": time.time() - t0, "cpu_seconds": time.process_time() - cpu0}
+
+
+def sweep_tables(results: dict) -> str:
+    """The Markdown tables of docs/latent-thought.md ("Training-time sweep, learners and generation"), made from
+    the JSON of :func:`run_sweep` (a test checks that the documented tables equal these)."""
+    f = "{:.3f}".format
+    lines = [f"Exact perplexity of the test set: {f(results['exact_ppl'])}; autoregressive Transformer with the "
+             f"same window: {f(results['ar_window_ppl'])}.", "",
+             "| run | T_fast | N_z | own ELBO-ppl (T_eval = T_fast) | ELBO-ppl (T_eval = "
+             f"{results['config']['eval_T']}) | IW ppl (K = {results['config']['iw_samples']}) | KL/token at the "
+             "last step |", "|---|---|---|---|---|---|---|"]
+    rows = [(f"T_fast = {k}", v) for k, v in results["sweep"]["T_fast"].items()]
+    rows += [(f"N_z = {k}", v) for k, v in results["sweep"]["N_z"].items()]
+    rows += [(f"learner {k}", v) for k, v in results["learners"].items()]
+    for name, r in rows:
+        T = "-" if r["learner"] == "vae" else r["T_fast"]
+        lines.append(f"| {name} | {T} | {r['n_z']} | {f(r['ppl'])} | {f(r['elbo_ppl_Teval'])} | {f(r['iw_ppl'])} | "
+                     f"{f(r['train_final'].get('kl_per_token', float('nan')))} |")
+    vae = results["learners"]["vae"]
+    if "amortised_elbo_ppl" in vae:
+        lines += ["", f"VAE with its own encoder (one pass): ELBO-ppl {f(vae['amortised_elbo_ppl'])}, KL "
+                  f"{f(vae['amortised_kl_per_token'])} nats/token."]
+    gen = results["generation"]
+    lines += ["", "| generator | continuation log p(y \\| x) / token | same chain | p(prefix chain \\| y) | "
+              "samples: log p(x) / token | token entropy |", "|---|---|---|---|---|---|"]
+    ref = gen["reference"]
+    ec, tc, es = ref["exact_continuation"], ref["true_continuation"], ref["exact_samples"]
+    lines.append(f"| data law (exact continuation; exact samples) | {f(ec['data_logp_per_token'])} "
+                 f"| {f(ec['same_chain'])} | {f(ec['prefix_chain_posterior'])} | "
+                 f"{f(es['data_logp_per_token'])} | {f(es['token_entropy'])} |")
+    lines.append(f"| test set (true continuation) | {f(tc['data_logp_per_token'])} | "
+                 f"{f(tc['same_chain'])} | {f(tc['prefix_chain_posterior'])} | - | - |")
+    lines.append(f"| uniform tokens | - | - | - | {f(ref['uniform_samples']['data_logp_per_token'])} | "
+                 f"{f(ref['uniform_samples']['token_entropy'])} |")
+    for name in ("vb", "langevin", "vae"):
+        g = gen[name]
+        for kind, label in (("posterior_continuation", "z ~ q(z \\| x), Eq. 7"),
+                            ("prior_z_continuation", "z ~ N(0, I)")):
+            c = g[kind]
+            samples = g["prior_samples"] if kind == "prior_z_continuation" else None
+            tail = (f"{f(samples['data_logp_per_token'])} | {f(samples['token_entropy'])} |" if samples
+                    else "- | - |")
+            lines.append(f"| {name}, {label} | {f(c['data_logp_per_token'])} | {f(c['same_chain'])} | "
+                         f"{f(c['prefix_chain_posterior'])} | {tail}")
+    return "\n".join(lines) + "\n"
 
 
 def plot(results: dict, path: str) -> str:
@@ -422,7 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", metavar="DIR", help="write the plot here")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tables", metavar="JSON", help="print the Markdown tables of a --sweep JSON and exit")
     args = parser.parse_args(argv)
+    if args.tables:
+        with open(args.tables) as fh:
+            print(sweep_tables(json.load(fh)), end="")
+        return 0
     torch.set_num_threads(args.threads)
     if args.sweep:
         scfg = SweepConfig.quick() if args.quick else SweepConfig.full()
@@ -433,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                  "N_z": {k: v["iw_ppl"] for k, v in results["sweep"]["N_z"].items()},
                  "learners": {k: v["iw_ppl"] for k, v in results["learners"].items()},
                  "exact_ppl": results["exact_ppl"], "ar_window_ppl": results["ar_window_ppl"],
-                 "seconds": results["seconds"]}
+                 "seconds": results["seconds"], "cpu_seconds": results["cpu_seconds"]}
         print(json.dumps(brief, indent=1))
         if args.json:
             atomic_write_json(args.json, results)
