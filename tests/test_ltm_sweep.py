@@ -294,3 +294,14 @@ def test_sweep_tiny_json_shape_and_equal_budget():
         assert set(gen) == {"posterior_continuation", "prior_z_continuation", "prior_samples"}
         assert 0.0 <= gen["posterior_continuation"]["same_chain"] <= 1.0
     assert {"commit", "machine", "seconds", "config"} <= set(res)
+
+
+def test_documented_sweep_tables_equal_the_committed_json():
+    import json
+    from pathlib import Path
+
+    from ppl_thought.experiments.latent_thought import sweep_tables
+
+    root = Path(__file__).resolve().parent.parent
+    results = json.loads((root / "benchmarks/results/ltm_sweep_quick.json").read_text())
+    assert sweep_tables(results) in (root / "docs/latent-thought.md").read_text()
