@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chi2
 
 from ppl_thought.data.markov_mixture import MarkovMixture
-from ppl_thought.errors import MalformedSequenceError, PPLThoughtError
+from ppl_thought.errors import ConfigError, MalformedSequenceError, PPLThoughtError
 from ppl_thought.experiments.latent_thought import SweepConfig, run_sweep, score_continuations, score_samples
 from ppl_thought.guides import AmortizedGaussianEncoder
 from ppl_thought.models import LatentThought
@@ -203,8 +203,12 @@ def test_langevin_step_is_eq4():
     assert grad.abs().max() > 1.0  # the likelihood term matters here, not only the prior's -z
     for p in ltm.decoder.parameters():
         assert p.grad is None and p.requires_grad
-    with pytest.raises(MalformedSequenceError, match="step_size"):
+    with pytest.raises(ConfigError, match="step_size must be > 0"):
         langevin_latents(ltm, x, num_steps=1, step_size=0.0)
+    with pytest.raises(ConfigError, match="step_size must be > 0"):
+        LangevinTrainer(ltm, 5, 2, step_size=-1.0, progress=False)
+    with pytest.raises(ConfigError, match="hidden >= 1"):
+        AmortizedGaussianEncoder(3, ltm.latent_shape, hidden=0)
 
 
 def test_langevin_on_a_flat_likelihood_has_the_closed_form_ula_variance():

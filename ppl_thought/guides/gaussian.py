@@ -12,7 +12,7 @@ import pyro.distributions as dist
 import torch
 from torch import nn
 
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import ConfigError, MalformedSequenceError
 
 __all__ = ["AmortizedGaussianEncoder", "LocalGaussianGuide"]
 
@@ -89,7 +89,7 @@ class AmortizedGaussianEncoder(nn.Module):
     def __init__(self, vocab_size: int, latent_shape: tuple[int, int, int], hidden: int = 64) -> None:
         super().__init__()
         if vocab_size < 1 or hidden < 1 or len(latent_shape) != 3 or min(latent_shape) < 1:
-            raise MalformedSequenceError(f"AmortizedGaussianEncoder needs vocab_size >= 1, hidden >= 1 and a "
+            raise ConfigError(f"AmortizedGaussianEncoder needs vocab_size >= 1, hidden >= 1 and a "
                                          f"latent_shape of three positive sizes, got {vocab_size}, {hidden}, "
                                          f"{latent_shape}")
         self.vocab_size, self.latent_shape = vocab_size, tuple(latent_shape)

@@ -21,7 +21,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide.initialization import init_to_sample
 
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.inference.langevin import Langevin
 from ppl_thought.inference.result import Result
 from ppl_thought.models.latent_thought import LatentThought, frozen
@@ -196,9 +196,9 @@ def langevin_latents(ltm: LatentThought, tokens: torch.Tensor, mask: torch.Tenso
     """
     tokens2, mask2 = ltm.batch(tokens, mask)
     if not isinstance(num_steps, int) or num_steps < 0:
-        raise MalformedSequenceError(f"num_steps must be an int >= 0, got {num_steps!r}")
+        raise ConfigError(f"num_steps must be an int >= 0, got {num_steps!r}")
     if not step_size > 0:
-        raise MalformedSequenceError(f"step_size must be > 0, got {step_size!r}")
+        raise ConfigError(f"step_size must be > 0 (the Eq. 4 step s), got {step_size!r}")
     B = tokens2.shape[0]
     if z0 is None:
         z = torch.randn(B, *ltm.latent_shape, generator=generator, device=tokens2.device)
@@ -233,7 +233,7 @@ class LangevinTrainer(DualRateTrainer):
                  **kwargs: Any) -> None:
         super().__init__(ltm, total_steps, inner_steps, **kwargs)
         if not step_size > 0:
-            raise MalformedSequenceError(f"step_size must be > 0, got {step_size!r}")
+            raise ConfigError(f"step_size must be > 0 (the Eq. 4 step s), got {step_size!r}")
         self.step_size = step_size
 
     def posterior(self, tokens: torch.Tensor, mask: torch.Tensor, fast_lr: float) -> tuple[torch.Tensor, torch.Tensor]:
