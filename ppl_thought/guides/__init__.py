@@ -9,7 +9,8 @@ explanatory (Def 3.9); the exact posterior Q_* (2.24) and the inquisitive sample
 - :class:`Explanatory` (lm, projection, mode_tag, gating): "x <explain> z" (Section 5.6.2).
 - :class:`Posterior` (model), :class:`Inquisitive` (model, centered): exact, by enumeration.
 - :class:`HMMGuide`: an HMM's exact posterior (backward algorithm) or filtering proposal, step-wise.
-- :class:`LocalGaussianGuide`: the per-sequence Gaussian of latent-thought models (continuous z, Eq. 5).
+- :class:`LocalGaussianGuide`: the per-sequence Gaussian of latent-thought models (continuous z, Eq. 5);
+  :class:`AmortizedGaussianEncoder`: the amortised (VAE) q_phi(z | x) that produces one.
 - :func:`explanatory_guide`: the program view. (The gated LM of App. L is :class:`ppl_thought.lm.GatedLM`.)
 - :class:`Sampler`, :class:`SamplerDistribution`: the protocol and its Pyro distribution.
 """
@@ -17,11 +18,12 @@ explanatory (Def 3.9); the exact posterior Q_* (2.24) and the inquisitive sample
 from ppl_thought.guides.base import Sampler, SamplerDistribution
 from ppl_thought.guides.exact import Inquisitive, Posterior
 from ppl_thought.guides.explanatory import Causal, Explanatory, explanatory_guide
-from ppl_thought.guides.gaussian import LocalGaussianGuide
+from ppl_thought.guides.gaussian import AmortizedGaussianEncoder, LocalGaussianGuide
 from ppl_thought.guides.hmm import HMMGuide
 from ppl_thought.guides.predictive import Identity, MarginalizedDecoder, Predictive, emission_substitution
 
 __all__ = [
+    "AmortizedGaussianEncoder",
     "Causal",
     "Explanatory",
     "HMMGuide",

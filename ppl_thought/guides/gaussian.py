@@ -10,10 +10,11 @@ from __future__ import annotations
 import pyro
 import pyro.distributions as dist
 import torch
+from torch import nn
 
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import ConfigError, MalformedSequenceError
 
-__all__ = ["LocalGaussianGuide"]
+__all__ = ["AmortizedGaussianEncoder", "LocalGaussianGuide"]
 
 
 class LocalGaussianGuide:
@@ -70,3 +71,51 @@ class LocalGaussianGuide:
             raise MalformedSequenceError(f"guide holds {self.batch_size} sequences but got {n}")
         with pyro.plate("sequences", n, dim=-1):
             return pyro.sample("z", self.distribution())
+
+
+class AmortizedGaussianEncoder(nn.Module):
+    """The amortised inference model q_phi(z | x) of the VAE baseline (latent-thought-models.txt, Sec 2.2,
+    "Variational Autoencoder with Amortized Inference"): global parameters phi map a sequence to
+    (mu, log sigma^2) of a diagonal Gaussian in one forward pass, instead of fitting local parameters per
+    sequence.
+
+    The network (small on purpose): each position n embeds the pair (x_{n-1}, x_n) (the first position the
+    pair (<bos>, x_1)), the embeddings are averaged over the scored positions, and a two-layer MLP gives
+    mu and log sigma^2 of shape ``latent_shape``. Averaged pair embeddings are a learned function of the
+    bigram counts of x, which is what identifies a Markov chain. Calling it returns a
+    :class:`LocalGaussianGuide` whose tensors carry the path to phi (reparameterised ELBO gradients, Eq. 5).
+    """
+
+    def __init__(self, vocab_size: int, latent_shape: tuple[int, int, int], hidden: int = 64) -> None:
+        super().__init__()
+        if vocab_size < 1 or hidden < 1 or len(latent_shape) != 3 or min(latent_shape) < 1:
+            raise ConfigError(f"AmortizedGaussianEncoder needs vocab_size >= 1, hidden >= 1 and a "
+                                         f"latent_shape of three positive sizes, got {vocab_size}, {hidden}, "
+                                         f"{latent_shape}")
+        self.vocab_size, self.latent_shape = vocab_size, tuple(latent_shape)
+        self.pairs = nn.Embedding((vocab_size + 1) * vocab_size, hidden)
+        size = latent_shape[0] * latent_shape[1] * latent_shape[2]
+        self.mlp = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 2 * size))
+        with torch.no_grad():  # start at the prior: mu = 0, log sigma^2 = 0
+            self.mlp[-1].weight.mul_(0.01)
+            self.mlp[-1].bias.zero_()
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> LocalGaussianGuide:
+        """q_phi(z | x) for tokens ``[B, N]`` (ids in ``[0, vocab_size)``; ``mask`` True = scored)."""
+        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise MalformedSequenceError(f"tokens must be a LongTensor [B, N], got "
+                                         f"{getattr(tokens, 'dtype', type(tokens).__name__)} "
+                                         f"{tuple(getattr(tokens, 'shape', ()))}")
+        if mask is None:
+            mask = torch.ones_like(tokens, dtype=torch.bool)
+        x = torch.where(mask, tokens.long(), torch.zeros_like(tokens, dtype=torch.long))
+        if ((x < 0) | (x >= self.vocab_size)).any():
+            raise MalformedSequenceError(f"tokens must lie in [0, {self.vocab_size}), got "
+                                         f"{x[(x < 0) | (x >= self.vocab_size)][0].item()}")
+        prev = torch.cat([torch.full_like(x[:, :1], self.vocab_size), x[:, :-1]], 1)
+        h = self.pairs(prev * self.vocab_size + x)  # [B, N, hidden]
+        w = mask.to(h.dtype)[..., None]
+        pooled = (h * w).sum(1) / w.sum(1).clamp_min(1.0)
+        loc, log_var = self.mlp(pooled).chunk(2, dim=-1)
+        B = tokens.shape[0]
+        return LocalGaussianGuide(loc.reshape(B, *self.latent_shape), log_var.reshape(B, *self.latent_shape))

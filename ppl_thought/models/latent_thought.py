@@ -192,6 +192,43 @@ class LatentThought(nn.Module):
         """log N(z; 0, I) summed over the event ``[L, N_z, d]``."""
         return dist.Normal(z.new_zeros(()), z.new_ones(())).log_prob(z).flatten(-3).sum(-1)
 
+    # -- generation (Sec 2.3, Eq. 6-8) ------------------------------------------------------------------
+
+    def generate(self, z: torch.Tensor, num_tokens: int, prefix: torch.Tensor | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Ancestral sampling of ``num_tokens`` tokens from p_beta(y | x, z) (Sec 2.3), one row per z.
+
+        ``z [B, L, N_z, d]`` is one latent per row: a draw from q(z | x) fitted to the prefix gives the
+        posterior-conditioned continuation of Eq. 7, a draw from N(0, I) with no prefix the unconditional
+        sample of Eq. 8. ``prefix [B, M]`` (optional) is kept and continued. Returns ``[B, M + num_tokens]``.
+        Each token is drawn from the softmax of the teacher-forced logits at its position (multinomial
+        sampling at temperature 1), so the law of the output given z is exactly the product in Eq. 1.
+        """
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise MalformedSequenceError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        if not isinstance(z, torch.Tensor) or z.ndim != 4:
+            raise MalformedSequenceError(f"z must be a float tensor [B, {', '.join(map(str, self.latent_shape))}], "
+                                         f"got {tuple(getattr(z, 'shape', ()))}")
+        B = z.shape[0]
+        z = self._check_z(z, B)
+        if prefix is None:
+            out = torch.zeros(B, 0, dtype=torch.long, device=z.device)
+        else:
+            out, _ = self.batch(prefix)
+            if out.shape[0] != B:
+                raise MalformedSequenceError(f"prefix has {out.shape[0]} rows but z has {B}")
+        if out.shape[1] + num_tokens > self.decoder.max_len:
+            raise MalformedSequenceError(f"prefix + num_tokens = {out.shape[1] + num_tokens} exceeds the decoder's "
+                                         f"max_len {self.decoder.max_len}")
+        with torch.no_grad():
+            for _ in range(num_tokens):
+                # position n = len(out) is predicted from <bos>, out (the appended 0 is never read)
+                probe = torch.cat([out, out.new_zeros(B, 1)], 1)
+                probs = torch.softmax(upcast(self.logits(probe, z)[:, -1]), -1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+                out = torch.cat([out, nxt], 1)
+        return out
+
     # -- Pyro programs ---------------------------------------------------------------------------------
 
     def _program(self, tokens: torch.Tensor, mask: torch.Tensor | None, register: bool) -> torch.Tensor:

@@ -15,8 +15,11 @@ from ppl_thought.training.active import conditional_encode as conditional_encode
 from ppl_thought.training.active import encode as encode
 from ppl_thought.training.active import score_function_surrogate as score_function_surrogate
 from ppl_thought.training.latent_thought import DualRateTrainer as DualRateTrainer
+from ppl_thought.training.latent_thought import LangevinTrainer as LangevinTrainer
+from ppl_thought.training.latent_thought import VAETrainer as VAETrainer
 from ppl_thought.training.latent_thought import fast_lr_schedule as fast_lr_schedule
 from ppl_thought.training.latent_thought import langevin_evaluate as langevin_evaluate
+from ppl_thought.training.latent_thought import langevin_latents as langevin_latents
 from ppl_thought.training.latent_thought import langevin_posterior as langevin_posterior
 from ppl_thought.training.latent_thought import slow_lr_schedule as slow_lr_schedule
 from ppl_thought.training.objectives import GRPO as GRPO
@@ -52,6 +55,8 @@ __all__ = [
     "GRPO",
     "Inquisitive",
     "langevin_evaluate",
+    "langevin_latents",
+    "LangevinTrainer",
     "langevin_posterior",
     "MinimumLengthCoding",
     "OneSampler",
@@ -66,6 +71,7 @@ __all__ = [
     "SVI",
     "Trainer",
     "TwoSampler",
+    "VAETrainer",
 ]
 
 from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above

@@ -2,6 +2,8 @@
 
 * :class:`DualRateTrainer`: dual-rate (fast-slow) learning, Algorithm 1, with the learning-rate schedules of
   App. A.2 (:func:`fast_lr_schedule`, :func:`slow_lr_schedule`).
+* :class:`LangevinTrainer` (MLE with Eq. 4 samples in the inner loop; :func:`langevin_latents`, batched) and
+  :class:`VAETrainer` (an amortised encoder, no inner loop): the learners the paper compares with dual-rate VB.
 * :func:`langevin_posterior`: p(z | x) for one sequence by Langevin dynamics (Eq. 4; MALA or ULA through
   :class:`ppl_thought.inference.Langevin`), the decoder fixed; :func:`langevin_evaluate`: a perplexity bound
   from those draws.
@@ -19,12 +21,13 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide.initialization import init_to_sample
 
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.inference.langevin import Langevin
 from ppl_thought.inference.result import Result
 from ppl_thought.models.latent_thought import LatentThought, frozen
 
-__all__ = ["DualRateTrainer", "fast_lr_schedule", "langevin_evaluate", "langevin_posterior", "slow_lr_schedule"]
+__all__ = ["DualRateTrainer", "LangevinTrainer", "VAETrainer", "fast_lr_schedule", "langevin_evaluate",
+           "langevin_latents", "langevin_posterior", "slow_lr_schedule"]
 
 
 def fast_lr_schedule(progress: float, start: float = 0.3, end: float = 0.34) -> float:
@@ -116,13 +119,23 @@ class DualRateTrainer:
         self.fast_lr, self.slow_lr, self.slow_lr_min, self.warmup_steps = fast_lr, slow_lr, slow_lr_min, warmup_steps
         self.grad_clip, self.num_samples, self.inner_schedule, self.progress = (grad_clip, num_samples,
                                                                                  inner_schedule, progress)
-        self.optimizer = torch.optim.AdamW(ltm.decoder.parameters(), lr=slow_lr, betas=(0.9, 0.95),
+        self.optimizer = torch.optim.AdamW(self.trained_parameters(), lr=slow_lr, betas=(0.9, 0.95),
                                            weight_decay=weight_decay)
         self.step_count = 0
         self.history: list[dict[str, float]] = []
 
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        """What the slow step updates: the decoder beta (subclasses add their own global parameters)."""
+        return list(self.ltm.decoder.parameters())
+
     def current_fast_lr(self) -> float:
         return fast_lr_schedule(self.step_count / max(self.total_steps - 1, 1), *self.fast_lr)
+
+    def posterior(self, tokens: torch.Tensor, mask: torch.Tensor, fast_lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inner loop (Algorithm 1, lines 5-11): fit q(z | x) by ``inner_steps`` Adam steps on Eq. 5 and
+        return ``num_samples`` draws of z ``[S, B, L, N_z, d]`` and KL(q || p) ``[B]``, both detached."""
+        guide = self.ltm.fit_local(tokens, mask, self.inner_steps, fast_lr, self.inner_schedule, self.num_samples)
+        return guide.rsample(self.num_samples, detach=True), guide.kl_to_prior(detach=True)
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
         """One iteration of Algorithm 1 (lines 3-15) on a mini-batch; returns its metrics."""
@@ -130,23 +143,21 @@ class DualRateTrainer:
         tokens2, mask2 = ltm.batch(tokens, mask)
         fast = self.current_fast_lr()
         slow = slow_lr_schedule(self.step_count, self.total_steps, self.slow_lr, self.slow_lr_min, self.warmup_steps)
-        guide = ltm.fit_local(tokens2, mask2, self.inner_steps, fast, self.inner_schedule, self.num_samples)
+        z, kl = self.posterior(tokens2, mask2, fast)
         for g in self.optimizer.param_groups:
             g["lr"] = slow
         n_tokens = mask2.sum().clamp_min(1)
-        z = guide.rsample(self.num_samples, detach=True)
         recon = ltm.log_likelihood(tokens2, z, mask2).mean(0)
-        kl = guide.kl_to_prior(detach=True)
         loss = -(recon - kl).sum() / n_tokens
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(ltm.decoder.parameters(), self.grad_clip)
+        gnorm = torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], self.grad_clip)
         self.optimizer.step()
         self.step_count += 1
         loss = loss.detach()
         metrics = {"step": self.step_count, "loss": float(loss), "elbo_ppl": math.exp(min(float(loss), 50.0)),
                    "recon_per_token": float(recon.detach().sum() / n_tokens),
-                   "kl_per_token": float(kl.sum() / n_tokens),
+                   "kl_per_token": float(kl.detach().sum() / n_tokens),
                    "fast_lr": fast, "slow_lr": slow, "grad_norm": float(gnorm)}
         self.history.append(metrics)
         return metrics
@@ -171,3 +182,101 @@ class DualRateTrainer:
             bar.set_postfix(ppl=f"{m['elbo_ppl']:.3f}", kl=f"{m['kl_per_token']:.3f}")
         bar.close()
         return self.history
+
+
+def langevin_latents(ltm: LatentThought, tokens: torch.Tensor, mask: torch.Tensor | None = None, num_steps: int = 8,
+                     step_size: float = 0.03, z0: torch.Tensor | None = None,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """Eq. 4 for a whole batch at once, the decoder fixed: z^{tau+1} = z^tau + s grad_z log p(z^tau | x) + sqrt(2s) eps.
+
+    grad_z log p(z | x) = grad_z [log p_beta(x | z) + log N(z; 0, I)] (the evidence does not depend on z);
+    the sequences are independent given beta, so one backward pass of the batch sum gives every sequence's
+    gradient. Starts from ``z0`` ``[B, L, N_z, d]`` or, by default, a draw from the prior N(0, I), and runs
+    ``num_steps`` unadjusted steps (``num_steps = 0`` returns the start). Returns z ``[B, L, N_z, d]``, detached.
+    """
+    tokens2, mask2 = ltm.batch(tokens, mask)
+    if not isinstance(num_steps, int) or num_steps < 0:
+        raise ConfigError(f"num_steps must be an int >= 0, got {num_steps!r}")
+    if not step_size > 0:
+        raise ConfigError(f"step_size must be > 0 (the Eq. 4 step s), got {step_size!r}")
+    B = tokens2.shape[0]
+    if z0 is None:
+        z = torch.randn(B, *ltm.latent_shape, generator=generator, device=tokens2.device)
+    else:
+        z = ltm._check_z(z0, B).detach().clone()
+    noise_scale = math.sqrt(2.0 * step_size)
+    with frozen(ltm.decoder), torch.enable_grad():
+        for _ in range(num_steps):
+            z = z.detach().requires_grad_(True)
+            log_joint = (ltm.log_likelihood(tokens2, z, mask2) + ltm.log_prior(z)).sum()
+            (grad,) = torch.autograd.grad(log_joint, z)
+            grad = torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
+            eps = torch.randn(z.shape, generator=generator, device=z.device)
+            z = z + step_size * grad + noise_scale * eps
+    return z.detach()
+
+
+class LangevinTrainer(DualRateTrainer):
+    """Maximum likelihood with Langevin posterior samples (latent-thought-models.txt Sec 2.2, Eq. 2-4): the
+    Langevin baseline of the paper's ablation (Table 4), at the budget of :class:`DualRateTrainer`.
+
+    Per mini-batch: draw z^0 ~ N(0, I) per sequence, run ``inner_steps`` steps of Eq. 4
+    (:func:`langevin_latents`, step size ``step_size``) with the decoder frozen, then one slow AdamW step on
+    -log p_beta(x | z) per token: a one-sample estimate of the gradient of Eq. 3,
+    grad log p_beta(x) = E_{p(z | x)}[grad log p_beta(x | z)]. Each inner step costs one forward and one
+    backward pass of the decoder, as a fast VB step does, so equal ``inner_steps`` is equal inner compute.
+    The slow step, its schedule and its clipping are those of :class:`DualRateTrainer`; ``kl_per_token``
+    in the metrics is 0 (no KL term in the MLE objective).
+    """
+
+    def __init__(self, ltm: LatentThought, total_steps: int, inner_steps: int = 16, step_size: float = 0.03,
+                 **kwargs: Any) -> None:
+        super().__init__(ltm, total_steps, inner_steps, **kwargs)
+        if not step_size > 0:
+            raise ConfigError(f"step_size must be > 0 (the Eq. 4 step s), got {step_size!r}")
+        self.step_size = step_size
+
+    def posterior(self, tokens: torch.Tensor, mask: torch.Tensor, fast_lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        z = langevin_latents(self.ltm, tokens, mask, self.inner_steps, self.step_size)
+        return z[None], z.new_zeros(z.shape[0])
+
+
+class VAETrainer(DualRateTrainer):
+    """The amortised (VAE) baseline of latent-thought-models.txt Sec 2.2 and Table 4, at the budget of
+    :class:`DualRateTrainer`: q_phi(z | x) = ``encoder(x)`` (:class:`ppl_thought.guides.AmortizedGaussianEncoder`)
+    in one pass, no inner loop, and one AdamW step per mini-batch on the per-token ELBO of Eq. 5 jointly in
+    beta and phi (reparameterised z; same optimiser, schedule and clipping as the slow step of Algorithm 1).
+    ``inner_steps`` is 0 by construction.
+    """
+
+    def __init__(self, ltm: LatentThought, encoder: torch.nn.Module, total_steps: int, **kwargs: Any) -> None:
+        kwargs.pop("inner_steps", None)
+        self.encoder = encoder
+        super().__init__(ltm, total_steps, 0, **kwargs)
+
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.ltm.decoder.parameters()) + list(self.encoder.parameters())
+
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
+        ltm = self.ltm
+        tokens2, mask2 = ltm.batch(tokens, mask)
+        slow = slow_lr_schedule(self.step_count, self.total_steps, self.slow_lr, self.slow_lr_min, self.warmup_steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = slow
+        guide = self.encoder(tokens2, mask2)
+        n_tokens = mask2.sum().clamp_min(1)
+        recon = ltm.log_likelihood(tokens2, guide.rsample(self.num_samples), mask2).mean(0)
+        kl = guide.kl_to_prior()
+        loss = -(recon - kl).sum() / n_tokens
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], self.grad_clip)
+        self.optimizer.step()
+        self.step_count += 1
+        loss = loss.detach()
+        metrics = {"step": self.step_count, "loss": float(loss), "elbo_ppl": math.exp(min(float(loss), 50.0)),
+                   "recon_per_token": float(recon.detach().sum() / n_tokens),
+                   "kl_per_token": float(kl.detach().sum() / n_tokens), "fast_lr": 0.0, "slow_lr": slow,
+                   "grad_norm": float(gnorm)}
+        self.history.append(metrics)
+        return metrics
