@@ -428,15 +428,17 @@ class CountingTabular(ptn.lm.Tabular):
     calls: list[int] = []
 
     def apply(self, params, cache, tokens, valid=None, latents=None):
-        CountingTabular.calls.append(int(np.shape(tokens)[1]))
+        CountingTabular.calls.append((id(self), int(np.shape(tokens)[1])))
         return super().apply(params, cache, tokens, valid, latents)
 
 
 def test_extend_after_segment_runs_the_lm_once():
     """``lm.extend(sample("z", lm.segment(...)))`` feeds the segment once: a sampled segment hands its decoding
     loop's final state to extend; a segment the engine scores (a guide proposed it) reads the teacher-forced pass
-    extend made. Per traced step: the bootstrap runs no teacher-forced pass, with a guide only the model's extend
-    does. The estimate still agrees with the exact log p(x) (2.22)."""
+    extend made (fed token by token, while some row has a token: ``LMState.extend``). Per traced step each LM
+    is applied once (the bootstrap: the prior's decoding loop; with a guide: the guide's decoding loop and the
+    model's extend), never in a block wider than one token (a separate scoring pass would be ``[n, K - 1]``).
+    The estimate still agrees with the exact log p(x) (2.22)."""
     from ppl_thought.projections import PauseToThink
     from ppl_thought.vocab import Vocab
 
@@ -448,10 +450,13 @@ def test_extend_after_segment_runs_the_lm_once():
     model = ptn.models.SlowThinking(prior, proj)
     x = np.array(vocab.encode("ab"))
     exact = float(model.exact_log_prob(x))
-    for guide, passes in ((None, 0), (ptn.guides.Causal(guide_lm, proj), 1)):
+    for guide in (None, ptn.guides.Causal(guide_lm, proj)):
         CountingTabular.calls = []
         res = ptn.infer.SMC(256, ess_threshold=0.5, groups=8).run(model, guide, x, rng_key=3)
         traces = 2  # the step is traced twice: for its output shapes, and in the compiled loop
-        assert sum(c > 1 for c in CountingTabular.calls) == passes * traces, CountingTabular.calls
+        calls = CountingTabular.calls
+        assert all(w == 1 for _, w in calls), calls
+        for lm in (prior, guide_lm) if guide is not None else (prior,):
+            assert sum(i == id(lm) for i, _ in calls) == 1 + traces, calls  # LMState.start, then once per step
         est, se = float(res.stats["log_marginal_pooled"]), float(res.stats["log_marginal_pooled_stderr"])
         assert abs(est - exact) < 3 * se, (est, exact, se)
