@@ -348,6 +348,7 @@ class StepEngine:
         steps, sm, sg, lw, finished, _, _, (values, ess, flags, anc) = jax.lax.while_loop(
             lambda c: (c[0] < T) & ~c[4].all(), body, carry)
         ran = jnp.arange(T) < steps
+        ess = jnp.where(ran, ess, effective_sample_size(lw, check=False))  # steps not run: the final weights' ESS
 
         def back(idx, inp):  # the lineage of every final particle: values of step t at its ancestor then
             vals, a = inp
