@@ -129,7 +129,12 @@ class DropsOneProposalTerm(PlanThinkGuide):
 
 
 def build(model_kind: str, guide_kind: str, spec):
-    if model_kind == "hmm":
+    if model_kind == "hmm":  # ptn.models.HMM as a program, with ptn.guides.HMMGuide (posterior, filtering)
+        x = jnp.asarray(spec["hmm_x"], jnp.int32)
+        hmm = ptn.models.HMM(spec["hmm_A"], spec["hmm_B"], spec["hmm_lam"])
+        guide = {"posterior": ptn.guides.HMMGuide.posterior, "filtering": ptn.guides.HMMGuide.filtering}.get(guide_kind)
+        return hmm.program(x), (guide(hmm).program(x) if guide is not None else None), x
+    if model_kind == "hmm_user":  # the user's HMM program of tests/test_numpyro_program.py
         x = jnp.asarray(spec["hmm_x"], jnp.int32)
         args = (spec["hmm_A"], spec["hmm_B"], spec["hmm_lam"], len(x))
         return HMM(*args), (HMMFilter(*args) if guide_kind == "filtering" else None), x

@@ -19,6 +19,7 @@ pytest.importorskip("numpyro")
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import numpyro  # noqa: E402
 import numpyro.distributions as nd  # noqa: E402
 
 import ppl_thought.numpyro as ptn  # noqa: E402
@@ -161,6 +162,66 @@ def test_hmm_program_against_the_forward_algorithm(engine, guide):
     before = compilations()
     within(runs(eng, _hmm, g, x2), forward(np.asarray(x2)), f"HMM {engine} {guide}, new x")
     assert compilations() == before
+
+
+# ptn.models.HMM as a program with its guides (torch twins: pt.models.HMM, pt.guides.HMMGuide)
+_model_hmm = ptn.models.HMM(A, B, PI)
+_post, _filt = ptn.guides.HMMGuide.posterior(_model_hmm), ptn.guides.HMMGuide.filtering(_model_hmm)
+
+
+class SkipsStepZeroProposal(ptn.guides.HMMGuideProgram):
+    """A deliberately wrong weight: the filtering guide's z at step 0 is sampled but not scored (log q = 0)."""
+
+    def step(self, state, t, x=None):
+        with numpyro.handlers.mask(mask=t != 0):
+            return super().step(state, t, x)
+
+
+@pytest.mark.parametrize("engine,guide", [("IS", None), ("IS", "filtering"), ("SMC", None), ("SMC", "filtering")])
+def test_the_hmm_model_program_against_the_forward_algorithm(engine, guide):
+    """ptn.models.HMM.program(x) with the bootstrap or an HMMGuide: log Z within 3 SE of (3.1) over seeds."""
+    eng = ptn.infer.Importance(64) if engine == "IS" else ptn.infer.SMC(64, ess_threshold=0.7)
+    g = _filt.program(X) if guide else None
+    log_z = runs(eng, _model_hmm.program(X), g, X)
+    within(log_z, forward(np.asarray(X)), f"ptn.models.HMM {engine} {guide}")
+    assert abs(forward(np.asarray(X)) - float(_model_hmm.log_prob(np.asarray(X)))) < 1e-5
+
+
+@pytest.mark.parametrize("engine", ["IS", "SMC"])
+def test_the_hmm_posterior_guide_gives_constant_exact_weights(engine):
+    """The exact posterior by the backward messages: every weight is P(x), so log Z-hat = log P(x) (3.1) to 1e-5.
+    (SMC without resampling: a step's weight beta_{t-1} / beta_t varies until the last step, as on the torch
+    side, so resampling on it keeps Z-hat unbiased but not exact.)"""
+    eng = ptn.infer.Importance(32) if engine == "IS" else ptn.infer.SMC(32, ess_threshold=0.0)
+    exact = forward(np.asarray(X))
+    for s in range(3):
+        res = eng.run(_model_hmm.program(X), _post.program(X), X, rng_key=jax.random.PRNGKey(s))
+        lw = np.asarray(res.log_weights)
+        assert np.abs(lw - lw[0]).max() < 1e-5, lw
+        assert abs(float(res.log_marginal) - exact) < 1e-5, (float(res.log_marginal), exact)
+        assert res.samples["z"].shape == (32, len(X))
+
+
+def test_the_hmm_program_samples_the_posterior_and_generates():
+    """The posterior guide's paths are drawn from P(z | x) (the first state's marginal against the backward
+    messages), and with x = None the program generates: x is an output site of shape [n, T]."""
+    res = ptn.infer.Importance(4096).run(_model_hmm.program(X), _post.program(X), X, rng_key=jax.random.PRNGKey(0))
+    beta = np.asarray(_model_hmm.backward(np.asarray(X)))[0]
+    p0 = PI * B[:, int(X[0])] * np.exp(beta)
+    p0 /= p0.sum()
+    freq = np.bincount(np.asarray(res.samples["z"])[:, 0], minlength=3) / 4096
+    assert np.abs(freq - p0).max() < 4 * np.sqrt(p0 * (1 - p0) / 4096).max() + 1e-3, (freq, p0)
+    gen = ptn.infer.Importance(8).run(_model_hmm.program(length=4), None, None)
+    assert gen.samples["x"].shape == (8, 4) and gen.samples["z"].shape == (8, 4)
+    np.testing.assert_allclose(np.asarray(gen.log_weights), 0.0)
+
+
+@pytest.mark.parametrize("engine", ["IS", "SMC"])
+def test_the_hmm_with_a_biased_proposal_weight_fails_the_same_bound(engine):
+    """The filtering guide with its step-0 correction dropped (log q not subtracted): the same bound fails."""
+    eng = ptn.infer.Importance(64) if engine == "IS" else ptn.infer.SMC(64, ess_threshold=0.7)
+    est, se = pooled(runs(eng, _model_hmm.program(X), SkipsStepZeroProposal(_filt, len(X)), X))
+    assert abs(est - forward(np.asarray(X))) > 3 * se, (est, se)
 
 
 def test_a_fresh_engine_does_not_recompile():
@@ -428,15 +489,17 @@ class CountingTabular(ptn.lm.Tabular):
     calls: list[int] = []
 
     def apply(self, params, cache, tokens, valid=None, latents=None):
-        CountingTabular.calls.append(int(np.shape(tokens)[1]))
+        CountingTabular.calls.append((id(self), int(np.shape(tokens)[1])))
         return super().apply(params, cache, tokens, valid, latents)
 
 
 def test_extend_after_segment_runs_the_lm_once():
     """``lm.extend(sample("z", lm.segment(...)))`` feeds the segment once: a sampled segment hands its decoding
     loop's final state to extend; a segment the engine scores (a guide proposed it) reads the teacher-forced pass
-    extend made. Per traced step: the bootstrap runs no teacher-forced pass, with a guide only the model's extend
-    does. The estimate still agrees with the exact log p(x) (2.22)."""
+    extend made (fed token by token, while some row has a token: ``LMState.extend``). Per traced step each LM
+    is applied once (the bootstrap: the prior's decoding loop; with a guide: the guide's decoding loop and the
+    model's extend), never in a block wider than one token (a separate scoring pass would be ``[n, K - 1]``).
+    The estimate still agrees with the exact log p(x) (2.22)."""
     from ppl_thought.projections import PauseToThink
     from ppl_thought.vocab import Vocab
 
@@ -448,10 +511,13 @@ def test_extend_after_segment_runs_the_lm_once():
     model = ptn.models.SlowThinking(prior, proj)
     x = np.array(vocab.encode("ab"))
     exact = float(model.exact_log_prob(x))
-    for guide, passes in ((None, 0), (ptn.guides.Causal(guide_lm, proj), 1)):
+    for guide in (None, ptn.guides.Causal(guide_lm, proj)):
         CountingTabular.calls = []
         res = ptn.infer.SMC(256, ess_threshold=0.5, groups=8).run(model, guide, x, rng_key=3)
         traces = 2  # the step is traced twice: for its output shapes, and in the compiled loop
-        assert sum(c > 1 for c in CountingTabular.calls) == passes * traces, CountingTabular.calls
+        calls = CountingTabular.calls
+        assert all(w == 1 for _, w in calls), calls
+        for lm in (prior, guide_lm) if guide is not None else (prior,):
+            assert sum(i == id(lm) for i, _ in calls) == 1 + traces, calls  # LMState.start, then once per step
         est, se = float(res.stats["log_marginal_pooled"]), float(res.stats["log_marginal_pooled_stderr"])
         assert abs(est - exact) < 3 * se, (est, exact, se)

@@ -10,6 +10,8 @@ sampling ``"z"``), ``dist(x)`` (the NumPyro distribution of that site), ``sample
 - :class:`Causal` (3.33): the LM decoded under the lifting automaton with the masked softmax (Def 2.8).
 - :class:`Explanatory` (Def 3.9, Section 5.6.2): the prompt ``x <explain> [mode tag]``, then the lifting.
 - :class:`Posterior`: Q_* of (2.24) by enumeration (a table over the lifting).
+- :class:`HMMGuide` (defined with the HMM in ppl_thought/numpyro/models/hmm.py): the step-wise guides of
+  ``ptn.models.HMM``, the exact posterior (backward messages) and the filtering proposal, as programs.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ppl_thought.numpyro.distributions import (
 )
 from ppl_thought.numpyro.lm.base import LM
 from ppl_thought.numpyro.lm_state import LMState
+from ppl_thought.numpyro.models.hmm import HMMGuide, HMMGuideProgram
 from ppl_thought.numpyro.params import param_tree
 from ppl_thought.numpyro.program import Program, particles, sample
 from ppl_thought.projections.automaton import Automaton
@@ -427,5 +430,5 @@ class Posterior(Sampler):
                         TableRule(support, lq, self.lifting(x), len(self.projection.vocab)), self.event_length(x))
 
 
-__all__ = ["Causal", "Explanatory", "Identity", "MarginalRule", "Posterior", "Predictive", "Proposal", "Sampler",
-           "SamplerProgram", "TableDistribution", "TableRule", "lifting_state"]
+__all__ = ["Causal", "Explanatory", "HMMGuide", "HMMGuideProgram", "Identity", "MarginalRule", "Posterior",
+           "Predictive", "Proposal", "Sampler", "SamplerProgram", "TableDistribution", "TableRule", "lifting_state"]

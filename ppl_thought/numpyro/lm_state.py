@@ -213,7 +213,7 @@ class LMState:
         if v.shape[1] == 0:
             return self
         valid = jnp.cumprod(v != PAD_ID, axis=1).astype(bool)  # the tokens before the first <pad>
-        logp, cache = self.lm.apply(lm_params(self.lm), self.cache, v, valid=valid)
+        logp, cache = _feed(self.lm, lm_params(self.lm), self.cache, v, valid)
         # a segment site scored afterwards (the engine weighs the value a guide proposed) reads these outputs
         self._extended = (value, self.cache, logp)
         count = valid.sum(1)
@@ -237,6 +237,34 @@ class LMState:
 
 
 jax.tree_util.register_pytree_node(LMState, LMState.tree_flatten, LMState.tree_unflatten)
+
+
+def _feed(lm: LM, params: Any, cache: Any, v: jax.Array, valid: jax.Array) -> tuple[jax.Array, Any]:
+    """``lm.apply(params, cache, v, valid)`` for right-padded rows ``v [n, K]`` (``valid`` a prefix mask), one
+    column at a time while some row still has a token there: the cost follows the longest row, not the bound K.
+
+    A segment site is ``[n, K]`` with K the bound of a whole latent sequence (``SlowThinking.program``: L), while
+    a segment of Lemma 2.1 holds a few tokens; one teacher-forced pass over all K columns cost K times the LM
+    work of the tokens it feeds. Token by token, each call continues every row from its cache exactly as one
+    pass does (a False token is written nowhere and takes no position), so the outputs are the same; the
+    columns after the longest row keep the log-probabilities 0 (no consumer reads them: :meth:`Segment.log_prob`
+    uses those before each row's end). A ``while_loop``: not reverse-differentiable (no engine differentiates
+    through ``extend``). ``K = 1`` is one call."""
+    n, K = v.shape
+    if K == 1:
+        return lm.apply(params, cache, v, valid=valid)
+    width = valid.sum(1).max()
+
+    def body(c):
+        i, cache, out = c
+        tok = jax.lax.dynamic_slice_in_dim(v, i, 1, axis=1)
+        ok = jax.lax.dynamic_slice_in_dim(valid, i, 1, axis=1)
+        lp, cache = lm.apply(params, cache, tok, valid=ok)
+        return i + 1, cache, jax.lax.dynamic_update_slice_in_dim(out, lp.astype(out.dtype), i, axis=1)
+
+    out0 = jnp.zeros((n, K, int(lm.vocab_size)), jnp.float32)
+    _, cache, out = jax.lax.while_loop(lambda c: c[0] < width, body, (jnp.zeros((), jnp.int32), cache, out0))
+    return out, cache
 
 
 def _check_range(a: np.ndarray, V: int) -> None:

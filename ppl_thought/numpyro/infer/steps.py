@@ -11,11 +11,14 @@ model's step replayed on the guide's values, and gets the incremental weight
 (psi: the ``ptn.twist`` potential; a finishing particle divides its last one out). Z-hat = prod_t (1/n)
 sum_i W_{t-1}^i w_t^i is unbiased ((2.22) for a slow-thinking program): when the ESS falls under
 ``ess_threshold * n`` the particles are resampled (systematic) and every leaf of both programs' ``state`` is
-gathered by the ancestors, their weights set to the mean. The step loop is a ``lax.scan`` over ``max_steps``
-steps (a step after every particle finished is skipped by ``lax.cond``); finished particles get weight 0 and
-frozen state. The whole run (init, steps, resampling decisions, the lineage of every recorded site) is one
-``jax.jit``; compiled runs are cached at module level by (engine type, model, guide, argument shapes, static
-arguments, configuration), so a fresh engine object with the same configuration reuses them.
+gathered by the ancestors, their weights set to the mean. The step loop is a ``lax.while_loop`` of at most
+``max_steps`` steps that stops once every particle finished; finished particles get weight 0 and frozen state.
+No ``lax.cond`` sits on the state's path (XLA copies every operand of a conditional, LM caches included, even
+through the branch that returns them unchanged): a step without resampling gathers by the identity, so freezing
+and resampling are one fused pass over the state. The whole run (init, steps, resampling decisions, the
+lineage of every recorded site) is one ``jax.jit``; compiled runs are cached at module level by (engine type,
+model, guide, argument shapes, static arguments, configuration), so a fresh engine object with the same
+configuration reuses them.
 """
 
 from __future__ import annotations
@@ -303,56 +306,49 @@ class StepEngine:
         if clash:
             raise ProgramError(f"site(s) {clash} are sampled in init and again in step: site names must differ")
 
-        def body(carry, t):
-            sm, sg, lw, finished, prev_psi, key = carry
+        def body(carry):
+            # one step for every particle: no lax.cond around it (a conditional's outputs are new buffers, so
+            # XLA copies every state leaf, LM caches included, through an untaken branch); the loop itself
+            # stops once every particle finished (a while_loop, not a scan over max_steps)
+            t, sm, sg, lw, finished, prev_psi, key, bufs = carry
             key, ks, kr = jax.random.split(key, 3)
-            all_before = finished.all()
-
-            def do(op):
-                sm, sg, lw, finished, prev_psi = op
-                sm2, sg2, out = one(sm, sg, t, ks)
-                sm2 = _freeze(finished, sm, sm2)
-                sg2 = _freeze(finished, sg, sg2)
-                done = out.done if has_done else jnp.zeros(n, bool)
-                now_done = finished | done
-                inc = jnp.where(finished, 0.0, weigh(out.log_w, t))
-                psi = prev_psi
-                if twisted:
-                    psi = jnp.broadcast_to(jnp.asarray(out.log_psi, jnp.float32), (n,))
-                    psi = jnp.where(now_done, 0.0, psi)
-                    delta = jnp.where(jnp.isneginf(prev_psi) | finished, 0.0, psi - prev_psi)
-                    inc = jnp.where(jnp.isneginf(inc), inc, inc + delta)
-                return sm2, sg2, lw + inc, now_done, psi, out.values, jnp.ones((), bool)
-
-            def skip(op):
-                sm, sg, lw, finished, prev_psi = op
-                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.values)
-                return sm, sg, lw, finished, prev_psi, zeros, jnp.zeros((), bool)
-
-            sm, sg, lw, finished, psi, values, ran = jax.lax.cond(all_before, skip, do,
-                                                                 (sm, sg, lw, finished, prev_psi))
-            ess = effective_sample_size(lw)
+            sm2, sg2, out = one(sm, sg, t, ks)
+            done = out.done if has_done else jnp.zeros(n, bool)
+            now_done = finished | done
+            inc = jnp.where(finished, 0.0, weigh(out.log_w, t))
+            psi = prev_psi
+            if twisted:
+                psi = jnp.broadcast_to(jnp.asarray(out.log_psi, jnp.float32), (n,))
+                psi = jnp.where(now_done, 0.0, psi)
+                delta = jnp.where(jnp.isneginf(prev_psi) | finished, 0.0, psi - prev_psi)
+                inc = jnp.where(jnp.isneginf(inc), inc, inc + delta)
+            lw = lw + inc
+            ess = effective_sample_size(lw, check=False)
             alive = ~jnp.isneginf(lw).all()
-            flag = (ess < threshold * n) & ~finished.all() & alive & ran
-
-            def move(op):
-                sm, sg, lw, finished, psi = op
-                idx = systematic_resample(kr, lw)
-                return (_gather(sm, idx, n), _gather(sg, idx, n), jnp.full_like(lw, log_mean_exp(lw)),
-                        finished[idx], psi[idx], idx)
-
-            def keep(op):
-                return (*op, jnp.arange(n))
-
+            flag = (ess < threshold * n) & ~now_done.all() & alive
             if threshold > 0:
-                sm, sg, lw, finished, psi, idx = jax.lax.cond(flag, move, keep, (sm, sg, lw, finished, psi))
+                # the ancestors decided on the device; the identity where no resampling: then the gather below
+                # is the one pass over the state that freezing the finished rows needs anyway
+                idx = jnp.where(flag, systematic_resample(kr, lw), jnp.arange(n))
+                lw = jnp.where(flag, jnp.full_like(lw, log_mean_exp(lw)), lw)
+                psi, now_done = psi[idx], now_done[idx]
             else:
                 idx = jnp.arange(n)
-            return (sm, sg, lw, finished, psi, key), (values, ess, flag, idx, ran)
+            # finished particles keep their state (frozen), then every row follows its ancestor: one fused pass
+            sm = _gather(_freeze(finished, sm, sm2), idx, n) if threshold > 0 else _freeze(finished, sm, sm2)
+            sg = _gather(_freeze(finished, sg, sg2), idx, n) if threshold > 0 else _freeze(finished, sg, sg2)
+            vals, esss, flags, ancs = bufs
+            vals = jax.tree.map(lambda b, v: b.at[t].set(v), vals, out.values)
+            bufs = (vals, esss.at[t].set(ess), flags.at[t].set(flag), ancs.at[t].set(idx))
+            return t + 1, sm, sg, lw, now_done, psi, key, bufs
 
-        carry = (sm, sg, lw0, finished0, jnp.zeros(n), key)
-        (sm, sg, lw, finished, _, _), (values, ess, flags, anc, ran) = jax.lax.scan(
-            body, carry, jnp.arange(T, dtype=jnp.int32))
+        bufs0 = (jax.tree.map(lambda s: jnp.zeros((T,) + tuple(s.shape), s.dtype), shapes.values),
+                 jnp.zeros(T), jnp.zeros(T, bool), jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (T, n)))
+        carry = (jnp.zeros((), jnp.int32), sm, sg, lw0, finished0, jnp.zeros(n), key, bufs0)
+        steps, sm, sg, lw, finished, _, _, (values, ess, flags, anc) = jax.lax.while_loop(
+            lambda c: (c[0] < T) & ~c[4].all(), body, carry)
+        ran = jnp.arange(T) < steps
+        ess = jnp.where(ran, ess, effective_sample_size(lw, check=False))  # steps not run: the final weights' ESS
 
         def back(idx, inp):  # the lineage of every final particle: values of step t at its ancestor then
             vals, a = inp

@@ -1,5 +1,7 @@
 """Hidden Markov models (Def 2.2) in JAX: the forward algorithm (3.1) as a ``lax.scan``, the backward messages,
-the NumPyro program and Theorem 2.3's slow-thinking form (torch twin: ppl_thought/models/hmm.py).
+the NumPyro program (whole-trace, and step-wise as a ``ptn.Program``: :meth:`HMM.program`), its step-wise guides
+(:class:`HMMGuide`: the exact posterior by the backward messages, the filtering proposal) and Theorem 2.3's
+slow-thinking form (torch twins: ppl_thought/models/hmm.py, ppl_thought/guides/hmm.py).
 
 Observations are indices into Sigma (``0 .. |Sigma| - 1``), hidden states indices into Omega. The forward
 recursion carries the filtered law P(Z_t | x_{<=t}) and accumulates log P(x_{<=t}) as the sum of the logs of
@@ -17,7 +19,10 @@ import numpyro
 import numpyro.distributions as dist
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
+from ppl_thought.numpyro.program import Program, observe, particles, sample
 from ppl_thought.vocab import BOS_ID
+
+__all__ = ["HMM", "HMMGuide", "HMMGuideProgram", "HMMProgram"]
 
 
 def _stochastic(name: str, value, ndim: int, atol: float) -> np.ndarray:
@@ -168,6 +173,38 @@ class HMM:
 
         return guide
 
+    # ------------------------------------------------------------------ the step-wise program
+    def program(self, x=None, length: int | None = None) -> HMMProgram:
+        """Def 2.2 as a :class:`~ppl_thought.numpyro.program.Program` of ``T`` steps (T from x or ``length``), run
+        with the observations as its argument: ``ptn.infer.SMC(n).run(hmm.program(x), guide, x)`` (or ``None``
+        to generate). x is traced, so new observations of the same length reuse the compiled run; the program
+        object is cached per T (a compiled run is keyed by it)."""
+        T = self.program_length(x, length)
+        cache = self.__dict__.setdefault("_programs", {})
+        if T not in cache:
+            cache[T] = HMMProgram(self, T)
+        return cache[T]
+
+    def program_length(self, x, length: int | None) -> int:
+        """T from one sequence ``x [T]`` or ``length`` (checked as on the torch side)."""
+        if x is None:
+            if length is None:
+                raise ConfigError("give the observations x, or length= to generate")
+            if int(length) < 0:
+                raise ConfigError(f"length must be >= 0, got {length}")
+            return int(length)
+        if isinstance(x, jax.core.Tracer):
+            raise ConfigError("HMM.program(x) reads the length of x: build the program outside jit (the run traces "
+                              "x itself)")
+        xb, single = self._check_x(x)
+        if not single:
+            raise MalformedSequenceError(f"the HMM program observes one sequence x [T], got shape {tuple(xb.shape)}; "
+                                         "batch sequences with an outer loop or use log_prob for exact answers")
+        T = int(xb.shape[1])
+        if length is not None and int(length) != T:
+            raise ConfigError(f"length={length} but x has {T} observations")
+        return T
+
     # ------------------------------------------------------------------ Theorem 2.3
     def as_slow_thinking_parts(self, sep: str = "|"):
         """``(Product projection, JAX Tabular bigram prior)`` with Proj # P = P_{A,B,lam} (Theorem 2.3, App. E.2):
@@ -207,3 +244,147 @@ def _forward(A, B, lam, x: jax.Array) -> jax.Array:
     _, out = jax.lax.scan(body, (jnp.broadcast_to(lam, (N, lam.shape[0])), jnp.zeros(N)), x.T)
     return out.T
 
+
+
+def _backward_log(log_A: jax.Array, log_B: jax.Array, x: jax.Array) -> jax.Array:
+    """log beta_t(z) = log P(x_{t+1} .. x_{T-1} | Z_t = z), ``[T, |Omega|]``, for one traced sequence ``x [T]`` (the
+    backward recursion, right-to-left twin of (3.1); :meth:`HMM.backward` for concrete batches)."""
+    def body(beta, xt1):
+        b = jax.scipy.special.logsumexp(log_A + (log_B[:, xt1] + beta)[None, :], -1)
+        return b, b
+
+    last = jnp.zeros(log_A.shape[0], log_A.dtype)
+    _, outs = jax.lax.scan(body, last, x[1:], reverse=True)  # beta_0 .. beta_{T-2}
+    return jnp.concatenate([outs, last[None]], 0)
+
+
+def _done(t, T: int, n: int) -> jax.Array:
+    return jnp.broadcast_to(t >= T - 1, (n,))
+
+
+class HMMProgram(Program):
+    """Def 2.2 as a step-wise ``ptn.Program`` (torch twin: ``pt.models.HMM``'s ``init`` / ``step``): step t samples
+    ``"z" ~ Categorical(lam)`` (t = 0) or ``Categorical(A[z_{t-1}])`` and ``"x" ~ Categorical(B[z_t])``, observed
+    ``x[t]`` (an output site when the run's x is ``None``). The torch side names the sites ``z_{t}`` / ``x_{t}``;
+    in a compiled run t is traced, so every step has the sites ``"z"`` and ``"x"`` and the engine stacks them:
+    ``Result.samples["z"]`` is ``[n, T]``. ``state["z"]``: the current hidden state ``[n]``. The product of the
+    steps' densities is :meth:`HMM.log_joint` of the path, so Z = P(x) of the forward algorithm (3.1). T = 0: one
+    step that samples nothing and finishes (Z = 1). Build it with :meth:`HMM.program`.
+    """
+
+    def __init__(self, hmm: HMM, T: int):
+        self.hmm, self.T = hmm, int(T)
+        self.max_steps = max(1, self.T)
+
+    def init(self, state: dict, x=None) -> None:
+        state["z"] = jnp.zeros(particles(), jnp.int32)
+
+    def step(self, state: dict, t, x=None) -> jax.Array:
+        n = particles()
+        if self.T == 0:
+            return jnp.ones(n, bool)
+        h = self.hmm
+        z = sample("z", dist.Categorical(logits=jnp.where(t == 0, h.log_lam[None], h.log_A[state["z"]])))
+        state["z"] = z
+        observe("x", dist.Categorical(logits=h.log_B[z]), None if x is None else jnp.asarray(x)[t])
+        return _done(t, self.T, n)
+
+    def __repr__(self) -> str:
+        return f"HMMProgram(T={self.T})"
+
+
+class HMMGuide:
+    """Step-wise guides for :class:`HMM` (torch twin: ``pt.guides.HMMGuide``): proposals of the hidden states
+    given the observations, sampling exactly the model's latent sites.
+
+    :meth:`posterior`: ``q(z_t | z_{t-1}) = P(z_t | z_{t-1}, x) ∝ A[z_{t-1}, z_t] B[z_t, x_t] beta_t(z_t)`` (``lam``
+    at t = 0; beta the backward messages): the exact posterior, so every weight p(z, x) / q(z) equals P(x) of
+    (3.1). :meth:`filtering`: ``q(z_t | z_{t-1}) = P(z_t | z_{t-1}, x_t) ∝ A[z_{t-1}, z_t] B[z_t, x_t]``, the locally
+    optimal SMC proposal (incremental weight P(x_t | z_{t-1})). Where nothing explains the observations from
+    ``z_{t-1}`` on, both fall back to the prior row (the model's weight is then -inf, never NaN).
+
+    ``guide.program(x)`` is the ``ptn.Program`` for SMC / Importance over :meth:`HMM.program`; ``guide(x)`` the
+    whole-trace guide of the whole-trace model ``hmm(x)`` (sites ``z_0 .. z_{T-1}``).
+    """
+
+    def __init__(self, hmm: HMM, backward: bool):
+        if not isinstance(hmm, HMM):
+            raise ConfigError(f"HMMGuide needs a ptn.models.HMM, got {type(hmm).__name__}")
+        self.hmm, self.backward = hmm, bool(backward)
+
+    @classmethod
+    def posterior(cls, hmm: HMM) -> HMMGuide:
+        """The exact posterior P(z_t | z_{t-1}, x) (backward algorithm): the zero-variance proposal."""
+        return cls(hmm, backward=True)
+
+    @classmethod
+    def filtering(cls, hmm: HMM) -> HMMGuide:
+        """The locally optimal proposal P(z_t | z_{t-1}, x_t) (the current observation only)."""
+        return cls(hmm, backward=False)
+
+    def __repr__(self) -> str:
+        return f"HMMGuide({'posterior' if self.backward else 'filtering'})"
+
+    def scores(self, x: jax.Array) -> jax.Array:
+        """``log B[:, x_t] (+ log beta_t)`` for each t: ``[T, |Omega|]`` (traceable in x)."""
+        x = jnp.asarray(x, jnp.int32)
+        score = self.hmm.log_B.T[x]
+        return score + _backward_log(self.hmm.log_A, self.hmm.log_B, x) if self.backward else score
+
+    def logits(self, prior: jax.Array, score: jax.Array) -> jax.Array:
+        """The proposal's logits from the prior row(s) and a step's score (the prior where nothing explains x)."""
+        logits = prior + score
+        return jnp.where(jnp.isneginf(logits).all(-1, keepdims=True), prior, logits)
+
+    def program(self, x=None, length: int | None = None) -> HMMGuideProgram:
+        """The guide as a ``ptn.Program`` with :meth:`HMM.program`'s steps and latent site ``"z"`` (run with x)."""
+        T = self.hmm.program_length(x, length)
+        cache = self.__dict__.setdefault("_programs", {})
+        if T not in cache:
+            cache[T] = HMMGuideProgram(self, T)
+        return cache[T]
+
+    def __call__(self, x=None, length: int | None = None) -> jax.Array | None:
+        """The whole-trace guide (sites ``z_0 .. z_{T-1}``) of ``hmm(x)``; returns the last hidden state."""
+        if x is None:
+            raise ConfigError(f"{self!r} proposes hidden states given the observations: call it with x")
+        xs = self.hmm._check_x(x)[0][0]
+        score = self.scores(xs)
+        z = None
+        for t in range(xs.shape[0]):
+            prior = self.hmm.log_lam if t == 0 else self.hmm.log_A[z]
+            z = numpyro.sample(f"z_{t}", dist.Categorical(logits=self.logits(prior, score[t])))
+        return z
+
+
+class HMMGuideProgram(Program):
+    """An :class:`HMMGuide` as a step-wise ``ptn.Program`` (torch twin: ``HMMGuide.init`` / ``step``): ``init`` puts
+    the per-step scores of x (``log B[:, x_t]``, plus the backward messages for the posterior) in the state (``[n, T,
+    |Omega|]``: state arrays carry the particle axis), step t samples ``"z"`` from the proposal given ``state["z"]``.
+    """
+
+    def __init__(self, guide: HMMGuide, T: int):
+        self.guide, self.T = guide, int(T)
+        self.max_steps = max(1, self.T)
+
+    def init(self, state: dict, x=None) -> None:
+        if x is None:
+            raise ConfigError(f"{self.guide!r} proposes hidden states given the observations: run it with x")
+        n = particles()
+        state["z"] = jnp.zeros(n, jnp.int32)
+        if self.T:
+            score = self.guide.scores(x)
+            state["score"] = jnp.broadcast_to(score, (n,) + score.shape)
+
+    def step(self, state: dict, t, x=None) -> jax.Array:
+        n = particles()
+        if self.T == 0:
+            return jnp.ones(n, bool)
+        h = self.guide.hmm
+        prior = jnp.where(t == 0, h.log_lam[None], h.log_A[state["z"]])
+        score = jax.lax.dynamic_index_in_dim(state["score"], t, axis=1, keepdims=False)
+        state["z"] = sample("z", dist.Categorical(logits=self.guide.logits(prior, score)))
+        return _done(t, self.T, n)
+
+    def __repr__(self) -> str:
+        return f"HMMGuideProgram({self.guide!r}, T={self.T})"
