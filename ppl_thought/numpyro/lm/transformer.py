@@ -55,6 +55,7 @@ from ppl_thought.checkpoint import (
 )
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.vocab import Vocab
 
 #: matmul precision of every projection and attention product (see the module docstring)
 PRECISION: str | jax.lax.Precision = jax.lax.Precision.HIGHEST
@@ -383,7 +384,7 @@ class Transformer(LM):
         c = transformer_sizes(config)
         return cls(**config, params=params_from_state(state, c))
 
-    def save(self, path: str | Path, extra: dict | None = None, vocab=None) -> Path:
+    def save(self, path: str | Path, extra: dict | None = None, vocab: Vocab | None = None) -> Path:
         """Write the checkpoint ``pt.lm.Transformer.load`` reads (the same files the torch side writes)."""
         config = {"class": "Transformer", **self.config()}
         if vocab is not None:
