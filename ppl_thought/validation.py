@@ -7,6 +7,12 @@ callable, the argument, the value and the declared type, where a bare ``TypeErro
 deep inside torch used to come. Value checks (ranges, sizes, vocabularies that must agree) stay in
 :mod:`ppl_thought.checks`, written once per kind of value.
 
+The JAX side (``ppl_thought.numpyro``) uses the same layer with two additions: ``check_exports(...,
+skip_while=tracing)`` makes every checked callable call the plain one while its predicate is true (JAX is
+tracing: under ``jit`` / ``vmap`` / ``lax.scan`` the values are tracers and the check would run at trace time
+only, so the layer stays out of compiled code), and a class may name its own per-step methods in a class
+attribute ``__ppl_thought_hot__`` (they join :data:`_HOT` for that class and its subclasses).
+
 ``PPL_THOUGHT_TYPECHECK=0`` in the environment turns the layer off (set before ``import ppl_thought``), for
 benchmarking what it costs (``benchmarks/engines.py --typecheck-ab``).
 
@@ -17,6 +23,7 @@ numeric tower of PEP 484), so ``SMC(np.int64(64))`` still works; ``Sequence[int]
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -123,10 +130,11 @@ def _qualname(obj: Any) -> str:
 _WRAPPED: dict[Callable, Callable] = {}
 
 
-def checked(func: Callable) -> Callable:
+def checked(func: Callable, skip_while: Callable[[], bool] | None = None) -> Callable:
     """``func`` checked against its hints on every call (or ``func`` itself when the layer is off, when it has
     no hints, or when its hints cannot be resolved or compiled: then it is listed in :data:`UNCHECKED`). One
-    wrapper per function, however many subpackages export it."""
+    wrapper per function, however many subpackages export it. With ``skip_while``, the checked version calls
+    ``func`` unchecked whenever ``skip_while()`` is true (the JAX side: while JAX traces)."""
     if not ENABLED or getattr(func, _MARK, False) or not getattr(func, "__annotations__", None):
         return func
     if func in _WRAPPED:
@@ -143,35 +151,50 @@ def checked(func: Callable) -> Callable:
     except BeartypeException as e:
         UNCHECKED[_qualname(func)] = f"{type(e).__name__}: {e}".splitlines()[0]
         return func
+    if wrapped is not func and skip_while is not None:
+        wrapped = _unless(func, wrapped, skip_while)
     if wrapped is not func:
         setattr(wrapped, _MARK, True)
         _WRAPPED[func] = wrapped
     return wrapped
 
 
-def _check_class(cls: type) -> None:
+def _unless(func: Callable, check: Callable, skip_while: Callable[[], bool]) -> Callable:
+    """``check`` (the checked ``func``), except that ``func`` itself runs while ``skip_while()`` is true."""
+
+    @functools.wraps(func)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs) if skip_while() else check(*args, **kwargs)
+
+    return call
+
+
+def _check_class(cls: type, skip_while: Callable[[], bool] | None = None) -> None:
     if cls.__dict__.get(_MARK, False):
         return
+    hot = _HOT | frozenset(getattr(cls, "__ppl_thought_hot__", ()))
     for name, attr in list(vars(cls).items()):
-        if name in _HOT or (name.startswith("_") and name not in ("__init__", "__call__")):
+        if name in hot or (name.startswith("_") and name not in ("__init__", "__call__")):
             continue
         if isinstance(attr, staticmethod | classmethod):
-            fn = checked(attr.__func__)
+            fn = checked(attr.__func__, skip_while)
             if fn is not attr.__func__:
                 setattr(cls, name, type(attr)(fn))
         elif inspect.isfunction(attr):
-            fn = checked(attr)
+            fn = checked(attr, skip_while)
             if fn is not attr:
                 setattr(cls, name, fn)
     setattr(cls, _MARK, True)
 
 
-def check_exports(namespace: dict[str, Any], names: Iterable[str] | None = None) -> None:
+def check_exports(namespace: dict[str, Any], names: Iterable[str] | None = None, *,
+                  skip_while: Callable[[], bool] | None = None) -> None:
     """Put the type layer on the public names of a module: call at the end of a subpackage's ``__init__`` as
     ``check_exports(globals())``. Functions are replaced by their checked version in ``namespace`` and under
     every name already bound to them in a loaded ``ppl_thought`` module (its home, every re-export), so there is
     one object per function; classes get their constructor and public methods checked in place (except the
-    per-step methods of :data:`_HOT`)."""
+    per-step methods of :data:`_HOT` and of the class's ``__ppl_thought_hot__``). ``skip_while``: see
+    :func:`checked` (the JAX side passes "JAX is tracing")."""
     if not ENABLED:
         return
     replaced: dict[int, Callable] = {}  # id(original) -> its checked version
@@ -181,9 +204,9 @@ def check_exports(namespace: dict[str, Any], names: Iterable[str] | None = None)
             continue
         if inspect.isclass(obj):
             if not issubclass(obj, BaseException):
-                _check_class(obj)
+                _check_class(obj, skip_while)
         elif inspect.isfunction(obj):
-            namespace[name] = wrapped = checked(obj)
+            namespace[name] = wrapped = checked(obj, skip_while)
             if wrapped is not obj:
                 replaced[id(obj)] = wrapped
     if replaced:  # one pass over the loaded modules for all of this namespace's functions

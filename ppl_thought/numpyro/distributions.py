@@ -26,18 +26,20 @@ from numpyro.distributions import Distribution, constraints
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, NotInImageError, UnknownTokenError
+from ppl_thought.numpyro.boundary import Array, ArrayLike, Key, SupportsTokenRule, as_array, as_numpy
 from ppl_thought.numpyro.lm.base import LM
 from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections.base import Projection
 from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
 
 NEG_INF = -jnp.inf
 
 
-def const(a, dtype=None) -> jax.Array:
+def const(a: ArrayLike, dtype: Any = None) -> jax.Array:
     """A concrete jnp array even when called while a function is being traced (cached tables are built once
     and outlive any trace)."""
     with jax.ensure_compile_time_eval():
-        return jnp.asarray(a, dtype=dtype)
+        return as_array("a", a, dtype, "const")
 
 
 # ---------------------------------------------------------------------------------------------- automaton tables
@@ -45,6 +47,8 @@ class Tables:
     """jnp views of an :class:`Automaton`: ``table [S+1, V]`` (the last row is the dead state, ``-1``),
     ``allowed [S+1, V]`` (admissible next tokens Phi^{<=1} of (2.26), never ``<pad>``/``<bos>``),
     ``final [S+1]``, ``emitted [S+1]`` (dead: ``-1``), ``start``, ``max_len``."""
+
+    __ppl_thought_hot__ = ("step", "advance")
 
     def __init__(self, automaton: Automaton):
         t = np.concatenate([automaton.next_state, np.full((1, automaton.vocab_size), -1)], 0)
@@ -60,10 +64,10 @@ class Tables:
         self.max_len = automaton.max_len
         self.num_states = automaton.num_states
 
-    def step(self, s, tok):
+    def step(self, s: Any, tok: Any) -> Any:
         return self.table[s, tok]
 
-    def advance(self, s, tok):
+    def advance(self, s: Any, tok: Any) -> Any:
         """:meth:`step`, except that ``<pad>`` keeps the state (right-padded rows)."""
         return jnp.where(tok == PAD_ID, s, self.table[s, tok])
 
@@ -79,7 +83,7 @@ def tables(automaton: Automaton) -> Tables:
     return t
 
 
-def masked_log_softmax(logp: jax.Array, mask: jax.Array) -> jax.Array:
+def masked_log_softmax(logp: Array, mask: Array) -> jax.Array:
     """log softmax over admissible tokens (Def 2.8); rows with none admissible are all -inf, never NaN."""
     x = jnp.where(mask, logp, NEG_INF)
     dead = ~jnp.any(mask & (logp > NEG_INF), -1, keepdims=True)
@@ -87,9 +91,20 @@ def masked_log_softmax(logp: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(dead | ~mask, NEG_INF, out)
 
 
-def tree_where(cond: jax.Array, a, b):
-    """``where(cond, a, b)`` leaf by leaf, ``cond [n]`` broadcast over each leaf's trailing axes."""
-    return jax.tree.map(lambda u, v: jnp.where(cond.reshape(cond.shape + (1,) * (u.ndim - 1)), u, v), a, b)
+def tree_where(cond: Array, a: Any, b: Any) -> Any:
+    """``where(cond, a, b)`` leaf by leaf, ``cond [n]`` broadcast over each leaf's trailing axes (leaves: arrays
+    with the rows on axis 0)."""
+    def where(u, v):
+        u, v = as_array("a", u, where="tree_where"), as_array("b", v, where="tree_where")
+        if cond.ndim != 1:
+            raise MalformedSequenceError(f"tree_where: cond must be [n] (one flag per row), got shape "
+                                         f"{tuple(cond.shape)}")
+        return jnp.where(cond.reshape(cond.shape + (1,) * (u.ndim - 1)), u, v)
+
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        raise MalformedSequenceError(f"tree_where: a and b must have the same tree structure, got "
+                                     f"{jax.tree.structure(a)} and {jax.tree.structure(b)}")
+    return jax.tree.map(where, a, b)
 
 
 # ---------------------------------------------------------------------------------------------- token rules
@@ -99,62 +114,83 @@ class TokenRule:
     A rule's state is a pytree with the rows on axis 0; here one automaton state per row.
     """
 
+    __ppl_thought_hot__ = ("start",)
+
     def __init__(self, constraint: Automaton | None, vocab_size: int):
         self.constraint = constraint
-        self.vocab_size = int(vocab_size)
+        self.vocab_size = integer("vocab_size", vocab_size, minimum=2)
+        if constraint is not None and constraint.vocab_size != self.vocab_size:
+            raise ConfigError(f"TokenRule: the constraint automaton has {constraint.vocab_size} token columns, "
+                              f"vocab_size is {self.vocab_size}")
         self.t = tables(constraint) if constraint is not None else None
         free = np.ones(self.vocab_size, bool)
         free[[PAD_ID, BOS_ID]] = False
         self._free = const(free)
 
-    def start(self, n: int):
+    def start(self, n: int) -> jax.Array:
         return jnp.full((n,), self.t.start if self.t is not None else 0, dtype=jnp.int32)
 
-    def mask(self, s):
+    def mask(self, s: Any) -> jax.Array:
         return self.t.allowed[s] if self.t is not None else jnp.broadcast_to(self._free, s.shape + self._free.shape)
 
-    def log_probs(self, logp: jax.Array, s) -> jax.Array:
+    def log_probs(self, logp: jax.Array, s: Any) -> jax.Array:
         """log Q(next token | state) ``[n, V]``: the LM's log-probabilities masked and renormalised."""
         return masked_log_softmax(logp, self.mask(s))
 
-    def step(self, s, tok):
+    def step(self, s: Any, tok: Any) -> Any:
         return self.t.table[s, tok] if self.t is not None else s
 
-    def is_final(self, s) -> jax.Array:
+    def is_final(self, s: Any) -> jax.Array:
         return self.t.final[s] if self.t is not None else jnp.zeros(s.shape, bool)
 
-    def num_emitted(self, s) -> jax.Array:
+    def num_emitted(self, s: Any) -> jax.Array:
         if self.t is None:
             raise MalformedSequenceError("counting observables needs a constraint automaton")
         return self.t.emitted[s]
 
 
 # ---------------------------------------------------------------------------------------------- the loops
-def encode(lm: LM, params, prompt: np.ndarray, n: int, max_new: int, latents=None):
+def _prompt_ids(prompt: Any, vocab_size: int, what: str = "prompt") -> np.ndarray:
+    """Concrete 1-D integer ids in ``[0, vocab_size)`` (a prompt or stop ids shared by every row)."""
+    p = as_numpy(what, [] if prompt is None else prompt)
+    p = np.atleast_1d(p)
+    if p.ndim != 1 or (p.size and not np.issubdtype(p.dtype, np.integer)):
+        raise MalformedSequenceError(f"{what} must be 1-D integer token ids, got {p.dtype} of shape {p.shape}")
+    if p.size and (p.min() < 0 or p.max() >= vocab_size):
+        raise UnknownTokenError(f"{what} contains ids outside the vocabulary [0, {vocab_size})")
+    return p.astype(np.int64)
+
+
+def encode(lm: LM, params: Any, prompt: ArrayLike, n: int, max_new: int, latents: Any = None) -> tuple[jax.Array, Any]:
     """Feed ``<bos> + prompt`` (shared by every row) into a fresh cache: ``(next log-probs [n, V], cache)``."""
-    ctx = jnp.asarray(np.concatenate([[BOS_ID], np.asarray(prompt, np.int64)]), dtype=jnp.int32)
+    ctx = jnp.asarray(np.concatenate([[BOS_ID], _prompt_ids(prompt, lm.vocab_size)]), dtype=jnp.int32)
+    n, max_new = integer("n", n, minimum=0), integer("max_new", max_new, minimum=0)
     cache = lm.init_cache(n, ctx.shape[0] + max_new)
     logp, cache = lm.apply(params, cache, jnp.broadcast_to(ctx, (n, ctx.shape[0])), latents=latents)
     return logp[:, -1], cache
 
 
-def sample_token(key: jax.Array, q: jax.Array, done: jax.Array) -> jax.Array:
+def sample_token(key: Key, q: Array, done: Array) -> jax.Array:
     """One categorical draw per row from log-probabilities ``q [n, V]`` (``<pad>`` for finished rows)."""
+    if q.ndim != 2 or done.shape != q.shape[:1]:
+        raise MalformedSequenceError(f"sample_token takes q [n, V] and done [n], got shapes {tuple(q.shape)} and "
+                                     f"{tuple(done.shape)}")
     safe = jnp.where(done[:, None], 0.0, q)
     return jnp.where(done, PAD_ID, jax.random.categorical(key, safe, -1)).astype(jnp.int32)
 
 
-def decode(key: jax.Array, lm: LM, params, rule, n: int, prompt: np.ndarray, max_len: int,
-           stop_ids: np.ndarray, latents=None) -> tuple[jax.Array, jax.Array]:
+def decode(key: Key, lm: LM, params: Any, rule: SupportsTokenRule, n: int, prompt: ArrayLike, max_len: int,
+           stop_ids: ArrayLike, latents: Any = None) -> tuple[jax.Array, jax.Array]:
     """Sample ``n`` sequences in one batched, KV-cached loop under ``rule``: ``(z int32 [n, max_len], log Q [n])``.
 
     Every row draws from ``rule.log_probs`` until a stop token, a final state of the rule or ``max_len``;
     finished rows feed nothing (``valid=False``) and are padded with ``<pad>``. ``lax.scan`` over positions.
     """
+    n, max_len = integer("n", n, minimum=0), integer("max_len", max_len, minimum=0)
+    stops = jnp.asarray(_prompt_ids(stop_ids, lm.vocab_size, "stop_ids"), jnp.int32)
     logp, cache = encode(lm, params, prompt, n, max_len, latents)
     s = rule.start(n)
     done = rule.is_final(s) | (max_len == 0)
-    stops = jnp.asarray(np.asarray(stop_ids, np.int32))
 
     def body(carry, k):
         logp, cache, s, done, lp = carry
@@ -172,10 +208,13 @@ def decode(key: jax.Array, lm: LM, params, rule, n: int, prompt: np.ndarray, max
     return toks.T.reshape(n, max_len), lp
 
 
-def teacher_forced(lm: LM, params, prompt: np.ndarray, z: jax.Array, latents=None) -> jax.Array:
+def teacher_forced(lm: LM, params: Any, prompt: ArrayLike, z: Array, latents: Any = None) -> jax.Array:
     """The LM's next-token log-probabilities at each position of ``z [n, L]``: ``[n, L, V]`` (one pass)."""
+    if z.ndim != 2 or not jnp.issubdtype(z.dtype, jnp.integer) or z.shape[0] == 0:
+        raise MalformedSequenceError(f"teacher_forced takes integer token ids z [n >= 1, L], got {z.dtype} "
+                                     f"{tuple(z.shape)}")
     n, L = z.shape
-    ctx = np.concatenate([[BOS_ID], np.asarray(prompt, np.int64)])
+    ctx = np.concatenate([[BOS_ID], _prompt_ids(prompt, lm.vocab_size)])
     inputs = jnp.concatenate([jnp.broadcast_to(jnp.asarray(ctx, jnp.int32), (n, len(ctx))),
                               z[:, : max(L - 1, 0)].astype(jnp.int32)], 1)
     cache = lm.init_cache(n, inputs.shape[1])
@@ -183,12 +222,17 @@ def teacher_forced(lm: LM, params, prompt: np.ndarray, z: jax.Array, latents=Non
     return logp[:, len(ctx) - 1:]
 
 
-def score(rule, logp: jax.Array, z: jax.Array, max_len: int, stop_ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
+def score(rule: SupportsTokenRule, logp: Array, z: Array, max_len: int,
+          stop_ids: ArrayLike) -> tuple[jax.Array, jax.Array]:
     """Per-token log Q ``[n, L]`` (0 on padding) and completeness ``[n]`` of right-padded ``z [n, L]`` given the
     LM's log-probabilities ``logp [n, L, V]`` at each position (the torch ``LMSequence._steps``)."""
+    if z.ndim != 2 or logp.ndim != 3 or logp.shape[:2] != z.shape or not jnp.issubdtype(z.dtype, jnp.integer):
+        raise MalformedSequenceError(f"score takes integer ids z [n, L] and logp [n, L, V], got z {z.dtype} "
+                                     f"{tuple(z.shape)} and logp {tuple(logp.shape)}")
+    max_len = integer("max_len", max_len, minimum=0)
     n, L = z.shape
     lengths = (z != PAD_ID).sum(-1)
-    stops = jnp.asarray(np.asarray(stop_ids, np.int32))
+    stops = jnp.asarray(_prompt_ids(stop_ids, logp.shape[-1], "stop_ids"), jnp.int32)
     s0 = rule.start(n)
 
     def body(s, inp):
@@ -212,13 +256,14 @@ def score(rule, logp: jax.Array, z: jax.Array, max_len: int, stop_ids: np.ndarra
     return steps, complete
 
 
-def check_ids(value, vocab_size: int, max_len: int, what: str = "sequence") -> np.ndarray | jax.Array:
+def check_ids(value: ArrayLike, vocab_size: int, max_len: int, what: str = "sequence") -> np.ndarray | jax.Array:
     """Validate a right-padded id array ``[..., L]`` (concrete values only; traced values pass unchecked)."""
+    vocab_size, max_len = integer("vocab_size", vocab_size, minimum=1), integer("max_len", max_len, minimum=0)
     if isinstance(value, jax.core.Tracer):
         if value.shape[-1] > max_len:
             raise MalformedSequenceError(f"{what} of length {value.shape[-1]} is over max_len={max_len}")
         return value
-    a = np.asarray(value)
+    a = as_numpy(what, value, where="check_ids")
     if a.ndim == 0:
         raise MalformedSequenceError(f"{what} must have a sequence dimension")
     if a.size and not np.issubdtype(a.dtype, np.integer):
@@ -235,8 +280,11 @@ def check_ids(value, vocab_size: int, max_len: int, what: str = "sequence") -> n
     return a.astype(np.int32)
 
 
-def pad_to(z, length: int):
+def pad_to(z: Array, length: int) -> Array:
     """Right-pad (or cut padding off) ``z [..., L]`` to ``length`` columns."""
+    length = integer("length", length, minimum=0)
+    if z.ndim == 0:
+        raise MalformedSequenceError("pad_to takes ids z [..., L], got a scalar")
     L = z.shape[-1]
     if L >= length:
         return z[..., :length]
@@ -268,11 +316,12 @@ class LMSequence(Distribution):
 
     arg_constraints: dict = {}
     support = constraints.independent(constraints.nonnegative_integer, 1)
+    __ppl_thought_hot__ = ("sample_with_intermediates",)
 
-    def __init__(self, lm: LM, prompt=None, constraint: Automaton | None = None,
+    def __init__(self, lm: LM, prompt: ArrayLike | str | None = None, constraint: Automaton | None = None,
                  stop: str | int | Sequence[str | int] | None = None, max_len: int | None = None,
-                 vocab: Vocab | None = None, batch_shape: tuple = (), *, params: Any = None, rule=None,
-                 latents=None, validate_args: bool | None = None):
+                 vocab: Vocab | None = None, batch_shape: tuple[int, ...] = (), *, params: Any = None,
+                 rule: SupportsTokenRule | None = None, latents: Any = None, validate_args: bool | None = None):
         self.lm = lm
         self.vocab = vocab
         self.vocab_size = int(lm.vocab_size)
@@ -282,7 +331,7 @@ class LMSequence(Distribution):
             if vocab is None:
                 raise ConfigError("prompt is given as text; pass vocab= to LMSequence")
             prompt = vocab.encode(prompt)
-        p = np.asarray([] if prompt is None else prompt)
+        p = np.asarray([]) if prompt is None else as_numpy("prompt", prompt, where="LMSequence")
         if p.ndim != 1 or (p.size and not np.issubdtype(p.dtype, np.integer)):
             raise MalformedSequenceError(f"prompt must be 1-D integer ids (shared by every row), got {p.shape} "
                                          f"{p.dtype}")
@@ -323,7 +372,7 @@ class LMSequence(Distribution):
             raise UnknownTokenError(f"stop tokens {a.tolist()} outside the vocabulary [0, {self.vocab_size})")
         return a
 
-    def expand(self, batch_shape):
+    def expand(self, batch_shape: Any) -> LMSequence:
         new = object.__new__(LMSequence)
         new.__dict__.update(self.__dict__)
         Distribution.__init__(new, tuple(batch_shape), self.event_shape, validate_args=False)
@@ -338,14 +387,14 @@ class LMSequence(Distribution):
                        self.latents)
         return z.reshape(shape + (self.max_len,)), lp.reshape(shape)
 
-    def sample(self, key, sample_shape=()):
+    def sample(self, key: Key, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         return self.sample_with_log_prob(key, sample_shape)[0]
 
-    def sample_with_intermediates(self, key, sample_shape=()):
+    def sample_with_intermediates(self, key: Key, sample_shape: tuple[int, ...] = ()) -> tuple[jax.Array, list]:
         z, lp = self.sample_with_log_prob(key, sample_shape)
         return z, [lp]
 
-    def step_log_probs(self, value) -> tuple[jax.Array, jax.Array]:
+    def step_log_probs(self, value: Any) -> tuple[jax.Array, jax.Array]:
         """Per-token masked log-probabilities ``[..., L]`` (0 on padding) and completeness ``[...]``: the prefix
         sums are log P(z_{<=k}) (Def 2.8). One teacher-forced pass."""
         v = check_ids(value, self.vocab_size, self.max_len)
@@ -360,7 +409,7 @@ class LMSequence(Distribution):
             steps, complete = score(self.rule, logp, flat, self.max_len, self.stop_ids)
         return steps.reshape(batch + (flat.shape[1],)), complete.reshape(batch)
 
-    def log_prob(self, value, intermediates=None):
+    def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
         """log P(value): the masked step log-probabilities summed (Def 2.8, (2.13)); ``-inf`` if incomplete."""
         if intermediates:
             return intermediates[0]
@@ -385,17 +434,19 @@ class ProjectionDelta(Distribution):
     arg_constraints: dict = {}
     support = constraints.independent(constraints.nonnegative_integer, 1)
 
-    def __init__(self, projection, z, num_observed: int, validate_args=None):
+    def __init__(self, projection: Projection, z: ArrayLike, num_observed: int, validate_args: bool | None = None):
         self.projection = projection
-        self.z = z
-        self.num_observed = int(num_observed)
+        self.z = z if isinstance(z, jax.core.Tracer) else as_array("z", z, where="ProjectionDelta")
+        if jnp.ndim(self.z) < 1:
+            raise MalformedSequenceError(f"ProjectionDelta takes latent ids z [..., L], got shape {jnp.shape(z)}")
+        self.num_observed = integer("num_observed", num_observed, minimum=0)
         super().__init__(tuple(jnp.shape(z)[:-1]), (self.num_observed,), validate_args=validate_args)
 
-    def expand(self, batch_shape):
+    def expand(self, batch_shape: Any) -> ProjectionDelta:
         z = jnp.broadcast_to(self.z, tuple(batch_shape) + jnp.shape(self.z)[-1:])
         return ProjectionDelta(self.projection, z, self.num_observed)
 
-    def sample(self, key, sample_shape=()):
+    def sample(self, key: Key, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         if isinstance(self.z, jax.core.Tracer):
             raise ConfigError("ProjectionDelta.sample projects concrete latent sequences (outside jit)")
         flat = np.asarray(self.z).reshape(-1, np.shape(self.z)[-1])
@@ -406,7 +457,7 @@ class ProjectionDelta(Distribution):
         out = jnp.asarray(out.reshape(tuple(self.batch_shape) + (self.num_observed,)))
         return jnp.broadcast_to(out, tuple(sample_shape) + out.shape)
 
-    def log_prob(self, value, intermediates=None):
+    def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
         if isinstance(value, jax.core.Tracer):
             raise ConfigError("ProjectionDelta needs the observation x as a concrete array (its lifting automaton "
                               "is built from it): close over x instead of passing it through jit")

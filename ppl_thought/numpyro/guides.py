@@ -16,7 +16,7 @@ sampling ``"z"``), ``dist(x)`` (the NumPyro distribution of that site), ``sample
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,18 @@ import numpy as np
 import numpyro
 from numpyro.distributions import Distribution, constraints
 
+from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
+from ppl_thought.numpyro.boundary import (
+    Array,
+    ArrayLike,
+    Key,
+    SupportsTokenRule,
+    as_array,
+    as_numpy,
+    check_here,
+    refuse_nan,
+)
 from ppl_thought.numpyro.distributions import (
     NEG_INF,
     LMSequence,
@@ -45,15 +56,58 @@ from ppl_thought.projections.substitution import emission_substitution
 from ppl_thought.vocab import EXPLAIN_ID, PAD_ID
 
 
-class Proposal(NamedTuple):
-    """What a sampler decodes with: ``lm`` (None for table samplers), its ``params``, a shared ``prompt``, the
-    token ``rule`` and the event length ``max_len`` (SMC steps it segment by segment)."""
-
+class _ProposalFields(NamedTuple):
     lm: LM | None
     params: Any
     prompt: np.ndarray
     rule: Any
     max_len: int
+
+
+class Proposal(_ProposalFields):
+    """What a sampler decodes with: ``lm`` (None for table samplers), its ``params``, a shared ``prompt``, the
+    token ``rule`` and the event length ``max_len`` (SMC steps it segment by segment). Made by a sampler's
+    :meth:`Sampler.proposal`; built by hand, its fields are checked: an LM or None, 1-D integer ids, a token rule,
+    an integer length >= 0 (:class:`~ppl_thought.errors.ConfigError` naming the field), parameters without NaN
+    (:class:`~ppl_thought.errors.NumericalError`)."""
+
+    __slots__ = ()
+
+    def __new__(cls, lm: LM | None, params: Any, prompt: ArrayLike, rule: SupportsTokenRule,
+                max_len: int) -> Proposal:
+        if lm is not None and not isinstance(lm, LM):
+            raise ConfigError(f"Proposal: lm must be a ptn LM or None, got {type(lm).__name__}")
+        if not isinstance(rule, SupportsTokenRule):
+            raise ConfigError(f"Proposal: rule must be a token rule (start, log_probs, step, is_final), got "
+                              f"{type(rule).__name__}")
+        p = as_numpy("prompt", prompt, where="Proposal")
+        if p.ndim != 1 or (p.size and not np.issubdtype(p.dtype, np.integer)):
+            raise MalformedSequenceError(f"Proposal: prompt must be 1-D integer ids, got {p.dtype} {p.shape}")
+        refuse_nan("Proposal", {"params": params})
+        if params is not None:
+            refuse_nan("Proposal", {f"params leaf {i}": leaf for i, leaf in enumerate(jax.tree.leaves(params))})
+        return super().__new__(cls, lm, params, prompt, rule, integer("max_len", max_len, minimum=0))
+
+
+@runtime_checkable
+class SupportsSlowThinking(Protocol):
+    """What :class:`Identity` reads of its model (``ptn.models.SlowThinking``): ``prior``, ``projection``, ``name``,
+    ``prior_params()``."""
+
+    prior: LM
+    projection: Projection
+    name: str
+
+    def prior_params(self) -> Any: ...
+
+
+@runtime_checkable
+class SupportsExactPosterior(Protocol):
+    """What :class:`Posterior` reads of its model: ``projection`` and ``exact_posterior(x, limit)``."""
+
+    projection: Projection
+
+    def exact_posterior(self, x: Any, limit: int = ...) -> Any: ...
 
 
 class Sampler:
@@ -68,13 +122,13 @@ class Sampler:
             c = self.__dict__["_automata"] = {}
         return c
 
-    def x_ids(self, x) -> np.ndarray:
+    def x_ids(self, x: ArrayLike | str) -> np.ndarray:
         xa = as_id_array(np.asarray(x) if isinstance(x, jax.Array) else x, self.projection.vocab,
                          "observation x", unpad=True)
         self.lifting(xa)  # NotInImageError naming the problem
         return xa
 
-    def lifting(self, x) -> Automaton:
+    def lifting(self, x: ArrayLike) -> Automaton:
         xa = np.asarray(x, np.int64)
         key = ("lift", tuple(xa.tolist()))
         c = self._cache()
@@ -89,7 +143,7 @@ class Sampler:
             c[key] = self.projection.domain(int(n))
         return c[key]
 
-    def event_length(self, x) -> int:
+    def event_length(self, x: ArrayLike) -> int:
         """L = ``projection.domain(|x|).max_len``: the event length of the model's site ``"z"``."""
         L = self.domain(len(x)).max_len
         if L is None:
@@ -100,10 +154,10 @@ class Sampler:
         """The parameters the sampler decodes with (``numpyro.param`` sites when trainable, inside a trace)."""
         return None
 
-    def dist(self, x, params: Any = None) -> Distribution:
+    def dist(self, x: ArrayLike, params: Any = None) -> Distribution:
         raise NotImplementedError
 
-    def __call__(self, x=None, *args, **kwargs):
+    def __call__(self, x: ArrayLike | str | None = None, *args: Any, **kwargs: Any) -> Any:
         """The NumPyro guide: samples the site ``"z"``."""
         if x is None:
             raise ConfigError("a guide needs the observation x")
@@ -111,13 +165,13 @@ class Sampler:
 
     guide = __call__
 
-    def sample_with_log_prob(self, key: jax.Array, x, n: int) -> tuple[jax.Array, jax.Array]:
+    def sample_with_log_prob(self, key: Key, x: ArrayLike | str, n: int) -> tuple[jax.Array, jax.Array]:
         """n draws Z ~ Q(. | x) (one batched decoding) and log Q(Z | x)."""
         d = self.dist(self.x_ids(x))
         z, inter = d.sample_with_intermediates(key, (int(n),))
         return z, d.log_prob(z, inter)
 
-    def log_prob(self, z, x) -> jax.Array:
+    def log_prob(self, z: ArrayLike, x: ArrayLike | str) -> jax.Array:
         """log Q(z | x) ``[n]``: -inf outside the lifting of x, never NaN."""
         xa = self.x_ids(x)
         zz = check_ids(z, len(self.projection.vocab), self.event_length(xa), "latent z")
@@ -127,10 +181,10 @@ class Sampler:
             zz = jnp.pad(zz, ((0, 0), (0, self.event_length(xa) - zz.shape[-1])))
         return self.dist(xa).log_prob(zz)
 
-    def proposal(self, x, params: Any = None) -> Proposal:
+    def proposal(self, x: ArrayLike, params: Any = None) -> Proposal:
         raise NotImplementedError(f"{type(self).__name__} has no step-wise form")
 
-    def program(self, x) -> SamplerProgram:
+    def program(self, x: ArrayLike | str) -> SamplerProgram:
         """Q(. | x) as a :class:`~ppl_thought.numpyro.program.Program` that proposes the segments of Lemma 2.1
         (site ``"z"``, ``[n, L]`` per step): the guide of ``SlowThinking.program(x)`` in ``ptn.infer.SMC``.
         Cached per x (a compiled run is keyed by the program object)."""
@@ -153,22 +207,22 @@ class _LMSampler(Sampler):
     def params(self) -> Any:
         return param_tree(self.name, self.lm.params) if self.trainable else self.lm.params
 
-    def prompt(self, x: np.ndarray) -> np.ndarray:
+    def prompt(self, x: ArrayLike) -> np.ndarray:
         return np.zeros(0, np.int64)
 
-    def rule(self, x: np.ndarray):
+    def rule(self, x: ArrayLike) -> SupportsTokenRule:
         key = ("rule", tuple(x.tolist()))
         c = self._cache()
         if key not in c:
             c[key] = TokenRule(self.lifting(x), len(self.projection.vocab))
         return c[key]
 
-    def dist(self, x, params: Any = None) -> LMSequence:
+    def dist(self, x: ArrayLike, params: Any = None) -> LMSequence:
         x = np.asarray(x, np.int64)
         return LMSequence(self.lm, prompt=self.prompt(x), constraint=self.lifting(x), max_len=self.event_length(x),
                           params=params, rule=self.rule(x))
 
-    def proposal(self, x, params: Any = None) -> Proposal:
+    def proposal(self, x: ArrayLike, params: Any = None) -> Proposal:
         x = np.asarray(x, np.int64)
         return Proposal(self.lm, self.lm.params if params is None else params, self.prompt(x), self.rule(x),
                         self.event_length(x))
@@ -196,7 +250,7 @@ class Explanatory(_LMSampler):
                                     f"are {list(v.specials)}")
         self._tag = [] if mode_tag is None else [v.id(mode_tag)]
 
-    def prompt(self, x: np.ndarray) -> np.ndarray:
+    def prompt(self, x: ArrayLike) -> np.ndarray:
         return np.concatenate([np.asarray(x, np.int64), [EXPLAIN_ID], self._tag]).astype(np.int64)
 
 
@@ -216,10 +270,14 @@ class _NoLM(LM):
         return jnp.zeros((B, T, self.vocab_size)), cache
 
 
-def lifting_state(rule, s) -> tuple[Any, jax.Array]:
+def lifting_state(rule: SupportsTokenRule, s: Any) -> tuple[Any, jax.Array]:
     """(the lifting automaton's tables, its state ``[n]``) inside the state ``s`` of a sampler's token rule."""
     if isinstance(rule, TokenRule):
+        if rule.t is None:
+            raise ConfigError("lifting_state: this TokenRule has no constraint automaton (no lifting)")
         return rule.t, s
+    if not callable(getattr(rule, "lifting_state", None)):
+        raise ConfigError(f"lifting_state: {type(rule).__name__} is not a sampler's token rule (no lifting_state)")
     return rule.lifting_state(s)
 
 
@@ -234,18 +292,19 @@ class SamplerProgram(Program):
     and segment ends as ``SlowThinking.program(x)``, so SMC weighs each segment by P / Q.
     """
 
-    def __init__(self, sampler: Sampler, x: np.ndarray):
+    def __init__(self, sampler: Sampler, x: ArrayLike | str):
         self.sampler = sampler
+        x = sampler.x_ids(x)
         self.prop = sampler.proposal(x)
         self.lm = self.prop.lm if self.prop.lm is not None else _NoLM(len(sampler.projection.vocab))
         self.max_steps = len(x)
         self.max_len = int(self.prop.max_len)
 
-    def init(self, state: dict) -> None:
+    def init(self, state: dict[str, Any]) -> None:
         state["q"] = LMState.start(self.lm, particles(), prompt=self.prop.prompt, rule=self.prop.rule,
                                    max_len=self.max_len)
 
-    def step(self, state: dict, t) -> jax.Array:
+    def step(self, state: dict[str, Any], t: Any) -> jax.Array:
         q = state["q"]
         last = t == self.max_steps - 1
 
@@ -269,17 +328,25 @@ class MarginalRule:
     State: ``(domain state [n], lifting state [n])``. The thought decision sees x_<t only (predictive, Def 3.7).
     """
 
-    def __init__(self, projection: Projection, domain: Automaton, lifting: Automaton, x: np.ndarray):
+    __ppl_thought_hot__ = ("start", "lifting_state")
+
+    def __init__(self, projection: Projection, domain: Automaton, lifting: Automaton, x: ArrayLike):
+        x = as_numpy("x", x, where="MarginalRule")
+        if x.ndim != 1 or (x.size and not np.issubdtype(x.dtype, np.integer)):
+            raise MalformedSequenceError(f"MarginalRule: x must be 1-D integer ids, got {x.dtype} {x.shape}")
+        if domain.vocab_size != len(projection.vocab) or lifting.vocab_size != len(projection.vocab):
+            raise ConfigError("MarginalRule: the domain and lifting automata must be over the projection's "
+                              f"{len(projection.vocab)} tokens")
         self.D, self.Lf = tables(domain), tables(lifting)
         self.x = const(np.asarray(x, np.int32) if len(x) else np.zeros(1, np.int32))
         self.T = len(x)
         self.sub = const(emission_substitution(projection), jnp.int32)
         self.V = self.vocab_size = int(self.sub.shape[0])
 
-    def start(self, n: int):
+    def start(self, n: int) -> tuple[jax.Array, jax.Array]:
         return (jnp.full((n,), self.D.start, jnp.int32), jnp.full((n,), self.Lf.start, jnp.int32))
 
-    def log_probs(self, logp: jax.Array, s) -> jax.Array:
+    def log_probs(self, logp: jax.Array, s: Any) -> jax.Array:
         sD, sL = s
         N, V = logp.shape
         mD = self.D.allowed[sD]
@@ -297,13 +364,13 @@ class MarginalRule:
         q = q * self.Lf.allowed[sL]
         return masked_log_softmax(jnp.log(jnp.where(q > 0, q, 1.0)), q > 0)
 
-    def step(self, s, tok):
+    def step(self, s: Any, tok: Any) -> tuple[jax.Array, jax.Array]:
         return (self.D.table[s[0], tok], self.Lf.table[s[1], tok])
 
-    def is_final(self, s) -> jax.Array:
+    def is_final(self, s: Any) -> jax.Array:
         return self.Lf.final[s[1]]
 
-    def lifting_state(self, s):
+    def lifting_state(self, s: Any) -> tuple[Any, jax.Array]:
         return self.Lf, s[1]
 
 
@@ -311,7 +378,7 @@ class Identity(_LMSampler):
     """The identity sampler Q_id of (3.30), Def 3.6: the model's prior decoded with the next observable
     marginalised out of each thought decision, then x_t forced. Needs a disentangled projection (Def 3.5)."""
 
-    def __init__(self, model):
+    def __init__(self, model: SupportsSlowThinking):
         super().__init__(model.prior, model.projection, name=model.name, trainable=False)
         self.model = model
         emission_substitution(model.projection)  # NotDisentangledError now, not at the first draw
@@ -319,7 +386,7 @@ class Identity(_LMSampler):
     def params(self) -> Any:
         return self.model.prior_params()
 
-    def rule(self, x: np.ndarray):
+    def rule(self, x: ArrayLike) -> MarginalRule:
         key = ("marginal", tuple(x.tolist()))
         c = self._cache()
         if key not in c:
@@ -344,17 +411,25 @@ class TableRule:
     """Q(next token | prefix) from a table over the lifting (ratios of prefix masses): the step-wise form of
     :class:`Posterior`. State: ``(rows of the table agreeing with the prefix [n, K], position [n], lifting state)``."""
 
-    def __init__(self, support: np.ndarray, log_probs: jax.Array, lifting: Automaton, vocab_size: int):
+    __ppl_thought_hot__ = ("start", "lifting_state")
+
+    def __init__(self, support: Array, log_probs: Array, lifting: Automaton, vocab_size: int):
+        self.V = self.vocab_size = integer("vocab_size", vocab_size, minimum=2)
+        support, log_probs = _table(support, log_probs, "TableRule")
+        if lifting.vocab_size != self.V:
+            raise ConfigError(f"TableRule: the lifting automaton has {lifting.vocab_size} token columns, "
+                              f"vocab_size is {self.V}")
+        if support.size and support.max() >= self.V:
+            raise UnknownTokenError(f"TableRule: support holds ids outside the vocabulary [0, {self.V})")
         self.support = const(support, jnp.int32)
         self.lq = const(log_probs)
         self.Lf = tables(lifting)
-        self.V = self.vocab_size = int(vocab_size)
 
-    def start(self, n: int):
+    def start(self, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         K = self.support.shape[0]
         return (jnp.ones((n, K), bool), jnp.zeros((n,), jnp.int32), jnp.full((n,), self.Lf.start, jnp.int32))
 
-    def log_probs(self, logp, s) -> jax.Array:
+    def log_probs(self, logp: Any, s: Any) -> jax.Array:
         agree, pos, _ = s
         n, K = agree.shape
         L = self.support.shape[1]
@@ -364,17 +439,33 @@ class TableRule:
         q = q.at[:, PAD_ID].set(0.0)
         return masked_log_softmax(jnp.log(jnp.where(q > 0, q, 1.0)), q > 0)
 
-    def step(self, s, tok):
+    def step(self, s: Any, tok: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
         agree, pos, sL = s
         L = self.support.shape[1]
         col = self.support[:, jnp.clip(pos, 0, L - 1)].T
         return (agree & (col == tok[:, None]), pos + 1, self.Lf.table[sL, tok])
 
-    def is_final(self, s) -> jax.Array:
+    def is_final(self, s: Any) -> jax.Array:
         return self.Lf.final[s[2]]
 
-    def lifting_state(self, s):
+    def lifting_state(self, s: Any) -> tuple[Any, jax.Array]:
         return self.Lf, s[2]
+
+
+def _table(support: Any, log_probs: Any, where: str) -> tuple[np.ndarray, Any]:
+    """A table of Q_*: integer rows ``[K, L]`` (K >= 1) and their log-probabilities ``[K]`` (no NaN, no +inf);
+    traced log-probabilities pass unread."""
+    rows = as_numpy("support", support, where=where)
+    if rows.ndim != 2 or rows.shape[0] == 0 or not np.issubdtype(rows.dtype, np.integer) or rows.min() < 0:
+        raise MalformedSequenceError(f"{where}: support must be K >= 1 rows of token ids [K, L], got {rows.dtype} "
+                                     f"{rows.shape}")
+    lq = as_array("log_probs", log_probs, where=where)
+    if lq.shape != rows.shape[:1] or not jnp.issubdtype(lq.dtype, jnp.floating):
+        raise MalformedSequenceError(f"{where}: log_probs must be floats [K={rows.shape[0]}], got {lq.dtype} "
+                                     f"{tuple(lq.shape)}")
+    if not isinstance(lq, jax.core.Tracer) and (np.isnan(a := np.asarray(lq)) | np.isposinf(a)).any():
+        raise MalformedSequenceError(f"{where}: log_probs hold NaN or +inf")
+    return rows, lq
 
 
 class TableDistribution(Distribution):
@@ -383,19 +474,20 @@ class TableDistribution(Distribution):
     arg_constraints: dict = {}
     support = constraints.independent(constraints.nonnegative_integer, 1)
 
-    def __init__(self, support_rows: np.ndarray, log_probs: jax.Array, batch_shape: tuple = ()):
+    def __init__(self, support_rows: Array, log_probs: Array, batch_shape: tuple[int, ...] = ()):
+        support_rows, log_probs = _table(support_rows, log_probs, "TableDistribution")
         self.rows = jnp.asarray(support_rows, jnp.int32)
         self.lq = jnp.asarray(log_probs)
         super().__init__(tuple(batch_shape), (self.rows.shape[1],))
 
-    def expand(self, batch_shape):
+    def expand(self, batch_shape: Any) -> TableDistribution:
         return TableDistribution(self.rows, self.lq, tuple(batch_shape))
 
-    def sample(self, key, sample_shape=()):
+    def sample(self, key: Key, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         idx = jax.random.categorical(key, self.lq, shape=tuple(sample_shape) + tuple(self.batch_shape))
         return self.rows[idx]
 
-    def log_prob(self, value, intermediates=None):
+    def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
         v = jnp.asarray(value, jnp.int32)
         if v.shape[-1] != self.rows.shape[1]:
             raise MalformedSequenceError(f"latent z has {v.shape[-1]} columns, the table {self.rows.shape[1]}")
@@ -407,10 +499,10 @@ class Posterior(Sampler):
     """The posterior sampler Q_*(z | x) = P^{<=|z|}(z) / (Proj # P)^{<=|x|}(x), equation (2.24), by enumeration
     (``model.exact_posterior``): every importance weight P(z) / Q_*(z) equals p(x)."""
 
-    def __init__(self, model, limit: int = 20_000):
-        self.model, self.projection, self.limit = model, model.projection, limit
+    def __init__(self, model: SupportsExactPosterior, limit: int = 20_000):
+        self.model, self.projection, self.limit = model, model.projection, integer("limit", limit)
 
-    def table(self, x) -> tuple[np.ndarray, jax.Array]:
+    def table(self, x: ArrayLike) -> tuple[np.ndarray, jax.Array]:
         x = np.asarray(x, np.int64)
         key = ("table", tuple(x.tolist()))
         c = self._cache()
@@ -420,10 +512,10 @@ class Posterior(Sampler):
             c[key] = (post.support, post.log_probs)
         return c[key]
 
-    def dist(self, x, params: Any = None) -> TableDistribution:
+    def dist(self, x: ArrayLike, params: Any = None) -> TableDistribution:
         return TableDistribution(*self.table(x))
 
-    def proposal(self, x, params: Any = None) -> Proposal:
+    def proposal(self, x: ArrayLike, params: Any = None) -> Proposal:
         x = np.asarray(x, np.int64)
         support, lq = self.table(x)
         return Proposal(None, None, np.zeros(0, np.int64),
@@ -432,3 +524,5 @@ class Posterior(Sampler):
 
 __all__ = ["Causal", "Explanatory", "HMMGuide", "HMMGuideProgram", "Identity", "MarginalRule", "Posterior",
            "Predictive", "Proposal", "Sampler", "SamplerProgram", "TableDistribution", "TableRule", "lifting_state"]
+
+check_here(globals())  # the type layer (ppl_thought.numpyro.boundary): checked from Python, never while tracing

@@ -9,11 +9,15 @@ the observed ``"x" ~ ProjectionDelta(projection, z)``. The lifted program has th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import numpyro
 from numpyro.primitives import Messenger
 
 from ppl_thought.errors import ConfigError
+from ppl_thought.numpyro.boundary import check_here
 from ppl_thought.numpyro.distributions import LMSequence, ProjectionDelta
 from ppl_thought.projections.base import Projection, as_id_array
 
@@ -30,7 +34,8 @@ class ProjectionLift(Messenger):
     the plain site's ``max_len`` is taken as |x| (generation, outside jit).
     """
 
-    def __init__(self, fn=None, projection: Projection | None = None, site: str = "x", latent: str = "z"):
+    def __init__(self, fn: Callable[..., Any] | Projection | None = None, projection: Projection | None = None,
+                 site: str = "x", latent: str = "z"):
         if projection is None and isinstance(fn, Projection):
             fn, projection = None, fn
         if not isinstance(projection, Projection):
@@ -39,7 +44,7 @@ class ProjectionLift(Messenger):
         self._domains: dict = {}
         super().__init__(fn)
 
-    def process_message(self, msg: dict) -> None:
+    def process_message(self, msg: dict[str, Any]) -> None:
         if msg["type"] != "sample" or msg["name"] != self.site:
             return
         d = msg["fn"]
@@ -63,3 +68,5 @@ class ProjectionLift(Messenger):
 
 
 __all__ = ["ProjectionLift"]
+
+check_here(globals())  # the type layer (ppl_thought.numpyro.boundary): checked from Python, never while tracing

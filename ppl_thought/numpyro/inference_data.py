@@ -21,6 +21,7 @@ from ppl_thought.arviz_compat import make_inference_data
 from ppl_thought.arviz_compat import psislw as _psislw
 from ppl_thought.draws import bounded_num_draws
 from ppl_thought.errors import DiagnosticError, UnsupportedResultError
+from ppl_thought.numpyro.boundary import check_here
 from ppl_thought.numpyro.infer.resampling import check_log_weights, effective_sample_size, systematic_resample
 
 PSIS_THRESHOLD = 0.5
@@ -50,7 +51,7 @@ def _vars(name: str, a: np.ndarray) -> dict[str, Any]:
     return out
 
 
-def to_inference_data(result, num_draws: int | None = None, seed: int = 0, group: int | None = None):
+def to_inference_data(result: Any, num_draws: int | None = None, seed: int = 0, group: int | None = None) -> Any:
     """Convert a :class:`~ppl_thought.numpyro.infer.Result` of Importance or SMC to ``arviz.InferenceData``
     (module docstring; an ``xarray.DataTree`` with the same groups under ArviZ 1.x). ``group``: the group of a
     grouped SMC result (``SMC(n, groups=G)``)."""
@@ -120,3 +121,6 @@ def to_inference_data(result, num_draws: int | None = None, seed: int = 0, group
 
 
 __all__ = ["PSIS_THRESHOLD", "psis", "to_inference_data"]
+
+
+check_here(globals(), ("to_inference_data",))  # the type layer (ppl_thought.numpyro.boundary)

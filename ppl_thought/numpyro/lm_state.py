@@ -25,7 +25,7 @@ as arguments of the compiled run, so new parameters do not recompile.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,6 +36,7 @@ from numpyro.distributions import Distribution, constraints
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
+from ppl_thought.numpyro.boundary import ArrayLike, SupportsTokenRule, as_numpy
 from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, tree_where
 from ppl_thought.numpyro.lm.base import LM
 from ppl_thought.vocab import BOS_ID, PAD_ID
@@ -135,22 +136,26 @@ class LMState:
     (the rule's state, rows on axis 0). Static: the LM, the rule, the cache room.
     """
 
-    def __init__(self, lm: LM, rule: TokenRule, logp: jax.Array, cache: Any, rule_state: Any, room: int):
+    # the constructor is the pytree's unflatten (JAX calls it with placeholders); start() is the checked entry
+    __ppl_thought_hot__ = ("__init__", "tree_flatten", "tree_unflatten")
+
+    def __init__(self, lm: Any, rule: Any, logp: Any, cache: Any, rule_state: Any, room: Any):
         self.lm, self.rule, self.room = lm, rule, room
         self.logp, self.cache, self.rule_state = logp, cache, rule_state
 
     # -- pytree ------------------------------------------------------------------------------------------
-    def tree_flatten(self):
+    def tree_flatten(self) -> tuple[tuple, tuple]:
         return (self.logp, self.cache, self.rule_state), (self.lm, self.rule, self.room)
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
+    def tree_unflatten(cls, aux: tuple, children: Any) -> LMState:
         lm, rule, room = aux
         return cls(lm, rule, *children, room)
 
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
-    def start(cls, lm: LM, n: int, prompt=None, rule: TokenRule | None = None, max_len: int = 64) -> LMState:
+    def start(cls, lm: LM, n: int, prompt: ArrayLike | None = None, rule: SupportsTokenRule | None = None,
+              max_len: int = 64) -> LMState:
         """Encode ``<bos> + prompt`` (1-D ids shared by every row, concrete or traced: its length is static) for
         ``n`` rows, with room for ``max_len`` more tokens per row. ``rule``: a
         :class:`~ppl_thought.numpyro.distributions.TokenRule` the LM's sampling is masked by (Def 2.8); it reads
@@ -173,7 +178,7 @@ class LMState:
             if not isinstance(prompt, jax.core.Tracer):
                 _check_range(np.asarray(p), V)
         else:
-            a = np.asarray(prompt)
+            a = as_numpy("prompt", prompt, where="LMState.start")
             if a.ndim > 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
                 raise MalformedSequenceError(f"prompt must be 1-D integer ids shared by every row, got shape "
                                              f"{a.shape}, dtype {a.dtype}")
@@ -195,13 +200,14 @@ class LMState:
         """The law of the next token of every row, ``[n]`` (the rule's masked softmax)."""
         return NextToken(self)
 
-    def segment(self, stop: int | Sequence[int] | None = None, max_tokens: int = 16, until=None) -> Segment:
+    def segment(self, stop: int | Sequence[int] | None = None, max_tokens: int = 16,
+                until: Callable[[Any], Any] | None = None) -> Segment:
         """The law of the next segment of every row, ``[n, max_tokens]`` right-padded (see the module docstring).
         ``until(rule_state) -> bool [n]``: the segment also ends (or is empty) where it holds, e.g. once the domain
         automaton has emitted the next observation (the segments of Lemma 2.1)."""
         return Segment(self, _stop_array(stop), integer("max_tokens", max_tokens), until)
 
-    def extend(self, value) -> LMState:
+    def extend(self, value: Any) -> LMState:
         """Feed ``value`` (a token, tokens ``[n]``, or segments ``[n, S]`` right-padded with ``<pad>``) to every row;
         returns the state (updated in place)."""
         sampled = self.__dict__.pop("_sampled", None)
@@ -280,17 +286,19 @@ class NextToken(Distribution):
     support = constraints.nonnegative_integer
     is_discrete = True
 
-    def __init__(self, state: LMState, validate_args=None):
+    __ppl_thought_hot__ = ("sample_with_intermediates",)
+
+    def __init__(self, state: LMState, validate_args: bool | None = None):
         self.state = state
         self.q = state.log_probs()
         super().__init__((state.n,), (), validate_args=validate_args)
 
-    def sample(self, key, sample_shape=()):
+    def sample(self, key: Any, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         if sample_shape:
             raise ConfigError("NextToken draws one token per row (sample_shape must be ())")
         return jax.random.categorical(key, self.q, -1).astype(jnp.int32)
 
-    def log_prob(self, value, intermediates=None):
+    def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
         v = jnp.broadcast_to(jnp.asarray(value, jnp.int32), (self.state.n,))
         ok = (v >= 0) & (v < self.q.shape[-1])
         return jnp.where(ok, _take(self.q, jnp.clip(v, 0, self.q.shape[-1] - 1)), NEG_INF)
@@ -303,7 +311,11 @@ class Segment(Distribution):
     support = constraints.independent(constraints.nonnegative_integer, 1)
     is_discrete = True
 
-    def __init__(self, state: LMState, stop_ids: np.ndarray, max_tokens: int, until=None, validate_args=None):
+    __ppl_thought_hot__ = ("sample_with_intermediates",)
+
+    def __init__(self, state: LMState, stop_ids: ArrayLike, max_tokens: int,
+                 until: Callable[[Any], Any] | None = None, validate_args: bool | None = None):
+        stop_ids, max_tokens = _stop_array(stop_ids), integer("max_tokens", max_tokens, minimum=0)
         # a snapshot: the program extends its state after the site, the engine scores the site afterwards
         self.state = LMState(state.lm, state.rule, state.logp, state.cache, state.rule_state, state.room)
         self.origin = state  # its extend reuses this site's LM pass (sampled) or gives it its own (scored)
@@ -318,7 +330,7 @@ class Segment(Distribution):
         d = self.state.rule.is_final(s)
         return d if self.until is None else d | jnp.asarray(self.until(s), bool)
 
-    def sample_with_intermediates(self, key, sample_shape=()):
+    def sample_with_intermediates(self, key: Any, sample_shape: tuple[int, ...] = ()) -> tuple[jax.Array, list]:
         if sample_shape:
             raise ConfigError("Segment draws one segment per row (sample_shape must be ())")
         st, n, K = self.state, self.state.n, self.max_tokens
@@ -350,10 +362,10 @@ class Segment(Distribution):
         self.origin._sampled = (z, st.cache, logp, cache, s)  # extend(z) takes the loop's final state
         return z, [lq]
 
-    def sample(self, key, sample_shape=()):
+    def sample(self, key: Any, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         return self.sample_with_intermediates(key, sample_shape)[0]
 
-    def log_prob(self, value, intermediates=None):
+    def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
         """The masked log-probability of each row's segment (one teacher-forced pass from the current cache);
         ``-inf`` if it is incomplete, goes on after its end, or holds a forbidden token."""
         if intermediates:

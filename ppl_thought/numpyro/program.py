@@ -25,9 +25,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpyro
+from numpyro.distributions import Distribution
 from numpyro.primitives import _PYRO_STACK
 
-from ppl_thought.errors import ProgramError
+from ppl_thought.errors import NumericalError, ProgramError
+from ppl_thought.numpyro.boundary import ArrayLike, as_array, check_here, tracing
 from ppl_thought.twists import current as current_twists
 
 __all__ = ["OUTPUT", "PARTICLES", "Program", "factor", "is_output", "is_program", "observe", "particles",
@@ -38,18 +40,18 @@ PARTICLES = "particles"
 OUTPUT = "output"
 
 
-def sample(name: str, fn, **kwargs) -> jax.Array:
+def sample(name: str, fn: Distribution, **kwargs: Any) -> Any:
     """A latent site: ``numpyro.sample(name, fn)`` (a guide proposes it; without one the program does)."""
     return numpyro.sample(name, fn, **kwargs)
 
 
-def observe(name: str, fn, value) -> jax.Array:
+def observe(name: str, fn: Distribution, value: ArrayLike | None) -> Any:
     """Condition on data: ``numpyro.sample(name, fn, obs=value)`` (in every weight). ``value=None`` makes the site
     an *output*: drawn from ``fn``, left out of the weights, returned in ``Result.samples``. A value shared by
     every particle (a scalar, one sequence) is broadcast over the particle plate."""
     if value is None:
         return numpyro.sample(name, fn, infer={OUTPUT: True})
-    v = jnp.asarray(value)
+    v = as_array("value", value, where=f"observe({name!r})")
     shape = tuple(fn.batch_shape) + tuple(fn.event_shape)
     if v.shape != shape:
         try:
@@ -59,25 +61,34 @@ def observe(name: str, fn, value) -> jax.Array:
     return numpyro.sample(name, fn, obs=v)
 
 
-def factor(name: str, log_factor) -> None:
+def factor(name: str, log_factor: ArrayLike) -> None:
     """Multiply the program's density by exp(log_factor) ``[n]`` (``numpyro.factor``); ``-inf``: a hard
-    constraint. Unlike :func:`twist` it changes the target."""
-    numpyro.factor(name, jnp.asarray(log_factor))
+    constraint. Unlike :func:`twist` it changes the target. A log-factor of ``+inf`` or NaN has no probability
+    (log Z-hat would be ``inf``, the ESS NaN): a concrete one raises :class:`~ppl_thought.errors.NumericalError`
+    here; a traced one (inside an engine's compiled run) is caught by the engine, which raises the same error
+    naming the site (``Importance`` / ``SMC``: never a log Z-hat of ``inf``)."""
+    v = as_array("log_factor", log_factor, where=f"factor({name!r})")
+    if not tracing() and not isinstance(v, jax.core.Tracer) and jnp.issubdtype(v.dtype, jnp.inexact):
+        bad = jnp.isnan(v) | jnp.isposinf(v)
+        if bool(bad.any()):
+            raise NumericalError(f"factor({name!r}): log_factor holds {'NaN' if bool(jnp.isnan(v).any()) else '+inf'}"
+                                 "; a log-potential must be finite or -inf (a hard constraint)")
+    numpyro.factor(name, v)
 
 
-def is_output(site: dict) -> bool:
+def is_output(site: dict[str, Any]) -> bool:
     return bool((site.get("infer") or {}).get(OUTPUT, False))
 
 
 # ---------------------------------------------------------------------------------------------- twists
-def twist(log_psi) -> None:
+def twist(log_psi: ArrayLike) -> None:
     """Set the potential log psi_t ``[n]`` of the particles at this step: SMC multiplies the incremental weight
     by psi_t / psi_{t-1} and divides the last potential out when a particle finishes, so Z-hat stays unbiased
     for the untwisted program (docs/programs.md, "Verifiers"). Several calls in a step add up; outside SMC
     (Importance, a plain trace) nothing is done."""
     collector = current_twists()
     if collector is not None:
-        collector.add(jnp.asarray(log_psi, jnp.float32))
+        collector.add(as_array("log_psi", log_psi, jnp.float32, "twist"))
 
 
 # ---------------------------------------------------------------------------------------------- plates
@@ -100,14 +111,14 @@ class Program:
     max_plate_nesting: int = 0
     max_steps: int | None = None
 
-    def init(self, state: dict, *args, **kwargs) -> None:
+    def init(self, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         """Set up ``state`` before step 0 (may sample sites; default: nothing)."""
 
-    def step(self, state: dict, t, *args, **kwargs):
+    def step(self, state: dict[str, Any], t: Any, *args: Any, **kwargs: Any) -> Any:
         """Step ``t`` (a traced int32 scalar): NumPyro code for all particles; return None or a bool array [n]."""
         raise NotImplementedError(f"{type(self).__name__} must define step(self, state, t, *args, **kwargs)")
 
-    def outputs(self, state: dict, *args, **kwargs) -> dict:
+    def outputs(self, state: dict[str, Any], *args: Any, **kwargs: Any) -> dict:
         """Extra values for ``Result.samples`` read from the final state (default: none)."""
         return {}
 
@@ -118,7 +129,7 @@ def is_program(obj: Any) -> bool:
                                         and not isinstance(obj, type))
 
 
-def as_done(done, n: int) -> jax.Array | None:
+def as_done(done: Any, n: int) -> jax.Array | None:
     """A step's return value as a bool array ``[n]`` (``None``: nobody finished this step)."""
     if done is None:
         return None
@@ -131,3 +142,6 @@ def as_done(done, n: int) -> jax.Array | None:
         raise ProgramError(f"Program.step returned finished flags of shape {tuple(d.shape)}; expected ({n},) "
                            "(one flag per particle)")
     return d
+
+
+check_here(globals())  # the type layer (ppl_thought.numpyro.boundary): checked from Python, never while tracing

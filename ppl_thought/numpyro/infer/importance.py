@@ -126,7 +126,7 @@ class Importance(StepEngine):
         self.num_particles = integer("num_particles", num_particles)
         self.max_steps = integer("max_steps", max_steps)
 
-    def compiled(self, model, guide, *args, **kwargs):
+    def compiled(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> Any:
         """The jitted ``keys [n, 2] -> (log w, log p, log q, values)`` for these arguments (cached)."""
         args = tuple(_concrete(a) for a in args)
         kwargs = {k: _concrete(v) for k, v in kwargs.items()}
@@ -139,8 +139,8 @@ class Importance(StepEngine):
             hit = _COMPILED[key] = (jax.jit(jax.vmap(log_weight_fn(model, guide, args, kwargs))), model, guide)
         return hit[0]
 
-    def run(self, model, guide, *args, rng_key: jax.Array | int | None = None, static: tuple = (),
-            **kwargs) -> Result:
+    def run(self, model: Any, guide: Any, *args: Any, rng_key: jax.Array | int | None = None, static: tuple = (),
+            **kwargs: Any) -> Result:
         """Draw n particles from the guide, weight them by p/q, and estimate log p(data) by (3.2).
 
         ``rng_key``: a ``jax.random.PRNGKey`` or an int seed (``PRNGKey(seed)``); default ``PRNGKey(0)``."""

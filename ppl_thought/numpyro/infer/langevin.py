@@ -38,6 +38,7 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.infer.util import initialize_model
 
 from ppl_thought.errors import ConfigError, DiscreteLatentError
+from ppl_thought.numpyro.boundary import refuse_nan
 
 __all__ = ["LangevinState", "MALA", "ULA"]
 
@@ -46,9 +47,7 @@ _MIN_STEP_SIZE, _MAX_STEP_SIZE = 1e-10, 1e10
 _MAX_LOG_RATIO = 1000.0
 
 
-class LangevinState(NamedTuple):
-    """The chain's state; ``MCMC(..., extra_fields=(...))`` records any of these fields."""
-
+class _LangevinFields(NamedTuple):
     i: jax.Array
     z: Any  # unconstrained latent values (a dict of arrays)
     potential_energy: jax.Array
@@ -59,6 +58,29 @@ class LangevinState(NamedTuple):
     diverging: jax.Array
     adapt_state: tuple
     rng_key: jax.Array
+
+
+class LangevinState(_LangevinFields):
+    """The chain's state; ``MCMC(..., extra_fields=(...))`` records any of these fields.
+
+    JAX rebuilds it at every step (a pytree), also with placeholders and tracers: only NaN is refused here, in
+    a field given as a Python float or a host array (:class:`~ppl_thought.errors.NumericalError` naming the
+    field); JAX arrays are not read back (no device sync per step)."""
+
+    __slots__ = ()
+
+    def __new__(cls, i: Any, z: Any, potential_energy: Any, z_grad: Any, step_size: Any, accept_prob: Any,
+                mean_accept_prob: Any, diverging: Any, adapt_state: Any, rng_key: Any) -> LangevinState:
+        fields = (i, z, potential_energy, z_grad, step_size, accept_prob, mean_accept_prob, diverging, adapt_state,
+                  rng_key)
+        leaves = {}
+        for name, value in zip(cls._fields, fields, strict=True):
+            if isinstance(value, dict | list | tuple):
+                leaves.update({f"{name}[{i}]": v for i, v in enumerate(jax.tree.leaves(value))})
+            else:
+                leaves[name] = value
+        refuse_nan("LangevinState", leaves)
+        return super().__new__(cls, *fields)
 
 
 class MALA(MCMCKernel):
@@ -79,7 +101,8 @@ class MALA(MCMCKernel):
     sample_field = "z"
 
     def __init__(self, model: Callable | None = None, potential_fn: Callable | None = None, step_size: float = 0.1,
-                 adapt_step_size: bool = True, target_accept: float | None = None, init_strategy=init_to_uniform):
+                 adapt_step_size: bool = True, target_accept: float | None = None,
+                 init_strategy: Callable = init_to_uniform):
         if target_accept is None:
             target_accept = 0.57 if self.adjust else 0.99
         if (model is None) == (potential_fn is None):
@@ -106,7 +129,7 @@ class MALA(MCMCKernel):
     def get_diagnostics_str(self, state: LangevinState) -> str:
         return f"step size {float(state.step_size):.2e}. acc. prob={float(state.mean_accept_prob):.2f}"
 
-    def postprocess_fn(self, args, kwargs):
+    def postprocess_fn(self, args: Any, kwargs: Any) -> Callable:
         if self._postprocess_fn is None:
             return lambda z: z
         return self._postprocess_fn(*args, **kwargs)
@@ -118,7 +141,8 @@ class MALA(MCMCKernel):
             return self._potential_fn_gen(*model_args, **model_kwargs)
         return self._potential_fn
 
-    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs) -> LangevinState:
+    def init(self, rng_key: Any, num_warmup: Any, init_params: Any, model_args: Any,
+             model_kwargs: Any) -> LangevinState:
         """The initial state; ``rng_key`` of shape ``[chains, 2]`` (``chain_method="vectorized"``) gives
         one state per chain, stacked."""
         model_kwargs = {} if model_kwargs is None else model_kwargs
@@ -208,7 +232,7 @@ class MALA(MCMCKernel):
         log_ratio = jnp.where(finite & ~jnp.isnan(log_ratio), log_ratio, -jnp.inf)
         return z_new, pe_new, grad_new, log_ratio, finite
 
-    def sample(self, state: LangevinState, model_args, model_kwargs) -> LangevinState:
+    def sample(self, state: LangevinState, model_args: Any, model_kwargs: Any) -> LangevinState:
         """One ULA or MALA transition (pure, jitted by ``MCMC``); adapts s during warmup. A stacked state
         (``chain_method="vectorized"``: every field has the chains on axis 0) moves every chain at once."""
         model_kwargs = {} if model_kwargs is None else model_kwargs

@@ -9,13 +9,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ppl_thought.numpyro.infer.resampling import effective_sample_size
+from ppl_thought.errors import DiagnosticError
+from ppl_thought.numpyro.boundary import Array
+from ppl_thought.numpyro.infer.resampling import check_log_weights, effective_sample_size
 
 
-def log_marginal_stderr(log_w: jax.Array) -> jax.Array:
+def log_marginal_stderr(log_w: Array) -> jax.Array:
     """Delta-method standard error of log p_n, sd(w) / (sqrt(n) mean(w)) ((3.4): var(p_n) = var(w) / n): with
     normalised weights W_i, se = sqrt(sum_i (n W_i - 1)^2 / ((n - 1) n)). Equal weights give exactly 0 (with a
     finite gradient); one particle or every weight zero gives ``inf`` (no estimate of the spread), never NaN."""
+    if log_w.ndim < 1 or not jnp.issubdtype(log_w.dtype, jnp.floating):
+        raise DiagnosticError(f"log_marginal_stderr takes float log weights [..., n], got {log_w.dtype} "
+                              f"{tuple(log_w.shape)}")
+    check_log_weights(log_w, "log_marginal_stderr")
     n = log_w.shape[-1]
     if n < 2:
         return jnp.full(log_w.shape[:-1], jnp.inf)
@@ -34,10 +40,10 @@ class Result:
     (SMC: ``[steps, n]``), ``stats`` (engine statistics: ``ess`` per step, ``resampled``, ``log_p``, ``log_q``)."""
 
     samples: dict[str, Any]
-    log_weights: jax.Array | None = None
-    log_marginal: jax.Array | None = None
-    log_marginal_stderr: jax.Array | None = None
-    ancestry: jax.Array | None = None
+    log_weights: Array | None = None
+    log_marginal: Array | None = None
+    log_marginal_stderr: Array | None = None
+    ancestry: Array | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     observed: dict[str, Any] = field(default_factory=dict)
     engine: str = ""

@@ -17,6 +17,8 @@ its weight is
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
 from ppl_thought.checks import fraction, integer
@@ -62,7 +64,8 @@ class SMC(StepEngine):
         self.groups = integer("groups", groups)
         self.max_steps = integer("max_steps", max_steps)
 
-    def run(self, model, guide, *args, rng_key: jax.Array | int | None = None, static: tuple = ()) -> Result:
+    def run(self, model: Any, guide: Any, *args: Any, rng_key: jax.Array | int | None = None,
+            static: tuple = ()) -> Result:
         """Run SMC; see the class docstring. ``rng_key``: a ``jax.random.PRNGKey`` or an int seed
         (``PRNGKey(seed)``); default ``PRNGKey(0)``."""
         key = prng_key(rng_key)  # an int seed is accepted: PRNGKey(seed)

@@ -372,6 +372,10 @@ def program_result(out: dict, engine: str, args: tuple, observed: dict | None = 
     grouped = lw.ndim == 2
     if bool(jnp.isnan(lw).any()):
         raise NumericalError(f"{engine}: NaN log weights (a log-probability, factor or twist is NaN)")
+    if bool(jnp.isposinf(lw).any()):
+        raise NumericalError(f"{engine}: a log weight of +inf (a log-probability or factor of +inf, e.g. "
+                             "numpyro.factor(name, +inf) or ptn.factor(name, +inf) in a step): log Z-hat would be "
+                             "inf and the ESS NaN; a log-potential must be finite or -inf")
     if bool(jnp.isneginf(lw).all(-1).any()):
         raise ZeroWeightsError(f"{engine}: all {lw.shape[-1]} particle weights " + ("of a group " if grouped else "") +
                                "are zero (log weight -inf): the proposal only produced values the model gives "

@@ -8,6 +8,8 @@ f = log P - log Q; b, the mean of f over the other particles, leaves it unbiased
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from numpyro.handlers import replay, seed, substitute, trace
@@ -23,11 +25,13 @@ class ELBO(_NumPyroELBO):
     apply). ``loss`` returns the estimate of -ELBO; its gradient is the estimator's."""
 
     can_infer_discrete = True
+    __ppl_thought_hot__ = ("particles", "loss_with_mutable_state", "loss")  # inside SVI's jitted update
 
     def __init__(self, num_particles: int = 8):
         super().__init__(num_particles=integer("num_particles", num_particles, minimum=1))
 
-    def particles(self, rng_key, param_map, model, guide, *args, **kwargs):
+    def particles(self, rng_key: Any, param_map: Any, model: Any, guide: Any, *args: Any,
+                  **kwargs: Any) -> tuple[jax.Array, jax.Array]:
         """``(log P(z, x), log Q(z | x))`` for ``num_particles`` draws of the guide, vmapped."""
 
         def one(key):
@@ -41,7 +45,8 @@ class ELBO(_NumPyroELBO):
 
         return jax.vmap(one)(jax.random.split(rng_key, self.num_particles))
 
-    def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
+    def loss_with_mutable_state(self, rng_key: Any, param_map: Any, model: Any, guide: Any, *args: Any,
+                                **kwargs: Any) -> dict[str, Any]:
         log_p, log_q = self.particles(rng_key, param_map, model, guide, *args, **kwargs)
         f = jnp.where(jnp.isneginf(log_p), -jnp.inf, log_p - log_q)
         fs = jax.lax.stop_gradient(f)

@@ -12,11 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ppl_thought.errors import MalformedSequenceError
 
 
 class LM:
     """A JAX language model: parameters plus pure, jit-able functions. Caches are pytrees whose every
     leaf has the batch (particles) on axis 0, so resampling is `reorder(cache, index)`."""
+
+    __ppl_thought_hot__ = ("apply", "init_cache")  # run inside the engines' compiled loops: never wrapped
 
     vocab_size: int
     params: Any  # pytree of jnp arrays (float32 by default)
@@ -25,7 +31,8 @@ class LM:
         """An empty cache for `batch` rows and at most `max_len` tokens per row (static shapes)."""
         raise NotImplementedError
 
-    def apply(self, params, cache, tokens, valid=None, latents=None) -> tuple[jax.Array, Any]:
+    def apply(self, params: Any, cache: Any, tokens: Any, valid: Any = None,
+              latents: Any = None) -> tuple[jax.Array, Any]:
         """Feed tokens int32[B, T]; return (log_probs float32[B, T, V], new_cache): log_probs[:, t] is the
         log-softmax of the next token after tokens[:, :t+1] (and everything already in the cache).
         valid bool[B, T] (default all True): a False entry is not written to the cache and not attended to
@@ -34,6 +41,17 @@ class LM:
         raise NotImplementedError
 
 
-def reorder(cache: Any, index: jax.Array) -> Any:
-    """Row ``i`` of the result is row ``index[i]`` of ``cache`` (SMC resampling; works under ``jit``)."""
-    return jax.tree.map(lambda a: a[index], cache)
+def reorder(cache: Any, index: jax.Array | np.ndarray) -> Any:
+    """Row ``i`` of the result is row ``index[i]`` of ``cache`` (SMC resampling; works under ``jit``): every leaf
+    of ``cache`` an array with the rows on axis 0, ``index`` integer ``[m]``."""
+    if not jnp.issubdtype(index.dtype, jnp.integer) or index.ndim != 1:
+        raise MalformedSequenceError(f"reorder: index must be integer row numbers [m], got {index.dtype} "
+                                     f"{tuple(index.shape)}")
+
+    def take(a: Any) -> Any:
+        if not isinstance(a, jax.Array | np.ndarray) or a.ndim < 1:
+            raise MalformedSequenceError(f"reorder: every leaf of the cache must be an array [rows, ...], got "
+                                         f"{type(a).__name__} of shape {getattr(a, 'shape', None)}")
+        return a[index]
+
+    return jax.tree.map(take, cache)

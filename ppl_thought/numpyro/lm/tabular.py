@@ -11,6 +11,7 @@ import numpy as np
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError
+from ppl_thought.numpyro.boundary import ArrayLike, as_numpy
 from ppl_thought.numpyro.lm.base import LM
 from ppl_thought.vocab import BOS_ID
 
@@ -26,11 +27,17 @@ class Tabular(LM):
     ``order - 1`` tokens of each row). ``apply`` returns log-probabilities (the log softmax of the row).
     """
 
-    def __init__(self, order: int, vocab_size: int, logits=None):
+    def __init__(self, order: int, vocab_size: int, logits: ArrayLike | None = None):
         self.order = integer("order", order)
         self.vocab_size = integer("vocab_size", vocab_size)
+        if self.vocab_size ** self.order > 1 << 28:
+            raise ConfigError(f"Tabular(order={self.order}, vocab_size={self.vocab_size}) would hold "
+                              f"vocab_size**order = {self.vocab_size}**{self.order} logits (over 2**28)")
         shape = (self.vocab_size,) * self.order
-        table = np.zeros(shape, np.float32) if logits is None else np.asarray(logits, dtype=np.float32)
+        table = np.zeros(shape, np.float32) if logits is None else as_numpy("logits", logits, where="Tabular")
+        if table.dtype.kind not in "biuf":
+            raise ConfigError(f"Tabular logits must be numbers, got dtype {table.dtype}")
+        table = table.astype(np.float32)
         if table.shape != shape:
             raise ConfigError(f"Tabular(order={order}, vocab_size={vocab_size}) needs logits of shape {shape}, "
                               f"got {table.shape}")
@@ -42,9 +49,9 @@ class Tabular(LM):
         self.params = {"logits": jnp.asarray(table)}
 
     @classmethod
-    def from_numpy(cls, logits) -> Tabular:
+    def from_numpy(cls, logits: ArrayLike) -> Tabular:
         """A Tabular LM from a logits array ``[V] * order`` (e.g. ``torch_tabular.logits.detach().numpy()``)."""
-        a = np.asarray(logits)
+        a = as_numpy("logits", logits, where="Tabular.from_numpy")
         if a.ndim < 1 or len(set(a.shape)) != 1:
             raise ConfigError(f"Tabular logits must have shape [V] * order, got {a.shape}")
         return cls(a.ndim, a.shape[0], a)
@@ -53,7 +60,8 @@ class Tabular(LM):
         """``<bos>``-filled contexts for ``batch`` rows (an n-gram needs no room for ``max_len`` tokens)."""
         return {"context": jnp.full((int(batch), self.order - 1), BOS_ID, dtype=jnp.int32)}
 
-    def apply(self, params, cache, tokens, valid=None, latents=None) -> tuple[jax.Array, Any]:
+    def apply(self, params: Any, cache: Any, tokens: Any, valid: Any = None,
+              latents: Any = None) -> tuple[jax.Array, Any]:
         """``tokens int32 [B, T]`` -> ``(log_probs [B, T, V], cache)``; an invalid token leaves its row's
         context unchanged (its output row is that of the unchanged context)."""
         if latents is not None:

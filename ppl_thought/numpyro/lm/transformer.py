@@ -55,6 +55,7 @@ from ppl_thought.checkpoint import (
 )
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.vocab import Vocab
 
 #: matmul precision of every projection and attention product (see the module docstring)
 PRECISION: str | jax.lax.Precision = jax.lax.Precision.HIGHEST
@@ -148,13 +149,21 @@ def state_from_params(params: dict) -> tuple[dict[str, np.ndarray], dict[str, st
     return state, {"lm_head.weight": "embed.weight"}
 
 
+_CHUNK = 1 << 20  # init_params draws at most this many normals per call
+
+
 def init_params(key: jax.Array, config: dict) -> dict:
     """GPT-2 init, as the torch model: N(0, 0.02), residual output projections scaled by 1/sqrt(branches),
     norms 1 (same law, not the same draws)."""
     shapes = transformer_shapes(config)
     branches = config["n_layers"] * (3 if config["cross_attention"] else 2)
     sizes = [int(np.prod(shape)) for shape in shapes.values()]
-    noise = np.asarray(jax.random.normal(key, (sum(sizes),), jnp.float32))  # one draw, cut into tensors
+    total = sum(sizes)
+    if total <= _CHUNK:
+        noise = np.asarray(jax.random.normal(key, (total,), jnp.float32))  # one draw, cut into tensors
+    else:  # big models (a large vocabulary): fixed-size draws, one compiled shape instead of one per model size
+        noise = np.concatenate([np.asarray(jax.random.normal(jax.random.fold_in(key, i), (_CHUNK,), jnp.float32))
+                                for i in range(-(-total // _CHUNK))])[:total]
     state, offset = {}, 0
     for (name, shape), size in zip(shapes.items(), sizes):
         std = 0.02 / np.sqrt(branches) if name.endswith(("out.weight", "down.weight")) else 0.02
@@ -383,7 +392,7 @@ class Transformer(LM):
         c = transformer_sizes(config)
         return cls(**config, params=params_from_state(state, c))
 
-    def save(self, path: str | Path, extra: dict | None = None, vocab=None) -> Path:
+    def save(self, path: str | Path, extra: dict | None = None, vocab: Vocab | None = None) -> Path:
         """Write the checkpoint ``pt.lm.Transformer.load`` reads (the same files the torch side writes)."""
         config = {"class": "Transformer", **self.config()}
         if vocab is not None:

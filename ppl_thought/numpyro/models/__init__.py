@@ -6,3 +6,7 @@ from ppl_thought.numpyro.models.latent_thought import LatentThought
 from ppl_thought.numpyro.models.slow_thinking import EnumeratedPosterior, SlowThinking
 
 __all__ = ["HMM", "HMMProgram", "EnumeratedPosterior", "LatentThought", "SlowThinking"]
+
+from ppl_thought.numpyro.boundary import check_here  # noqa: E402 -- the type layer on the names above
+
+check_here(globals())

@@ -10,7 +10,8 @@ the one-step normalisers P(x_t | x_{<t}); an impossible observation gives -inf (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,15 +19,20 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 
+from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
+from ppl_thought.numpyro.boundary import ArrayLike, Key, as_numpy
 from ppl_thought.numpyro.program import Program, observe, particles, sample
 from ppl_thought.vocab import BOS_ID
 
 __all__ = ["HMM", "HMMGuide", "HMMGuideProgram", "HMMProgram"]
 
 
-def _stochastic(name: str, value, ndim: int, atol: float) -> np.ndarray:
-    a = np.asarray(value, dtype=np.float64)
+def _stochastic(name: str, value: ArrayLike, ndim: int, atol: float) -> np.ndarray:
+    a = as_numpy(name, value, where="HMM")
+    if a.dtype.kind not in "biuf":
+        raise ConfigError(f"HMM {name} must hold probabilities (numbers), got dtype {a.dtype}")
+    a = a.astype(np.float64)
     if a.ndim != ndim or a.size == 0:
         raise ConfigError(f"HMM {name} must be a non-empty {ndim}-D array, got shape {a.shape}")
     if not np.isfinite(a).all() or (a < 0).any():
@@ -51,7 +57,7 @@ class HMM:
     ``x_t ~ Categorical(B[z_t])`` (observed when x is given), as on the torch side.
     """
 
-    def __init__(self, A, B, lam, *, observable_tokens: Sequence[str] | None = None,
+    def __init__(self, A: ArrayLike, B: ArrayLike, lam: ArrayLike, *, observable_tokens: Sequence[str] | None = None,
                  hidden_names: Sequence[str] | None = None, atol: float = 1e-6):
         A = _stochastic("A", A, 2, atol)
         if A.shape[0] != A.shape[1]:
@@ -89,19 +95,19 @@ class HMM:
         return jnp.asarray(a.reshape(1, -1) if single else a, jnp.int32), single
 
     # ------------------------------------------------------------------ forward algorithm (3.1)
-    def prefix_log_probs(self, x) -> jax.Array:
+    def prefix_log_probs(self, x: ArrayLike) -> jax.Array:
         """log P(x_{<=t}) for t = 1..T: ``[T]`` or ``[N, T]``, by the forward recursion (3.1) (``lax.scan``)."""
         xb, single = self._check_x(x)
         out = _forward(self.A, self.B, self.lam, xb)
         return out[0] if single else out
 
-    def log_prob(self, x) -> jax.Array:
+    def log_prob(self, x: ArrayLike) -> jax.Array:
         """log P_{A,B,lam}(x_1 .. x_T) (Def 2.2) by the forward algorithm (3.1); 0 for T = 0, -inf if impossible."""
         xb, single = self._check_x(x)
         out = jnp.zeros(xb.shape[0]) if xb.shape[1] == 0 else _forward(self.A, self.B, self.lam, xb)[:, -1]
         return out[0] if single else out
 
-    def backward(self, x) -> jax.Array:
+    def backward(self, x: ArrayLike) -> jax.Array:
         """log beta_t(z) = log P(x_{t+1} .. x_{T-1} | Z_t = z): ``[(N,) T, |Omega|]`` (right-to-left twin of (3.1))."""
         xb, single = self._check_x(x)
         N, T = xb.shape
@@ -120,7 +126,7 @@ class HMM:
             out = jnp.swapaxes(jnp.concatenate([outs[::-1], last[None]], 0), 0, 1)
         return out[0] if single else out
 
-    def log_joint(self, z, x) -> jax.Array:
+    def log_joint(self, z: ArrayLike, x: ArrayLike) -> jax.Array:
         """log lam[z_1] + sum log A[z_t, z_{t+1}] + sum log B[z_t, x_t], for ``z``, ``x`` of the same shape."""
         xb, single = self._check_x(x)
         zb = jnp.asarray(np.asarray(z).reshape(xb.shape), jnp.int32)
@@ -128,8 +134,13 @@ class HMM:
         out = out + self.log_A[zb[:, :-1], zb[:, 1:]].sum(-1)
         return out[0] if single else out
 
-    def sample(self, key: jax.Array, num_sequences: int, length: int) -> tuple[jax.Array, jax.Array]:
-        """``(hidden, observed)``, int32 ``[num_sequences, length]`` (Def 2.2); one ``lax.scan`` over time."""
+    def sample(self, key: Key | int, num_sequences: int, length: int) -> tuple[jax.Array, jax.Array]:
+        """``(hidden, observed)``, int32 ``[num_sequences, length]`` (Def 2.2); one ``lax.scan`` over time.
+        ``key``: a PRNG key or an int seed (as the engines' ``rng_key``)."""
+        from ppl_thought.numpyro.infer.resampling import prng_key
+
+        key = prng_key(key, "key")
+        num_sequences, length = integer("num_sequences", num_sequences), integer("length", length)
         k0, kz, kx = jax.random.split(key, 3)
         z0 = jax.random.categorical(k0, self.log_lam, shape=(num_sequences,))
 
@@ -143,7 +154,7 @@ class HMM:
         return z, x
 
     # ------------------------------------------------------------------ the NumPyro program
-    def __call__(self, x=None, length: int | None = None) -> jax.Array | None:
+    def __call__(self, x: ArrayLike | None = None, length: int | None = None) -> Any:
         """Sites ``z_0 .. z_{T-1}`` and ``x_0 .. x_{T-1}`` (Def 2.2 step by step); returns the last hidden state."""
         if x is None and length is None:
             raise ConfigError("give the observations x, or length= to generate")
@@ -156,7 +167,7 @@ class HMM:
             numpyro.sample(f"x_{t}", dist.Categorical(logits=self.log_B[z]), obs=None if xs is None else xs[t])
         return z
 
-    def posterior_guide(self):
+    def posterior_guide(self) -> Callable[..., Any]:
         """The exact posterior as a guide, z_t ~ P(z_t | z_{t-1}, x) ∝ A[z_{t-1}, z_t] B[z_t, x_t] beta_t(z_t)
         (backward algorithm): every importance weight equals P(x) of (3.1)."""
         hmm = self
@@ -206,7 +217,7 @@ class HMM:
         return T
 
     # ------------------------------------------------------------------ Theorem 2.3
-    def as_slow_thinking_parts(self, sep: str = "|"):
+    def as_slow_thinking_parts(self, sep: str = "|") -> tuple[Any, Any]:
         """``(Product projection, JAX Tabular bigram prior)`` with Proj # P = P_{A,B,lam} (Theorem 2.3, App. E.2):
         after ``<bos>`` P((a, g)) = lam[g] B[g, a]; after (a, g) P((a', g')) = A[g, g'] B[g', a']."""
         from ppl_thought.numpyro.lm.tabular import Tabular

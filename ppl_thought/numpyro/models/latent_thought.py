@@ -15,12 +15,16 @@ Posterior sampling of z (Eq. 4): ``numpyro.infer.MCMC(ptn.infer.MALA(ltm.model),
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
 
+from ppl_thought.checks import integer, optional_integer
 from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.numpyro.boundary import Array, as_array
 from ppl_thought.numpyro.lm.transformer import Transformer
 
 __all__ = ["LatentThought"]
@@ -37,6 +41,7 @@ class LatentThought:
     """
 
     def __init__(self, decoder: Transformer, n_z: int, pad_id: int | None = None):
+        n_z, pad_id = integer("n_z", n_z), optional_integer("pad_id", pad_id, minimum=0)
         if not decoder.cross_attention:
             raise MalformedSequenceError("a LatentThought decoder needs cross_attention=True")
         if n_z < 1:
@@ -52,6 +57,8 @@ class LatentThought:
         return (self.decoder.n_layers, self.n_z, self.decoder.d_latent)
 
     def _mask(self, tokens: jax.Array, mask: jax.Array | None) -> jax.Array:
+        tokens = as_array("tokens", tokens, where="LatentThought")
+        mask = None if mask is None else as_array("mask", mask, where="LatentThought")
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.shape[1] < 1:
             raise MalformedSequenceError(f"tokens must be an integer array [B, N] with N >= 1, got "
                                          f"{tokens.dtype} {tuple(tokens.shape)}")
@@ -61,7 +68,7 @@ class LatentThought:
             raise MalformedSequenceError(f"mask shape {tuple(mask.shape)} != tokens shape {tuple(tokens.shape)}")
         return mask.astype(bool)
 
-    def token_log_probs(self, params, tokens: jax.Array, z: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    def token_log_probs(self, params: Any, tokens: Array, z: Array, mask: Array | None = None) -> jax.Array:
         """log p(x_n | z, x_{<n}) per position ``[B, N]`` (Eq. 1), teacher-forced from ``<bos>``; padding gives 0.
 
         ``tokens [B, N]``, ``z [B, n_layers, n_z, d_latent]`` (B may be 1 in z)."""
@@ -75,11 +82,11 @@ class LatentThought:
         lp = jnp.take_along_axis(log_probs, tokens[..., None], axis=-1)[..., 0]
         return jnp.where(mask, lp, 0.0)
 
-    def log_likelihood(self, params, tokens: jax.Array, z: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    def log_likelihood(self, params: Any, tokens: Array, z: Array, mask: Array | None = None) -> jax.Array:
         """log p_beta(x | z) = sum_n log p(x_n | z, x_{n-k:n-1}) (Eq. 1) per sequence ``[B]``."""
         return self.token_log_probs(params, tokens, z, mask).sum(-1)
 
-    def model(self, tokens: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    def model(self, tokens: Array, mask: Array | None = None) -> Any:
         """The NumPyro program: ``z ~ N(0, I)`` (site ``"z"``, event ``[L, N_z, d]``) per sequence in the plate
         ``"sequences"``, and the observed site ``"x"``: log p(x | z) of Eq. 1 over the sequence, masked by
         padding, as a factor-like categorical sequence. The decoder is fixed (its ``params``)."""

@@ -9,6 +9,7 @@ by enumeration of the lifting for small models (:meth:`SlowThinking.exact_log_pr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 import numpyro
 
 from ppl_thought.errors import ConfigError, NotInImageError, TooLargeToEnumerateError
+from ppl_thought.numpyro.boundary import ArrayLike
 from ppl_thought.numpyro.distributions import NEG_INF, LMSequence, ProjectionDelta, TokenRule, tables
 from ppl_thought.numpyro.lm.base import LM
 from ppl_thought.numpyro.lm_state import LMState
@@ -28,7 +30,7 @@ from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.vocab import PAD_ID
 
 
-def pad_sequences(seqs, length: int | None = None) -> np.ndarray:
+def pad_sequences(seqs: Sequence[Any], length: int | None = None) -> np.ndarray:
     """A list of 1-D id sequences -> a right-padded int32 array ``[len(seqs), length]``."""
     L = max((len(s) for s in seqs), default=0) if length is None else int(length)
     out = np.full((len(seqs), L), PAD_ID, np.int32)
@@ -72,7 +74,7 @@ class SlowThinking:
         self.name = name
         self._domains: dict[int, Automaton] = {}
 
-    def x_ids(self, x) -> np.ndarray:
+    def x_ids(self, x: ArrayLike | str) -> np.ndarray:
         """x as 1-D int64 ids (text, token strings, ids; right padding dropped)."""
         return as_id_array(np.asarray(x) if isinstance(x, jax.Array) else x, self.vocab, "observation x", unpad=True)
 
@@ -90,7 +92,7 @@ class SlowThinking:
         return LMSequence(self.prior, constraint=self.domain(num_observed), vocab=self.vocab,
                           params=self.prior.params if params is None else params)
 
-    def __call__(self, x=None, length: int | None = None):
+    def __call__(self, x: ArrayLike | str | None = None, length: int | None = None) -> Any:
         if x is None and length is None:
             raise ConfigError("give the observation x, or length= to generate")
         xa = self.x_ids(x) if x is not None else None
@@ -100,7 +102,7 @@ class SlowThinking:
 
     model = __call__
 
-    def program(self, x) -> SlowThinkingProgram:
+    def program(self, x: ArrayLike | str) -> SlowThinkingProgram:
         """This model for the observation ``x`` as a :class:`~ppl_thought.numpyro.program.Program` whose step t
         samples the segment z^(t) of Lemma 2.1 (site ``"z"``) and checks x_t (site ``"x"``, a factor 0 / -inf):
         what the generic engines (``ptn.infer.SMC`` / ``Importance``) run. Cached per x (a compiled run is keyed
@@ -115,7 +117,7 @@ class SlowThinking:
         return cache[key]
 
     # ------------------------------------------------------------------ exact answers
-    def enumerate_log_joint(self, x, limit: int = 20_000) -> tuple[np.ndarray, jax.Array]:
+    def enumerate_log_joint(self, x: ArrayLike | str, limit: int = 20_000) -> tuple[np.ndarray, jax.Array]:
         """(support ``[K, L]``, log P^{<=|z|}(z) ``[K]``) over the lifting of x (one jitted teacher-forced pass)."""
         xa = self.x_ids(x)
         try:
@@ -138,7 +140,7 @@ class SlowThinking:
         rows[:K] = support
         return support, fns[n](self.prior.params, jnp.asarray(rows))[:K]
 
-    def exact_log_prob(self, x, limit: int = 20_000) -> jax.Array:
+    def exact_log_prob(self, x: ArrayLike | str, limit: int = 20_000) -> jax.Array:
         """log (Proj # P)^{<=|x|}(x) = log sum_{z in lifting(x)} P^{<=|z|}(z), equation (2.22); -inf outside the
         image of Proj."""
         try:
@@ -147,7 +149,7 @@ class SlowThinking:
             return jnp.asarray(-jnp.inf)
         return jax.scipy.special.logsumexp(lp) if lp.shape[0] else jnp.asarray(-jnp.inf)
 
-    def exact_posterior(self, x, limit: int = 20_000) -> EnumeratedPosterior:
+    def exact_posterior(self, x: ArrayLike | str, limit: int = 20_000) -> EnumeratedPosterior:
         """Q_*(z | x) = P^{<=|z|}(z) / (Proj # P)^{<=|x|}(x) on the lifting of x, equation (2.24)."""
         support, lp = self.enumerate_log_joint(x, limit)
         logz = jax.scipy.special.logsumexp(lp) if lp.shape[0] else jnp.asarray(-jnp.inf)
@@ -173,7 +175,7 @@ class SlowThinkingProgram(Program):
     ``"z"``, so ``Result.samples["z"]`` is ``[n, L]`` as for the whole-trace model.
     """
 
-    def __init__(self, model: SlowThinking, x):
+    def __init__(self, model: SlowThinking, x: ArrayLike | str):
         xa = model.x_ids(x)
         if len(xa) == 0:
             raise ConfigError("SlowThinking.program needs a non-empty observation x (one step per token)")
@@ -184,14 +186,14 @@ class SlowThinkingProgram(Program):
         self.lift = tables(model.projection.lifting(xa))  # NotInImageError: p(x) = 0
         self.max_len = int(self.domain.max_len)
 
-    def init(self, state: dict) -> None:
+    def init(self, state: dict[str, Any]) -> None:
         n = particles()
         state["lm"] = LMState.start(self.model.prior, n, rule=self.rule, max_len=self.max_len)
         state["lift"] = jnp.full((n,), self.lift.start, jnp.int32)
         state["toks"] = jnp.full((n, self.max_len), PAD_ID, jnp.int32)
         state["length"] = jnp.zeros((n,), jnp.int32)
 
-    def step(self, state: dict, t) -> jax.Array:
+    def step(self, state: dict[str, Any], t: Any) -> jax.Array:
         lm, D, Lf = state["lm"], self.rule.t, self.lift
         last = t == self.max_steps - 1
 
@@ -213,6 +215,6 @@ class SlowThinkingProgram(Program):
         factor("x", jnp.where(emits, 0.0, NEG_INF))
         return jnp.broadcast_to(last, (lm.n,))
 
-    def outputs(self, state: dict) -> dict:
+    def outputs(self, state: dict[str, Any]) -> dict:
         """The whole latent z ``[n, L]`` (right-padded): the segments of every particle joined."""
         return {"z": state["toks"]}
