@@ -147,6 +147,14 @@ def _odd_arguments(func: Callable, args: tuple, kwargs: dict) -> str:
     return ", ".join(f"{k}={v!r}"[:120] for k, v in odd.items())
 
 
+def _binds(func: Callable, args: tuple, kwargs: dict) -> bool:
+    try:
+        inspect.signature(func).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
 def _hints(func: Callable) -> str:
     return ", ".join(f"{k}: {v}" for k, v in getattr(func, "__annotations__", {}).items() if k != "return")
 
@@ -165,7 +173,8 @@ def _guarded(func: Callable, wrapped: Callable) -> Callable:
         except (TypeError, ValueError, AttributeError, IndexError) as e:
             tb = e.__traceback__.tb_next if e.__traceback__ is not None else None  # beartype's wrapper frame
             if tb is None or not tb.tb_frame.f_code.co_filename.startswith("<@beartype(") or \
-                    (tb.tb_next is not None and tb.tb_next.tb_frame.f_code is code) or isinstance(e, PPLThoughtError):
+                    (tb.tb_next is not None and tb.tb_next.tb_frame.f_code is code) or isinstance(e, PPLThoughtError) \
+                    or not _binds(func, args, kwargs):  # a call with missing or extra arguments: Python's own error
                 raise
             raise ArgumentTypeError(f"{_qualname(func)}() got {_odd_arguments(func, args, kwargs)}, which its type "
                                     f"hints cannot read ({type(e).__name__}: {e}): expected the declared types "

@@ -173,6 +173,9 @@ def test_a_0d_array_where_a_sequence_is_hinted_is_an_argument_type_error():
     with pytest.raises(pt.errors.VocabularyError, match="twice"):
         pt.Vocab(["a", "a"])  # the body's own error, not rewritten
     assert len(pt.Vocab(np.array(["a", "b"]))) == len(pt.Vocab(["a", "b"]))
+    with pytest.raises(TypeError, match="missing 1 required positional argument") as info:
+        pt.Vocab()  # a call that does not bind keeps Python's own error
+    assert not isinstance(info.value, PPLThoughtError)
 
 
 def test_io_is_under_the_type_layer_and_checks_what_it_writes(tmp_path, monkeypatch):
