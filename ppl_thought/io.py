@@ -36,7 +36,7 @@ from ppl_thought.checkpoint import (  # noqa: F401  (re-exported: the historical
     read_checkpoint,
     write_checkpoint,
 )
-from ppl_thought.errors import CheckpointError, ConfigError
+from ppl_thought.errors import ArgumentTypeError, CheckpointError, ConfigError
 
 __all__ = ["load_checkpoint", "load_checkpoint_raw", "nonfinite_names", "save_checkpoint"]
 
@@ -46,7 +46,8 @@ def save_checkpoint(path: str | os.PathLike, module: torch.nn.Module | Mapping[s
     """Write ``module.state_dict()`` (or a dict of tensors), ``config`` and ``extra`` to directory ``path``.
 
     ``config`` and ``extra`` must be JSON-serialisable and every value of the state a tensor with a string name
-    (checked before anything is written: a :class:`~ppl_thought.errors.ConfigError` naming the argument).
+    (checked before anything is written: a :class:`~ppl_thought.errors.ConfigError` naming the argument, an
+    :class:`~ppl_thought.errors.ArgumentTypeError`, also a ``TypeError``, for what JSON cannot hold).
     Returns the checkpoint directory.
     """
     path = checks.path("path", path)
@@ -54,9 +55,9 @@ def save_checkpoint(path: str | os.PathLike, module: torch.nn.Module | Mapping[s
         try:
             json.dumps(value)
         except (TypeError, ValueError, RecursionError) as e:
-            raise ConfigError(f"save_checkpoint: {name} must be JSON-serialisable (a dict of numbers, strings, "
-                              f"lists and dicts), got {type(value).__name__} ({type(e).__name__}: {e})"[:300]) \
-                from None
+            raise ArgumentTypeError(f"save_checkpoint: {name} must be JSON-serialisable (a dict of numbers, "
+                                    f"strings, lists and dicts), got {type(value).__name__} ({type(e).__name__}: "
+                                    f"{e})"[:300]) from None
     state = module.state_dict() if isinstance(module, torch.nn.Module) else dict(module)
     _check_state(state, "save_checkpoint: module")
     tensors, aliases = _unshared(state)
@@ -106,12 +107,12 @@ def nonfinite_names(state: Mapping[str, torch.Tensor]) -> list[str]:
 def _check_state(state, what: str) -> None:
     """Refuse a state that is not a mapping of string names to tensors, naming the first bad entry."""
     if not isinstance(state, Mapping):
-        raise ConfigError(f"{what} must be a torch.nn.Module or a mapping of names to tensors, got "
-                          f"{type(state).__name__} {state!r}"[:300])
+        raise ArgumentTypeError(f"{what} must be a torch.nn.Module or a mapping of names to tensors, got "
+                                f"{type(state).__name__} {state!r}"[:300])
     for key, value in state.items():
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
-            raise ConfigError(f"{what} must map string names to tensors, got the entry {key!r}: "
-                              f"{type(value).__name__} {value!r}"[:300])
+            raise ArgumentTypeError(f"{what} must map string names to tensors, got the entry {key!r}: "
+                                    f"{type(value).__name__} {value!r}"[:300])
 
 
 def _unshared(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
