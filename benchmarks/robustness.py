@@ -2,6 +2,7 @@
 
     python benchmarks/robustness.py [--quick] [--json FILE] [--property-examples N]
     python benchmarks/robustness.py --public [--public-examples N] --json benchmarks/results/robustness_public.json
+    python benchmarks/robustness.py --public --only pt. --json /tmp/torch_side.json   (one side only)
 
 Each case feeds one bad input to one public entry point and classifies the answer:
 
@@ -244,8 +245,10 @@ def property_rows(examples: int) -> dict[str, list[tuple[str, str, str]]]:
     return {name: mod.run_family(name, examples) for name in mod.FAMILIES}
 
 
-def public_sweep(examples: int) -> dict:
-    """The sweep over every public callable (tests/test_robustness_properties.py, ``run_public``)."""
+def public_sweep(examples: int, only: tuple[str, ...] = ()) -> dict:
+    """The sweep over every public callable (tests/test_robustness_properties.py, ``run_public``); with ``only``,
+    over the callables whose qualified name starts with one of those prefixes (``pt.`` is the torch side, ``ptn``
+    the JAX side)."""
     mod = property_families()
     if mod is None:
         return {}
@@ -257,6 +260,8 @@ def public_sweep(examples: int) -> dict:
         os.chdir(d)  # a drawn path such as "x" lands in a temporary folder
         try:
             for name, fn in mod.PUBLIC.items():
+                if only and not name.startswith(only):
+                    continue
                 rows = mod.run_public(name, fn, examples)
                 answers = Counter(a for _, a, _ in rows)
                 counts.update(answers)
@@ -267,7 +272,7 @@ def public_sweep(examples: int) -> dict:
             os.chdir(cwd)
     worst = Counter(r["worst"] for r in by_callable.values())
     return {"examples_per_callable": examples, "covered": sum(1 for r in by_callable.values() if r["answers"]),
-            "total": len(mod.PUBLIC), "tried": sum(counts.values()),
+            "total": len(by_callable) if only else len(mod.PUBLIC), "tried": sum(counts.values()),
             **{k: counts.get(k, 0) for k in ("clear", "valid", "silent", "unclear", "crash")},
             "callables_by_worst_answer": {k: worst.get(k, 0) for k in ("crash", "unclear", "silent", "clear",
                                                                        "valid")},
@@ -285,15 +290,20 @@ def main() -> None:
                     help="draws per public callable (default 3, what the test runs); --public-slow-examples (20, "
                          "pytest --slow) is recorded as well")
     ap.add_argument("--public-slow-examples", type=int, default=20)
+    ap.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                    help="with --public: only the callables whose name starts with PREFIX (repeatable; 'pt.' is the "
+                         "torch side, 'ptn' the JAX side); the JSON then records the prefixes")
     args = ap.parse_args()
     if args.public:
-        sweep = public_sweep(args.public_examples)
-        slow = public_sweep(args.public_slow_examples)
+        only = tuple(args.only)
+        sweep = public_sweep(args.public_examples, only)
+        slow = public_sweep(args.public_slow_examples, only)
         for s in (sweep, slow):
             print(json.dumps({k: v for k, v in s.items() if k != "by_callable"}, indent=2))
         if args.json:
-            pt.io.atomic_write_json(args.json, {"command": "python benchmarks/robustness.py --public --json "
-                                                           + args.json, "public_callables": sweep,
+            command = "python benchmarks/robustness.py --public" + "".join(f" --only {p}" for p in only)
+            pt.io.atomic_write_json(args.json, {"command": f"{command} --json {args.json}", **({"only": list(only)}
+                                                if only else {}), "public_callables": sweep,
                                                 "public_callables_slow": slow})
         return
     rows = [(name, *classify(call, phrase)) for name, call, phrase in CASES]

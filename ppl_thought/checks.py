@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
+from ppl_thought.errors import ConfigError, MalformedSequenceError, PPLThoughtError, UnknownTokenError
 
 
 def integer(name: str, value, minimum: int = 1) -> int:
@@ -92,6 +92,38 @@ def token_ids(name: str, value, *, vocab_hint: str = "") -> None:
     elif isinstance(value, list | tuple) and any(isinstance(v, float | bool | np.floating | np.bool_)
                                                  for v in value):
         raise MalformedSequenceError(f"{name} must hold integer token ids, got {list(value)[:8]!r}")
+
+
+def numeric_array(name: str, value, error: type[PPLThoughtError] = ConfigError,
+                  expects: str = "an array of numbers (a tensor, a NumPy array or a list of numbers)") -> None:
+    """Refuse what cannot be read as an array of numbers before ``torch.as_tensor`` / ``np.asarray`` meet it:
+    ``None``, a string or bytes (a ``Sequence`` to the type layer), an array of strings or objects, or a list
+    holding anything but numbers (``[1.5, 'a']``, a ragged nesting). ``error`` names the argument, the value and
+    what is expected. An array's dtype is read, its elements never are (no host sync for a GPU tensor)."""
+    got = f"got {type(value).__name__} {value!r}"[:200]
+    if value is None or isinstance(value, str | bytes | bytearray):
+        raise error(f"{name} must be {expects}, {got}")
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and not isinstance(value, numbers.Number):
+        try:
+            kind = dtype.kind if isinstance(dtype, np.dtype) else np.dtype(str(dtype).replace("torch.", "")).kind
+        except TypeError:  # torch dtypes NumPy does not name (bfloat16, float8 ...): all of them numbers
+            kind = "f"
+        if kind not in "biuf":
+            raise error(f"{name} must be {expects}, got an array of dtype {dtype}")
+        return
+    if isinstance(value, numbers.Number):
+        return
+    if isinstance(value, list | tuple) and value and all(hasattr(v, "dtype") for v in value):
+        for i, v in enumerate(value):  # a list of arrays (maybe on a GPU): their dtypes, not their elements
+            numeric_array(f"{name}[{i}]", v, error, expects)
+        return
+    try:
+        arr = np.asarray(value, dtype=float)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+        raise error(f"{name} must be {expects}, {got} ({type(e).__name__}: {e})"[:300]) from None
+    if arr.dtype.kind not in "biuf":
+        raise error(f"{name} must be {expects}, {got}")
 
 
 def path(name: str, value):

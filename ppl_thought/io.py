@@ -12,6 +12,8 @@ A checkpoint is a directory::
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,24 +36,37 @@ from ppl_thought.checkpoint import (  # noqa: F401  (re-exported: the historical
     read_checkpoint,
     write_checkpoint,
 )
-from ppl_thought.errors import CheckpointError, ConfigError
+from ppl_thought.errors import ArgumentTypeError, CheckpointError, ConfigError
+
+__all__ = ["load_checkpoint", "load_checkpoint_raw", "nonfinite_names", "save_checkpoint"]
 
 
-def save_checkpoint(path: str | Path, module: torch.nn.Module | Mapping[str, torch.Tensor], config: dict,
+def save_checkpoint(path: str | os.PathLike, module: torch.nn.Module | Mapping[str, torch.Tensor], config: dict,
                     extra: dict | None = None) -> Path:
     """Write ``module.state_dict()`` (or a dict of tensors), ``config`` and ``extra`` to directory ``path``.
 
-    ``config`` and ``extra`` must be JSON-serialisable (checked before anything is written).
+    ``config`` and ``extra`` must be JSON-serialisable and every value of the state a tensor with a string name
+    (checked before anything is written: a :class:`~ppl_thought.errors.ConfigError` naming the argument, an
+    :class:`~ppl_thought.errors.ArgumentTypeError`, also a ``TypeError``, for what JSON cannot hold).
     Returns the checkpoint directory.
     """
+    path = checks.path("path", path)
+    for name, value in (("config", config), ("extra", extra)):
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ArgumentTypeError(f"save_checkpoint: {name} must be JSON-serialisable (a dict of numbers, "
+                                    f"strings, lists and dicts), got {type(value).__name__} ({type(e).__name__}: "
+                                    f"{e})"[:300]) from None
     state = module.state_dict() if isinstance(module, torch.nn.Module) else dict(module)
+    _check_state(state, "save_checkpoint: module")
     tensors, aliases = _unshared(state)
     # save_file is looked up at call time (tests replace it to simulate a crash mid-write)
     return write_checkpoint(path, lambda file, metadata: save_file(tensors, file, metadata=metadata),
                             aliases, config, extra)
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[dict, dict, dict]:
+def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[dict, dict, dict]:
     """Read a checkpoint written by ``save_checkpoint``: ``(state_dict, config, extra)``.
 
     Aliased names (tied weights) come back as the same tensor object. Raises ``CheckpointError`` if the
@@ -63,7 +78,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tup
     return state, raw.header["config"], raw.header["extra"]
 
 
-def load_checkpoint_raw(path: str | Path, device: str | torch.device = "cpu") -> tuple[dict, RawCheckpoint]:
+def load_checkpoint_raw(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[dict, RawCheckpoint]:
     """``(state_dict, raw)``: :func:`load_checkpoint` with the :class:`~ppl_thought.checkpoint.RawCheckpoint`
     it read (stored dtypes, aliases), for loaders that check more (``Transformer.load``, ``Trainer.load``)."""
     try:
@@ -83,8 +98,21 @@ def load_checkpoint_raw(path: str | Path, device: str | torch.device = "cpu") ->
 
 
 def nonfinite_names(state: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of the floating tensors in ``state`` holding NaN or inf (one check per tensor, at load time)."""
+    """The names of the floating tensors in ``state`` holding NaN or inf (one check per tensor, at load time).
+    A ``state`` that is not a mapping of names to tensors: :class:`~ppl_thought.errors.ConfigError`."""
+    _check_state(state, "nonfinite_names: state")
     return [k for k, v in state.items() if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all())]
+
+
+def _check_state(state, what: str) -> None:
+    """Refuse a state that is not a mapping of string names to tensors, naming the first bad entry."""
+    if not isinstance(state, Mapping):
+        raise ArgumentTypeError(f"{what} must be a torch.nn.Module or a mapping of names to tensors, got "
+                                f"{type(state).__name__} {state!r}"[:300])
+    for key, value in state.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise ArgumentTypeError(f"{what} must map string names to tensors, got the entry {key!r}: "
+                                    f"{type(value).__name__} {value!r}"[:300])
 
 
 def _unshared(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -109,3 +137,8 @@ def _unshared(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     return tensors, aliases
 
 
+
+
+from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
+
+check_exports(globals())

@@ -37,7 +37,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.poutine.runtime import _PYRO_STACK
 
-from ppl_thought.errors import ProgramError
+from ppl_thought.errors import PPLThoughtError, ProgramError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.twists import current as current_twists
 
@@ -53,13 +53,53 @@ __all__ = ["OUTPUT", "PARTICLES", "PARTICLE_PLATES", "OneTokenStep", "Program", 
 OUTPUT = "output"
 
 
+def _check_site(verb: str, name, fn) -> None:
+    """The site name and distribution of a verb (docs/architecture.md, "Validation at the boundary"): a
+    :class:`ProgramError` naming the argument, the value and what is expected, where Pyro would fail later with
+    ``'NoneType' object is not callable`` or an AttributeError. Two ``isinstance`` checks: cheap enough for a
+    call per step."""
+    if not isinstance(name, str):
+        raise ProgramError(f"pt.{verb}: name must be a site name (a str), got {type(name).__name__} {name!r}"[:300])
+    if not isinstance(fn, torch.distributions.Distribution | pyro.distributions.Distribution):
+        raise ProgramError(f"pt.{verb}({name!r}, fn): fn must be a distribution (a pyro.distributions or "
+                           f"torch.distributions instance, e.g. pt.dist.LMSequence), got {type(fn).__name__} "
+                           f"{fn!r}"[:300])
+
+
+def _as_tensor(verb: str, what: str, value, name: str) -> torch.Tensor:
+    """``torch.as_tensor(value)``, or a :class:`ProgramError` naming the argument for what torch cannot read
+    (``None``, a string, an object)."""
+    if isinstance(value, str | bytes):
+        raise ProgramError(f"pt.{verb}({name!r}, ...): {what} must be a tensor or a number, got "
+                           f"{type(value).__name__} {value!r}"[:300])
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ProgramError(f"pt.{verb}({name!r}, ...): {what} must be a tensor or a number, got "
+                           f"{type(value).__name__} {value!r} ({type(e).__name__}: {e})"[:300]) from None
+
+
+def _site_error(verb: str, name: str, e: ValueError) -> ProgramError:
+    """A bare ``ValueError`` of Pyro's or torch's argument validation at a site (a NaN log factor, an observed
+    value outside the support) as a :class:`ProgramError` naming the verb and the site (the verbs re-raise the
+    library's own errors unchanged; a ``try`` costs nothing when nothing is raised)."""
+    return ProgramError(f"pt.{verb}({name!r}, ...): {e}"[:500])
+
+
 def sample(name: str, fn, **kwargs) -> torch.Tensor:
     """A latent site: ``pyro.sample(name, fn, **kwargs)`` (a guide proposes it; without one the program does).
 
     ``pt.sample``, :func:`observe`, :func:`factor` and :func:`twist` are the four verbs of a program; they are
     Pyro's primitives under the names of the theory, so Pyro code and Pyro handlers keep working on them.
+    ``name`` must be a str and ``fn`` a distribution (:class:`~ppl_thought.errors.ProgramError` otherwise).
     """
-    return pyro.sample(name, fn, **kwargs)
+    _check_site("sample", name, fn)
+    try:
+        return pyro.sample(name, fn, **kwargs)
+    except ValueError as e:
+        if isinstance(e, PPLThoughtError):
+            raise
+        raise _site_error("sample", name, e) from e
 
 
 def observe(name: str, fn, value) -> torch.Tensor:
@@ -70,9 +110,15 @@ def observe(name: str, fn, value) -> torch.Tensor:
     and decoding reads it (the continuation of a prompt, (3.12)). So one program both scores data and
     generates it: ``pt.observe(f"x_{t}", d, x[t] if t < len(x) else None)``.
     """
+    _check_site("observe", name, fn)
     if value is None:
-        return pyro.sample(name, fn, infer={OUTPUT: True})
-    v = torch.as_tensor(value)
+        try:
+            return pyro.sample(name, fn, infer={OUTPUT: True})
+        except ValueError as e:
+            if isinstance(e, PPLThoughtError):
+                raise
+            raise _site_error("observe", name, e) from e
+    v = _as_tensor("observe", "value", value, name)
     # one value for every particle: broadcast it over the batch (a ragged sequence site keeps its own width)
     shape = tuple(fn.batch_shape) + (tuple(v.shape[-1:]) if getattr(fn, "ragged_event", False) and fn.event_shape
                                       else tuple(fn.event_shape))
@@ -81,13 +127,32 @@ def observe(name: str, fn, value) -> torch.Tensor:
             v = v.expand(shape)
         except RuntimeError:
             pass  # the distribution's own check names the problem
-    return pyro.sample(name, fn, obs=v)
+    try:
+        return pyro.sample(name, fn, obs=v)
+    except ValueError as e:
+        if isinstance(e, PPLThoughtError):
+            raise
+        raise _site_error("observe", name, e) from e
 
 
 def factor(name: str, log_factor) -> None:
     """Multiply the program's density by exp(log_factor) ``[n]`` (``pyro.factor``): a hard constraint is
-    ``torch.where(ok, 0., -inf)``, a soft one any log-potential. Unlike :func:`twist` it changes the target."""
-    pyro.factor(name, torch.as_tensor(log_factor))
+    ``torch.where(ok, 0., -inf)``, a soft one any log-potential. Unlike :func:`twist` it changes the target.
+    ``name`` must be a str and ``log_factor`` a real tensor or number (:class:`~ppl_thought.errors.ProgramError`
+    otherwise; a bool or integer factor is read as a float)."""
+    if not isinstance(name, str):
+        raise ProgramError(f"pt.factor: name must be a site name (a str), got {type(name).__name__} {name!r}"[:300])
+    lf = _as_tensor("factor", "log_factor", log_factor, name)
+    if not lf.is_floating_point():
+        if lf.is_complex():
+            raise ProgramError(f"pt.factor({name!r}, ...): log_factor must be real, got dtype {lf.dtype}")
+        lf = lf.to(torch.get_default_dtype())
+    try:
+        pyro.factor(name, lf)
+    except ValueError as e:
+        if isinstance(e, PPLThoughtError):
+            raise
+        raise _site_error("factor", name, e) from e
 
 
 def is_output(site: dict) -> bool:

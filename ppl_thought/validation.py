@@ -36,7 +36,7 @@ import numpy as np
 from beartype import BeartypeConf, FrozenDict, beartype
 from beartype.roar import BeartypeDecorHintPep585DeprecationWarning, BeartypeException
 
-from ppl_thought.errors import ArgumentTypeError, ResultTypeError
+from ppl_thought.errors import ArgumentTypeError, PPLThoughtError, ResultTypeError
 
 __all__ = ["ENABLED", "CONF", "ArrayLike", "SupportsArray", "SupportsLogProb", "SupportsSampleWithLogProb",
            "check_exports", "checked", "UNCHECKED"]
@@ -151,9 +151,10 @@ def checked(func: Callable, skip_while: Callable[[], bool] | None = None) -> Cal
     except BeartypeException as e:
         UNCHECKED[_qualname(func)] = f"{type(e).__name__}: {e}".splitlines()[0]
         return func
-    if wrapped is not func and skip_while is not None:
-        wrapped = _unless(func, wrapped, skip_while)
     if wrapped is not func:
+        wrapped = _guarded(func, wrapped)  # first: it reads beartype's frame right under its own
+        if skip_while is not None:
+            wrapped = _unless(func, wrapped, skip_while)
         setattr(wrapped, _MARK, True)
         _WRAPPED[func] = wrapped
     return wrapped
@@ -167,6 +168,53 @@ def _unless(func: Callable, check: Callable, skip_while: Callable[[], bool]) -> 
         return func(*args, **kwargs) if skip_while() else check(*args, **kwargs)
 
     return call
+
+
+def _odd_arguments(func: Callable, args: tuple, kwargs: dict) -> str:
+    """The arguments of a failed call, 0-d arrays (the usual culprits) first, as ``name=value`` (the error path)."""
+    try:
+        bound = inspect.signature(func).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return f"arguments {args!r} {kwargs!r}"[:200]
+    named = {k: v for k, v in bound.items() if k not in ("self", "cls")}
+    odd = {k: v for k, v in named.items() if getattr(v, "ndim", None) == 0} or named
+    return ", ".join(f"{k}={v!r}"[:120] for k, v in odd.items())
+
+
+def _binds(func: Callable, args: tuple, kwargs: dict) -> bool:
+    try:
+        inspect.signature(func).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def _hints(func: Callable) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in getattr(func, "__annotations__", {}).items() if k != "return")
+
+
+def _guarded(func: Callable, wrapped: Callable) -> Callable:
+    """``wrapped`` (beartype's check of ``func``) with the exceptions the *check itself* raises on an odd value
+    turned into :class:`ArgumentTypeError`: beartype sizes a value hinted ``Iterable[...]`` or ``Sequence[...]``
+    with ``len()``, which a 0-d tensor or array answers with a bare ``TypeError``. An exception from ``func``'s own
+    body (the frame after beartype's is ``func``'s) passes unchanged."""
+    code = func.__code__
+
+    @functools.wraps(func)
+    def guard(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return wrapped(*args, **kwargs)
+        except (TypeError, ValueError, AttributeError, IndexError) as e:
+            tb = e.__traceback__.tb_next if e.__traceback__ is not None else None  # beartype's wrapper frame
+            if tb is None or not tb.tb_frame.f_code.co_filename.startswith("<@beartype(") or \
+                    (tb.tb_next is not None and tb.tb_next.tb_frame.f_code is code) or isinstance(e, PPLThoughtError) \
+                    or not _binds(func, args, kwargs):  # a call with missing or extra arguments: Python's own error
+                raise
+            raise ArgumentTypeError(f"{_qualname(func)}() got {_odd_arguments(func, args, kwargs)}, which its type "
+                                    f"hints cannot read ({type(e).__name__}: {e}): expected the declared types "
+                                    f"{_hints(func)}"[:600]) from None
+
+    return guard
 
 
 def _check_class(cls: type, skip_while: Callable[[], bool] | None = None) -> None:

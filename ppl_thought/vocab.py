@@ -44,8 +44,12 @@ class Vocab:
                                       f"be read as {len(value)} one-character tokens): write [{value!r}]")
             if value is None or not isinstance(value, Iterable):
                 raise VocabularyError(f"{what} must be a list of token strings, got {value!r}")
-        tokens = list(tokens)
-        specials = list(specials)
+        try:  # an Iterable by its type that cannot be iterated (a 0-d tensor or array)
+            tokens = list(tokens)
+            specials = list(specials)
+        except TypeError as e:
+            raise VocabularyError(f"tokens and specials must be lists of token strings, got tokens={tokens!r}, "
+                                  f"specials={specials!r} ({e})"[:300]) from None
         for sp in specials:
             if not isinstance(sp, str) or not sp or any(c.isspace() for c in sp):
                 raise VocabularyError(f"special token {sp!r} must be a non-empty string without whitespace")

@@ -165,3 +165,13 @@ def test_theorem_2_3_slow_thinking_form_of_a5():
     total = float(torch.logsumexp(lp, 0))
     assert math.isclose(total, float(task.hmm.log_prob(x)), rel_tol=1e-5)
     assert math.isclose(total, math.log(1 / 4 * 1 / 4 * 1 / 2), rel_tol=1e-5)
+
+
+def test_a5_hmm_refuses_a_reveal_prob_outside_0_1_with_a_config_error():
+    """Found by the public sweep: a5_hmm(reveal_prob=nan) raised a bare ValueError."""
+    from ppl_thought.errors import ConfigError
+
+    for bad in (float("nan"), float("inf"), -0.1, 1.5, True):
+        with pytest.raises(ConfigError, match="reveal_prob"):
+            a5_hmm(reveal_prob=bad)
+    assert a5_hmm(reveal_prob=1).reveal_prob == 1.0

@@ -375,3 +375,35 @@ def test_arviz_summary_of_a_weighted_result_is_the_weighted_posterior():
             assert abs(float(row["mean"]) - exact) <= 3 * float(row["mcse_mean"]), seed
             unweighted = float(idata.particles["z_length"].values.mean())
             assert abs(unweighted - exact) > 3 * float(row["mcse_mean"]), seed
+
+
+def test_diagnostics_refuse_text_empty_and_0d_input_by_name(tmp_path):
+    """Found by the public sweep: strings reached torch.as_tensor (TypeError: new(): invalid data type 'str'), empty
+    weights a reshape error, a 0-d trace an IndexError, a missing file a bare FileNotFoundError."""
+    from ppl_thought.errors import DiagnosticError, MissingCheckpointError
+
+    for bad in ("", b"\x00", [1.5, "a"]):
+        with pytest.raises(DiagnosticError, match="log_w must be log weights"):
+            pt.diagnostics.psis_khat(bad)
+    with pytest.raises(pt.errors.ArgumentTypeError, match="log_w"):
+        pt.diagnostics.psis_khat(None)
+    with pytest.raises(DiagnosticError, match="no log weights"):
+        pt.diagnostics.psis_khat(torch.zeros(0))
+    with pytest.raises(DiagnosticError, match="q must be"):
+        pt.diagnostics.chi2(torch.zeros(2), "x")
+    with pytest.raises(DiagnosticError, match="p must be"):
+        pt.diagnostics.kl([1.5, "a"], torch.zeros(2))
+    assert pt.diagnostics.kl(torch.log(torch.tensor([0.5, 0.5])), torch.log(torch.tensor([0.5, 0.5]))) == 0.0
+    with pytest.raises(DiagnosticError, match="no log weights"):
+        pt.diagnostics.plot_weights(torch.zeros(0))
+    with pytest.raises(DiagnosticError, match="shape"):
+        pt.diagnostics.plot_trace(torch.tensor(float("nan")))
+    with pytest.raises(DiagnosticError, match="values must be"):
+        pt.diagnostics.plot_trace("")
+    with pytest.raises(DiagnosticError, match="ess_per_step"):
+        pt.diagnostics.plot_ess(b"\x00")
+    assert pt.diagnostics.plot_trace([[0.5, 0.6], [0.4, 0.7]]) is not None
+    with pytest.raises(MissingCheckpointError, match="no such file"):
+        pt.diagnostics.diagnose(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError):  # still a FileNotFoundError for callers that catch that
+        pt.diagnostics.diagnose(tmp_path / "missing")

@@ -396,3 +396,20 @@ def test_sampler_hierarchy_gap():
     assert c > 0.5  # bounded away from 0 (Prop 3.5; 0.80 for the best fixed law)
     assert e * 10 <= c
     assert np.isfinite(res["chi2"]["identity"]["max"])
+
+
+def test_table_samplers_refuse_what_is_not_a_slow_thinking_model():
+    """Found by the public sweep: Posterior(None) failed with AttributeError ('NoneType' object has no attribute
+    'projection'): Posterior inherits its constructor, which the type layer does not wrap, so it checks itself."""
+    from ppl_thought.errors import ConfigError
+
+    for bad in (None, torch.zeros(0), "model"):
+        with pytest.raises(ConfigError, match="model must be a pt.models.SlowThinking"):
+            Posterior(bad)
+        with pytest.raises(ConfigError, match="model"):  # its own constructor: the type layer's ArgumentTypeError
+            Inquisitive(bad)
+    proj, _ = cases()["pause"]
+    model = model_for(proj)
+    with pytest.raises(ConfigError, match="limit"):
+        Posterior(model, limit=1.5)
+    assert Posterior(model, limit=100).limit == 100

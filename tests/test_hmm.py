@@ -500,3 +500,20 @@ def test_zero_entries_give_neg_inf_not_nan():
     for kind in ("bootstrap", "filtering", "posterior"):
         log_w = _is_log_weights(det, _guide(det, kind), bad, 16, seed=0)
         assert torch.isneginf(log_w).all(), kind
+
+
+def test_hmm_tables_of_text_or_empty_get_a_config_error_naming_the_table():
+    """Found by the public sweep: HMM('', ...) raised torch's TypeError (new(): invalid data type 'str'), empty
+    tables a bare ValueError. Both are ConfigErrors naming the table now (still ValueErrors)."""
+    from ppl_thought.errors import ConfigError
+
+    A, B, lam = torch.eye(2), torch.full((2, 3), 1 / 3), torch.tensor([0.5, 0.5])
+    with pytest.raises(ConfigError, match="HMM A must be a probability table"):
+        HMM("", B, lam)
+    with pytest.raises(ConfigError, match="HMM B must be a probability table"):
+        HMM(A, b"\x00", lam)
+    with pytest.raises(ConfigError, match="HMM A must be 2-D"):
+        HMM(torch.zeros(0), B, lam)
+    with pytest.raises(ConfigError, match="sums to"):
+        HMM(A, B, torch.tensor([0.5, 0.6]))
+    assert HMM(A.tolist(), B.numpy(), lam).num_observations == 3

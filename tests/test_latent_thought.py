@@ -176,3 +176,20 @@ def test_experiment_runs_tiny(tmp_path: Path):
     data = MarkovMixture(3, 2, 0.5, torch.Generator().manual_seed(0))
     xs = torch.cartesian_prod(torch.arange(3), torch.arange(3))
     assert data.log_prob(xs).exp().sum().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_fast_lr_schedule_and_latent_thought_refuse_bad_numbers_by_name():
+    """Found by the public sweep: fast_lr_schedule(nan) returned NaN (min/max keep a NaN), LatentThought(n_z=-1)
+    raised a bare ValueError."""
+    from ppl_thought.errors import ConfigError
+    from ppl_thought.training import fast_lr_schedule
+
+    for kwargs in ({"progress": float("nan")}, {"progress": 0.5, "start": float("nan")},
+                   {"progress": 0.5, "end": float("inf")}, {"progress": 0.5, "start": -0.1}):
+        with pytest.raises(ConfigError, match="must be a finite number"):
+            fast_lr_schedule(**kwargs)
+    assert fast_lr_schedule(0.0) == 0.3 and math.isclose(fast_lr_schedule(2.0), 0.34)  # progress is clamped
+    with pytest.raises(ConfigError, match="n_z"):
+        LatentThought(8, 16, 1, 2, -1)
+    with pytest.raises(ValueError, match="vocab_size"):  # still a ValueError for callers that catch that
+        LatentThought(0, 16, 1, 2, 1)

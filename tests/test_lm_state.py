@@ -323,3 +323,26 @@ def test_stop_given_as_a_string_names_the_fix():
     with pytest.raises(MalformedSequenceError, match=r"vocab.id\('</s>'\)"):
         st.segment(stop="</s>")
     assert st.segment(stop=torch.tensor([4])).stop_ids.tolist() == [4]
+
+
+def test_concat_trim_padding_and_segment_refuse_bad_input_by_name():
+    """Found by the public sweep: concat() with no part reached torch.cat (a bare ValueError), trim_padding of a
+    float tensor returned it (NaN included), Segment(None) failed with an AttributeError inside."""
+    import ppl_thought as pt
+    from ppl_thought.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="at least one"):
+        concat()
+    with pytest.raises(ConfigError, match="pad_id"):
+        concat(torch.tensor([6, 7]), pad_id=-1)
+    with pytest.raises(MalformedSequenceError, match="integer token ids"):
+        concat(torch.tensor([6.5, 7.0]))
+    with pytest.raises(pt.errors.ArgumentTypeError, match="parts"):
+        concat("ab")
+    assert concat(torch.tensor([[6, 0]]), torch.tensor([[7, 8]])).tolist() == [[6, 7, 8]]
+    with pytest.raises(MalformedSequenceError, match="integer token ids"):
+        pt.dist.trim_padding(torch.full((2, 3), float("nan")))
+    assert pt.dist.trim_padding(torch.tensor([[6, 0, 0], [7, 8, 0]])).tolist() == [[6, 0], [7, 8]]
+    for bad in (None, object(), "x"):
+        with pytest.raises(ConfigError, match="lm_state must be an LMState"):
+            Segment(bad)

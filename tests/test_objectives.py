@@ -213,3 +213,21 @@ def test_bad_input_errors():
     assert not torch.isnan(log_p.grad).any()
     with pytest.raises(ValueError, match="not finite"):
         SamplerPolicyGradient(3).from_particles(Particles(log_p * 1, torch.zeros(3, requires_grad=True), {}))
+
+
+def test_sum_and_group_advantages_answer_bad_input_with_library_errors():
+    """Found by the public sweep: Sum() raised a bare TypeError, group_advantages of NaN rewards a bare
+    ValueError; now ArgumentTypeError (a TypeError) and NumericalError (a ValueError)."""
+    from ppl_thought.errors import ArgumentTypeError, ConfigError, NumericalError
+
+    with pytest.raises(ArgumentTypeError, match="ParticleObjective"):
+        Sum()
+    with pytest.raises(ArgumentTypeError, match="ParticleObjective"):
+        Sum(weights=[1.0])
+    with pytest.raises(ConfigError, match="weights\\[0\\]"):
+        Sum(OneSampler(4), weights=[float("nan")])
+    with pytest.raises(ConfigError, match="2 weights for 1 terms"):
+        Sum(OneSampler(4), weights=[1.0, 2.0])
+    with pytest.raises(NumericalError, match="not finite"):
+        group_advantages(torch.full((2, 3), float("nan")))
+    assert torch.allclose(group_advantages(torch.tensor([1.0, 3.0])), torch.tensor([-1.0, 1.0]), atol=1e-5)

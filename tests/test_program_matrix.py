@@ -325,3 +325,33 @@ def test_programs_run_under_pyros_own_vectorised_plates():
                                  max_plate_nesting=model.max_plate_nesting)
     bound = -elbo.loss(model, guide, x)
     assert math.isfinite(bound) and bound < exact
+
+
+def test_the_verbs_refuse_a_bad_site_name_distribution_or_value_by_name():
+    """Found by the public sweep: pt.sample(None, None) / pt.observe(...) raised "'NoneType' object is not
+    callable" from inside Pyro, pt.factor(name, None) torch's "Could not infer dtype", a NaN log factor Pyro's bare
+    ValueError. Each is a ProgramError naming the verb, the site and the argument now."""
+    normal = pyro.distributions.Normal(0.0, 1.0)
+    with pytest.raises(pt.errors.ProgramError, match="name must be a site name"):
+        pt.sample(None, normal)
+    with pytest.raises(pt.errors.ProgramError, match="fn must be a distribution"):
+        pt.sample("z", None)
+    with pytest.raises(pt.errors.ProgramError, match="fn must be a distribution"):
+        pt.observe("x", -1, 0.0)
+    with pytest.raises(pt.errors.ProgramError, match="value must be a tensor or a number"):
+        pt.observe("x", normal, "ab")
+    with pytest.raises(pt.errors.ProgramError, match="log_factor must be a tensor or a number"):
+        pt.factor("f", None)
+    with pytest.raises(pt.errors.ProgramError, match="name must be a site name"):
+        pt.factor(1, 0.0)
+
+    def program(log_factor):
+        pt.sample("z", normal)
+        pt.observe("x", normal, torch.tensor(0.5))
+        pt.factor("f", log_factor)
+
+    with pytest.raises(pt.errors.ProgramError, match="pt.factor\\('f'"):
+        poutine.trace(program).get_trace(torch.full((2,), float("nan")))
+    tr = poutine.trace(program).get_trace(0)  # an integer factor is read as a float
+    assert tr.nodes["f"]["fn"].log_factor.dtype == torch.get_default_dtype()
+    assert tr.nodes["x"]["is_observed"] and float(tr.nodes["x"]["value"]) == 0.5

@@ -522,3 +522,22 @@ def test_lifting_is_cached_per_observation_and_still_checked():
     assert a1 is a2 and b is not a1
     with pytest.raises(NotInImageError):
         proj.lifting(["<s>"])
+
+
+def test_automaton_tables_of_text_floats_or_0d_get_a_config_error_naming_the_field():
+    """Found by the public sweep: Automaton(tensor(nan), ...) raised IndexError (a 0-d table), Automaton('', ...)
+    int('')'s ValueError; a float table 1.5 was cast to state 1 silently."""
+    from ppl_thought.errors import ConfigError
+
+    ok = Automaton(np.array([[-1, 0]]), np.array([True]), np.array([0]))
+    assert ok.num_states == 1
+    with pytest.raises(ConfigError, match="next_state must be an array of integers"):
+        Automaton("", np.array([True]), np.array([0]))
+    with pytest.raises(ConfigError, match="next_state must hold integers"):
+        Automaton(np.array([[-1.0, 0.5]]), np.array([True]), np.array([0]))
+    with pytest.raises(ConfigError, match="non-empty \\[S, V\\] table"):
+        Automaton(torch.tensor(0), np.array([True]), np.array([0]))
+    with pytest.raises(ConfigError, match="final and emitted"):
+        Automaton(np.array([[-1, 0]]), np.array([True, False]), np.array([0]))
+    with pytest.raises(ConfigError, match="start"):
+        Automaton(np.array([[-1, 0]]), np.array([True]), np.array([0]), start=2)

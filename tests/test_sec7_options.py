@@ -198,3 +198,13 @@ def test_multi_seed_run_split_over_processes_equals_one_run(tmp_path):
     assert [r["L_expl"] for r in saved["runs"]["2"]] == [r["L_expl"] for r in whole["runs"]["2"]]
     assert saved["command"].endswith("--json " + str(f)) and "commit" in saved and saved["seconds"] > 0
 
+
+
+def test_permutation_choice_task_refuses_a_bad_count_with_a_config_error():
+    """Found by the public sweep: num_choices=-1 (and m outside [2, ...]) raised a bare ValueError."""
+    with pytest.raises(ConfigError, match="num_choices must lie in \\[1, 3!\\]"):
+        permutation_choice_task(m=3, query_len=2, num_choices=-1)
+    with pytest.raises(ConfigError, match="m must lie"):
+        permutation_choice_task(m=1, query_len=2, num_choices=1)
+    with pytest.raises(ValueError):  # still a ValueError for callers that catch that
+        permutation_choice_task(m=3, query_len=2, num_choices=7)

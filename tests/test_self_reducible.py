@@ -271,3 +271,19 @@ def test_self_reducible_curve_quick():
     assert out["T"] == T_VALUES and len(out["tv"]) == len(out["log_count_error"]) == len(T_VALUES)
     assert all(0 <= t <= 1 for t in out["tv"]) and out["tv"][-1] < out["tv"][0] / 5
     assert out["log_count_error"][-1] < out["log_count_error"][0]
+
+
+def test_self_reducible_curve_refuses_empty_text_or_float_T_values_at_once():
+    """Found by the public sweep: self_reducible_curve('') and (zeros(0)) ran every formula for no T (no answer in
+    3 s), a [2, 3] NaN tensor raised a bare ValueError. Refused before any work now."""
+    t = time.perf_counter()
+    for bad in ("", [], torch.zeros(0, dtype=torch.long)):
+        with pytest.raises(ConfigError, match="T_values"):
+            data.self_reducible_curve(bad)
+    with pytest.raises(MalformedSequenceError, match="integer"):
+        data.self_reducible_curve(torch.tensor([1.5, 2.0]))
+    with pytest.raises(ConfigError, match="T_values"):
+        data.self_reducible_curve(torch.full((2, 3), float("nan")))
+    with pytest.raises(ConfigError, match="T_values\\[1\\]"):
+        data.self_reducible_curve([1, 0])
+    assert time.perf_counter() - t < 1.0

@@ -170,3 +170,22 @@ def test_bad_input():
     with pytest.raises(ValueError, match="vocab_size"):
         SlowThinking(Tabular(2, 3), proj)
     assert float(model.exact_log_prob([])) == 0.0
+
+
+def test_pad_sequences_refuses_text_floats_short_lengths_and_unknown_devices():
+    """Found by the public sweep: pad_sequences('x') reached torch ('too many dimensions 'str''); float ids were
+    cast silently, a length shorter than a sequence failed inside the copy, device='x' was torch's RuntimeError."""
+    from ppl_thought.errors import ConfigError, MalformedSequenceError
+
+    with pytest.raises(MalformedSequenceError, match="seqs must be a list"):
+        pt.models.pad_sequences("x")
+    with pytest.raises(MalformedSequenceError, match="string"):
+        pt.models.pad_sequences(["ab"])
+    with pytest.raises(MalformedSequenceError, match="integer token ids"):
+        pt.models.pad_sequences([[6.5, 7.0]])
+    with pytest.raises(ConfigError, match="length=1 is shorter"):
+        pt.models.pad_sequences([[6, 7]], length=1)
+    with pytest.raises(ConfigError, match="device"):
+        pt.models.pad_sequences([[6, 7]], device="x")
+    assert pt.models.pad_sequences([[6, 7], [8]], length=3).tolist() == [[6, 7, 0], [8, 0, 0]]
+    assert pt.models.pad_sequences([torch.tensor([6]), np.array([7, 8])]).tolist() == [[6, 0], [7, 8]]

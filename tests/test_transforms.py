@@ -405,3 +405,15 @@ def test_composed_transforms_run_every_engine_and_commute(request):
     assert all(math.isfinite(v) for v in r.stats["losses"])
     with pytest.raises(TransformError, match="lifted already"):
         ProjectionLift(pt.projections.PauseToThink(VOCAB, 1))(models[0])
+
+
+def test_forgetful_context_refuses_float_or_1d_tokens():
+    """Found by the public sweep: forgetful_context(zeros(0)) unpacked a 1-D shape (a bare ValueError), and float
+    tokens were cast to ids silently."""
+    from ppl_thought.errors import MalformedSequenceError
+
+    with pytest.raises(MalformedSequenceError, match="integer token ids"):
+        forgetful_context(torch.zeros(0))
+    with pytest.raises(MalformedSequenceError, match="\\[n, L\\]"):
+        forgetful_context(torch.tensor([6, 7]))
+    assert forgetful_context(torch.tensor([[6, 7]])).tolist() == [[6, 7]]

@@ -161,3 +161,46 @@ def test_the_hint_check_sees_a_missing_hint():
 
     assert _unhinted(half) == ["y"] and _unhinted(full) == []
     assert _unhinted(checked(half)) == ["y"]  # read through the layer's wrapper too
+
+
+def test_a_0d_array_where_a_sequence_is_hinted_is_an_argument_type_error():
+    """Found by the public sweep: beartype sizes an ``Iterable[str]`` argument with len(), which a 0-d tensor or
+    array answers with a bare TypeError (``pt.Vocab(torch.tensor(nan))``). The layer names the argument now; an
+    error of the function's own body passes unchanged."""
+    for bad in (torch.tensor(float("nan")), np.array(1.0)):
+        with pytest.raises(ArgumentTypeError, match="tokens="):
+            pt.Vocab(bad)
+    with pytest.raises(pt.errors.VocabularyError, match="twice"):
+        pt.Vocab(["a", "a"])  # the body's own error, not rewritten
+    assert len(pt.Vocab(np.array(["a", "b"]))) == len(pt.Vocab(["a", "b"]))
+    with pytest.raises(TypeError, match="missing 1 required positional argument") as info:
+        pt.Vocab()  # a call that does not bind keeps Python's own error
+    assert not isinstance(info.value, PPLThoughtError)
+
+
+def test_io_is_under_the_type_layer_and_checks_what_it_writes(tmp_path, monkeypatch):
+    """pt.io has an __all__ and the type layer; save_checkpoint refuses a state that is not names -> tensors and a
+    config JSON cannot hold before writing anything; nonfinite_names refuses a non-mapping (was AttributeError)."""
+    from ppl_thought.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    assert set(pt.io.__all__) == {"load_checkpoint", "load_checkpoint_raw", "nonfinite_names", "save_checkpoint"}
+    with pytest.raises(ArgumentTypeError, match="path"):
+        pt.io.save_checkpoint(None, {"w": torch.ones(1)}, {})
+    with pytest.raises(ArgumentTypeError, match="module"):
+        pt.io.save_checkpoint("ck", {"w": 1.5}, {})
+    with pytest.raises(ArgumentTypeError, match="config"):
+        pt.io.save_checkpoint("ck", {"w": torch.ones(1)}, 1.5)
+    with pytest.raises(ConfigError, match="config must be JSON-serialisable"):
+        pt.io.save_checkpoint("ck", {"w": torch.ones(1)}, {"a": object()})
+    assert not Path("ck").exists()  # nothing written for a refused call
+    for bad in (None, b"\x00", {"w": 1}):
+        with pytest.raises(ConfigError, match="state"):
+            pt.io.nonfinite_names(bad)
+    assert pt.io.nonfinite_names({"a": torch.ones(2), "b": torch.tensor([float("nan")])}) == ["b"]
+
+
+def test_io_round_trip_still_works_under_the_layer(tmp_path):
+    path = pt.io.save_checkpoint(tmp_path / "ck", {"w": torch.arange(3.0)}, {"a": 1}, {"e": [1, 2]})
+    state, config, extra = pt.io.load_checkpoint(str(path))
+    assert torch.equal(state["w"], torch.arange(3.0)) and config == {"a": 1} and extra == {"e": [1, 2]}

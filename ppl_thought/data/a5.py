@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ppl_thought import checks
 from ppl_thought.errors import MalformedSequenceError
 from ppl_thought.models.hmm import HMM, EntropyEstimate
 from ppl_thought.models.hmm_lifting import slow_thinking_parts
@@ -239,7 +240,5 @@ def a5_hmm(reveal_prob: float = 0.5) -> A5Task:
     showing (and applying) a swap; each swap ``s0``, ``s1`` has probability (1 - r)/2. The paper
     uses r = 1/2. See the module docstring for the data format.
     """
-    r = float(reveal_prob)
-    if not 0.0 <= r <= 1.0 or math.isnan(r):
-        raise ValueError(f"reveal_prob must lie in [0, 1], got {reveal_prob}")
+    r = checks.fraction("reveal_prob", reveal_prob)  # a ConfigError for NaN, +-inf, a bool or outside [0, 1]
     return A5Task(reveal_prob=r, hmm=_build_hmm(r), vocab=Vocab(OBSERVABLE_TOKENS))

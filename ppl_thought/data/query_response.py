@@ -146,11 +146,11 @@ def permutation_choice_task(m: int = 4, query_len: int = 2, num_choices: int = 4
     identity) named ``M0 .. M{C-1}``.
     """
     if not 2 <= m <= len(LETTERS):
-        raise ValueError(f"m must lie in [2, {len(LETTERS)}], got {m}")
+        raise ConfigError(f"m must lie in [2, {len(LETTERS)}], got {m}")
     if query_len < 1:
         raise ConfigError(f"query_len must be >= 1, got {query_len}")
     if not 1 <= num_choices <= math.factorial(m):
-        raise ValueError(f"num_choices must lie in [1, {m}!], got {num_choices}")
+        raise ConfigError(f"num_choices must lie in [1, {m}!], got {num_choices}")
     rng = np.random.default_rng(seed)
     perms = [tuple(range(m))]
     while len(perms) < num_choices:

@@ -107,6 +107,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ppl_thought import checks
 from ppl_thought.data.cnf import CNF, MAX_VARIABLES, assignment_bits, random_cnf  # noqa: F401  (CNF's home is data/cnf.py)
 from ppl_thought.errors import (
     ConfigError,
@@ -516,9 +517,19 @@ def self_reducible_curve(T_values: Sequence[int], m: int = 12, alpha: float = 0.
     solutions drawn by :func:`count_by_sampling` (default 2000, quick 500). Returns
     ``{"T": [...], "tv": [...], "log_count_error": [...]}``.
     """
-    Ts = [int(T) for T in T_values]
-    for T in Ts:
-        _check_T(T)
+    if isinstance(T_values, str | bytes) or getattr(T_values, "ndim", 1) != 1:
+        raise ConfigError(f"T_values must be a 1-D list of positive integers, got {T_values!r}"[:300])
+    if hasattr(T_values, "dtype"):
+        checks.id_dtype("T_values", T_values.dtype)  # integers only: 2.5 reasoning paths is not 2
+        T_values = T_values.tolist()
+    Ts = []
+    for i, T in enumerate(T_values):
+        if getattr(T, "ndim", None) == 0 and hasattr(T, "dtype"):  # a 0-d integer tensor or array
+            checks.id_dtype(f"T_values[{i}]", T.dtype)
+            T = T.item()
+        Ts.append(checks.integer(f"T_values[{i}] (a number of reasoning paths T)", T, 1))
+    if not Ts:
+        raise ConfigError("T_values is empty: name at least one number of reasoning paths T")
     model = WeakCoT(alpha, gamma, bad)
     num_formulas = num_formulas if num_formulas is not None else (2 if quick else 8)
     n_count = n_count if n_count is not None else (500 if quick else 2000)

@@ -13,7 +13,9 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from ppl_thought import checks
 from ppl_thought.diagnostics.inference_data import psis_khat
+from ppl_thought.errors import DiagnosticError
 from ppl_thought.validation import ArrayLike
 
 
@@ -39,7 +41,11 @@ def plot_weights(log_weights: ArrayLike, path: str | Path | None = None, khat: f
                  title: str = "importance weights"):
     """Sorted normalised importance weights (log scale) and the PSIS Pareto k against 0.5 / 0.7."""
 
-    lw = np.asarray(torch.as_tensor(log_weights, dtype=torch.float64)).reshape(-1)
+    checks.numeric_array("log_weights", log_weights, DiagnosticError, "log weights (a tensor, an array or a list "
+                         "of numbers)")
+    lw = np.asarray(torch.as_tensor(log_weights, dtype=torch.float64).cpu()).reshape(-1)
+    if lw.size == 0:
+        raise DiagnosticError("plot_weights: no log weights (an empty array): nothing to plot")
     k = psis_khat(lw) if khat is None else float(khat)
     fin = np.isfinite(lw)
     fig, (ax1, ax2) = _figure(2)
@@ -100,7 +106,8 @@ def plot_scaling_law(law: ScalingLawLike, path: str | Path | None = None):
 def plot_ess(ess_per_step: Sequence[float], num_particles: int | None = None, path: str | Path | None = None,
              resampled: Sequence[bool] | None = None, threshold: float | None = None):
     """ESS after each SMC step, with resampling steps marked."""
-    ess = np.asarray(ess_per_step, dtype=float)
+    checks.numeric_array("ess_per_step", ess_per_step, DiagnosticError, "a sequence of ESS values (numbers)")
+    ess = np.asarray(torch.as_tensor(ess_per_step, dtype=torch.float64).cpu()).reshape(-1)
     fig, (ax,) = _figure()
     steps = np.arange(1, len(ess) + 1)
     ax.plot(steps, ess, "o-", label="ESS")
@@ -136,9 +143,13 @@ def plot_causal_gap(series: Mapping[str, tuple[Sequence[int], Sequence[float]]] 
 
 def plot_trace(values: ArrayLike, path: str | Path | None = None, name: str = "accept_prob"):
     """A per-chain trace ``[chains, draws]`` (e.g. Langevin acceptance probabilities)."""
-    v = np.asarray(values, dtype=float)
+    checks.numeric_array("values", values, DiagnosticError, "a trace [chains, draws] or [draws] of numbers")
+    v = np.asarray(torch.as_tensor(values, dtype=torch.float64).cpu())
     if v.ndim == 1:
         v = v[None]
+    if v.ndim != 2 or v.size == 0:
+        raise DiagnosticError(f"plot_trace: values must be a non-empty trace [chains, draws] or [draws], got shape "
+                              f"{tuple(v.shape)}")
     fig, (ax,) = _figure()
     for c in range(v.shape[0]):
         ax.plot(v[c], lw=0.8, label=f"chain {c}")

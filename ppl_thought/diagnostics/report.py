@@ -21,7 +21,7 @@ from ppl_thought.arviz_compat import group_dataset, group_names, is_arviz_1
 from ppl_thought.checkpoint import read_header
 from ppl_thought.diagnostics.inference_data import import_arviz, load_inference_data, to_inference_data
 from ppl_thought.diagnostics.plots import plot_ess, plot_trace, plot_weights
-from ppl_thought.errors import CheckpointError, DiagnosticError, PPLThoughtError
+from ppl_thought.errors import CheckpointError, DiagnosticError, MissingCheckpointError, PPLThoughtError
 from ppl_thought.inference.result import RESULT_FORMAT, load_result, saved_vocab
 from ppl_thought.io import CONFIG_FILE
 
@@ -55,7 +55,8 @@ def _load(path: Path):
         raise DiagnosticError(f"{path} is a directory but not a result saved by ppl_thought.inference.save_result. "
                               f"{READS}")
     if not path.is_file():
-        raise FileNotFoundError(f"no such file: {path}")
+        raise MissingCheckpointError(f"no such file or folder: {path} (diagnose reads a result saved by "
+                                     f"save_result or an ArviZ .nc file)")
     try:
         idata = load_inference_data(path)
     except Exception as e:  # noqa: BLE001 - re-raised with what the file is and what was expected
@@ -162,7 +163,8 @@ def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list
     for weighted results, ``<name>.ess.png`` (ESS over the SMC steps), ``<name>.posterior.png``
     (``az.plot_posterior``; ``az.plot_trace`` for chains: ``<name>.trace.png``), ``<name>.accept_prob.png``
     (MCMC), ``<name>.loss.png`` (SVI), ``<name>.values.png`` (files without a posterior).
-    Raises :class:`FileNotFoundError`, :class:`DiagnosticError` (a file that is not one of ours, ``out`` naming
+    Raises :class:`~ppl_thought.errors.MissingCheckpointError` (no such file or folder; a ``FileNotFoundError``
+    too), :class:`DiagnosticError` (a file that is not one of ours, ``out`` naming
     a file) or :class:`~ppl_thought.errors.CheckpointError` (a damaged saved-result folder, naming the damage).
     """
 

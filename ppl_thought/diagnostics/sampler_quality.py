@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ppl_thought import checks
 from ppl_thought.diagnostics.inference_data import psis_khat
 from ppl_thought.errors import DiagnosticError, TooLargeToEnumerateError
 from ppl_thought.inference.importance import Importance
@@ -28,11 +29,15 @@ from ppl_thought.weights import check_log_weights
 def _log_vectors(p, q, model=None, x=None) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(p, "log_prob") and hasattr(q, "log_prob") and not isinstance(p, torch.Tensor):
         if model is None or x is None:
-            raise ValueError("chi2/kl of two samplers needs model= and x= (the lifting of x is enumerated)")
+            raise DiagnosticError("chi2/kl of two samplers needs model= and x= (the lifting of x is enumerated), got "
+                                  f"model={type(model).__name__}, x={x!r}"[:300])
         support, _ = model.enumerate_log_joint(x)
         with torch.no_grad():
             lp, lq = p.log_prob(support, x).double(), q.log_prob(support, x).double()
     else:
+        for name, v in (("p", p), ("q", q)):
+            checks.numeric_array(name, v, DiagnosticError, "a vector of log-probabilities (a tensor, an array or a "
+                                 "list of numbers) or a sampler with log_prob")
         lp, lq = torch.as_tensor(p, dtype=torch.float64), torch.as_tensor(q, dtype=torch.float64)
     if lp.shape != lq.shape:
         raise DiagnosticError(f"log-probability vectors differ in shape: {tuple(lp.shape)} vs {tuple(lq.shape)}")

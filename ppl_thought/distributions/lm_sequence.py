@@ -49,8 +49,14 @@ def concat(*parts: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
     """Concatenate right-padded token arrays row by row, keeping the result right-padded.
 
     ``concat(question, thought)`` for a prompt built from a sampled (padded) thought: padding
-    inside a row would otherwise sit between the parts.
+    inside a row would otherwise sit between the parts. At least one part; every part token ids (not floats,
+    bools or text) and ``pad_id`` a non-negative integer (:class:`~ppl_thought.errors.PPLThoughtError` otherwise).
     """
+    if not parts:
+        raise ConfigError("concat needs at least one token array, got none")
+    pad_id = checks.integer("pad_id", pad_id, 0)
+    for i, p in enumerate(parts):
+        checks.token_ids(f"concat: part {i}", p)
     dev = next((p.device for p in parts if isinstance(p, torch.Tensor)), torch.device("cpu"))
     parts = [torch.as_tensor(p, dtype=torch.long, device=dev) for p in parts]
     batch = torch.broadcast_shapes(*[p.shape[:-1] for p in parts])

@@ -15,6 +15,7 @@ import torch
 from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
+from ppl_thought import checks
 from ppl_thought.distributions.token_rule import (  # sample_categorical: re-exported from its old home
     TokenStep,
     left_pack,
@@ -112,6 +113,8 @@ class Segment(TorchDistribution):
     def __init__(self, lm_state: Any, until_emitted: int | torch.Tensor | None = None,
                  stop: str | int | Sequence[str | int] | torch.Tensor | None = None, max_tokens: int | None = None,
                  scalar: bool = False, open_end: bool = False, validate_args: bool | None = None):
+        checks.has_attributes("lm_state", lm_state, ("snapshot", "version", "stop_ids", "device"),
+                              "an LMState (pt.dist.LMState.start(lm, n, ...))")
         self.base = lm_state
         self.snap = lm_state.snapshot()
         self.base_version = lm_state.version

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ppl_thought import checks
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.vocab import BOS_ID, PAD_ID
@@ -242,7 +243,11 @@ def chunk_size(chunk) -> int:
 
 
 def trim_padding(tokens: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
-    """Drop the padding columns that every row has (right-padded [..., L] -> [..., L']). One host sync."""
+    """Drop the padding columns that every row has (right-padded [..., L] -> [..., L']). One host sync.
+    ``tokens`` must hold integer ids (:class:`~ppl_thought.errors.MalformedSequenceError` for floats or bools)."""
+    checks.id_dtype("tokens", tokens.dtype)
+    if tokens.ndim == 0:
+        raise MalformedSequenceError(f"tokens must be right-padded token ids [..., L], got a 0-d tensor {tokens!r}")
     if tokens.shape[-1] == 0:
         return tokens
     used = (tokens != pad_id).reshape(-1, tokens.shape[-1]).any(0)

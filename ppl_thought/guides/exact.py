@@ -11,6 +11,7 @@ import torch
 from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
+from ppl_thought import checks
 from ppl_thought.errors import NotInImageError
 from ppl_thought.guides.base import Sampler, num_observed
 from ppl_thought.models.slow_thinking import SlowThinking
@@ -22,6 +23,10 @@ class _TableSampler(Sampler):
     """A sampler given by log-probabilities over the enumerated lifting of x (cached per x)."""
 
     def __init__(self, model: SlowThinking, limit: int = 20_000):
+        # checked here, not only by the type layer: Posterior inherits this constructor, and the layer checks the
+        # constructors a public class defines itself
+        checks.instance("model", model, SlowThinking, "a pt.models.SlowThinking (its lifting is enumerated)")
+        limit = checks.integer("limit", limit)
         self.model = model
         self.projection = model.projection
         self.limit = limit

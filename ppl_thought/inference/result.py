@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ppl_thought import checks
 from ppl_thought.checkpoint import parse_json
-from ppl_thought.errors import CheckpointError, ConfigError, PPLThoughtError
+from ppl_thought.errors import CheckpointError, ConfigError, DiagnosticError, PPLThoughtError
 from ppl_thought.io import CONFIG_FILE, load_checkpoint, save_checkpoint
 from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import Vocab
@@ -41,8 +42,12 @@ def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
     """
     from ppl_thought.arviz_compat import psislw
 
+    checks.numeric_array("log_w", log_w, DiagnosticError, "log weights (a tensor, an array or a list of numbers)")
     lw = torch.as_tensor(log_w).detach().to("cpu", torch.float64)
     lw = lw.reshape(1) if lw.ndim == 0 else lw
+    if lw.shape[-1] == 0:
+        raise DiagnosticError(f"psis (Pareto k-hat): no log weights (shape {tuple(lw.shape)}): the fit needs at least "
+                              "one weight per row")
     check_log_weights(lw, "psis (Pareto k-hat)")  # NaN or +inf: DiagnosticError, never a NaN k-hat
     rows = lw.reshape(-1, lw.shape[-1]).numpy()
     out = np.full(rows.shape, -np.inf)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ppl_thought import checks
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import ids_are_checked
@@ -44,6 +46,13 @@ class Tabular(nn.Module):
         super().__init__()
         order, vocab_size = integer("order", order), integer("vocab_size", vocab_size)
         shape = (vocab_size,) * order
+        # the table holds V^order logits: refused by size before anything is allocated (checks.allocation)
+        if order * math.log2(vocab_size) > 60:
+            raise ConfigError(f"Tabular(order={order}, vocab_size={vocab_size}) would hold {vocab_size}^{order} "
+                              "logits (more than 2^60): use a smaller order or vocabulary")
+        numel = vocab_size ** order
+        checks.allocation(f"Tabular(order={order}, vocab_size={vocab_size}): a table of {vocab_size}^{order} "
+                          "logits", numel * torch.finfo(torch.get_default_dtype()).bits // 8)
         if logits is None:
             logits = torch.zeros(shape)
         logits = torch.as_tensor(logits, dtype=torch.get_default_dtype())

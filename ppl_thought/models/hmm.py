@@ -41,7 +41,8 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from ppl_thought.errors import MalformedSequenceError, TooLargeToEnumerateError, UnknownTokenError
+from ppl_thought import checks
+from ppl_thought.errors import ConfigError, MalformedSequenceError, TooLargeToEnumerateError, UnknownTokenError
 from ppl_thought.program import Program, particle_frame, particles, run_whole
 from ppl_thought.projections.product import Product
 from ppl_thought.validation import ArrayLike
@@ -64,31 +65,33 @@ def _as_stochastic(name: str, value, shape: tuple[int, ...] | None, atol: float)
 
     The result keeps ``value``'s autograd graph (no detach): tables computed from parameters give gradients
     of every exact answer (the forward algorithm (3.1)) and of the program's site log-probs."""
+    checks.numeric_array(f"HMM {name}", value, expects="a probability table (a tensor, an array or nested lists of "
+                         "numbers)")
     t = torch.as_tensor(value).to("cpu", DTYPE)
     want_ndim = 1 if name == "lam" else 2
     if t.ndim != want_ndim:
-        raise ValueError(f"HMM {name} must be {want_ndim}-D, got shape {tuple(t.shape)}")
+        raise ConfigError(f"HMM {name} must be {want_ndim}-D, got shape {tuple(t.shape)}")
     if shape is not None and tuple(t.shape) != shape:
-        raise ValueError(f"HMM {name} must have shape {shape}, got {tuple(t.shape)}")
+        raise ConfigError(f"HMM {name} must have shape {shape}, got {tuple(t.shape)}")
     if t.numel() == 0:
-        raise ValueError(f"HMM {name} is empty (shape {tuple(t.shape)})")
+        raise ConfigError(f"HMM {name} is empty (shape {tuple(t.shape)})")
     rows = t.reshape(-1, t.shape[-1])
     bad = ~torch.isfinite(rows)
     if bad.any():
         i, j = (int(v) for v in bad.nonzero()[0])
         where = f"{name}[{i}, {j}]" if t.ndim == 2 else f"{name}[{j}]"
-        raise ValueError(f"HMM {where} = {rows[i, j].item()} is not a finite number")
+        raise ConfigError(f"HMM {where} = {rows[i, j].item()} is not a finite number")
     neg = rows < 0
     if neg.any():
         i, j = (int(v) for v in neg.nonzero()[0])
         where = f"{name}[{i}, {j}]" if t.ndim == 2 else f"{name}[{j}]"
-        raise ValueError(f"HMM {where} = {rows[i, j].item():.6g} is negative; probabilities must be >= 0")
+        raise ConfigError(f"HMM {where} = {rows[i, j].item():.6g} is negative; probabilities must be >= 0")
     sums = rows.sum(-1)
     off = (sums - 1).abs() > atol
     if off.any():
         i = int(off.nonzero()[0, 0])
         what = f"row {i} of {name}" if t.ndim == 2 else name
-        raise ValueError(f"{what} sums to {sums[i].item():.6g}, not 1: {name} must be "
+        raise ConfigError(f"{what} sums to {sums[i].item():.6g}, not 1: {name} must be "
                          f"{'row-stochastic' if t.ndim == 2 else 'a probability vector'} (Def 2.2)")
     return (rows / sums[:, None]).reshape(t.shape)
 
@@ -168,10 +171,10 @@ class HMM(Program):
         A = _as_stochastic("A", A, None, atol)
         S = A.shape[0]
         if A.shape[1] != S:
-            raise ValueError(f"HMM A must be square [|Omega|, |Omega|], got shape {tuple(A.shape)}")
+            raise ConfigError(f"HMM A must be square [|Omega|, |Omega|], got shape {tuple(A.shape)}")
         B = _as_stochastic("B", B, None, atol)
         if B.shape[0] != S:
-            raise ValueError(f"HMM B must have |Omega| = {S} rows (one per hidden state), "
+            raise ConfigError(f"HMM B must have |Omega| = {S} rows (one per hidden state), "
                              f"got shape {tuple(B.shape)}")
         lam = _as_stochastic("lam", lam, (S,), atol)
         self.A, self.B, self.lam = A, B, lam
@@ -197,9 +200,9 @@ class HMM(Program):
             return [f"{prefix}{i}" for i in range(n)]
         names = [str(s) for s in names]
         if len(names) != n:
-            raise ValueError(f"{what} has {len(names)} names but the HMM has {n}")
+            raise ConfigError(f"{what} has {len(names)} names but the HMM has {n}")
         if len(set(names)) != n:
-            raise ValueError(f"{what} contains duplicates: {names}")
+            raise ConfigError(f"{what} contains duplicates: {names}")
         return names
 
     # ------------------------------------------------------------------ sizes
@@ -344,9 +347,9 @@ class HMM(Program):
         ``b`` grows (for a stationary chain); the standard error is over sequences.
         """
         if not 0 <= burn_in < length:
-            raise ValueError(f"need 0 <= burn_in < length, got burn_in={burn_in}, length={length}")
+            raise ConfigError(f"need 0 <= burn_in < length, got burn_in={burn_in}, length={length}")
         if num_sequences < 2:
-            raise ValueError("entropy_rate_estimate needs num_sequences >= 2 for a standard error")
+            raise ConfigError("entropy_rate_estimate needs num_sequences >= 2 for a standard error")
         _, x = self.sample(num_sequences, length, generator=generator)
         prefix = self._forward(x)[0]
         tail = prefix[:, -1] - (prefix[:, burn_in - 1] if burn_in > 0 else 0.0)
@@ -414,7 +417,7 @@ class HMM(Program):
         Vectorised over sequences (one categorical draw per time step for all rows).
         """
         if num_sequences < 0 or length < 0:
-            raise ValueError(f"num_sequences and length must be >= 0, got {num_sequences}, {length}")
+            raise ConfigError(f"num_sequences and length must be >= 0, got {num_sequences}, {length}")
         N, T = int(num_sequences), int(length)
         z = torch.empty(N, T, dtype=torch.long, device=self.device)
         if N == 0 or T == 0:
@@ -448,9 +451,9 @@ class HMM(Program):
         """T from ``x [T]`` or ``length`` (checked; x must be one sequence)."""
         if x is None:
             if length is None:
-                raise ValueError("give the observations x, or length= to generate")
+                raise ConfigError("give the observations x, or length= to generate")
             if int(length) < 0:
-                raise ValueError(f"length must be >= 0, got {length}")
+                raise ConfigError(f"length must be >= 0, got {length}")
             return int(length)
         xb, single = self.check_x(x)
         if not single:
@@ -459,7 +462,7 @@ class HMM(Program):
                 "batch sequences with an outer loop or use log_prob for exact batched answers")
         T = xb.shape[1]
         if length is not None and int(length) != T:
-            raise ValueError(f"length={length} but x has {T} observations")
+            raise ConfigError(f"length={length} but x has {T} observations")
         return T
 
     def __call__(self, x: ArrayLike | None = None, length: int | None = None) -> dict:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ppl_thought.distributions.lm_state import upcast
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.guides.gaussian import LocalGaussianGuide
 from ppl_thought.lm.transformer import Transformer
 from ppl_thought.weights import log_mean_exp
@@ -85,11 +85,11 @@ class LatentThought(nn.Module):
                  max_len: int = 1024, dropout: float = 0.0, pad_id: int | None = None) -> None:
         super().__init__()
         if n_z < 1:
-            raise ValueError(f"n_z (latent vectors per layer) must be >= 1, got {n_z}")
+            raise ConfigError(f"n_z (latent vectors per layer) must be >= 1, got {n_z}")
         if vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+            raise ConfigError(f"vocab_size must be >= 1, got {vocab_size}")
         if pad_id is not None and not 0 <= pad_id < vocab_size:
-            raise ValueError(f"pad_id must lie in [0, {vocab_size}), got {pad_id}")
+            raise ConfigError(f"pad_id must lie in [0, {vocab_size}), got {pad_id}")
         self.vocab_size, self.n_z, self.pad_id = vocab_size, n_z, pad_id
         self.bos_id = vocab_size
         self.decoder = Transformer(vocab_size + 1, d_model, n_layers, n_heads, d_ff=d_ff, max_len=max_len,
@@ -279,9 +279,9 @@ class LatentThought(nn.Module):
         Returns the fitted :class:`LocalGaussianGuide` (its tensors still require grad).
         """
         if num_steps < 0:
-            raise ValueError(f"num_steps must be >= 0, got {num_steps}")
+            raise ConfigError(f"num_steps must be >= 0, got {num_steps}")
         if schedule not in ("constant", "cosine"):
-            raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
+            raise ConfigError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
         tokens2, mask2 = self.batch(tokens, mask)
         guide = LocalGaussianGuide.init(tokens2.shape[0], self.latent_shape, init_log_var, tokens2.device)
         if num_steps == 0:

@@ -27,7 +27,13 @@ import torch
 from ppl_thought import checks
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.projected import ProjectionDelta
-from ppl_thought.errors import NotInImageError, SiteMismatchError, TooLargeToEnumerateError
+from ppl_thought.errors import (
+    ConfigError,
+    MalformedSequenceError,
+    NotInImageError,
+    SiteMismatchError,
+    TooLargeToEnumerateError,
+)
 from ppl_thought.lm.base import lm_device
 from ppl_thought.models.plain import PlainLM
 from ppl_thought.projections.base import Projection, as_id_array
@@ -40,8 +46,28 @@ from ppl_thought.vocab import PAD_ID
 def pad_sequences(seqs: Sequence[ArrayLike], length: int | None = None, pad_id: int = PAD_ID,
                   device: torch.device | str | None = None) -> torch.Tensor:
     """A list of 1-D id sequences -> a right-padded LongTensor ``[len(seqs), length]`` (built on the host,
-    then moved to ``device`` in one copy)."""
+    then moved to ``device`` in one copy). Text, floats, a ``length`` shorter than a sequence or a device torch
+    does not know: a :class:`~ppl_thought.errors.PPLThoughtError` naming the argument."""
+    if isinstance(seqs, str | bytes):
+        raise MalformedSequenceError(f"seqs must be a list of token-id sequences, got {type(seqs).__name__} "
+                                     f"{seqs!r}"[:300] + ": encode text first (vocab.encode)")
+    for i, s in enumerate(seqs):
+        checks.token_ids(f"seqs[{i}]", s)
+        if getattr(s, "ndim", 1) != 1:
+            raise MalformedSequenceError(f"seqs[{i}] must be a 1-D sequence of token ids, got shape "
+                                         f"{tuple(s.shape)}")
+    length = checks.optional_integer("length", length, 0)
+    pad_id = checks.integer("pad_id", pad_id, 0)
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ConfigError(f"device must be a torch device ('cpu', 'cuda', 'cuda:0', ...), got {device!r} "
+                              f"({e})"[:300]) from None
     L = max((len(s) for s in seqs), default=0) if length is None else length
+    longest = max((len(s) for s in seqs), default=0)
+    if longest > L:
+        raise ConfigError(f"length={L} is shorter than the longest sequence ({longest} ids)")
     out = torch.full((len(seqs), L), pad_id, dtype=torch.long, device="cpu")
     for i, s in enumerate(seqs):
         if len(s):

@@ -22,12 +22,21 @@ from typing import Any
 
 import numpy as np
 
-from ppl_thought.errors import TooLargeToEnumerateError
+from ppl_thought import checks
+from ppl_thought.errors import ConfigError, TooLargeToEnumerateError
 from ppl_thought.projections.arrays import as_framework_array, table_key
 from ppl_thought.validation import ArrayLike
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 DEAD = -1
+
+
+def _dtype_kind(dtype) -> str:
+    """NumPy's kind letter of a NumPy, torch or JAX dtype ("f" for the float types NumPy does not name)."""
+    try:
+        return dtype.kind if isinstance(dtype, np.dtype) else np.dtype(str(dtype).replace("torch.", "")).kind
+    except TypeError:
+        return "f"
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,18 +61,29 @@ class Automaton:
     _device_cache: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        # every failure is a ConfigError naming the field, its value and what is expected (a ValueError too)
+        for what, value, integral in (("next_state", self.next_state, True), ("final", self.final, False),
+                                      ("emitted", self.emitted, True)):
+            checks.numeric_array(what, value, expects="an array of integers" if integral else "an array of bools")
+            kind = np.asarray(value).dtype.kind if not hasattr(value, "dtype") else None
+            if integral and (kind or _dtype_kind(value.dtype)) not in "iu":
+                raise ConfigError(f"{what} must hold integers (states, counts), got dtype "
+                                  f"{getattr(value, 'dtype', None) or np.asarray(value).dtype}")
         ns = np.asarray(self.next_state, dtype=np.int64)
+        if ns.ndim != 2 or ns.shape[0] == 0:
+            raise ConfigError(f"next_state must be a non-empty [S, V] table, got shape {ns.shape}")
         S = ns.shape[0]
-        if ns.ndim != 2 or S == 0:
-            raise ValueError(f"next_state must be a non-empty [S, V] table, got shape {ns.shape}")
         if ns.min() < -1 or ns.max() >= S:
-            raise ValueError("next_state entries must be -1 or a state index in [0, S)")
+            raise ConfigError(f"next_state entries must be -1 or a state index in [0, {S}), got values in "
+                              f"[{ns.min()}, {ns.max()}]")
         final = np.asarray(self.final, dtype=bool)
         emitted = np.asarray(self.emitted, dtype=np.int64)
         if final.shape != (S,) or emitted.shape != (S,):
-            raise ValueError(f"final and emitted must have shape ({S},)")
+            raise ConfigError(f"final and emitted must have shape ({S},), got {final.shape} and {emitted.shape}")
+        checks.integer("start", self.start, 0)
         if not 0 <= self.start < S:
-            raise ValueError(f"start state {self.start} outside [0, {S})")
+            raise ConfigError(f"start state {self.start} outside [0, {S})")
+        checks.optional_integer("max_len", self.max_len, 0)
         object.__setattr__(self, "next_state", ns)
         object.__setattr__(self, "final", final)
         object.__setattr__(self, "emitted", emitted)

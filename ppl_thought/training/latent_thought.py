@@ -21,6 +21,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide.initialization import init_to_sample
 
+from ppl_thought import checks
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.inference.langevin import Langevin
 from ppl_thought.inference.result import Result
@@ -31,8 +32,10 @@ __all__ = ["DualRateTrainer", "LangevinTrainer", "VAETrainer", "fast_lr_schedule
 
 
 def fast_lr_schedule(progress: float, start: float = 0.3, end: float = 0.34) -> float:
-    """The fast (local) learning rate of App. A.2: linear from 0.3 to 0.34 over training (progress in [0, 1])."""
-    progress = min(max(float(progress), 0.0), 1.0)
+    """The fast (local) learning rate of App. A.2: linear from 0.3 to 0.34 over training (progress in [0, 1],
+    clamped). NaN or infinite arguments, or a negative rate: a :class:`~ppl_thought.errors.ConfigError`."""
+    progress = min(max(checks.real("progress", progress), 0.0), 1.0)
+    start, end = checks.real("start", start, 0.0), checks.real("end", end, 0.0)
     return start + (end - start) * progress
 
 

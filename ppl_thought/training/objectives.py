@@ -30,7 +30,8 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer import ELBO
 
-from ppl_thought.errors import ConfigError, MalformedSequenceError
+from ppl_thought import checks
+from ppl_thought.errors import ArgumentTypeError, ConfigError, MalformedSequenceError, NumericalError
 from ppl_thought.inference.particles import (
     PARTICLES,
     Particles,
@@ -77,7 +78,7 @@ def _weighted(coef: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 def _finite_rewards(r: torch.Tensor, what: str) -> torch.Tensor:
     if not torch.isfinite(r).all():
         bad = (~torch.isfinite(r)).nonzero().flatten()[:5].tolist()
-        raise ValueError(
+        raise NumericalError(
             f"{what} is not finite for particles {bad} (values {r[bad].tolist()}): the sampler proposes z "
             "outside the support of the model (log p = -inf) or the reward is NaN/inf. Check that the guide "
             "is supported on the lifting of x, or pass invalid_reward= to replace such rewards"
@@ -526,10 +527,12 @@ class Sum(ParticleObjective):
 
     def __init__(self, *terms: ParticleObjective, weights: list[float] | None = None):
         if not terms or not all(isinstance(t, ParticleObjective) for t in terms):
-            raise TypeError("Sum needs ParticleObjective terms")
-        weights = [1.0] * len(terms) if weights is None else list(weights)
+            raise ArgumentTypeError(f"Sum needs one or more ParticleObjective terms (e.g. Sum(OneSampler(n), "
+                                    f"SamplerPolicyGradient(n))), got {[type(t).__name__ for t in terms]}")
+        weights = [1.0] * len(terms) if weights is None else [checks.real(f"weights[{i}]", w)
+                                                              for i, w in enumerate(weights)]
         if len(weights) != len(terms):
-            raise ValueError(f"{len(weights)} weights for {len(terms)} terms")
+            raise ConfigError(f"{len(weights)} weights for {len(terms)} terms")
         super().__init__(max(t.num_particles for t in terms), max(t.max_plate_nesting for t in terms))
         self.terms, self.weights = terms, weights
         self.needs_grad_for_value = any(t.needs_grad_for_value for t in terms)

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ppl_thought import checks
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import left_pack, trim_padding
-from ppl_thought.errors import TransformError
+from ppl_thought.errors import MalformedSequenceError, TransformError
 from ppl_thought.lm.base import LMCache
 from ppl_thought.projections.pause import PauseToThink
 from ppl_thought.transforms.base import Transform, rebuild
@@ -31,7 +32,11 @@ __all__ = ["Forgetful", "ForgetfulLM", "Persistent", "Ubiquitous", "forgetful_co
 def forgetful_context(tokens: torch.Tensor) -> torch.Tensor:
     """The context a forgetful latent reads after the last token of each row (Def 5.1): every thought block
     ``<s> ... </s>`` before the last ``<s>`` deleted, right-padded ``[n, L']``. For one row, the input that
-    :class:`ForgetfulLM` gives the LM for its last position."""
+    :class:`ForgetfulLM` gives the LM for its last position. ``tokens`` must be integer ids ``[n, L]``
+    (:class:`~ppl_thought.errors.MalformedSequenceError` otherwise)."""
+    checks.id_dtype("tokens", tokens.dtype)
+    if tokens.ndim != 2:
+        raise MalformedSequenceError(f"tokens must be right-padded token ids [n, L], got shape {tuple(tokens.shape)}")
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     keep = _keep(tokens)
     last = _segment_ids(tokens)[:, -1:] if tokens.shape[1] else torch.zeros(tokens.shape[0], 1, dtype=torch.long)
