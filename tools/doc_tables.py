@@ -204,6 +204,45 @@ def _ess(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}"
 
 
+DEMO_CMDS = {"quick": "ppl-thought demo --quick --json benchmarks/results/demo_quick.json"}
+PART_NAMES = {"sec7": "Section 7", "a5": "A5", "real": "SmolLM2 (real model)"}
+
+
+def _demo_times(d: dict, size: str) -> str:
+    """README: how long ``ppl-thought demo`` took, part by part, with the machine's load (``demo_<size>.json``)."""
+    parts = d.get("seconds_per_part") or {}
+    rows = ["| part | seconds |", "|---|---|"]
+    rows += [f"| {PART_NAMES.get(k, k)} | {v:.0f} |" for k, v in parts.items()]
+    rows.append(f"| **all, with plots and ArviZ files** | **{d['seconds']:.0f}** ({d['seconds'] / 60:.1f} min) |")
+    load = [d.get("load_average_at_start"), d.get("load_average_at_end")]
+    load_s = ("load average " + " at the start, ".join(f"{x:.1f}" for x in load) + " at the end"
+              if all(isinstance(x, (int, float)) for x in load) else "load not recorded")
+    return "\n".join(rows) + f"\n\n`ppl-thought demo{' --quick' if size == 'quick' else ''}`: {load_s}. " + \
+        _provenance(d, DEMO_CMDS[size]) + "\n"
+
+
+def demo_quick_times(d: dict) -> str:
+    return _demo_times(d, "quick")
+
+
+def a5_quick(d: dict) -> str:
+    """README: the A5 part of ``ppl-thought demo --quick`` (``demo_quick.json``): excess loss over the exact
+    entropy (forward algorithm) of a plain Transformer and of Proj # P_f."""
+    a = d["a5"]
+    c, n = a["config"], a["num_params"]
+    ratio = a["plain_excess_nats"] / a["latent_excess_nats"] if a["latent_excess_nats"] > 0 else float("inf")
+    rows = ["| model | parameters | excess nats / token (test length) | at train length |", "|---|---|---|---|",
+            f"| plain Transformer | {n['plain']:,} | {_pm(a['plain_excess_nats'], a['plain_excess_se'])} | "
+            f"{a['plain_excess_train_len']:.3f} |",
+            f"| Proj # P_f (latent) | {n['latent']:,} | {_pm(a['latent_excess_nats'], a['latent_excess_se'])} "
+            f"({ratio:.1f}x lower) | {a['latent_excess_train_len']:.3f} |"]
+    crit = "met" if a["criterion_latent_3x_below_plain"] else "not met"
+    cfg = (f"Trained on length-{c['train_len']} sequences, tested on length {c['test_len']}; exact cross-entropy "
+           f"{a['exact_cross_entropy_nats']:.3f} nats/token. The demo's criterion (latent at most a third of the "
+           f"plain excess): {crit}")
+    return "\n".join(rows) + f"\n\n{cfg}. " + _provenance(d, DEMO_CMDS["quick"]) + "\n"
+
+
 # ---------------------------------------------------------------------------------------------- backends
 BACKENDS_CMD = "python benchmarks/backends.py --json benchmarks/results/backends.json"
 
@@ -457,6 +496,8 @@ TABLES: dict[str, Table] = {
     "smollm2-markers": Table("benchmarks/results/smollm2_markers.json", smollm2_markers, MARKERS_CMD),
     "smollm2-load": Table("benchmarks/results/smollm2_load.json", smollm2_load, LOAD_CMD),
     "active-coding": Table("benchmarks/results/active_coding.json", active_coding, ACTIVE_CODING_CMD),
+    "demo-quick-times": Table("benchmarks/results/demo_quick.json", demo_quick_times, DEMO_CMDS["quick"]),
+    "a5-quick": Table("benchmarks/results/demo_quick.json", a5_quick, DEMO_CMDS["quick"]),
 }
 
 

@@ -185,7 +185,7 @@ class HMM:
         return guide
 
     # ------------------------------------------------------------------ the step-wise program
-    def program(self, x=None, length: int | None = None) -> HMMProgram:
+    def program(self, x: ArrayLike | None = None, length: int | None = None) -> HMMProgram:
         """Def 2.2 as a :class:`~ppl_thought.numpyro.program.Program` of ``T`` steps (T from x or ``length``), run
         with the observations as its argument: ``ptn.infer.SMC(n).run(hmm.program(x), guide, x)`` (or ``None``
         to generate). x is traced, so new observations of the same length reuse the compiled run; the program
@@ -196,7 +196,7 @@ class HMM:
             cache[T] = HMMProgram(self, T)
         return cache[T]
 
-    def program_length(self, x, length: int | None) -> int:
+    def program_length(self, x: ArrayLike | None, length: int | None) -> int:
         """T from one sequence ``x [T]`` or ``length`` (checked as on the torch side)."""
         if x is None:
             if length is None:
@@ -287,10 +287,10 @@ class HMMProgram(Program):
         self.hmm, self.T = hmm, int(T)
         self.max_steps = max(1, self.T)
 
-    def init(self, state: dict, x=None) -> None:
+    def init(self, state: dict, x: ArrayLike | None = None) -> None:
         state["z"] = jnp.zeros(particles(), jnp.int32)
 
-    def step(self, state: dict, t, x=None) -> jax.Array:
+    def step(self, state: dict, t: Any, x: ArrayLike | None = None) -> jax.Array:
         n = particles()
         if self.T == 0:
             return jnp.ones(n, bool)
@@ -347,7 +347,7 @@ class HMMGuide:
         logits = prior + score
         return jnp.where(jnp.isneginf(logits).all(-1, keepdims=True), prior, logits)
 
-    def program(self, x=None, length: int | None = None) -> HMMGuideProgram:
+    def program(self, x: ArrayLike | None = None, length: int | None = None) -> HMMGuideProgram:
         """The guide as a ``ptn.Program`` with :meth:`HMM.program`'s steps and latent site ``"z"`` (run with x)."""
         T = self.hmm.program_length(x, length)
         cache = self.__dict__.setdefault("_programs", {})
@@ -355,7 +355,7 @@ class HMMGuide:
             cache[T] = HMMGuideProgram(self, T)
         return cache[T]
 
-    def __call__(self, x=None, length: int | None = None) -> jax.Array | None:
+    def __call__(self, x: ArrayLike | None = None, length: int | None = None) -> jax.Array | None:
         """The whole-trace guide (sites ``z_0 .. z_{T-1}``) of ``hmm(x)``; returns the last hidden state."""
         if x is None:
             raise ConfigError(f"{self!r} proposes hidden states given the observations: call it with x")
@@ -378,7 +378,7 @@ class HMMGuideProgram(Program):
         self.guide, self.T = guide, int(T)
         self.max_steps = max(1, self.T)
 
-    def init(self, state: dict, x=None) -> None:
+    def init(self, state: dict, x: ArrayLike | None = None) -> None:
         if x is None:
             raise ConfigError(f"{self.guide!r} proposes hidden states given the observations: run it with x")
         n = particles()
@@ -387,7 +387,7 @@ class HMMGuideProgram(Program):
             score = self.guide.scores(x)
             state["score"] = jnp.broadcast_to(score, (n,) + score.shape)
 
-    def step(self, state: dict, t, x=None) -> jax.Array:
+    def step(self, state: dict, t: Any, x: ArrayLike | None = None) -> jax.Array:
         n = particles()
         if self.T == 0:
             return jnp.ones(n, bool)
