@@ -36,6 +36,14 @@ def optional_integer(name: str, value, minimum: int = 1) -> int | None:
     return None if value is None else integer(name, value, minimum)
 
 
+def generation_length(length) -> int:
+    """The number of steps of a program run with no observations (``x=None``): ``length``, which must be given,
+    as by :func:`integer` with minimum 0 (both backends' ``HMM.program_length``)."""
+    if length is None:
+        raise ConfigError("give the observations x, or length= to generate")
+    return integer("length", length, minimum=0)
+
+
 def real(name: str, value, minimum: float | None = None, maximum: float | None = None, *,
          open_min: bool = False, open_max: bool = False) -> float:
     """``value`` as a finite float in the given range: a real number, not a bool, a string, NaN or +-inf."""

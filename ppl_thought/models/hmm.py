@@ -450,11 +450,7 @@ class HMM(Program):
     def program_length(self, x: ArrayLike | None, length: int | None) -> int:
         """T from ``x [T]`` or ``length`` (checked; x must be one sequence)."""
         if x is None:
-            if length is None:
-                raise ConfigError("give the observations x, or length= to generate")
-            if int(length) < 0:
-                raise ConfigError(f"length must be >= 0, got {length}")
-            return int(length)
+            return checks.generation_length(length)
         xb, single = self.check_x(x)
         if not single:
             raise MalformedSequenceError(

@@ -149,8 +149,14 @@ class DualRateTrainer:
         z, kl = self.posterior(tokens2, mask2, fast)
         for g in self.optimizer.param_groups:
             g["lr"] = slow
-        n_tokens = mask2.sum().clamp_min(1)
         recon = ltm.log_likelihood(tokens2, z, mask2).mean(0)
+        return self._slow_step(recon, kl, mask2, fast, slow)
+
+    def _slow_step(self, recon: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, fast: float,
+                   slow: float) -> dict[str, float]:
+        """One slow (decoder) update on the negative ELBO per token, -(recon - KL) / tokens (Eq. 5), with the
+        gradient clipped; records and returns the step's metrics."""
+        n_tokens = mask.sum().clamp_min(1)
         loss = -(recon - kl).sum() / n_tokens
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -267,19 +273,5 @@ class VAETrainer(DualRateTrainer):
         for g in self.optimizer.param_groups:
             g["lr"] = slow
         guide = self.encoder(tokens2, mask2)
-        n_tokens = mask2.sum().clamp_min(1)
         recon = ltm.log_likelihood(tokens2, guide.rsample(self.num_samples), mask2).mean(0)
-        kl = guide.kl_to_prior()
-        loss = -(recon - kl).sum() / n_tokens
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], self.grad_clip)
-        self.optimizer.step()
-        self.step_count += 1
-        loss = loss.detach()
-        metrics = {"step": self.step_count, "loss": float(loss), "elbo_ppl": math.exp(min(float(loss), 50.0)),
-                   "recon_per_token": float(recon.detach().sum() / n_tokens),
-                   "kl_per_token": float(kl.detach().sum() / n_tokens), "fast_lr": 0.0, "slow_lr": slow,
-                   "grad_norm": float(gnorm)}
-        self.history.append(metrics)
-        return metrics
+        return self._slow_step(recon, guide.kl_to_prior(), mask2, 0.0, slow)

@@ -19,7 +19,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 
-from ppl_thought.checks import integer
+from ppl_thought.checks import generation_length, integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.numpyro.boundary import ArrayLike, Key, as_numpy
 from ppl_thought.numpyro.program import Program, observe, particles, sample
@@ -199,11 +199,7 @@ class HMM:
     def program_length(self, x: ArrayLike | None, length: int | None) -> int:
         """T from one sequence ``x [T]`` or ``length`` (checked as on the torch side)."""
         if x is None:
-            if length is None:
-                raise ConfigError("give the observations x, or length= to generate")
-            if int(length) < 0:
-                raise ConfigError(f"length must be >= 0, got {length}")
-            return int(length)
+            return generation_length(length)
         if isinstance(x, jax.core.Tracer):
             raise ConfigError("HMM.program(x) reads the length of x: build the program outside jit (the run traces "
                               "x itself)")
