@@ -3,7 +3,9 @@ every numbered item of the five seeds").
 
 The numbered items are extracted from the seed texts by regular expressions; each must be named in the "Paper"
 column of a row in that seed's part of docs/paper-map.md (the headings that name the seed's file), and every row
-there must carry an honest status (done / partial / missing / out of scope) and a place.
+there must carry an honest status (done / partial / missing / out of scope) and a place. The extraction is kept
+in ``docs/seed-items.json`` (``python tests/test_paper_map.py --write``), so the paper-map checks run in a
+checkout without the seed texts; with the seeds at hand a test checks the file is current.
 
 Numbering per seed (as the extracted texts print it):
 
@@ -27,6 +29,7 @@ implements.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -155,13 +158,26 @@ def sections(text: str) -> dict[str, list[list[str]]]:
     return out
 
 
-def missing_items(seed_dir: Path, paper_map: str) -> dict[str, list[str]]:
+MANIFEST = ROOT / "docs" / "seed-items.json"
+
+
+def extracted(seed_dir: Path) -> dict[str, list[str]]:
+    """Seed file -> its numbered items (:func:`seed_items`), sorted: what ``docs/seed-items.json`` keeps."""
+    return {s: sorted(seed_items((seed_dir / s).read_text(encoding="utf-8"))) for s in SEEDS}
+
+
+def manifest() -> dict[str, set[str]]:
+    """The committed extraction (``python tests/test_paper_map.py --write`` with the seeds at hand), so the
+    paper-map checks run in a checkout without the seed texts; a test with the seeds checks it is current."""
+    return {s: set(v) for s, v in json.loads(MANIFEST.read_text(encoding="utf-8")).items()}
+
+
+def missing_items(items: dict[str, set[str]], paper_map: str) -> dict[str, list[str]]:
     rows = sections(paper_map)
     out = {}
     for s in SEEDS:
         named = set().union(*(referenced_items(r[1]) for r in rows[s] if len(r) > 1)) if rows[s] else set()
-        want = seed_items((seed_dir / s).read_text(encoding="utf-8")) - set(EXCLUDED[s])
-        out[s] = sorted(want - named)
+        out[s] = sorted(set(items[s]) - set(EXCLUDED[s]) - named)
     return out
 
 
@@ -229,28 +245,44 @@ def test_the_seeds_have_the_items_this_test_expects(seed_dir):
             assert name in items, f"{s}: exclusion {name} is no longer extracted: remove it"
 
 
-def test_paper_map_names_every_numbered_item_of_every_seed(seed_dir):
-    missing = missing_items(seed_dir, PAPER_MAP.read_text(encoding="utf-8"))
+def test_the_committed_manifest_is_the_seeds_extraction(seed_dir):
+    assert {s: set(v) for s, v in extracted(seed_dir).items()} == manifest(), \
+        "docs/seed-items.json is stale: python tests/test_paper_map.py --write"
+
+
+def test_paper_map_names_every_numbered_item_of_every_seed():
+    missing = missing_items(manifest(), PAPER_MAP.read_text(encoding="utf-8"))
     assert not any(missing.values()), "docs/paper-map.md lacks rows for: " + "; ".join(
         f"{s}: {', '.join(m)}" for s, m in missing.items() if m)
 
 
-def test_deleting_a_row_is_caught(seed_dir):
-    text = PAPER_MAP.read_text(encoding="utf-8")
-    assert not any(missing_items(seed_dir, text).values())
+def test_deleting_a_row_is_caught():
+    text, items = PAPER_MAP.read_text(encoding="utf-8"), manifest()
+    assert not any(missing_items(items, text).values())
     for s, probe in (("cot-or-loop.txt", "Theorem 5.13"), ("data-training-inference-thesis.txt", "Definition 3.2.1"),
                      ("next-token-long-range.txt", "Lemma 18")):
         rows = [line for line in text.splitlines() if line.startswith("|") and probe in referenced_items(line)]
         assert rows, probe
         scratch = "\n".join(line for line in text.splitlines() if line not in rows)
-        assert probe in missing_items(seed_dir, scratch)[s]
+        assert probe in missing_items(items, scratch)[s]
 
 
-def test_paper_map_names_only_items_its_seed_has(seed_dir):
+def test_paper_map_names_only_items_its_seed_has():
     """The reverse check: an item named in a seed's section exists in that seed (a wrong number, or a section
     number read as an item: "Def 2.8, 5.6.2" names a Definition 5.6.2, so write "Sec 5.6.2")."""
-    rows = sections(PAPER_MAP.read_text(encoding="utf-8"))
+    rows, items = sections(PAPER_MAP.read_text(encoding="utf-8")), manifest()
     for s in SEEDS:
         named = set().union(*(referenced_items(r[1]) for r in rows[s]))
-        unknown = named - seed_items((seed_dir / s).read_text(encoding="utf-8"))
+        unknown = named - items[s]
         assert not unknown, f"docs/paper-map.md names items that {s} does not have: {sorted(unknown)}"
+
+
+if __name__ == "__main__":  # python tests/test_paper_map.py --write: refresh docs/seed-items.json from the seeds
+    import sys
+
+    d = _seed_dir()
+    if "--write" not in sys.argv or d is None:
+        raise SystemExit("usage: python tests/test_paper_map.py --write (with the seeds at ../shared/seeds or "
+                         "PPL_THOUGHT_SEEDS)")
+    MANIFEST.write_text(json.dumps(extracted(d), indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {MANIFEST}")
