@@ -54,6 +54,7 @@ import pyro
 import torch
 
 import ppl_thought as pt
+from ppl_thought.experiments.common import provenance
 from ppl_thought.inference import SMC
 from ppl_thought.io import atomic_write_json
 from ppl_thought.projections import Automaton, CharDFA, token_automaton, token_texts
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
                    "genlm_control_log_marginal": {} if genlm is not None else None,
                    "adapter_forward": {}, "seconds": {}, "ppl_thought_resampling_steps": {},
                    "ppl_thought_log_marginal": {}, "llamppl_log_marginal": {} if race is not None else None}
+    prov = provenance()
     out: dict = {"model": args.model, "n": sizes, "ppl_thought": {}, "limit": {}, "fraction": {},
                  "llamppl": {} if race else None,
                  "workload": {**workload, "admitted_tokens": int(admitted_ids(constraint).numel()),
@@ -224,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
                               "torch": torch.__version__, "transformers": _version("transformers"),
                               "llamppl": _version("llamppl"), "machine": platform.machine(),
                               "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()[0],
+                              "commit": prov["commit"], "dirty": prov["dirty"],
                               "extra": extra}}
     def contestants(n: int, steps: int) -> tuple[dict, list]:
         run, results = ppl_thought_run(lm, constraint, prompt, n, steps, workload["ess_threshold"])

@@ -503,3 +503,21 @@ def test_cache_is_the_library_kvcache(lm):
     assert isinstance(c, KVCache) and c.num_layers == 2 and lm.valid_mask_supported
     rule = TokenRule(None, lm.vocab_size)
     assert rule.allowed(torch.zeros(1, dtype=torch.long))[0, EOS_ID]
+
+
+def test_library_logits_copy_blocks_equal_the_gather(lm):
+    """library_logits copies the HF logits block by block (the library order is the HF order in a few blocks):
+    the same as one gather over the vocabulary, -inf where the library id has no HF logit; a mapping of many
+    blocks falls back to the gather."""
+    from ppl_thought.lm.huggingface import _copy_runs
+
+    hf = torch.randn(3, 2, lm.model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    assert lm._output_runs is not None and len(lm._output_runs) <= 8
+    blocks = lm.library_logits(hf)
+    ref = hf.index_select(-1, lm._hf_output).index_fill_(-1, lm._no_logit, float("-inf"))
+    assert blocks.dtype == torch.float32 and torch.equal(blocks, ref)
+    assert torch.isneginf(blocks[..., PAD_ID]).all() and torch.isneginf(blocks[..., BOS_ID]).all()
+    assert _copy_runs([0, 1, 2, 0, 5, 6], {3}) == ((0, 0, 3), (4, 5, 2))
+    assert _copy_runs(list(range(100, 0, -1)), set(), most=64) is None
+    bf = lm.library_logits(hf.bfloat16())
+    assert bf.dtype == torch.float32 and torch.equal(bf, ref.bfloat16().float())

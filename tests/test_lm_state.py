@@ -346,3 +346,74 @@ def test_concat_trim_padding_and_segment_refuse_bad_input_by_name():
     for bad in (None, object(), "x"):
         with pytest.raises(ConfigError, match="lm_state must be an LMState"):
             Segment(bad)
+
+
+def test_masked_law_is_the_masked_softmax_computed_once_per_logits_and_state():
+    """TokenRule.masked_law (Def 2.8 as weights + log normaliser): weights proportional to exp(log_probs), log Z
+    equal to the logsumexp of the admitted logits, a row with no admitted token all 0 with log Z = -inf; kept for
+    the same (logits, state) pair (one pass for the mass factor and the draw), recomputed once either tensor
+    changes in place, forgotten by take=True; inference-mode tensors work (nothing kept). The plain rule's
+    log_normaliser without a constraint is the logsumexp over every id but <pad> and <bos>."""
+    from ppl_thought.vocab import BOS_ID, PAD_ID
+
+    rule = TokenRule(PROJ.lifting("ab"), V)
+    g = torch.Generator().manual_seed(1)
+    n = 64
+    logits = 3 * torch.randn(n, V, generator=g)
+    s = rule.start(n, "cpu")
+    s[::5] = PROJ.lifting("ab").num_states  # the dead state: nothing admitted
+    law = rule.masked_law(logits, s)
+    logq = rule.log_probs(logits, s)
+    live = ~torch.isneginf(logq).all(-1)
+    assert not live[::5].any() and live.sum() == n - len(range(0, n, 5))
+    probs = law.weights / law.weights.sum(-1, keepdim=True)
+    assert torch.allclose(probs[live], logq[live].exp(), atol=1e-6)
+    assert law.weights[~live].eq(0).all() and torch.isneginf(law.log_norm[~live]).all()
+    admitted = torch.logsumexp(logits.masked_fill(~rule.allowed(s), float("-inf")), -1)
+    assert torch.allclose(law.log_norm[live], admitted[live], atol=1e-5)
+    assert not torch.isnan(law.log_norm).any()
+    assert rule.masked_law(logits, s) is law  # kept
+    logits[0, 7] += 1.0  # changed in place: recomputed
+    again = rule.masked_law(logits, s)
+    assert again is not law and rule.masked_law(logits, s) is again
+    assert rule.masked_law(logits, s, take=True) is again and rule.masked_law(logits, s) is not again
+    with torch.inference_mode():
+        x, st = logits.clone(), s.clone()
+        a, b = rule.masked_law(x, st).log_norm.clone(), rule.masked_law(x, st).log_norm
+    assert torch.allclose(a[live], b[live])
+    free = TokenRule(None, V)
+    ref = torch.logsumexp(logits[:, BOS_ID + 1:], -1)
+    assert torch.allclose(free.log_normaliser(logits, s), ref, atol=1e-5)
+    assert {PAD_ID, BOS_ID} == {0, 1}  # the slice free.log_normaliser reads
+    assert torch.isneginf(free.log_normaliser(torch.full((2, V), float("-inf")), s[:2])).all()
+
+
+def test_token_step_from_the_kept_law_draws_and_scores_like_the_table():
+    """The draw from the kept masked law (no [n, V] log-probability table, weights changed in place) gives the
+    same tokens, log-probabilities and dead rows as the table path on the same random stream; with gradients
+    on, token_step reads the table and the draw's log-probability has a gradient."""
+    from ppl_thought.distributions.token_rule import token_step
+
+    rule = TokenRule(PROJ.lifting("ab"), V)
+    n = 300
+    g = torch.Generator().manual_seed(2)
+    logits = 2 * torch.randn(n, V, generator=g)
+    s = rule.start(n, "cpu")
+    s[::7] = PROJ.lifting("ab").num_states
+    active = torch.rand(n, generator=g) < 0.8
+    kept = rule.masked_law(logits, s)  # as Constrained.log_mass leaves it
+    fast = token_step(rule, logits, s, active, torch.Generator().manual_seed(9))
+    assert fast.log_q is None and fast.log_norm is not None and kept.weights.data_ptr() is not None
+    table = token_step(rule, logits, s, active, torch.Generator().manual_seed(9), log_probs=rule.log_probs(logits, s))
+    assert torch.equal(fast.token, table.token) and torch.equal(fast.dead, table.dead)
+    assert fast.dead.sum() == (active & (s == PROJ.lifting("ab").num_states)).sum() > 0
+    finite = torch.isfinite(table.log_prob)
+    assert torch.equal(finite, torch.isfinite(fast.log_prob))
+    assert torch.allclose(fast.log_prob[finite], table.log_prob[finite], atol=1e-5)
+    assert fast.log_prob[~active].eq(0).all() and not torch.isnan(fast.log_prob).any()
+    leaf = logits.clone().requires_grad_()
+    graded = token_step(rule, leaf, s, active, torch.Generator().manual_seed(9))
+    assert graded.log_q is not None and torch.equal(graded.token, table.token)
+    graded.log_prob[active & ~fast.dead].sum().backward()
+    scored = active & ~fast.dead  # (a dead row's table, all -inf, has a NaN gradient: logsumexp's, as before)
+    assert torch.isfinite(leaf.grad[scored]).all() and leaf.grad[scored].abs().sum() > 0

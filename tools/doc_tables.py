@@ -282,7 +282,9 @@ def _bench_provenance(cmd: str, w: dict) -> str:
     secs = w.get("extra", {}).get("seconds") or {}
     timed = sum(v for row in secs.values() for v in (row.values() if isinstance(row, dict) else [row]))
     timed = f"; {timed:.1f} s in the timed rounds" if secs else "; wall time not recorded"
-    return f"Written by `{cmd}`; commit not recorded; machine {machine}{load}{timed}."
+    commit = w.get("commit")
+    commit = (commit[:7] + (" + uncommitted changes" if w.get("dirty") else "")) if commit else "not recorded"
+    return f"Written by `{cmd}`; commit {commit}; machine {machine}{load}{timed}."
 
 
 def _int(x: float) -> str:

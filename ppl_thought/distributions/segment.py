@@ -230,7 +230,7 @@ class Segment(TorchDistribution):
                                  "the LM gives probability 0 to every token the constraint allows")
             if flags.any_still and flags.n_done > self.drop_fraction * loop.done.shape[0]:
                 flags = self._drop_ended(loop, flags)
-            run = self._forced_run(loop, runs, flags.R, flags.aligned_still, generator, step.log_q.dtype) \
+            run = self._forced_run(loop, runs, flags.R, flags.aligned_still, generator, step.draw_dtype) \
                 if flags.R else None
             self._feed(loop, flags, run, valid_mode)
             if not flags.any_still:

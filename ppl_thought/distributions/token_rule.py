@@ -12,6 +12,7 @@ docs/architecture.md).
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -23,8 +24,9 @@ from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
-__all__ = ["TokenRule", "TokenStep", "chunk_size", "generated_tokens", "left_pack", "masked_log_softmax", "nucleus",
-           "per_row", "sample_categorical", "skip_draws", "supports_valid", "token_step", "trim_padding", "upcast"]
+__all__ = ["MaskedLaw", "TokenRule", "TokenStep", "chunk_size", "generated_tokens", "left_pack", "masked_log_softmax",
+           "nucleus", "per_row", "sample_categorical", "skip_draws", "supports_valid", "token_step", "trim_padding",
+           "upcast"]
 
 
 def upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -74,6 +76,29 @@ def generated_tokens(vocab_size: int, device=None) -> torch.Tensor:
 _LOWEST = torch.finfo(torch.float32).min
 
 
+class MaskedLaw(NamedTuple):
+    """Def 2.8's masked softmax of one (logits, state) pair in the form a draw and a weight read it
+    (:meth:`TokenRule.masked_law`)."""
+
+    #: ``[n, V]`` float32 (float64 for float64 logits): exp(logit_v - max admitted logit) for the admitted tokens,
+    #: 0 elsewhere (an all-zero row has no admitted token); proportional to the masked softmax
+    weights: torch.Tensor
+    #: ``[n]`` log sum over the admitted tokens of exp(logit): the masked softmax's log normaliser (-inf: none)
+    log_norm: torch.Tensor
+
+
+def _law_key(logits: torch.Tensor, s: torch.Tensor) -> tuple | None:
+    """What identifies a (logits, state) pair while neither changes: the tensors (weakly) and their version
+    counters. None where there is none to read (inference-mode tensors keep no version counter)."""
+    if logits.is_inference() or s.is_inference():
+        return None
+    return weakref.ref(logits), logits._version, weakref.ref(s), s._version
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    return a[0]() is b[0]() is not None and a[1] == b[1] and a[2]() is b[2]() is not None and a[3] == b[3]
+
+
 class TokenRule:
     """Next-token log-probabilities from logits under an automaton constraint: the masked softmax of Def 2.8.
 
@@ -86,10 +111,16 @@ class TokenRule:
         self.constraint = constraint
         self.vocab_size = int(vocab_size)
         self._tables: dict[tuple, torch.Tensor] = {}
+        self._law_memo: tuple | None = None  # (key, MaskedLaw) of the last masked_law call (see masked_law)
 
-    def _table(self, what: str, device) -> torch.Tensor:
+    def _table(self, what: str, device, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Per-device tables over automaton states (the last row is the dead state): ``allowed`` [S+1, V],
-        ``bias`` (0 / -inf) [S+1, V]."""
+        ``bias`` (0 / -inf) [S+1, V]; and ``-inf``, a 0-d tensor of ``dtype``."""
+        if what == "-inf":
+            key = (what, str(device), dtype)
+            if key not in self._tables:
+                self._tables[key] = torch.tensor(float("-inf"), dtype=dtype, device=device)
+            return self._tables[key]
         key = (what, str(device))
         table = self._tables.get(key)
         if table is None:
@@ -122,6 +153,68 @@ class TokenRule:
         # (faster than log_softmax for small vocabularies on CPU); an all -inf row has normaliser -inf:
         # clamped to the lowest float it leaves the row -inf instead of NaN
         return x - torch.logsumexp(x, -1, keepdim=True).clamp(min=_LOWEST)
+
+    def masked_law(self, logits: torch.Tensor, s: torch.Tensor, *, take: bool = False) -> MaskedLaw:
+        """The masked softmax of Def 2.8 for rows ``logits [n, V]`` in states ``s``, as the draw and the weight need
+        it: unnormalised weights and the log normaliser log Z(s) = log sum_{v admitted in s} exp(logit_v), in one
+        pass with one ``[n, V]`` buffer (no log-probability table; :meth:`log_probs` is the same law as a table).
+
+        Computed once per (logits, state) pair: the result is kept until either tensor changes (their version
+        counters) or another pair is asked for, so a program that weights a step by the mass of the admitted
+        tokens (``Constrained.log_mass``, the factors log Z_t of Section 3.3) and then draws the token from the
+        same law (:func:`token_step`) pays for one pass. The weights live in a buffer the rule reuses: read them
+        before the rule's next ``masked_law``. ``take=True`` hands them to the caller, who may then change them in
+        place (the draw does), and forgets them. Only the plain rule of this class has it
+        (subclasses with their own :meth:`log_probs` do not), and only without gradients."""
+        key = _law_key(logits, s)
+        memo = self._law_memo
+        if key is not None and memo is not None and _same_key(memo[0], key):
+            law = memo[1]
+        else:
+            law = self._compute_law(logits, s)
+        self._law_memo = None if take or key is None else (key, law)
+        return law
+
+    def log_normaliser(self, logits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """``[n]`` log Z(s), the log normaliser of :meth:`masked_law` (the kept law's when it is there). Without a
+        constraint the admitted tokens are every id but ``<pad>`` (0) and ``<bos>`` (1), a slice of the logits: the
+        sum is taken in a scratch buffer the rule keeps, and no weights are kept."""
+        key = _law_key(logits, s)
+        memo = self._law_memo
+        if key is not None and memo is not None and _same_key(memo[0], key):
+            return memo[1].log_norm
+        if self.constraint is not None or logits.requires_grad and torch.is_grad_enabled():
+            return self.masked_law(logits, s).log_norm
+        x = upcast(logits)[..., BOS_ID + 1:]  # every generated token (PAD_ID, BOS_ID = 0, 1)
+        m = x.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        buf = self._tables.get(("scratch",))
+        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype or buf.device != x.device:
+            buf = self._tables[("scratch",)] = torch.empty_like(x, memory_format=torch.contiguous_format)
+        return m.squeeze(-1) + torch.sub(x, m, out=buf).exp_().sum(-1).log()
+
+    def _compute_law(self, logits: torch.Tensor, s: torch.Tensor) -> MaskedLaw:
+        x = upcast(logits)
+        allowed = self._table("allowed", s.device)
+        allowed = allowed if self.constraint is None else allowed[s]  # [1, V] broadcast or [n, V]
+        w = self._law_buffer(x)  # masked logits, then their weights, in place
+        torch.where(allowed, x, self._table("-inf", x.device, x.dtype), out=w)
+        m = w.amax(-1, keepdim=True)
+        w.sub_(torch.where(torch.isfinite(m), m, torch.zeros_like(m))).exp_()  # a dead row (m = -inf): all 0
+        return MaskedLaw(w, m.squeeze(-1) + w.sum(-1).log())
+
+    def _law_buffer(self, x: torch.Tensor) -> torch.Tensor:
+        """The ``[n, V]`` buffer :meth:`masked_law` writes its weights to: kept by the rule and reused (a fresh
+        ``[n, V]`` tensor per token costs as much as the softmax, its pages faulted in anew), grown to the most
+        rows asked for; a fresh tensor where gradients flow."""
+        if x.requires_grad and torch.is_grad_enabled() or x.ndim != 2:
+            return torch.empty_like(x, memory_format=torch.contiguous_format)
+        key = ("law", x.dtype, str(x.device))
+        buf = self._tables.get(key)
+        if buf is None or buf.shape[0] < x.shape[0] or buf.shape[1] != x.shape[1]:
+            buf = self._tables[key] = torch.empty(max(x.shape[0], 0 if buf is None else buf.shape[0]), x.shape[1],
+                                                  dtype=x.dtype, device=x.device)
+        return buf[: x.shape[0]]
 
     def inactive_row(self, device: torch.device | str | None) -> torch.Tensor:
         """``[1, V]`` (default float dtype): all the mass on ``<pad>``, the law an inactive row draws from in
@@ -271,12 +364,22 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = 
     drawn in float64. One uniform per
     row: a few times cheaper than ``torch.multinomial`` on CPU for small vocabularies, and one pass over
     the row for large ones."""
-    cdf = probs.cumsum(-1)
+    return _invert(probs.cumsum(-1), generator)
+
+
+def _draw_in_place(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """:func:`sample_categorical` of weights the caller owns: their cumulative sums are taken in place (no second
+    ``[n, V]`` buffer); the same draw on the same stream."""
+    return _invert(probs.cumsum_(-1), generator)
+
+
+def _invert(cdf: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     # u * total' with total' = total (1 - 2^-22) < total after rounding, and u < 1: u * total' <= total'
-    # (a relative 2^-22 of the last index's mass is given to the earlier ones)
+    # (a relative 2^-22 of the last index's mass is given to the earlier ones). The draw is the number of
+    # cumulative masses <= u (a binary search: cdf is non-decreasing); V for a row of zero mass.
     below = cdf[:, -1:] * (1.0 - 2.0 ** -22)
-    u = torch.rand(below.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * below
-    return (cdf <= u).sum(-1)
+    u = torch.rand(below.shape, generator=generator, device=cdf.device, dtype=cdf.dtype) * below
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
 def skip_draws(n: int, steps: int, generator: torch.Generator | None, device, dtype: torch.dtype) -> None:
@@ -302,19 +405,33 @@ class TokenStep(NamedTuple):
     done: torch.Tensor | None
     #: the rows whose segment ends at this token (any row; None without ``ends``)
     segment_end: torch.Tensor | None
-    #: the law drawn from, ``[n, V]`` log-probabilities (None when only weights ``probs`` were given)
+    #: the law drawn from, ``[n, V]`` log-probabilities (None when only weights ``probs`` were given, and when
+    #: the draw read the rule's :class:`MaskedLaw`, which has no table: see ``log_norm``)
     log_q: torch.Tensor | None
     #: the active rows (None: all)
     active: torch.Tensor | None
+    #: with a :class:`MaskedLaw` draw: the logits ``[n, V]`` and the law's log normaliser ``[n]``, whence the
+    #: draw's log-probability logit(token) - log Z (Def 2.8)
+    logits: torch.Tensor | None = None
+    log_norm: torch.Tensor | None = None
 
     @property
     def log_prob(self) -> torch.Tensor | None:
         """log q(token) ``[n]`` of the draw, the step's term of (2.13) (0 for inactive rows; -inf for a dead row,
         never NaN); None when only weights were given."""
-        if self.log_q is None:
+        if self.log_q is not None:
+            lp = self.log_q.gather(-1, self.token[:, None]).squeeze(-1)
+        elif self.log_norm is not None:
+            lp = upcast(self.logits.gather(-1, self.token[:, None]).squeeze(-1)) - self.log_norm
+            lp = lp.masked_fill_(self.dead, float("-inf"))
+        else:
             return None
-        lp = self.log_q.gather(-1, self.token[:, None]).squeeze(-1)
         return lp if self.active is None else lp.masked_fill_(~self.active, 0.0)
+
+    @property
+    def draw_dtype(self) -> torch.dtype:
+        """The dtype of the uniform the draw used (:func:`skip_draws` keeps the stream with it)."""
+        return (self.log_q if self.log_q is not None else self.log_norm).dtype
 
     @property
     def going(self) -> torch.Tensor | None:
@@ -361,16 +478,28 @@ def token_step(rule: TokenRule | None, logits: torch.Tensor | None, state: torch
 
     Random stream: exactly one uniform per row, in the row order, from ``generator``.
     """
-    if probs is None:
-        if log_probs is None:
-            log_probs = rule.log_probs(logits, state)
-        probs = log_probs.exp()
-        if active is not None:
-            inactive = rule.inactive_row(probs.device) if rule is not None else _pad_row(probs.shape[-1], probs.device)
-            probs = torch.where(active[:, None], probs, inactive)
+    log_norm = None
+    if probs is None and log_probs is None and _reads_law(rule, logits):
+        law = rule.masked_law(logits, state, take=True)  # Def 2.8's weights, ours to change in place
+        probs, log_norm = law.weights, law.log_norm
+        if active is not None:  # inactive rows: all the mass on <pad>, as inactive_row
+            probs.masked_fill_(~active[:, None], 0.0)
+            probs[:, PAD_ID].masked_fill_(~active, 1.0)
+        tok = _draw_in_place(probs, generator)
+    else:
+        if probs is None:
+            if log_probs is None:
+                log_probs = rule.log_probs(logits, state)
+            probs = log_probs.exp()
+            if active is not None:
+                inactive = rule.inactive_row(probs.device) if rule is not None else _pad_row(probs.shape[-1],
+                                                                                              probs.device)
+                probs = torch.where(active[:, None], probs, inactive)
+        tok = sample_categorical(probs, generator)
     V = probs.shape[-1]
-    tok = sample_categorical(probs, generator)
     dead = tok == V
+    if log_norm is not None:  # NaN logits are not a dead row: their NaN log-probability is reported downstream
+        dead &= ~torch.isnan(log_norm)
     tok = tok.clamp_(max=V - 1)
     new_state = rule.advance(state, tok) if rule is not None and state is not None else state
     new_done = seg_end = None
@@ -379,4 +508,12 @@ def token_step(rule: TokenRule | None, logits: torch.Tensor | None, state: torch
         seg_end, seq_end = out if isinstance(out, tuple) else (out, out)
         ended = seq_end if active is None else active & seq_end
         new_done = ended if done is None else done | ended
-    return TokenStep(tok, new_state, dead, new_done, seg_end, log_probs, active)
+    return TokenStep(tok, new_state, dead, new_done, seg_end, log_probs, active,
+                     logits if log_norm is not None else None, log_norm)
+
+
+def _reads_law(rule: TokenRule | None, logits: torch.Tensor | None) -> bool:
+    """Whether :func:`token_step` draws from the rule's :class:`MaskedLaw` (the plain masked softmax of Def 2.8,
+    no gradient to keep) rather than from a log-probability table."""
+    return (rule is not None and logits is not None and type(rule).log_probs is TokenRule.log_probs
+            and not (logits.requires_grad and torch.is_grad_enabled()))

@@ -231,6 +231,7 @@ class HuggingFace(nn.Module):
         # <pad>, <bos> and plain-text markers (no HF token) are never generated: their logits are -inf
         self.register_buffer("_no_logit", torch.tensor([PAD_ID, BOS_ID, *self.vocab.text_marker_ids], device=device),
                              persistent=False)
+        self._output_runs = _copy_runs(self._hf_output.tolist(), set(self._no_logit.tolist()))
         self.register_buffer("_library_ids", torch.as_tensor(self.vocab.library_ids, dtype=torch.long).to(device),
                              persistent=False)
         text_ids = self.vocab.text_marker_ids
@@ -355,12 +356,19 @@ class HuggingFace(nn.Module):
         return self._library_ids[hf_ids]
 
     def library_logits(self, hf_logits: torch.Tensor) -> torch.Tensor:
-        """HF logits ``[..., V_model]`` -> library logits ``[..., len(vocab)]`` float32 (one gather; ``<pad>``
-        and ``<bos>`` -inf)."""
+        """HF logits ``[..., V_model]`` -> library logits ``[..., len(vocab)]`` float32 (``<pad>``, ``<bos>`` and
+        plain-text markers -inf). The library order is the HF order in a few blocks (reserved ids, specials, the
+        ordinary tokens), so the logits are copied block by block (a strided gather over the vocabulary is
+        several times slower); a vocabulary of many blocks takes one gather."""
         index, none = self._hf_output, self._no_logit
         if index.device != hf_logits.device:  # a model spread over devices: its logits on the last one
             index, none = index.to(hf_logits.device), none.to(hf_logits.device)
-        out = hf_logits.index_select(-1, index).float()
+        if self._output_runs is None:
+            out = hf_logits.index_select(-1, index).float()
+        else:
+            out = torch.empty(hf_logits.shape[:-1] + (len(index),), dtype=torch.float32, device=hf_logits.device)
+            for dst, src, length in self._output_runs:
+                out[..., dst:dst + length].copy_(hf_logits[..., src:src + length])
         return out.index_fill_(-1, none, float("-inf"))
 
     # -- forward --------------------------------------------------------------------------------------
@@ -470,6 +478,22 @@ class HuggingFace(nn.Module):
         if valid.dtype != torch.bool or valid.shape != (B, T):
             raise MalformedSequenceError(f"valid must be a bool tensor [B, T] = [{B}, {T}], got {describe(valid)}")
         return None if bool(valid.all()) else valid
+
+
+def _copy_runs(index: list[int], skip: set[int], most: int = 64) -> tuple[tuple[int, int, int], ...] | None:
+    """The gather ``out[i] = src[index[i]]`` (positions in ``skip`` left out) as blocks ``(dst, src, length)`` of
+    consecutive positions reading consecutive sources; None when it takes more than ``most`` blocks."""
+    runs: list[list[int]] = []
+    for i, j in enumerate(index):
+        if i in skip:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == j:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, j, 1])
+            if len(runs) > most:
+                return None
+    return tuple(tuple(r) for r in runs)
 
 
 def smollm2(**kwargs) -> HuggingFace:

@@ -76,10 +76,10 @@ class Constrained(Program):
         """log Z_t ``[n]``: the log of the LM's mass on the tokens the automaton admits in states ``s``, over its
         mass on the tokens it may generate at all (Def 2.8's normaliser); 0 for ended rows (factor 1).
         The weight of one step, shared by :meth:`step` and the static SMC path (inference/static_smc.py)."""
-        logits = logits.float()
-        admitted = torch.logsumexp(logits.masked_fill(~self.rule.allowed(s), float("-inf")), -1)
-        total = torch.logsumexp(logits.masked_fill(~self.free.allowed(s), float("-inf")), -1)
-        return torch.where(done, torch.zeros_like(admitted), admitted - total)
+        admitted = self.rule.masked_law(logits, s).log_norm  # kept: the draw from the same law reads it again
+        total = self.free.log_normaliser(logits, s)
+        log_z = torch.where(torch.isneginf(total), total, admitted - total)  # no generable token: -inf, not NaN
+        return torch.where(done, torch.zeros_like(log_z), log_z)
 
     def one_token_step(self) -> OneTokenStep:
         """This program's step for the static SMC backend (inference/static_smc.py): one token of ``lm`` under the
