@@ -48,6 +48,7 @@ import json
 import os
 import platform
 import random
+import sys
 import time
 
 import pyro
@@ -99,7 +100,6 @@ def build(vocab_size: int = 512, n_layer: int = 2, n_embd: int = 128, n_head: in
 def build_smollm2():
     """(adapter, prompt ids as library ids, token texts) for SmolLM2: the chat prompt of ``SMOLLM2["prompt"]``
     (without the leading ``<|im_start|>``, which the adapter's ``<bos>`` already is)."""
-    import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
                               "llamppl": _version("llamppl"), "machine": platform.machine(),
                               "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()[0],
                               "commit": prov["commit"], "dirty": prov["dirty"],
+                              "command": " ".join(["python benchmarks/llamppl_race.py", *(
+                                  sys.argv[1:] if argv is None else argv)]),
                               "extra": extra}}
     def contestants(n: int, steps: int) -> tuple[dict, list]:
         run, results = ppl_thought_run(lm, constraint, prompt, n, steps, workload["ess_threshold"])

@@ -349,7 +349,12 @@ def llamppl_race_smollm2(d: dict) -> str:
     cfg = (f"Particle-tokens per second, {w['rounds']} round{'s' if w['rounds'] != 1 else ''} "
            f"({'--quick' if w.get('quick') else 'full'}), {w['new_tokens']} new tokens after a "
            f"{w['prompt_tokens']}-token prompt, {w['admitted_tokens']:,} of {w['library_vocab']:,} tokens admitted.")
-    return "\n".join(rows) + f"\n\n{cfg} " + _bench_provenance(RACE_SMOLLM2_CMD, w) + "\n"
+    goal = [n for n in ("64", "256") if n in d["fraction"]]
+    met = all(d["fraction"][n] >= 0.85 and x["llamppl_ratio"][n] >= 10 for n in goal)
+    goal = (f"Issue 33's goal (at least 0.85 of the limit and 10x LLaMPPL at 64 and 256 particles): "
+            f"**{'met' if met and len(goal) == 2 else 'not met'}**." if goal else "")
+    return ("\n".join(rows) + f"\n\n{cfg} {goal} " + _bench_provenance(w.get("command") or RACE_SMOLLM2_CMD, w)
+            + "\n")
 
 
 GENLM_CMD = ("python benchmarks/llamppl_race.py --model smollm2 --quick --sizes 16 --new-tokens 8 --no-llamppl "
