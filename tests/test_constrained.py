@@ -84,3 +84,29 @@ def test_constrained_refuses_bad_arguments():
         pt.models.Constrained(lm, auto, 4, twist=3)
     with pytest.raises(ConfigError, match="lookahead"):
         pt.models.Constrained(lm, auto, 4, twist="look-ahead")
+
+
+def test_log_mass_is_the_admitted_over_the_generable_mass():
+    """Constrained.log_mass (the factor log Z_t of Section 3.3, read from the token rule's kept masked law): the
+    logsumexp of the admitted logits minus that of every generable token (all but <pad> and <bos>, whatever
+    their logits), 0 for ended rows, -inf (never NaN) for a row with nothing admitted or nothing generable; the
+    draw that follows reuses the law (the rule keeps it for these logits and states until they change)."""
+    lm, auto = setup()
+    program = pt.models.Constrained(lm, auto, L)
+    g = torch.Generator().manual_seed(3)
+    n, V = 12, len(VOCAB)
+    logits = 4 * torch.randn(n, V, generator=g)  # <pad> and <bos> finite on purpose: they must not count
+    s = program.rule.start(n, "cpu")
+    s[1] = auto.num_states  # dead: nothing admitted
+    logits[2] = float("-inf")  # nothing generable
+    done = torch.zeros(n, dtype=torch.bool)
+    done[3] = True
+    got = program.log_mass(logits, s, done)
+    allowed = program.rule.allowed(s)
+    admitted = torch.logsumexp(logits.masked_fill(~allowed, float("-inf")), -1)
+    generable = torch.logsumexp(logits[:, 2:], -1)
+    ref = admitted - generable
+    rows = torch.tensor([i for i in range(n) if i not in (1, 2, 3)])
+    assert torch.allclose(got[rows], ref[rows], atol=1e-5)
+    assert got[3] == 0 and torch.isneginf(got[1]) and torch.isneginf(got[2]) and not torch.isnan(got).any()
+    assert program.rule.masked_law(logits, s) is program.rule.masked_law(logits, s)

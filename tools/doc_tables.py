@@ -342,10 +342,12 @@ def llamppl_race_smollm2(d: dict) -> str:
     """docs/huggingface.md: the race on SmolLM2-135M-Instruct (``llamppl_race_smollm2.json``)."""
     w, x = d["workload"], d["workload"]["extra"]
     rows = ["| particles | ppl_thought | LLaMPPL | limit (DynamicCache) | ppl_thought / limit | ppl_thought / LLaMPPL "
-            "| LLaMPPL seconds in its round |", "|---|---|---|---|---|---|---|"]
+            "| LLaMPPL seconds in its round | ppl_thought / adapter forward (in-place cache) |",
+            "|---|---|---|---|---|---|---|---|"]
     for n in map(str, d["n"]):
         rows.append(f"| {n} | {d['ppl_thought'][n]:.1f} | {d['llamppl'][n]:.1f} | {d['limit'][n]:.1f} | "
-                    f"{d['fraction'][n]:.2f} | {x['llamppl_ratio'][n]:.1f}x | {x['seconds'][n]['llamppl']:.0f} |")
+                    f"{d['fraction'][n]:.2f} | {x['llamppl_ratio'][n]:.1f}x | {x['seconds'][n]['llamppl']:.0f} | "
+                    f"{d['ppl_thought'][n] / x['adapter_forward'][n]:.2f} |")
     cfg = (f"Particle-tokens per second, {w['rounds']} round{'s' if w['rounds'] != 1 else ''} "
            f"({'--quick' if w.get('quick') else 'full'}), {w['new_tokens']} new tokens after a "
            f"{w['prompt_tokens']}-token prompt, {w['admitted_tokens']:,} of {w['library_vocab']:,} tokens admitted.")
