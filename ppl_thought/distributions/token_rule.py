@@ -167,49 +167,47 @@ class TokenRule:
         place (the draw does), and forgets them. Only the plain rule of this class has it
         (subclasses with their own :meth:`log_probs` do not), and only without gradients."""
         key = _law_key(logits, s)
-        memo = self._law_memo
-        if key is not None and memo is not None and _same_key(memo[0], key):
-            law = memo[1]
-        else:
-            law = self._compute_law(logits, s)
+        law = self._kept_law(key) or self._compute_law(logits, s)
         self._law_memo = None if take or key is None else (key, law)
         return law
+
+    def _kept_law(self, key: tuple | None) -> MaskedLaw | None:
+        """The law :meth:`masked_law` kept, when it was computed for the pair ``key`` names."""
+        memo = self._law_memo
+        return memo[1] if key is not None and memo is not None and _same_key(memo[0], key) else None
 
     def log_normaliser(self, logits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """``[n]`` log Z(s), the log normaliser of :meth:`masked_law` (the kept law's when it is there). Without a
         constraint the admitted tokens are every id but ``<pad>`` (0) and ``<bos>`` (1), a slice of the logits: the
         sum is taken in a scratch buffer the rule keeps, and no weights are kept."""
-        key = _law_key(logits, s)
-        memo = self._law_memo
-        if key is not None and memo is not None and _same_key(memo[0], key):
-            return memo[1].log_norm
+        kept = self._kept_law(_law_key(logits, s))
+        if kept is not None:
+            return kept.log_norm
         if self.constraint is not None or logits.requires_grad and torch.is_grad_enabled():
             return self.masked_law(logits, s).log_norm
         x = upcast(logits)[..., BOS_ID + 1:]  # every generated token (PAD_ID, BOS_ID = 0, 1)
         m = x.amax(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        buf = self._tables.get(("scratch",))
-        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype or buf.device != x.device:
-            buf = self._tables[("scratch",)] = torch.empty_like(x, memory_format=torch.contiguous_format)
-        return m.squeeze(-1) + torch.sub(x, m, out=buf).exp_().sum(-1).log()
+        return m.squeeze(-1) + torch.sub(x, m, out=self._buffer("scratch", x)).exp_().sum(-1).log()
 
     def _compute_law(self, logits: torch.Tensor, s: torch.Tensor) -> MaskedLaw:
         x = upcast(logits)
         allowed = self._table("allowed", s.device)
         allowed = allowed if self.constraint is None else allowed[s]  # [1, V] broadcast or [n, V]
-        w = self._law_buffer(x)  # masked logits, then their weights, in place
+        w = self._buffer("law", x)  # masked logits, then their weights, in place
         torch.where(allowed, x, self._table("-inf", x.device, x.dtype), out=w)
         m = w.amax(-1, keepdim=True)
         w.sub_(torch.where(torch.isfinite(m), m, torch.zeros_like(m))).exp_()  # a dead row (m = -inf): all 0
         return MaskedLaw(w, m.squeeze(-1) + w.sum(-1).log())
 
-    def _law_buffer(self, x: torch.Tensor) -> torch.Tensor:
-        """The ``[n, V]`` buffer :meth:`masked_law` writes its weights to: kept by the rule and reused (a fresh
-        ``[n, V]`` tensor per token costs as much as the softmax, its pages faulted in anew), grown to the most
-        rows asked for; a fresh tensor where gradients flow."""
+    def _buffer(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """A contiguous ``[n, V]`` buffer shaped like ``x`` (the weights of :meth:`masked_law`, the scratch of
+        :meth:`log_normaliser`): kept by the rule under ``name`` and reused (a fresh ``[n, V]`` tensor per token
+        costs as much as the softmax, its pages faulted in anew), grown to the most rows asked for; a fresh tensor
+        where gradients flow."""
         if x.requires_grad and torch.is_grad_enabled() or x.ndim != 2:
             return torch.empty_like(x, memory_format=torch.contiguous_format)
-        key = ("law", x.dtype, str(x.device))
+        key = (name, x.dtype, str(x.device))
         buf = self._tables.get(key)
         if buf is None or buf.shape[0] < x.shape[0] or buf.shape[1] != x.shape[1]:
             buf = self._tables[key] = torch.empty(max(x.shape[0], 0 if buf is None else buf.shape[0]), x.shape[1],
