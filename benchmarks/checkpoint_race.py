@@ -1,6 +1,7 @@
 """Readers racing writers of one checkpoint folder, writers killed with SIGKILL: how many loads fail (issue 41, 3).
 
-    python benchmarks/checkpoint_race.py [--loads 50000] [--readers 2] [--seed 0] [--json FILE]
+    python benchmarks/checkpoint_race.py [--loads 50000] [--readers 2] [--seed 0] [--jitter MS] [--dir DIR]
+                                        [--json FILE]
 
 Reader processes load one folder in a loop (reader 0 through ``ppl_thought.checkpoint.load_numpy``, reader 1
 through the torch loader ``ppl_thought.io.load_checkpoint``, alternating if there are more) until together they
@@ -15,6 +16,13 @@ came back inconsistent. Target: 0 failed.
 Each reader also counts how often the race was met: ``retried`` loads read the config more than once (the file
 it named had vanished, was replaced, or no longer matched), ``locked`` loads fell back to reading under the
 writers' lock. At the end the folder must load, and the next write must leave no temporary file behind.
+
+``--jitter MS`` makes each reader pause, before one in 20 of its file system calls (``stat``, ``lstat``, ``open``,
+``fstat``, ``read``, ``readlink``, ``io.open``), for a random time (uniform in 0..MS milliseconds), as if it were
+preempted at that step: each window between two steps of a load is now and then wide enough for writers to
+commit twice in it, so that a race a busy machine meets once in thousands of loads is met far more often.
+``--dir`` chooses where the folder lives (default: the system's temporary folder); on a tmpfs such as /dev/shm
+writes skip the disk's fsync and writers commit several times more often.
 
 Run it against another checkout with ``PYTHONPATH=<checkout>`` (the JSON records the commit of the code it ran).
 """
@@ -56,7 +64,19 @@ _READER = textwrap.dedent("""
     import json, sys, time
     import ppl_thought.checkpoint as ck
     from ppl_thought.errors import CheckpointError
-    path, quota, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    path, quota, kind, jitter = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+    if jitter:  # now and then a pause before a file system call of the reader: a preemption at that step
+        import io, os, random
+        rng = random.Random(int(sys.argv[5]))
+        def jittered(call):
+            def wrapped(*args, **kwargs):
+                if rng.random() < 0.05:
+                    time.sleep(rng.uniform(0.0, jitter))
+                return call(*args, **kwargs)
+            return wrapped
+        for name in ("stat", "lstat", "open", "fstat", "read", "readlink"):
+            setattr(os, name, jittered(getattr(os, name)))
+        io.open = jittered(io.open)
     if kind == "torch":
         from ppl_thought.io import load_checkpoint
         def load(p):
@@ -85,6 +105,7 @@ _READER = textwrap.dedent("""
               "max_config_reads": 0}
     errors = []
     print("ready", flush=True)
+    sys.stdin.readline()  # "go": every reader and the first writer are running
     started = time.monotonic()
     for _ in range(quota):
         reads[0] = locks[0] = 0
@@ -100,15 +121,17 @@ _READER = textwrap.dedent("""
         counts["locked"] += locks[0] > 0
         counts["max_config_reads"] = max(counts["max_config_reads"], reads[0])
     counts["seconds"] = round(time.monotonic() - started, 2)
-    print(json.dumps({"kind": kind, **counts, "errors": errors[:10]}), flush=True)
+    print(json.dumps({"kind": kind, "module": ck.__file__, **counts, "errors": errors[:10]}), flush=True)
 """)
 
 
-def _start(script: str, root: Path, *args) -> subprocess.Popen:
+def _start(script: str, root: Path, path: Path, *args) -> subprocess.Popen:
+    """A process running ``script`` on the folder ``path``; it runs the ppl_thought of ``$PYTHONPATH`` (default:
+    this checkout), started in the folder's parent so that the current directory puts no other one first."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env.setdefault("PYTHONPATH", str(root))
-    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE, text=True,
-                            env=env, cwd=str(root))
+    proc = subprocess.Popen([sys.executable, "-c", script, str(path), *map(str, args)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=str(path.parent))
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -121,7 +144,7 @@ def _kill(proc: subprocess.Popen) -> None:
 def _commit(root: Path) -> str:
     import ppl_thought
 
-    code = Path(ppl_thought.__file__).resolve().parent.parent
+    code = Path(ppl_thought.__file__).resolve().parent.parent  # the checkout the processes run
     try:
         head = subprocess.run(["git", "-C", str(code), "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -137,6 +160,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--loads", type=int, default=50_000, help="loads in all, shared among the readers")
     ap.add_argument("--readers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jitter", type=float, default=0.0,
+                    help="ms: each reader pauses up to this long (uniformly) before each file system call")
+    ap.add_argument("--dir", type=Path, default=None, help="make the checkpoint folder under DIR")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args(argv)
     root = Path(__file__).resolve().parent.parent
@@ -147,19 +173,26 @@ def main(argv: list[str] | None = None) -> dict:
     from ppl_thought.checkpoint import load_numpy, save_numpy
 
     rng = random.Random(args.seed)
-    work = Path(tempfile.mkdtemp(prefix="checkpoint_race_"))
+    work = Path(tempfile.mkdtemp(prefix="checkpoint_race_", dir=args.dir))
     path = work / "ck"
     started = time.monotonic()
+    readers: list[subprocess.Popen] = []
+    live: list[subprocess.Popen] = []
     try:
         save_numpy(path, {"w": np.zeros((96, 96), np.float32), "b": np.zeros(7, np.int64)}, {"i": 0},
                    aliases={"w_tied": "w"})
         quotas = [args.loads // args.readers + (r < args.loads % args.readers) for r in range(args.readers)]
-        readers = [_start(_READER, root, path, q, "torch" if r % 2 else "numpy") for r, q in enumerate(quotas)]
+        for r, q in enumerate(quotas):
+            readers.append(_start(_READER, root, path, q, "torch" if r % 2 else "numpy", args.jitter / 1000,
+                                  args.seed * 100 + r))
         # one writer is always writing; each round starts new writers, then kills old ones at random moments
         rounds = {"replace_one": 0, "kill_two": 0, "finished": 0}
         kills, seed = 0, 1000 * args.seed
-        live = [_start(_WRITER, root, path, seed, 0)]
+        live.append(_start(_WRITER, root, path, seed, 0))
         started_writers = 1
+        for r in readers:
+            r.stdin.write("go\n")
+            r.stdin.flush()
         while any(r.poll() is None for r in readers):
             kind = rng.choice(sorted(rounds))
             rounds[kind] += 1
@@ -180,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
                 kills, started_writers = kills + 2, started_writers + 2
             else:  # a writer that stops on its own after a few writes, beside the live one
                 seed += 1
-                _start(_WRITER, root, path, seed, rng.randint(1, 40)).wait()
+                live.append(_start(_WRITER, root, path, seed, rng.randint(1, 40)))
+                live.pop().wait()
                 started_writers += 1
         for w in live:
             _kill(w)
@@ -192,7 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
         save_numpy(path, {"w": np.full((96, 96), 7, np.float32), "b": np.full(7, -7, np.int64)}, {"i": 7},
                    aliases={"w_tied": "w"})
         leftovers = sorted(f for f in os.listdir(path) if ".tmp" in f)
-    finally:
+    finally:  # on an error or ^C too: no process of ours outlives the run
+        for proc in readers + live:
+            if proc.poll() is None:
+                _kill(proc)
         shutil.rmtree(work, ignore_errors=True)
     seconds = time.monotonic() - started
     keys = ("ok", "checkpoint_error", "inconsistent", "other", "retried", "locked")
@@ -200,9 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
     failed = total["checkpoint_error"] + total["inconsistent"] + total["other"]
     command = "python benchmarks/checkpoint_race.py" + "".join(
         f" --{k} {v}" for k, v in (("loads", args.loads), ("readers", args.readers), ("seed", args.seed))) + (
+        f" --jitter {args.jitter:g}" if args.jitter else "") + (f" --dir {args.dir}" if args.dir else "") + (
         f" --json {args.json}" if args.json else "")
     out = {
-        "command": command, "commit": _commit(root), "seconds": round(seconds, 1),
+        "command": command, "commit": _commit(root), "seconds": round(seconds, 1), "folder": str(work),
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()},
         "loads": sum(total[k] for k in ("ok", "checkpoint_error", "inconsistent", "other")), "failed": failed,
         **total, "max_config_reads": max(o["max_config_reads"] for o in outs),
