@@ -288,7 +288,7 @@ def _read_file(path: Path, file: Path, what: str) -> bytes:
     for hop in range(2):  # the name itself, then (a link inside the folder) its target
         try:
             fd = os.open(target, _OPEN_FLAGS)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no such file, or the folder is no folder (any more)
             raise _Gone from None
         except OSError as e:
             if e.errno not in _LINK_ERRNOS:
