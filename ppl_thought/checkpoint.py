@@ -18,10 +18,14 @@ Readers and writers at once (docs/architecture.md, "Rules that keep it right"):
   the writer holding it removes the temporary files a killed writer left behind;
 * after the commit a writer keeps the tensors file the previous config named (a reader that read that
   config a moment before still finds it) and removes older ones;
-* a reader reads the tensors file once (the SHA-256 and the tensors come from the same bytes) and, when
-  the file its config named is gone or changed, reads the config again (a newer commit), a few times.
+* a reader reads the tensors file once (the SHA-256 and the tensors come from the same bytes), through one
+  descriptor (``open`` with ``O_NOFOLLOW | O_NONBLOCK``, then ``fstat`` and ``read`` on it: no check by path
+  is followed by an open by path); when the file its config named is missing, vanished or was replaced
+  between these steps, it reads the config again (a newer commit). A problem is the folder's own only when
+  two reads in a row see the same config and the same problem; after :data:`READ_RETRIES` reads that each
+  met a newer commit, the reader reads once more holding ``.lock`` shared, so no writer commits meanwhile.
 
-Loading never trusts the files: ``config.json`` and the tensors file must be files of the folder (a
+Loading never trusts the files: ``config.json`` and the tensors file must be regular files of the folder (a
 symlink may not lead out of it), the config is parsed only up to :data:`MAX_JSON_DEPTH` levels, the
 tensors file may hold only the metadata this module writes, and an alias may only name a stored tensor
 under a name that is not stored itself. Every failure is a :class:`~ppl_thought.errors.CheckpointError`
@@ -35,12 +39,14 @@ Transformer loaders validate a config against the saved tensors with :func:`chec
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import re
 import secrets
+import stat
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -61,8 +67,9 @@ METADATA_KEYS = frozenset({"format", ALIASES_KEY})
 #: the deepest nesting of JSON objects and arrays a config may have (deeper: CheckpointError, never a
 #: RecursionError); a saved Result's tree uses about 3 levels per nested container
 MAX_JSON_DEPTH = 64
-#: how many times a reader reads the config again when the tensors file it named was replaced meanwhile
-READ_RETRIES = 5
+#: how many times a reader reads the config and the tensors file it names, each time a writer committed
+#: meanwhile, before it reads once more holding the writers' lock shared (:func:`read_checkpoint`)
+READ_RETRIES = 8
 #: the temporary files of a writer: ``.model.<hex>.tmp``, ``.config.<hex>.tmp.json`` and the ``.tmpXXXXXX`` that
 #: safetensors' own writer makes next to its target before renaming it
 _TEMP = re.compile(r"\.(model|config)\.[0-9a-f]{16}\.tmp(\.json)?|\.tmp[A-Za-z0-9]{6}")
@@ -232,31 +239,90 @@ def _committed_tensors_file(path: Path) -> str | None:
     return name if isinstance(name, str) and SAFE_NAME.fullmatch(name) else None
 
 
-def _inside(path: Path, file: Path, what: str) -> Path:
-    """``file`` if it is (or its symlink resolves to) a file directly inside the folder ``path``."""
+#: how a loader opens a checkpoint's files: without following a link (a link is resolved and checked
+#: first, see :func:`_read_file`) and without blocking on a FIFO (refused by ``fstat`` before any read)
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+#: the errno of ``open(O_NOFOLLOW)`` on a symlink (ELOOP on Linux and macOS, EMLINK on FreeBSD)
+_LINK_ERRNOS = frozenset({errno.ELOOP, errno.EMLINK})
+
+
+class _Gone(Exception):
+    """The file is missing, or vanished or was replaced between two steps of opening it: a writer may have
+    committed meanwhile, so the caller reads the config (the commit point) again."""
+
+
+class _NotRegular(Exception):
+    """A folder, a FIFO, a socket or a device at the file's name (never read: a FIFO would block forever)."""
+
+
+def _link_target(path: Path, file: Path, what: str) -> Path:
+    """Where the link ``file`` leads, if that is a file directly inside the folder ``path``: a link out of the
+    folder or a loop is a :class:`CheckpointError`, a dangling (or vanished) link is :class:`_Gone`."""
     try:
         real, folder = file.resolve(strict=True), path.resolve(strict=True)
-    except (FileNotFoundError, RuntimeError):  # RuntimeError: a symlink loop
-        return file
+    except FileNotFoundError:
+        raise _Gone from None
+    except (RuntimeError, OSError) as e:  # a symlink loop (RuntimeError before Python 3.13, OSError after)
+        raise CheckpointError(f"{file} ({what}) is a link that cannot be resolved: {e}"[:300]) from None
     if real.parent != folder:
         raise CheckpointError(f"{file} ({what}) is a link to {real}, outside the checkpoint folder {folder}: "
                               "refused (a checkpoint's files live in its folder)")
-    return file
+    return real
+
+
+def _read_file(path: Path, file: Path, what: str) -> bytes:
+    """The bytes of ``file``, a regular file directly in the folder ``path`` or a link to one in it.
+
+    Read through one descriptor, so that a writer replacing the file cannot slip in between a check and a
+    read: ``open`` with ``O_NOFOLLOW | O_NONBLOCK`` (a link is resolved and checked by :func:`_link_target`,
+    then its target opened the same way), ``fstat`` of that descriptor (refuses a folder or a FIFO before
+    reading), ``read`` from it (the bytes of the file that was opened, even if it is replaced or removed
+    meanwhile: writers never change a file in place). Raises :class:`_Gone` when the file is missing or
+    vanished between these steps, :class:`_NotRegular` for a file that is no regular file, and
+    :class:`CheckpointError` for a link out of the folder or a file that cannot be read.
+    """
+    target = file
+    if not getattr(os, "O_NOFOLLOW", 0) and file.is_symlink():  # pragma: no cover - platforms without it
+        target = _link_target(path, file, what)
+    for hop in range(2):  # the name itself, then (a link inside the folder) its target
+        try:
+            fd = os.open(target, _OPEN_FLAGS)
+        except (FileNotFoundError, NotADirectoryError):  # no such file, or the folder is no folder (any more)
+            raise _Gone from None
+        except OSError as e:
+            if e.errno not in _LINK_ERRNOS:
+                raise CheckpointError(f"{file} ({what}) cannot be read: {e}"[:300]) from None
+            if hop:  # the link's target became a link itself since it was resolved: replaced meanwhile
+                raise _Gone from None
+            target = _link_target(path, file, what)
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise _NotRegular
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read()
+        except OSError as e:
+            raise CheckpointError(f"{file} ({what}) cannot be read: {e}"[:300]) from None
+        finally:
+            os.close(fd)
+    raise _Gone  # pragma: no cover - the loop returns or raises
 
 
 def read_header(path: str | Path) -> dict:
-    """The checked ``config.json`` of a checkpoint directory (clear errors, never a bare KeyError)."""
+    """The checked ``config.json`` of a checkpoint directory (clear errors, never a bare KeyError).
+
+    The config is read like the tensors file (:func:`_read_file`: opened once, checked on its descriptor):
+    it must be a regular file of the folder or a link to one in it."""
     path = Path(path)
     cfg = path / CONFIG_FILE
-    if not cfg.is_file():
-        raise MissingCheckpointError(f"no checkpoint at {path} (missing {CONFIG_FILE})")
-    _inside(path, cfg, "the config")
     try:
-        text = cfg.read_bytes()
-    except FileNotFoundError:
+        text = _read_file(path, cfg, "the config")
+    except _Gone:
         raise MissingCheckpointError(f"no checkpoint at {path} (missing {CONFIG_FILE})") from None
-    except OSError as e:
-        raise CheckpointError(f"{cfg} cannot be read: {e}") from None
+    except _NotRegular:
+        raise CheckpointError(f"{cfg} is not a regular file (a folder, a FIFO or a device): refused without "
+                              "reading it") from None
     header = parse_json(text, str(cfg))
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CheckpointError(f"{cfg} is not a {FORMAT} checkpoint")
@@ -306,38 +372,75 @@ class RawCheckpoint:
 
 def read_checkpoint(path: str | Path) -> RawCheckpoint:
     """Read a checkpoint folder's config and tensors file once, checked (module docstring): the one reader of
-    both backends. A tensors file replaced by a concurrent writer after its config was read is read again
-    under the newer config (at most :data:`READ_RETRIES` times)."""
+    both backends.
+
+    Racing writers never make it fail: when the tensors file the config named is missing, vanished or was
+    replaced while being opened, or does not match the config's SHA-256, the config (the commit point) is
+    read again and the file it names then. A problem is the folder's own (a :class:`CheckpointError` naming
+    the file) only when two reads in a row find the same config and the same problem. After
+    :data:`READ_RETRIES` reads that each found a newer commit, the last read holds the writers' lock
+    (``.lock``, shared), so that no writer commits while it reads."""
     path = Path(path)
-    for attempt in range(READ_RETRIES + 1):
-        header = read_header(path)
-        tensors_file = path / header["tensors"]["file"]
-        _inside(path, tensors_file, "the tensors file")
-        if tensors_file.exists() and not tensors_file.is_file():  # a folder, a FIFO (reading it would hang)
-            raise CheckpointError(f"{tensors_file} is not a regular file")
-        problem = None
-        try:
-            data = tensors_file.read_bytes()
-        except FileNotFoundError:
-            problem = f"{path / CONFIG_FILE} names {tensors_file.name}, which is missing"
-        except OSError as e:
-            raise CheckpointError(f"{tensors_file} cannot be read: {e}") from None
-        if problem is None and hashlib.sha256(data).hexdigest() != header["tensors"]["sha256"]:
-            problem = f"{tensors_file} does not match {path / CONFIG_FILE} (interrupted or mixed write?)"
-        if problem is None:
-            stored, aliases = parse_safetensors_header(tensors_file, data)
-            return RawCheckpoint(header, tensors_file, data, stored, aliases)
-        if attempt == READ_RETRIES or _header_unchanged(path, header):
+    last = None
+    for _ in range(READ_RETRIES):
+        raw, header, problem = _read_once(path)
+        if raw is not None:
+            return raw
+        if (header, problem) == last:  # the same config twice, with the same problem: not a race
             raise CheckpointError(problem)
-    raise AssertionError("unreachable")  # pragma: no cover
+        last = header, problem
+    with _shared_lock(path) as locked:  # writers commit faster than this reader reads: make them wait
+        if locked:
+            raw, _, problem = _read_once(path)
+            if raw is not None:
+                return raw
+            raise CheckpointError(problem)
+    raise CheckpointError(f"{problem}; {path / CONFIG_FILE} named another tensors file at each of {READ_RETRIES} "
+                          f"reads (writers commit faster than it can be read, and the folder has no lock file "
+                          f"{LOCK_FILE} to wait on): load it again when no writer is overwriting it")
 
 
-def _header_unchanged(path: Path, header: dict) -> bool:
-    """Whether the folder's config still is ``header`` (else a writer committed meanwhile: read again)."""
+def _read_once(path: Path) -> tuple[RawCheckpoint | None, dict, str]:
+    """``(raw, header, "")`` for a consistent read of the config and the tensors file it names, else
+    ``(None, header, problem)`` naming the file and what is wrong with it (missing, vanished, no regular
+    file, another SHA-256): the caller decides whether a writer raced it."""
+    header = read_header(path)
+    tensors_file = path / header["tensors"]["file"]
     try:
-        return read_header(path) == header
-    except CheckpointError:
-        return True
+        data = _read_file(path, tensors_file, "the tensors file")
+    except _Gone:
+        return None, header, f"{path / CONFIG_FILE} names {tensors_file.name}, which is missing"
+    except _NotRegular:
+        return None, header, (f"{tensors_file} is not a regular file (a folder, a FIFO or a device): refused "
+                              "without reading it")
+    if hashlib.sha256(data).hexdigest() != header["tensors"]["sha256"]:
+        return None, header, f"{tensors_file} does not match {path / CONFIG_FILE} (interrupted or mixed write?)"
+    stored, aliases = parse_safetensors_header(tensors_file, data)
+    return RawCheckpoint(header, tensors_file, data, stored, aliases), header, ""
+
+
+@contextlib.contextmanager
+def _shared_lock(path: Path) -> Iterator[bool]:
+    """Hold the folder's lock file shared (``fcntl.flock``) while reading: writers (:func:`writer_lock`,
+    exclusive) wait until the read is done. Yields False, holding nothing, where there is no lock file to
+    open (a folder copied without it, a read-only one never written here) or no ``fcntl`` (Windows)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - POSIX only
+        yield False
+        return
+    try:
+        fd = os.open(path / LOCK_FILE, _OPEN_FLAGS)
+    except OSError:
+        yield False
+        return
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        if regular:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        yield regular
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 _SAFETENSORS_DTYPES = frozenset({"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "F16", "BF16",
