@@ -426,9 +426,10 @@ class Program:
         return {}
 
     def one_token_step(self) -> OneTokenStep | None:
-        """The program's step as one token of one LM under a token automaton (:class:`OneTokenStep`), which
-        ``SMC(backend="static")`` runs as one fixed step on a static KV cache; ``None`` (the default): not such a
-        program."""
+        """The program's step as one token of one LM under a token automaton (:class:`OneTokenStep`): the one protocol
+        method every token-level engine reads (``SMC(backend="static")``, which runs it as one fixed step on a static
+        KV cache; ``pt.infer.greedy`` / ``beam_search``; the verifier engines of ``pt.verifiers``). ``None`` (the
+        default): not such a program (those engines then raise a ConfigError naming this method)."""
         return None
 
     # -- as a plain Pyro model -----------------------------------------------------------------------

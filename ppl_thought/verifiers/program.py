@@ -29,7 +29,8 @@ it as one trace (rejection sampling's weights 1(s in A)). The proposals are guid
   particles stay properly weighted. This is the one special case of the protocol here: the site's
   ``log_prob`` is defined only at the value it drew (asking it to score another value is an error).
 
-:class:`~ppl_thought.inference.VerifierSMC` runs ``SMC(VerifiedLM, proposal)`` and adds the oracle-call
+:class:`~ppl_thought.verifiers.VerifierSMC` runs ``SMC(TokenSteps(program.one_token_step(), draw=proposal))`` (for
+``VerifiedLM``: the law of ``VerifiedLM(draw=proposal)``; :func:`length_automaton` is its rule) and adds the oracle-call
 counts of Def 3.1.6. Particles are a batch dimension: no loop over particles or the vocabulary; the
 LM state is KV-cached and stays on the LM's device; a step adds no host sync (the rejection proposal's
 rounds test whether rows are still pending, one sync per round, as tokenwise rejection does).
@@ -257,7 +258,7 @@ class VerifiedLM(_VerifierSteps):
               the site's density is the pseudo-marginal O(t | s) (K - 1) at its own draw.
 
             Bootstrap SMC on ``draw="masked"`` is SMC with the locally optimal proposal in one LM pass per token
-            (what :class:`~ppl_thought.inference.VerifierSMC` runs); as guides of ``draw="lm"`` the same proposals
+            (the law :class:`~ppl_thought.verifiers.VerifierSMC` runs); as guides of ``draw="lm"`` the same proposals
             are :class:`LocallyOptimalProposal` and :class:`WeightedRejectionProposal` (two LM passes: the guide's
             and the model's).
         max_tries: proposals per row and position for ``draw="rejection"``.

@@ -264,10 +264,11 @@ class TokenwiseRejection:
 
 
 class VerifierSMC:
-    """Exact baselines for verifier-guided generation: ``pt.infer.SMC`` on the program
-    :class:`~ppl_thought.verifiers.program.VerifiedLM` (the LM restricted to A, Defs 3.1.2-3.1.3),
-    drawing its tokens by the proposal (``VerifiedLM(..., draw=proposal)``, bootstrap: one LM pass per token;
-    docs/architecture.md, "Engines": one engine core).
+    """Exact baselines for verifier-guided generation: ``pt.infer.SMC`` on a token-level program (its
+    :class:`~ppl_thought.program.OneTokenStep`, e.g. :class:`~ppl_thought.verifiers.program.VerifiedLM`: the LM
+    restricted to A, Defs 3.1.2-3.1.3) drawing its tokens by the proposal
+    (:class:`~ppl_thought.verifiers.program.TokenSteps`; for VerifiedLM the law of ``VerifiedLM(..., draw=proposal)``;
+    one LM pass per token; docs/architecture.md, "Engines": one engine core).
 
     The target after ``i`` tokens is ``gamma_i(s) = p_O(s) V(s)`` (the LM times the perfect process
     verifier, Def 3.1.3, a factor of each step); at ``i = N`` it is ``p_O(s) 1(s in A)``, the restricted
