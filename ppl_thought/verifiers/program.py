@@ -235,169 +235,6 @@ class _VerifierSteps(Program):
         return None
 
 
-# ---------------------------------------------------------------------------------------------- the program
-class VerifiedLM(_VerifierSteps):
-    """p(s) proportional to p_O(s) 1(s in A): an LM restricted to the constraint set of a process verifier
-    (Def 3.1.2, Def 3.1.3, Section 3.1.1), one token per step (see the module docstring).
-
-    Args:
-        lm: the oracle O (any ppl_thought LM: ``pt.lm.Tabular``, ``pt.lm.Transformer``, ``pt.lm.HuggingFace``).
-        verifier: a :class:`~ppl_thought.verifiers.ProcessVerifier` with a length N (``A subset Sigma^N``).
-        prompt: 1-D token ids shared by every particle (encoded once), or None.
-        site: the sites are ``f"{site}_{i}"`` (token i, the LM's law) and ``f"{site}_ok_{i}"`` (the factor
-            log V(s_<=i)); ``Result.samples[site]`` holds the strings ``[n, N]``.
-        generator: a ``torch.Generator`` the bootstrap draws its tokens from (default: torch's).
-        draw: how the program itself draws token i, each with a factor that keeps the density of the string
-            p_O(s) V(s) (so the target, Z and every engine's answer are the same):
-
-            * ``"lm"``: t ~ O(. | s), factor V(s o t) (0 or 1);
-            * ``"masked"``: t ~ O(. | s) V(s o t) / Z_V(s) (the locally optimal proposal, Def 3.1.5's law), factor
-              the local mass Z_V(s) (what tokenwise rejection forgets, Prop 3.1.2): q(t) Z_V = O(t) V;
-            * ``"rejection"``: weighted rejection (the first of two accepted proposals t ~ O, K proposals in all),
-              factor 1 / (K - 1), an unbiased estimate of Z_V(s): the same in expectation (random-weight SMC);
-              the site's density is the pseudo-marginal O(t | s) (K - 1) at its own draw.
-
-            Bootstrap SMC on ``draw="masked"`` is SMC with the locally optimal proposal in one LM pass per token
-            (the law :class:`~ppl_thought.verifiers.VerifierSMC` runs); as guides of ``draw="lm"`` the same proposals
-            are :class:`LocallyOptimalProposal` and :class:`WeightedRejectionProposal` (two LM passes: the guide's
-            and the model's).
-        max_tries: proposals per row and position for ``draw="rejection"``.
-
-    Under ``pt.infer.SMC(n).run(VerifiedLM(...), guide)``, ``exp(log_marginal)`` is unbiased for P_O(A) and the
-    weighted particles are properly weighted for the restricted distribution, with ``guide=None`` (bootstrap),
-    :class:`LocallyOptimalProposal` or :class:`WeightedRejectionProposal` (built on the same LM, verifier,
-    prompt and site).
-    """
-
-    def __init__(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
-                 site: str = "z", generator: torch.Generator | None = None, draw: str = "lm",
-                 max_tries: int = 10_000):
-        super().__init__(lm, verifier, prompt, site, generator)
-        if draw not in DRAWS:
-            raise ConfigError(f"draw must be one of {DRAWS}, got {draw!r}")
-        if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 2:
-            raise ConfigError(f"max_tries must be an integer >= 2 (two acceptances are needed), got {max_tries!r}")
-        self.draw, self.max_tries = draw, max_tries
-        self.calls = torch.zeros((), dtype=torch.long)
-
-    def init(self, state: dict, *args, **kwargs) -> None:
-        super().init(state, *args, **kwargs)
-        self.calls = torch.zeros((), dtype=torch.long, device=self.device)
-
-    def step(self, state: dict, t: int, *args, **kwargs):
-        name, ok = f"{self.site}_{t}", f"{self.site}_ok_{t}"
-        if self.draw == "lm":  # t ~ O(. | s), factor V(s o t)
-            tok = pyro.sample(name, NextToken(self.log_next(state), self.generator))
-            verifier_factor(ok, self.verifier, self.verifier.automaton.step(state["q"], tok), t + 1)
-        elif self.draw == "masked":  # t ~ O(. | s) V(s o t) / Z_V(s), factor Z_V(s): the same density, one pass
-            lq = self.log_next(state).masked_fill(~self.accepted(state, t), float("-inf"))
-            log_z = torch.logsumexp(lq, -1)
-            tok = pyro.sample(name, NextToken(lq - log_z.clamp(min=_LOWEST)[:, None], self.generator))
-            pyro.factor(ok, log_z)
-        else:  # weighted rejection: the first of two accepted proposals, factor 1 / (K - 1) (unbiased for Z_V)
-            draw = _RejectionDraw(self, state, t)
-            tok = pyro.sample(name, draw)
-            pyro.factor(ok, -draw.log_k_minus_1)
-        return self.advance(state, t, tok)
-
-    def one_token_step(self) -> OneTokenStep:
-        """The program's step as one token of the LM (the token-level protocol, :class:`OneTokenStep`): the verifier's
-        automaton is the rule (:func:`length_automaton`: admitted tokens are those with V(s o t) = 1, final at N),
-        ``max_tokens`` N, no stop token, the prompt given at construction. Every token-level engine reads it."""
-        spec = self.__dict__.get("_spec")
-        if spec is None:
-            rule = TokenRule(length_automaton(self.verifier), self.lm.vocab_size)
-            spec = self._spec = OneTokenStep(self.lm, rule, self.length, (), prompt=lambda *a, **k: self.prompt)
-        return spec
-
-    def outputs(self, state: dict, *args, **kwargs) -> dict:
-        """``{site: tokens [n, N]}``."""
-        return {self.site: state["tokens"]}
-
-
-# ---------------------------------------------------------------------------------------------- proposals
-class LocallyOptimalProposal(_VerifierSteps):
-    """The locally optimal proposal of :class:`VerifiedLM` (``proposal="masked"``): token i from
-    q(t | s) = O(t | s) V(s o t) / Z_V(s), the law of tokenwise rejection (Def 3.1.5). The engine's weight
-    p / q = Z_V(s) = sum_t O(t | s) V(s o t) is the local mass that tokenwise rejection forgets (Prop 3.1.2).
-    Same arguments as :class:`VerifiedLM` (the generator draws the proposals)."""
-
-    def local_log_probs(self, state: dict, t: int) -> torch.Tensor:
-        """log q(. | s) ``[n, V]``: the LM masked to the accepted tokens, renormalised (-inf rows where Z_V = 0)."""
-        lq = self.log_next(state).masked_fill(~self.accepted(state, t), float("-inf"))
-        return lq - torch.logsumexp(lq, -1, keepdim=True).clamp(min=_LOWEST)
-
-    def step(self, state: dict, t: int, *args, **kwargs):
-        tok = pyro.sample(f"{self.site}_{t}", NextToken(self.local_log_probs(state, t), self.generator))
-        return self.advance(state, t, tok)
-
-
-class _RejectionDraw(NextToken):
-    """The weighted-rejection draw of :class:`WeightedRejectionProposal`: ``sample()`` runs the rounds;
-    ``log_prob`` of the value it drew is the pseudo-marginal density log O(t | s) + log(K - 1)."""
-
-    def __init__(self, proposal: _VerifierSteps, state: dict, t: int):
-        super().__init__(proposal.log_next(state), proposal.generator)
-        self.proposal, self.q, self.t = proposal, state["q"], t
-        self._drawn: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def expand(self, batch_shape: Sequence[int], _instance: _RejectionDraw | None = None):
-        if torch.Size(batch_shape) != self.batch_shape:
-            raise ProgramError("the weighted-rejection proposal draws one token per particle row")
-        return self
-
-    def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
-        if tuple(sample_shape):
-            raise ProgramError("the weighted-rejection proposal draws one token per particle row")
-        tok, tries = self.proposal.weighted_rejection(torch.exp(self.log_probs), self.q, self.t)
-        self._drawn = (tok, torch.log((tries - 1).float()))
-        return tok
-
-    @property
-    def log_k_minus_1(self) -> torch.Tensor:
-        """log(K - 1) ``[n]`` of the draw (K: the proposals it took)."""
-        if self._drawn is None:
-            raise ProgramError("the weighted-rejection draw has not been sampled yet")
-        return self._drawn[1]
-
-    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        if self._drawn is None or value is not self._drawn[0]:
-            raise ProgramError("the weighted-rejection proposal's density is a random estimate defined only at the "
-                               "token it drew (its site cannot be scored on another value)")
-        return super().log_prob(value) + self._drawn[1]
-
-
-class WeightedRejectionProposal(_VerifierSteps):
-    """Weighted rejection (AWRS style) as the proposal of :class:`VerifiedLM` (``proposal="rejection"``).
-
-    Per row, propose t ~ O(. | s) until two proposals are accepted by the verifier (K proposals); the
-    token is the first accepted one, an exact draw from the masked law, and the site's density is the random
-    q-hat(t) = O(t | s) (K - 1), so the engine's weight is p / q-hat = 1 / (K - 1), unbiased for Z_V(s)
-    (module docstring: E[1 / q-hat(t) | t] = 1 / q(t)). Costs 1 / Z_V times the oracle calls of
-    :class:`LocallyOptimalProposal`; ``calls`` (a device tensor, reset by ``init``) counts the proposals (each one
-    LM call and one verifier call, Def 3.1.6).
-
-    Args: as :class:`VerifiedLM`, plus ``max_tries`` (proposals per row and position before
-    :class:`~ppl_thought.errors.SamplingBudgetError`).
-    """
-
-    def __init__(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
-                 site: str = "z", generator: torch.Generator | None = None, max_tries: int = 10_000):
-        super().__init__(lm, verifier, prompt, site, generator)
-        if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 2:
-            raise ConfigError(f"max_tries must be an integer >= 2 (two acceptances are needed), got {max_tries!r}")
-        self.max_tries = max_tries
-        self.calls = torch.zeros((), dtype=torch.long)
-
-    def init(self, state: dict, *args, **kwargs) -> None:
-        super().init(state, *args, **kwargs)
-        self.calls = torch.zeros((), dtype=torch.long, device=self.device)
-
-    def step(self, state: dict, t: int, *args, **kwargs):
-        tok = pyro.sample(f"{self.site}_{t}", _RejectionDraw(self, state, t))
-        return self.advance(state, t, tok)
-
-
 # ---------------------------------------------------------------------------------------------- any token program
 class TokenSteps(Program):
     """The program a :class:`~ppl_thought.program.OneTokenStep` describes, drawing its tokens by one of the proposals
@@ -512,3 +349,145 @@ class TokenSteps(Program):
     def outputs(self, state: dict, *args, **kwargs) -> dict:
         """``{site: tokens [n, max_tokens]}`` (``<pad>`` after each string's end)."""
         return {self.site: state["tokens"]}
+
+
+# ---------------------------------------------------------------------------------------------- the program
+class VerifiedLM(TokenSteps):
+    """p(s) proportional to p_O(s) 1(s in A): an LM restricted to the constraint set of a process verifier
+    (Def 3.1.2, Def 3.1.3, Section 3.1.1), one token per step (see the module docstring).
+
+    Args:
+        lm: the oracle O (any ppl_thought LM: ``pt.lm.Tabular``, ``pt.lm.Transformer``, ``pt.lm.HuggingFace``).
+        verifier: a :class:`~ppl_thought.verifiers.ProcessVerifier` with a length N (``A subset Sigma^N``).
+        prompt: 1-D token ids shared by every particle (encoded once), or None.
+        site: the sites are ``f"{site}_{i}"`` (token i, the LM's law) and ``f"{site}_ok_{i}"`` (the factor
+            log V(s_<=i)); ``Result.samples[site]`` holds the strings ``[n, N]``.
+        generator: a ``torch.Generator`` the bootstrap draws its tokens from (default: torch's).
+        draw: how the program itself draws token i, each with a factor that keeps the density of the string
+            p_O(s) V(s) (so the target, Z and every engine's answer are the same):
+
+            * ``"lm"``: t ~ O(. | s), factor V(s o t) (0 or 1);
+            * ``"masked"``: t ~ O(. | s) V(s o t) / Z_V(s) (the locally optimal proposal, Def 3.1.5's law), factor
+              the local mass Z_V(s) (what tokenwise rejection forgets, Prop 3.1.2): q(t) Z_V = O(t) V;
+            * ``"rejection"``: weighted rejection (the first of two accepted proposals t ~ O, K proposals in all),
+              factor 1 / (K - 1), an unbiased estimate of Z_V(s): the same in expectation (random-weight SMC);
+              the site's density is the pseudo-marginal O(t | s) (K - 1) at its own draw.
+
+            Bootstrap SMC on ``draw="masked"`` is SMC with the locally optimal proposal in one LM pass per token
+            (the law :class:`~ppl_thought.verifiers.VerifierSMC` runs); as guides of ``draw="lm"`` the same proposals
+            are :class:`LocallyOptimalProposal` and :class:`WeightedRejectionProposal` (two LM passes: the guide's
+            and the model's).
+        max_tries: proposals per row and position for ``draw="rejection"``.
+
+    Under ``pt.infer.SMC(n).run(VerifiedLM(...), guide)``, ``exp(log_marginal)`` is unbiased for P_O(A) and the
+    weighted particles are properly weighted for the restricted distribution, with ``guide=None`` (bootstrap),
+    :class:`LocallyOptimalProposal` or :class:`WeightedRejectionProposal` (built on the same LM, verifier,
+    prompt and site).
+    """
+
+    def __init__(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
+                 site: str = "z", generator: torch.Generator | None = None, draw: str = "lm",
+                 max_tries: int = 10_000):
+        self.length = _check_task(lm, verifier)
+        if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 2:
+            raise ConfigError(f"max_tries must be an integer >= 2 (two acceptances are needed), got {max_tries!r}")
+        self.verifier = verifier
+        rule = TokenRule(length_automaton(verifier), lm.vocab_size)  # admits t iff V(s o t) = 1; final at N
+        spec = OneTokenStep(lm, rule, self.length, (), prompt=lambda *a, **k: self.prompt)
+        super().__init__(spec, prompt, site, generator, draw, max_tries)
+
+    def init(self, state: dict, *args, **kwargs) -> None:
+        q = self.verifier.automaton.start_states(1, self.device)
+        if not bool(self.verifier.from_states(q, 0)):  # one sync per run
+            raise UnsatisfiableConstraintError(f"{self.verifier} rejects the empty prefix: A has no string (FAIL)")
+        super().init(state, *args, **kwargs)
+
+    def one_token_step(self) -> OneTokenStep:
+        """The program's step as one token of the LM (the token-level protocol, :class:`OneTokenStep`): the verifier's
+        automaton is the rule (:func:`length_automaton`: admitted tokens are those with V(s o t) = 1, final at N),
+        ``max_tokens`` N, no stop token, the prompt given at construction. Every token-level engine reads it, and the
+        program's own step (:class:`TokenSteps`) is that step drawn by ``draw``."""
+        return self.spec
+
+
+# ---------------------------------------------------------------------------------------------- proposals
+class LocallyOptimalProposal(_VerifierSteps):
+    """The locally optimal proposal of :class:`VerifiedLM` (``proposal="masked"``): token i from
+    q(t | s) = O(t | s) V(s o t) / Z_V(s), the law of tokenwise rejection (Def 3.1.5). The engine's weight
+    p / q = Z_V(s) = sum_t O(t | s) V(s o t) is the local mass that tokenwise rejection forgets (Prop 3.1.2).
+    Same arguments as :class:`VerifiedLM` (the generator draws the proposals)."""
+
+    def local_log_probs(self, state: dict, t: int) -> torch.Tensor:
+        """log q(. | s) ``[n, V]``: the LM masked to the accepted tokens, renormalised (-inf rows where Z_V = 0)."""
+        lq = self.log_next(state).masked_fill(~self.accepted(state, t), float("-inf"))
+        return lq - torch.logsumexp(lq, -1, keepdim=True).clamp(min=_LOWEST)
+
+    def step(self, state: dict, t: int, *args, **kwargs):
+        tok = pyro.sample(f"{self.site}_{t}", NextToken(self.local_log_probs(state, t), self.generator))
+        return self.advance(state, t, tok)
+
+
+class _RejectionDraw(NextToken):
+    """The weighted-rejection draw of :class:`WeightedRejectionProposal`: ``sample()`` runs the rounds;
+    ``log_prob`` of the value it drew is the pseudo-marginal density log O(t | s) + log(K - 1)."""
+
+    def __init__(self, proposal: _VerifierSteps, state: dict, t: int):
+        super().__init__(proposal.log_next(state), proposal.generator)
+        self.proposal, self.q, self.t = proposal, state["q"], t
+        self._drawn: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def expand(self, batch_shape: Sequence[int], _instance: _RejectionDraw | None = None):
+        if torch.Size(batch_shape) != self.batch_shape:
+            raise ProgramError("the weighted-rejection proposal draws one token per particle row")
+        return self
+
+    def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
+        if tuple(sample_shape):
+            raise ProgramError("the weighted-rejection proposal draws one token per particle row")
+        tok, tries = self.proposal.weighted_rejection(torch.exp(self.log_probs), self.q, self.t)
+        self._drawn = (tok, torch.log((tries - 1).float()))
+        return tok
+
+    @property
+    def log_k_minus_1(self) -> torch.Tensor:
+        """log(K - 1) ``[n]`` of the draw (K: the proposals it took)."""
+        if self._drawn is None:
+            raise ProgramError("the weighted-rejection draw has not been sampled yet")
+        return self._drawn[1]
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        if self._drawn is None or value is not self._drawn[0]:
+            raise ProgramError("the weighted-rejection proposal's density is a random estimate defined only at the "
+                               "token it drew (its site cannot be scored on another value)")
+        return super().log_prob(value) + self._drawn[1]
+
+
+class WeightedRejectionProposal(_VerifierSteps):
+    """Weighted rejection (AWRS style) as the proposal of :class:`VerifiedLM` (``proposal="rejection"``).
+
+    Per row, propose t ~ O(. | s) until two proposals are accepted by the verifier (K proposals); the
+    token is the first accepted one, an exact draw from the masked law, and the site's density is the random
+    q-hat(t) = O(t | s) (K - 1), so the engine's weight is p / q-hat = 1 / (K - 1), unbiased for Z_V(s)
+    (module docstring: E[1 / q-hat(t) | t] = 1 / q(t)). Costs 1 / Z_V times the oracle calls of
+    :class:`LocallyOptimalProposal`; ``calls`` (a device tensor, reset by ``init``) counts the proposals (each one
+    LM call and one verifier call, Def 3.1.6).
+
+    Args: as :class:`VerifiedLM`, plus ``max_tries`` (proposals per row and position before
+    :class:`~ppl_thought.errors.SamplingBudgetError`).
+    """
+
+    def __init__(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
+                 site: str = "z", generator: torch.Generator | None = None, max_tries: int = 10_000):
+        super().__init__(lm, verifier, prompt, site, generator)
+        if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 2:
+            raise ConfigError(f"max_tries must be an integer >= 2 (two acceptances are needed), got {max_tries!r}")
+        self.max_tries = max_tries
+        self.calls = torch.zeros((), dtype=torch.long)
+
+    def init(self, state: dict, *args, **kwargs) -> None:
+        super().init(state, *args, **kwargs)
+        self.calls = torch.zeros((), dtype=torch.long, device=self.device)
+
+    def step(self, state: dict, t: int, *args, **kwargs):
+        tok = pyro.sample(f"{self.site}_{t}", _RejectionDraw(self, state, t))
+        return self.advance(state, t, tok)
