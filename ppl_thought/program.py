@@ -285,31 +285,97 @@ def freeze_finished(before: dict, after: dict, finished: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------- program
 @dataclass(frozen=True)
 class OneTokenStep:
-    """What a program whose step is one token of one LM under a token automaton tells the static SMC backend
-    (:meth:`Program.one_token_step`; inference/static_smc.py, docs/architecture.md). Step t of such a program:
+    """The one protocol between a token-level program and the token-level engines: "my step is one token of one LM
+    under a token automaton" (:meth:`Program.one_token_step`; docs/architecture.md, "Engines"). Every engine that
+    needs a token-level program reads only this: ``SMC(backend="static")`` (inference/static_smc.py), greedy and
+    beam search (inference/search.py) and the verifier engines (``pt.verifiers``). Step t of such a program:
 
-        log Z_t = log_mass(logits, s, done)      the step's weight ``[n]`` (0 for ended rows), a pyro.factor
-        z_t ~ masked softmax of ``rule`` (Def 2.8), the rule state advanced
+        log w_t = log_mass(logits, s, done)      the step's weight ``[n]`` (0 for ended rows), a pyro.factor
+        z_t ~ masked softmax of ``rule`` (Def 2.8), the rule state advanced (``token_step``)
         a row ends in a final state of ``rule``, after a token in ``stop_ids``, or after ``max_tokens`` tokens
 
-    (``pt.models.Constrained`` is one). The program's own ``step`` must do exactly this (the two backends give
-    the same particles and weights).
+    With the default ``log_mass`` (``None``: :meth:`mass`, the LM's mass on the admitted tokens, the factor log Z_t
+    of Section 3.3) the program's unnormalised density is p_LM(z) 1[z admitted by ``rule``], its normaliser
+    Z = P_LM(A): the target of every engine above (``pt.models.Constrained`` and ``pt.verifiers.VerifiedLM`` are
+    such programs). The program's own ``step`` must do exactly this (the engines give the same law as running it).
 
     Attributes:
         lm: the LM (``lm(tokens) -> (logits, cache)``) whose next-token logits are read.
-        rule: the :class:`~ppl_thought.distributions.TokenRule` of the automaton.
+        rule: the :class:`~ppl_thought.distributions.TokenRule` of the automaton (the constraint A).
         max_tokens: the most tokens a particle draws (the number of steps).
-        stop_ids: token ids after which a particle ends.
-        log_mass: ``log_mass(logits [n, V], s [n], done [n]) -> [n]``, the step's log weight.
+        stop_ids: token ids after which a particle ends (default ``<eos>``).
+        log_mass: ``log_mass(logits [n, V], s [n], done [n]) -> [n]``, the step's log weight; ``None``: :meth:`mass`.
         twist: the program's twist (``pt.twist`` on the token prefix), if any; the static backend runs none.
+        prompt: ``prompt(*args, **kwargs) -> ids [P] | None``: the prompt token ids from the run's arguments;
+            ``None``: the run's first positional argument, or its ``prompt=`` keyword, or no prompt.
     """
 
     lm: Any
     rule: Any
     max_tokens: int
-    stop_ids: tuple[int, ...]
-    log_mass: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    stop_ids: tuple[int, ...] = (2,)  # EOS_ID (ppl_thought.vocab)
+    log_mass: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     twist: Callable[[torch.Tensor], torch.Tensor] | None = None
+    prompt: Callable[..., Any] | None = None
+
+    @staticmethod
+    def of(program: Any, engine: str) -> OneTokenStep:
+        """``program.one_token_step()``, or a :class:`~ppl_thought.errors.ConfigError` for ``engine`` that names the
+        method to implement (the one check every token-level engine runs)."""
+        from ppl_thought.errors import ConfigError
+
+        name = type(program).__name__
+        ask = getattr(program, "one_token_step", None)
+        spec = ask() if callable(ask) else None
+        if spec is None:
+            why = "does not define one_token_step()" if not callable(ask) else "has one_token_step() returning None"
+            raise ConfigError(f"{engine} runs token-level programs: a step is one token of one LM under a token "
+                              f"automaton, declared by Program.one_token_step() -> ppl_thought.program.OneTokenStep "
+                              f"(pt.models.Constrained and pt.verifiers.VerifiedLM have it); {name} {why}: implement "
+                              f"{name}.one_token_step()")
+        if not isinstance(spec, OneTokenStep):
+            raise ConfigError(f"{name}.one_token_step() must return a ppl_thought.program.OneTokenStep or None, got "
+                              f"{type(spec).__name__}")
+        return spec
+
+    def prompt_ids(self, args: tuple, kwargs: dict) -> Any:
+        """The prompt token ids of a run on ``*args, **kwargs`` (see ``prompt``)."""
+        if self.prompt is not None:
+            return self.prompt(*args, **kwargs)
+        return kwargs["prompt"] if "prompt" in kwargs else (args[0] if args else None)
+
+    def mass(self, logits: torch.Tensor, s: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        """The step's log weight ``[n]``: ``log_mass`` if given, else log Z_t, the log of the LM's mass on the tokens
+        ``rule`` admits in states ``s`` over its mass on every token it may generate (Def 2.8's normaliser; -inf, not
+        NaN, where it can generate none); 0 for ended rows."""
+        if self.log_mass is not None:
+            return self.log_mass(logits, s, done)
+        free = self.__dict__.get("_free")
+        if free is None:
+            free = type(self.rule)(None, self.rule.vocab_size)
+            object.__setattr__(self, "_free", free)
+        admitted = self.rule.masked_law(logits, s).log_norm  # kept: the draw from the same law reads it again
+        total = free.log_normaliser(logits, s)
+        log_z = torch.where(torch.isneginf(total), total, admitted - total)
+        return torch.where(done, torch.zeros_like(log_z), log_z)
+
+    def stop_tensor(self, device: Any) -> torch.Tensor:
+        """``stop_ids`` as a long tensor on ``device`` (kept per device)."""
+        key = f"_stops_{device}"
+        t = self.__dict__.get(key)
+        if t is None:
+            t = torch.as_tensor(self.stop_ids, dtype=torch.long).to(device)
+            object.__setattr__(self, key, t)
+        return t
+
+    def ends(self, tok: torch.Tensor, s_new: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(finished, ended) ``[n]`` after ``tok`` took rows to states ``s_new`` with ``lengths`` tokens: finished in a
+        final state of ``rule`` or after a stop id (the string is complete), ended: finished or ``max_tokens`` reached
+        (the row draws no more)."""
+        tabs = self.rule.end_tables(None, s_new.device)  # one gather when the rule's state is one automaton state
+        final = self.rule.is_final(s_new) if tabs is None else tabs[1][s_new]
+        done = final | torch.isin(tok, self.stop_tensor(tok.device))
+        return done, done | (lengths >= self.max_tokens)
 
 
 class Program:
@@ -360,9 +426,10 @@ class Program:
         return {}
 
     def one_token_step(self) -> OneTokenStep | None:
-        """The program's step as one token of one LM under a token automaton (:class:`OneTokenStep`), which
-        ``SMC(backend="static")`` runs as one fixed step on a static KV cache; ``None`` (the default): not such a
-        program."""
+        """The program's step as one token of one LM under a token automaton (:class:`OneTokenStep`): the one protocol
+        method every token-level engine reads (``SMC(backend="static")``, which runs it as one fixed step on a static
+        KV cache; ``pt.infer.greedy`` / ``beam_search``; the verifier engines of ``pt.verifiers``). ``None`` (the
+        default): not such a program (those engines then raise a ConfigError naming this method)."""
         return None
 
     # -- as a plain Pyro model -----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Greedy and beam search under a token automaton (pt.infer.decoding.greedy / beam_search) against exact answers:
+"""Greedy and beam search under a token automaton (pt.infer.greedy / beam_search) against exact answers:
 greedy is the step-wise argmax of a full recomputation, and beam search with as many beams as admissible
 sequences is the argmax found by enumerating them (scores from full-context forwards, no cache)."""
 
@@ -65,7 +65,7 @@ def full_scores(lm, prompt: list[int], z: list[int], auto, score: str) -> float:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_greedy_is_the_stepwise_argmax(seed):
     lm, auto, prompt = tiny_lm(seed), automaton(), VOCAB.encode("ab")
-    out = pt.infer.decoding.greedy(lm, prompt, constraint=auto, max_new_tokens=6)
+    out = pt.infer.greedy(lm, prompt, constraint=auto, max_new_tokens=6)
     z, s = [], auto.start
     while not auto.final[s]:
         with torch.no_grad():
@@ -90,7 +90,7 @@ def test_beam_as_wide_as_the_language_is_the_exact_argmax(seed, score):
     assert len(language) == 28  # [ab]{1,3} (14 strings) with or without c, then <eos>
     exact = {tuple(z): full_scores(lm, prompt, z, auto, score) for z in language}
     best = max(exact, key=exact.get)
-    out = pt.infer.decoding.beam_search(lm, prompt, constraint=auto, width=len(language), max_new_tokens=5,
+    out = pt.infer.beam_search(lm, prompt, constraint=auto, width=len(language), max_new_tokens=5,
                                         score=score)
     assert out.finished.all() and len(out.tokens) == len(language)  # every sequence kept: nothing pruned
     found = {tuple(t for t in row.tolist() if t != PAD_ID): float(lp) for row, lp in zip(out.tokens, out.log_prob)}
@@ -98,7 +98,7 @@ def test_beam_as_wide_as_the_language_is_the_exact_argmax(seed, score):
     assert max(abs(found[z] - exact[z]) for z in exact) < 1e-5  # every score, through the reordered cache
     assert tuple(t for t in out.tokens[0].tolist() if t != PAD_ID) == best
     assert (out.log_prob[:-1] >= out.log_prob[1:]).all()  # best first
-    narrow = pt.infer.decoding.beam_search(lm, prompt, constraint=auto, width=2, max_new_tokens=5, score=score)
+    narrow = pt.infer.beam_search(lm, prompt, constraint=auto, width=2, max_new_tokens=5, score=score)
     assert float(narrow.log_prob[0]) <= exact[best] + 1e-6 and all(auto.accepts(
         [t for t in row.tolist() if t != PAD_ID]) for row in narrow.tokens)
 
@@ -109,20 +109,20 @@ def test_beam_search_beats_greedy_somewhere_and_never_loses():
     gaps = []
     for seed in range(6):
         lm, auto = tiny_lm(seed), automaton()
-        g = pt.infer.decoding.greedy(lm, VOCAB.encode("a"), constraint=auto, max_new_tokens=5)
-        b = pt.infer.decoding.beam_search(lm, VOCAB.encode("a"), constraint=auto, width=4, max_new_tokens=5)
+        g = pt.infer.greedy(lm, VOCAB.encode("a"), constraint=auto, max_new_tokens=5)
+        b = pt.infer.beam_search(lm, VOCAB.encode("a"), constraint=auto, width=4, max_new_tokens=5)
         gaps.append(float(b.log_prob[0] - g.log_prob[0]))
     assert min(gaps) >= -1e-6 and max(gaps) > 1e-3
 
 
 def test_unconstrained_and_unfinished_search():
     lm = tiny_lm(0)
-    out = pt.infer.decoding.beam_search(lm, VOCAB.encode("ab"), width=3, max_new_tokens=2)
+    out = pt.infer.beam_search(lm, VOCAB.encode("ab"), width=3, max_new_tokens=2)
     assert out.tokens.shape == (3, 2) and (out.tokens[:, 0] != PAD_ID).all()
     assert not (out.tokens == BOS_ID).any()
     # no string of [ab]{4} fits in 2 tokens: every beam runs out of tokens, unfinished, still admissible
     auto = automaton("[ab]{4}")
-    cut = pt.infer.decoding.beam_search(lm, VOCAB.encode("c"), constraint=auto, width=3, max_new_tokens=2)
+    cut = pt.infer.beam_search(lm, VOCAB.encode("c"), constraint=auto, width=3, max_new_tokens=2)
     assert not cut.finished.any() and cut.tokens.shape == (3, 2)
     assert all(auto.admits_prefix(row.tolist()) for row in cut.tokens)
 
@@ -130,10 +130,10 @@ def test_unconstrained_and_unfinished_search():
 def test_bad_arguments_name_the_problem():
     lm = tiny_lm(0)
     with pytest.raises(ConfigError, match="width"):
-        pt.infer.decoding.beam_search(lm, [6], width=0)
+        pt.infer.beam_search(lm, [6], width=0)
     with pytest.raises(ConfigError, match="score"):
-        pt.infer.decoding.beam_search(lm, [6], score="best")
+        pt.infer.beam_search(lm, [6], score="best")
     with pytest.raises(ConfigError, match="one prompt"):
-        pt.infer.decoding.beam_search(lm, [[6], [7]])
+        pt.infer.beam_search(lm, [[6], [7]])
     with pytest.raises(ConfigError, match="max_new_tokens"):
-        pt.infer.decoding.greedy(lm, [6], max_new_tokens=0)
+        pt.infer.greedy(lm, [6], max_new_tokens=0)

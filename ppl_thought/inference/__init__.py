@@ -6,6 +6,7 @@ with a guide, runs its particles as one batch and returns a :class:`Result`:
 * :class:`Importance` (estimator (3.2), Remark 3.4, (3.7)), :class:`SMC` (Lemma 2.1's segments or any
   program's steps; twists, groups, four resampling schemes; ``backend="static"`` for one-token programs);
 * :func:`decode` (3.12)-(3.14), App. G's Algorithms 1-2, best-of-K; :func:`next_token_distribution` (G.1);
+* :func:`greedy` / :func:`beam_search` (:mod:`ppl_thought.inference.search`): deterministic search, for comparison;
 * :class:`Langevin` / :class:`LangevinKernel` (ULA / MALA for continuous latents);
 * :func:`resample` and :data:`RESAMPLING`: the one resampler (:mod:`ppl_thought.inference.resampling`).
 
@@ -24,11 +25,13 @@ from ppl_thought.inference.resampling import resample as resample
 from ppl_thought.inference.result import Result as Result
 from ppl_thought.inference.result import load_result as load_result
 from ppl_thought.inference.result import save_result as save_result
+from ppl_thought.inference.search import beam_search as beam_search
+from ppl_thought.inference.search import greedy as greedy
 from ppl_thought.inference.smc import SMC as SMC
 
 __all__ = [
     "Importance", "SMC", "Langevin", "LangevinKernel", "decode", "next_token_distribution", "Decoded", "Result",
-    "save_result", "load_result", "resample", "RESAMPLING",
+    "save_result", "load_result", "resample", "RESAMPLING", "greedy", "beam_search",
 ]
 
 from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above

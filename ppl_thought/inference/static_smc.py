@@ -59,20 +59,11 @@ STATIC_RESAMPLING = ("systematic", "stratified", "multinomial")
 
 
 def check_static_program(model: Any) -> OneTokenStep:
-    """The program's one-token step (:meth:`~ppl_thought.program.Program.one_token_step`), or a clear
-    :class:`~ppl_thought.errors.ConfigError` unless ``model`` is a single-token LM step under an automaton with no
-    twist and no extra outputs (e.g. :class:`~ppl_thought.models.Constrained`)."""
+    """The program's one-token step (:meth:`OneTokenStep.of <ppl_thought.program.OneTokenStep.of>`: a
+    :class:`~ppl_thought.errors.ConfigError` naming ``one_token_step()`` when it has none), checked for what the static
+    path cannot run: a twist, extra outputs."""
     name = type(model).__name__
-    ask = getattr(model, "one_token_step", None)
-    spec = ask() if callable(ask) else None
-    if spec is None:
-        why = "does not define one_token_step()" if not callable(ask) else "has one_token_step() returning None"
-        raise ConfigError(f"SMC(backend='static') runs programs whose step is one LM token under a token automaton, "
-                          f"described by Program.one_token_step() -> OneTokenStep (pt.models.Constrained has it); "
-                          f"{name} {why}: use backend='generic'")
-    if not isinstance(spec, OneTokenStep):
-        raise ConfigError(f"{name}.one_token_step() must return a ppl_thought.program.OneTokenStep or None, got "
-                          f"{type(spec).__name__}")
+    spec = OneTokenStep.of(model, "SMC(backend='static') (else use backend='generic')")
     if spec.twist is not None:
         raise ConfigError(f"SMC(backend='static') does not run twists ({name} has one: a twist reads the growing "
                           "token prefix, which a captured step cannot): use backend='generic'")
@@ -110,9 +101,6 @@ class StaticRunner:
         # slots: <bos> + prompt, then one token fed per step (the last one's logits are never read)
         self.decoder = static_decoder(lm, self.n, self.prompt_len + 1 + T)
         self.rule = rule
-        ends = rule.end_tables(None, dev)
-        self.final = None if ends is None else ends[1]  # bool [S + 1] over automaton states
-        self.stop_ids = torch.as_tensor(spec.stop_ids, dtype=torch.long).to(dev)
         self.ar = torch.arange(self.n, device=dev)
         # the state of the run (written in place by the step)
         self.s0 = rule.start(self.n, dev)
@@ -137,7 +125,7 @@ class StaticRunner:
         rule, n, T = self.rule, self.n, self.T
         logits, s, done = self.logits, self.s, self.done
         active = ~done
-        log_z = self.spec.log_mass(logits, s, done)  # the step's weight (Constrained: the mass factor log Z_t)
+        log_z = self.spec.mass(logits, s, done)  # the step's weight (default: the mass factor log Z_t)
         lengths = self.lengths + active.long()
         step = token_step(rule, logits, s, active, ends=partial(self._ends, lengths=lengths), done=done)  # Def 2.8
         tok, s_new, dead, done_new = step.token, step.state, step.dead, step.done  # <pad> for ended rows
@@ -170,9 +158,9 @@ class StaticRunner:
         self.t.add_(1)
 
     def _ends(self, tok: torch.Tensor, s_new: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Where a particle's sequence ends after ``tok``: a final state, ``max_tokens`` tokens, a stop id."""
-        final = self.rule.is_final(s_new) if self.final is None else self.final[s_new]
-        return final | (lengths >= self.T) | torch.isin(tok, self.stop_ids)
+        """Where a particle's sequence ends after ``tok``: the program's own :meth:`OneTokenStep.ends` (a final state,
+        a stop id, ``max_tokens`` tokens)."""
+        return self.spec.ends(tok, s_new, lengths)[1]
 
     # -- running --------------------------------------------------------------------------------------
     def _reset(self, ctx: torch.Tensor) -> None:
@@ -253,9 +241,10 @@ def run_static(smc, model, guide, args: tuple, kwargs: dict):
     if smc.groups != 1:
         raise ConfigError("SMC(backend='static') runs one particle group (groups=1)")
     spec = check_static_program(model)
-    if len(args) > 1 or set(kwargs) - {"prompt"} or (args and "prompt" in kwargs):
-        raise ConfigError(f"SMC(backend='static') runs {type(model).__name__}(prompt) with one prompt argument")
-    prompt = kwargs["prompt"] if "prompt" in kwargs else (args[0] if args else None)
+    if spec.prompt is None and (len(args) > 1 or set(kwargs) - {"prompt"} or (args and "prompt" in kwargs)):
+        raise ConfigError(f"SMC(backend='static') runs {type(model).__name__}(prompt) with one prompt argument (or "
+                          "give OneTokenStep(prompt=...) to read it from the run's arguments)")
+    prompt = spec.prompt_ids(args, kwargs)
     plen = 0 if prompt is None else int(torch.as_tensor(prompt).reshape(-1).shape[0])
     key = (id(model), plen)
     runners = smc.__dict__.setdefault("_static_runners", {})

@@ -33,7 +33,8 @@ class Constrained(Program):
         lm: any ppl_thought LM (``pt.lm.Transformer``, ``pt.lm.Tabular``, ``pt.lm.HuggingFace``).
         constraint: a token :class:`~ppl_thought.projections.Automaton` over the LM's ids, e.g.
             ``token_automaton(CharDFA.lipogram("e"), token_texts(vocab))``. Decoding stops in a final state
-            (after ``<eos>`` for a lifted character automaton).
+            (after ``<eos>`` for a lifted character automaton). ``None``: no constraint (the LM itself, ending
+            after ``<eos>`` or ``max_tokens``; the sugar of the search and backtracking engines builds it).
         max_tokens: the most tokens a particle draws; a particle still running then is cut there (the target
             is then the law of the first ``max_tokens`` tokens restricted to prefixes of A).
         twist: optional ``twist(tokens [n, t]) -> log psi [n]``, a potential on the prefix that SMC adds at
@@ -51,11 +52,12 @@ class Constrained(Program):
     with :meth:`log_mass`.
     """
 
-    def __init__(self, lm: torch.nn.Module, constraint: Automaton, max_tokens: int,
+    def __init__(self, lm: torch.nn.Module, constraint: Automaton | None, max_tokens: int,
                  twist: Callable[[torch.Tensor], torch.Tensor] | str | None = None):
-        if not isinstance(constraint, Automaton):
-            raise ConfigError(f"Constrained needs a token Automaton, got {type(constraint).__name__}")
-        if constraint.vocab_size != lm.vocab_size:
+        if constraint is not None and not isinstance(constraint, Automaton):
+            raise ConfigError(f"Constrained needs a token Automaton (or None: the LM itself), got "
+                              f"{type(constraint).__name__}")
+        if constraint is not None and constraint.vocab_size != lm.vocab_size:
             raise ConfigError(f"the constraint has {constraint.vocab_size} token columns but the LM has "
                               f"vocab_size={lm.vocab_size}")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -82,9 +84,9 @@ class Constrained(Program):
         return torch.where(done, torch.zeros_like(log_z), log_z)
 
     def one_token_step(self) -> OneTokenStep:
-        """This program's step for the static SMC backend (inference/static_smc.py): one token of ``lm`` under the
-        constraint's masked softmax (Def 2.8), weighted by :meth:`log_mass`, ended by ``<eos>``, a final state or
-        ``max_tokens``."""
+        """This program's step for every token-level engine (the static SMC backend, greedy and beam search, the
+        verifier engines): one token of ``lm`` under the constraint's masked softmax (Def 2.8), weighted by
+        :meth:`log_mass`, ended by ``<eos>``, a final state or ``max_tokens``; the prompt is the run's argument."""
         return OneTokenStep(self.lm, self.rule, self.max_tokens, self.stop_ids, self.log_mass, self.twist)
 
     def step(self, state: dict, t: int, prompt: torch.Tensor | None = None):

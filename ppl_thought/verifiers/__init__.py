@@ -3,9 +3,12 @@
 * :class:`ProcessVerifier` (Def 3.1.3) on a token automaton, :func:`dyck` (the bounded-depth Dyck language (2.37));
 * :class:`VerifiedLM`: the LM restricted to the verifier's set A (Defs 3.1.2-3.1.3) as a ``pt.Program`` that every
   engine runs, drawing its tokens from the LM, the masked LM or by weighted rejection; its proposals as guides
-  (:class:`LocallyOptimalProposal`, :class:`WeightedRejectionProposal`);
-* the samplers: :class:`RejectionSampling` (Def 3.1.4), :class:`TokenwiseRejection` (Def 3.1.5),
-  :class:`VerifierSMC` (``pt.infer.SMC`` on :class:`VerifiedLM`), :class:`TokenwiseBacktracking` (Algorithm 1),
+  (:class:`LocallyOptimalProposal`, :class:`WeightedRejectionProposal`); its ``one_token_step()`` rule is
+  :func:`length_automaton` (the verifier's automaton times the position); :class:`TokenSteps`: any token-level
+  program's :class:`~ppl_thought.program.OneTokenStep` drawn by one of those proposals;
+* the samplers, each ``run(program, guide, *args)`` on any token-level program (``one_token_step()``; ``run(lm,
+  verifier, prompt)`` is sugar): :class:`RejectionSampling` (Def 3.1.4), :class:`TokenwiseRejection` (Def 3.1.5),
+  :class:`VerifierSMC` (``pt.infer.SMC`` on :class:`TokenSteps`), :class:`TokenwiseBacktracking` (Algorithm 1),
   :class:`VGB`;
 * a trained, imperfect verifier: :class:`LinearProbeVerifier` (Section 3.2.1.2) and its error parser
   :func:`first_errors`.
@@ -23,7 +26,7 @@ from ppl_thought.validation import check_exports
 _NAMES = {
     "ProcessVerifier": "process", "dyck": "process",
     "VerifiedLM": "program", "LocallyOptimalProposal": "program", "WeightedRejectionProposal": "program",
-    "NextToken": "program", "verifier_factor": "program",
+    "NextToken": "program", "verifier_factor": "program", "TokenSteps": "program", "length_automaton": "program",
     "RejectionSampling": "sampling", "TokenwiseRejection": "sampling", "VerifierSMC": "sampling",
     "TokenwiseBacktracking": "backtracking", "VGB": "backtracking", "TabularValue": "backtracking",
     "LinearProbeVerifier": "trained", "first_errors": "trained",

@@ -7,6 +7,14 @@
   the tree of partial generations that moves to a child ``y o a`` with weight ``pi_ref(a | y) V(y o a)``
   and to the parent with weight ``V(y)``, the Sinclair-Jerrum walk generalised.
 
+Both take a token-level program, ``run(program, guide=None, *args)``: any program whose
+:meth:`~ppl_thought.program.Program.one_token_step` declares one token of one LM per step (the engines read the LM,
+``max_tokens`` (D, the horizon H), ``stop_ids`` and the prompt from it). ``guide`` is the verifier (Algorithm 1) or
+the value function (VGB): a :class:`~ppl_thought.verifiers.ProcessVerifier` or a callable on right-padded prefixes;
+``None``: the program's own rule, as the process verifier of its automaton for strings of ``max_tokens`` tokens
+(for :class:`~ppl_thought.verifiers.VerifiedLM`, its verifier). ``run(lm, verifier, prompt=None, ...)`` is sugar for
+``run(Constrained(lm, None, max_len), verifier, prompt, ...)``.
+
 Both are batched over rows (every row is an independent sample or chain). Rows sit at different
 depths of the tree and move both ways, so the next-token distribution of each row is read with one
 teacher-forced pass over its current prefix (right padding is harmless for a causal LM: position
@@ -18,6 +26,7 @@ query of the LM is one call, one evaluation of the verifier or value function on
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,8 +37,9 @@ from ppl_thought.errors import ConfigError, SamplingBudgetError, UnsatisfiableCo
 from ppl_thought.inference.result import Result
 from ppl_thought.lm.base import lm_device
 from ppl_thought.lm.tabular import Tabular
+from ppl_thought.program import OneTokenStep, is_program
 from ppl_thought.verifiers.process import ProcessVerifier
-from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID
+from ppl_thought.vocab import BOS_ID, PAD_ID
 
 __all__ = ["TokenwiseBacktracking", "VGB", "TabularValue"]
 
@@ -123,6 +133,34 @@ def _check_lm_verifier(lm, verifier, horizon: int, what: str) -> None:
                           f"got {type(verifier).__name__}")
 
 
+def _token_program(program: Any, guide: Any, args: tuple, kwargs: dict, horizon: int,
+                   engine: str) -> tuple[OneTokenStep, Any, Any]:
+    """(the program's :class:`OneTokenStep`, the verifier or value, the prompt ids) of ``run(program, guide, *args,
+    **kwargs)``; ``run(lm, verifier, prompt)`` is sugar for ``run(Constrained(lm, None, horizon), verifier, prompt)``.
+    ``guide=None``: the process verifier of the program's rule for strings of ``max_tokens`` tokens."""
+    if isinstance(program, torch.nn.Module) and not is_program(program):
+        from ppl_thought.models.constrained import Constrained  # (models sit above the verifiers' pieces)
+
+        if not hasattr(program, "vocab_size"):
+            raise ConfigError(f"{engine} needs a token-level program or an LM (a torch.nn.Module with vocab_size), "
+                              f"got {type(program).__name__}")
+        _check_lm_verifier(program, guide, horizon, engine)
+        program = Constrained(program, None, horizon)
+    spec = OneTokenStep.of(program, engine)
+    if spec.max_tokens != horizon:
+        raise ConfigError(f"{engine} was built for strings of {horizon} tokens but {type(program).__name__} draws "
+                          f"max_tokens={spec.max_tokens}")
+    if guide is None:
+        auto = spec.rule.constraint
+        if auto is None:
+            raise ConfigError(f"{engine} needs a verifier: {type(program).__name__}'s rule has no automaton; pass one "
+                              "as the guide (a ProcessVerifier or a callable on right-padded prefixes)")
+        guide = ProcessVerifier(auto, length=horizon)  # (a length_automaton's own reach already fixes the length)
+    else:
+        _check_lm_verifier(spec.lm, guide, horizon, engine)
+    return spec, guide, spec.prompt_ids(args, kwargs)
+
+
 class TokenwiseBacktracking:
     """Algorithm 1 of the thesis: tokenwise rejection sampling with backtracking (quota ``Q``, stride ``B``).
 
@@ -170,10 +208,14 @@ class TokenwiseBacktracking:
         self.stride = check_count("stride", stride)
         self.site = site
 
-    def run(self, lm: torch.nn.Module, verifier: Verifier, prompt: torch.Tensor | None = None,
-            generator: torch.Generator | None = None, row_prompts: torch.Tensor | None = None,
-            keep: torch.Tensor | None = None) -> Result:
-        _check_lm_verifier(lm, verifier, self.max_len, "TokenwiseBacktracking")
+    def run(self, program: Any, guide: Verifier | None = None, *args: Any, generator: torch.Generator | None = None,
+            row_prompts: torch.Tensor | None = None, keep: torch.Tensor | None = None, **kwargs: Any) -> Result:
+        """Algorithm 1 on the token-level ``program`` run on ``*args, **kwargs`` with the verifier ``guide`` (module
+        docstring); ``run(lm, verifier, prompt=None, generator=None, row_prompts=None, keep=None)``: the sugar."""
+        if isinstance(program, torch.nn.Module) and not is_program(program) and len(args) > 1:
+            generator, args = args[1], args[:1]
+        spec, verifier, prompt = _token_program(program, guide, args, kwargs, self.max_len, "TokenwiseBacktracking")
+        lm, stops = spec.lm, spec.stop_tensor(lm_device(spec.lm))
         n, D, B = self.num_samples, self.max_len, self.stride
         if row_prompts is not None and prompt is not None:
             raise ConfigError("give either prompt (shared by every row) or row_prompts (one per row), not both")
@@ -197,7 +239,7 @@ class TokenwiseBacktracking:
                              log_probs=nucleus(rows.log_probs(active), self.top_p)).token
             rows.push(active, tok)
             lm_calls[active] += 1
-            ended[active] = tok == EOS_ID
+            ended[active] = torch.isin(tok, stops)
             ask = active[quota[active] > 0]
             if ask.numel() == 0:
                 continue
@@ -217,7 +259,7 @@ class TokenwiseBacktracking:
                 tok = rows.log_probs(redo).argmax(-1)
                 rows.push(redo, tok)
                 lm_calls[redo] += 1
-                ended[redo] = tok == EOS_ID
+                ended[redo] = torch.isin(tok, stops)
         stats = {
             "lm_calls": int(lm_calls.sum()),
             "verifier_calls": int(ver_calls.sum()),
@@ -299,9 +341,14 @@ class VGB:
             raise ConfigError("a value function must return non-negative numbers (no NaN)")
         return here, kids
 
-    def run(self, lm: torch.nn.Module, value: Verifier, prompt: torch.Tensor | None = None,
-            generator: torch.Generator | None = None) -> Result:
-        _check_lm_verifier(lm, value, self.horizon, "VGB")
+    def run(self, program: Any, guide: Verifier | None = None, *args: Any, generator: torch.Generator | None = None,
+            **kwargs: Any) -> Result:
+        """Algorithm 2 on the token-level ``program`` run on ``*args, **kwargs`` with the value function ``guide``
+        (module docstring); ``run(lm, value, prompt=None, generator=None)``: the sugar."""
+        if isinstance(program, torch.nn.Module) and not is_program(program) and len(args) > 1:
+            generator, args = args[1], args[:1]
+        spec, value, prompt = _token_program(program, guide, args, kwargs, self.horizon, "VGB")
+        lm = spec.lm
         n, H, T = self.num_samples, self.horizon, self.num_steps
         rows = PrefixRows(lm, n, H, prompt)
         dev = rows.tokens.device

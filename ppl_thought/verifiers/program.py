@@ -29,7 +29,8 @@ it as one trace (rejection sampling's weights 1(s in A)). The proposals are guid
   particles stay properly weighted. This is the one special case of the protocol here: the site's
   ``log_prob`` is defined only at the value it drew (asking it to score another value is an error).
 
-:class:`~ppl_thought.inference.VerifierSMC` runs ``SMC(VerifiedLM, proposal)`` and adds the oracle-call
+:class:`~ppl_thought.verifiers.VerifierSMC` runs ``SMC(TokenSteps(program.one_token_step(), draw=proposal))`` (for
+``VerifiedLM``: the law of ``VerifiedLM(draw=proposal)``; :func:`length_automaton` is its rule) and adds the oracle-call
 counts of Def 3.1.6. Particles are a batch dimension: no loop over particles or the vocabulary; the
 LM state is KV-cached and stays on the LM's device; a step adds no host sync (the rejection proposal's
 rounds test whether rows are still pending, one sync per round, as tokenwise rejection does).
@@ -39,12 +40,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import pyro
 import torch
 from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
-from ppl_thought.distributions.lm_state import LMState, TokenRule, sample_categorical
+from ppl_thought.distributions.lm_state import LMState, TokenRule
+from ppl_thought.distributions.token_rule import token_step
 from ppl_thought.errors import (
     ConfigError,
     ProgramError,
@@ -52,11 +55,14 @@ from ppl_thought.errors import (
     UnsatisfiableConstraintError,
 )
 from ppl_thought.lm.base import lm_device
-from ppl_thought.program import Program, particles
+from ppl_thought.program import OneTokenStep, Program, particles
+from ppl_thought.projections.automaton import DEAD, Automaton
 from ppl_thought.verifiers.process import ProcessVerifier
+from ppl_thought.vocab import PAD_ID
 
 DRAWS = ("lm", "masked", "rejection")
-__all__ = ["DRAWS", "LocallyOptimalProposal", "NextToken", "VerifiedLM", "WeightedRejectionProposal", "verifier_factor"]
+__all__ = ["DRAWS", "LocallyOptimalProposal", "NextToken", "TokenSteps", "VerifiedLM", "WeightedRejectionProposal",
+           "length_automaton", "verifier_factor"]
 
 _LOWEST = torch.finfo(torch.float32).min
 
@@ -65,8 +71,9 @@ _LOWEST = torch.finfo(torch.float32).min
 class NextToken(TorchDistribution):
     """One token per row from log-probabilities ``[n, V]`` (-inf: impossible), as a Pyro distribution.
 
-    ``sample()`` draws by inversion (:func:`~ppl_thought.distributions.lm_state.sample_categorical`, from
-    ``generator`` when given; a row of zero mass draws the last id, which it scores -inf); ``log_prob(t)``
+    ``sample()`` draws by the one token step (:func:`~ppl_thought.distributions.token_rule.token_step`: inversion,
+    one uniform per row from ``generator`` when given; a row of zero mass draws the last id, which it scores -inf);
+    ``log_prob(t)``
     gathers ``log_probs[i, t_i]``. Batch shape ``[n]``, event shape ``()``.
     """
 
@@ -90,8 +97,7 @@ class NextToken(TorchDistribution):
         if tuple(sample_shape):
             raise ProgramError("NextToken draws one token per particle row; sample_shape is not supported")
         lp = self.log_probs.reshape(-1, self.log_probs.shape[-1])
-        tok = sample_categorical(torch.exp(lp), self.generator).clamp(max=lp.shape[-1] - 1)
-        return tok.reshape(self.batch_shape)
+        return token_step(None, None, None, generator=self.generator, log_probs=lp).token.reshape(self.batch_shape)
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         v = torch.as_tensor(value, device=self.log_probs.device).long()
@@ -120,6 +126,36 @@ def _check_task(lm, verifier) -> int:
     return verifier.length
 
 
+def length_automaton(verifier: ProcessVerifier) -> Automaton:
+    """The constraint set A of a length-N process verifier (Def 3.1.3) as one token automaton: states (q, i) for the
+    verifier's automaton state q after i tokens, kept where V = 1 (a string of A extends the prefix: ``reach[N - i,
+    q]``), a token admitted iff V(s o t) = 1, final exactly at i = N in a final q. Its masked softmax (Def 2.8) is the
+    locally optimal proposal q(t | s) = O(t | s) V(s o t) / Z_V(s) and its language is A: the rule of
+    :meth:`VerifiedLM.one_token_step`. When A is empty the start state admits nothing and is not final (FAIL)."""
+    aut, N = verifier.automaton, verifier.length
+    if N is None:
+        raise ConfigError(f"{verifier} has no length: build it as ProcessVerifier(automaton, length=N)")
+    reach = verifier._reach  # [N + 1, S + 1] bool: a final state within exactly r tokens
+    S, V = aut.num_states, aut.vocab_size
+    ns = aut.next_state
+    live = np.stack([reach[N - i, :S] for i in range(N + 1)])  # [N + 1, S]: (q, i) kept
+    live[0, aut.start] = True  # the start state always exists (admitting nothing when A is empty)
+    ids = np.full((N + 1, S), DEAD, dtype=np.int64)
+    ids[live] = np.arange(int(live.sum()))
+    table = np.full((int(live.sum()), V), DEAD, dtype=np.int64)
+    final = np.zeros(int(live.sum()), dtype=bool)
+    for i in range(N + 1):  # a loop over positions
+        rows = ids[i][live[i]]
+        if i == N:
+            final[rows] = aut.final[live[i]]
+            continue
+        nxt = ns[live[i]]  # [k, V]
+        ok = (nxt >= 0) & live[i + 1][np.clip(nxt, 0, None)] & reach[N - i, :S][live[i]][:, None]
+        table[rows] = np.where(ok, ids[i + 1][np.clip(nxt, 0, None)], DEAD)
+    return Automaton(table, final, np.zeros(len(final), dtype=np.int64), int(ids[0, aut.start]), N,
+                     f"{aut.name}^{N}")
+
+
 class _VerifierSteps(Program):
     """What the program and its proposals share: the LM rows (KV-cached, :class:`LMState`), the automaton state
     of each prefix (``state["q"]``), the tokens so far (``state["tokens"] [n, i]``), N steps."""
@@ -134,6 +170,7 @@ class _VerifierSteps(Program):
         self.lm, self.verifier, self.prompt, self.site, self.generator = lm, verifier, prompt, site, generator
         self.max_steps = self.length
         self.rule = TokenRule(None, lm.vocab_size)  # the LM's own law: every token but <pad> and <bos>
+        self.checked = TokenRule(verifier.automaton, lm.vocab_size)  # the verifier's automaton, stepped by a proposal
 
     @property
     def device(self) -> torch.device:
@@ -162,17 +199,18 @@ class _VerifierSteps(Program):
         """(first accepted token ``[n]``, proposals K ``[n]``): rounds over the rows with fewer than two
         acceptances, batched over those rows."""
         n, dev = probs.shape[0], probs.device
-        aut, ver = self.verifier.automaton, self.verifier
+        ver = self.verifier
         first = torch.zeros(n, dtype=torch.long, device=dev)
         accepted = torch.zeros(n, dtype=torch.long, device=dev)
         tries = torch.zeros(n, dtype=torch.long, device=dev)
         pending = torch.arange(n, device=dev)
         for _ in range(self.max_tries):
-            prop = sample_categorical(probs[pending], self.generator).clamp(max=probs.shape[-1] - 1)
+            # one oracle call per pending row, through the one token step (drawing from O, stepping the automaton)
+            prop = token_step(self.checked, None, q[pending], generator=self.generator, probs=probs[pending])
             tries[pending] += 1
-            ok = ver.from_states(aut.step(q[pending], prop), t + 1)
+            ok = ver.from_states(prop.state, t + 1) & ~prop.dead
             is_first = ok & (accepted[pending] == 0)
-            first[pending[is_first]] = prop[is_first]
+            first[pending[is_first]] = prop.token[is_first]
             accepted[pending] += ok.long()
             pending = pending[accepted[pending] < 2]
             if pending.numel() == 0:  # the round's host sync
@@ -197,8 +235,124 @@ class _VerifierSteps(Program):
         return None
 
 
+# ---------------------------------------------------------------------------------------------- any token program
+class TokenSteps(Program):
+    """The program a :class:`~ppl_thought.program.OneTokenStep` describes, drawing its tokens by one of the proposals
+    of :class:`VerifiedLM` (what :class:`~ppl_thought.verifiers.VerifierSMC` runs on any token-level program).
+
+    The target is the spec's: p(z) 1[z admitted by ``spec.rule``] (ends: a final state, a stop id, ``max_tokens``).
+    Step t, for the rows still running (ended rows read ``<pad>``, weight 1):
+
+    * ``"lm"``: t ~ O(. | s), factor 1[t admitted] (0 or -inf);
+    * ``"masked"``: t ~ the rule's masked softmax (Def 2.8), factor ``spec.mass`` (log Z_t, the local mass);
+    * ``"rejection"``: weighted rejection (the first of two admitted proposals t ~ O), factor 1 / (K - 1).
+
+    Every token is drawn by the one token step (``token_step``). Sites ``f"{site}_{t}"``, ``f"{site}_ok_{t}"``;
+    ``Result.samples[site]`` holds the strings ``[n, max_tokens]`` (``<pad>`` after the end).
+    """
+
+    max_plate_nesting = 0
+
+    def __init__(self, spec: OneTokenStep, prompt: torch.Tensor | None = None, site: str = "z",
+                 generator: torch.Generator | None = None, draw: str = "masked", max_tries: int = 10_000):
+        if draw not in DRAWS:
+            raise ConfigError(f"draw must be one of {DRAWS}, got {draw!r}")
+        if not isinstance(site, str) or not site:
+            raise ConfigError(f"site must be a non-empty string, got {site!r}")
+        self.spec, self.prompt, self.site, self.generator = spec, prompt, site, generator
+        self.draw, self.max_tries = draw, max(int(max_tries), 2)
+        self.lm, self.max_steps = spec.lm, int(spec.max_tokens)
+        self.free = TokenRule(None, spec.lm.vocab_size)  # O: every token but <pad> and <bos>
+        self.calls = torch.zeros((), dtype=torch.long)
+
+    @property
+    def device(self) -> torch.device:
+        return lm_device(self.lm)
+
+    def init(self, state: dict, *args, **kwargs) -> None:
+        n, dev, rule = particles(), self.device, self.spec.rule
+        s = rule.start(n, dev)
+        if not bool(rule.allowed(s[:1]).any() | rule.is_final(s[:1]).any()):  # one sync per run
+            raise UnsatisfiableConstraintError(f"{rule.constraint}: the constraint admits no string (FAIL)")
+        state["x"] = LMState.start(self.lm, n, prompt=self.prompt, rule=self.free, max_len=self.max_steps, device=dev)
+        state["q"] = s
+        state["done"] = rule.is_final(s) | (self.max_steps == 0)
+        state["lengths"] = torch.zeros(n, dtype=torch.long, device=dev)
+        state["tokens"] = torch.full((n, self.max_steps), PAD_ID, dtype=torch.long, device=dev)
+        self.calls = torch.zeros((), dtype=torch.long, device=dev)
+
+    def _inactive(self, lp: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        """``lp`` with the ended rows' law all on ``<pad>``."""
+        pad = torch.full_like(lp[:1], float("-inf"))
+        pad[0, PAD_ID] = 0.0
+        return torch.where(done[:, None], pad, lp)
+
+    def step(self, state: dict, t: int, *args, **kwargs):
+        x, s, done, spec = state["x"], state["q"], state["done"], self.spec
+        name, ok = f"{self.site}_{t}", f"{self.site}_ok_{t}"
+        if self.draw == "lm":  # t ~ O(. | s), factor 1[t admitted]
+            tok = pyro.sample(name, NextToken(self._inactive(self.free.log_probs(x.logits, x.s), done), self.generator))
+            admitted = spec.rule.allowed(s).gather(1, tok[:, None])[:, 0] | done
+            pyro.factor(ok, torch.zeros(admitted.shape, device=s.device).masked_fill(~admitted, float("-inf")))
+        elif self.draw == "masked":  # t ~ masked softmax (Def 2.8), factor log Z_t: the same density, one pass
+            log_z = spec.mass(x.logits, s, done)
+            tok = pyro.sample(name, NextToken(self._inactive(spec.rule.log_probs(x.logits, s), done), self.generator))
+            pyro.factor(ok, log_z)
+        else:  # weighted rejection: the first of two admitted proposals, factor 1 / (K - 1) (unbiased for Z_t)
+            draw = _RejectionDraw(self, state, t)
+            tok = pyro.sample(name, draw)
+            pyro.factor(ok, -draw.log_k_minus_1)
+        active = ~done
+        lengths = state["lengths"] + active.long()
+        s_new = spec.rule.advance(s, tok)
+        _, ended = spec.ends(tok, s_new, lengths)
+        state["q"], state["lengths"] = s_new, lengths
+        state["tokens"] = state["tokens"].index_copy(1, torch.tensor([t], device=tok.device), tok[:, None])
+        state["done"] = new_done = done | (active & ended)
+        if t + 1 < self.max_steps:
+            logits, cache, context = x.feed(x.cache, x.context, tok[:, None], None)
+            x.logits, x.cache, x.context = logits[:, -1], cache, context
+        return new_done.clone()
+
+    # what _RejectionDraw reads
+    def log_next(self, state: dict) -> torch.Tensor:
+        """log O(. | s) ``[n, V]``; ended rows: all on ``<pad>``."""
+        x = state["x"]
+        return self._inactive(self.free.log_probs(x.logits, x.s), state["done"])
+
+    def weighted_rejection(self, probs: torch.Tensor, q: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first admitted token ``[n]``, proposals K ``[n]``) for the running rows (ended rows: ``<pad>``, K = 2),
+        rounds over the rows with fewer than two admitted proposals, each proposal a token step of the rule."""
+        n, dev, rule = probs.shape[0], probs.device, self.spec.rule
+        ended = probs[:, PAD_ID] > 0  # the ended rows' law (log_next) is all on <pad>
+        first = torch.full((n,), PAD_ID, dtype=torch.long, device=dev)
+        accepted = torch.where(ended, 2, 0)
+        tries = torch.where(ended, 2, 0)
+        pending = torch.nonzero(~ended).squeeze(-1)
+        for _ in range(self.max_tries):
+            if pending.numel() == 0:  # the round's host sync
+                break
+            prop = token_step(rule, None, q[pending], generator=self.generator, probs=probs[pending])
+            tries[pending] += 1
+            ok = (prop.state >= 0) & ~prop.dead
+            is_first = ok & (accepted[pending] == 0)
+            first[pending[is_first]] = prop.token[is_first]
+            accepted[pending] += ok.long()
+            pending = pending[accepted[pending] < 2]
+        else:
+            if pending.numel():
+                raise SamplingBudgetError(f"weighted rejection: {pending.numel()} rows had fewer than two admitted "
+                                          f"proposals after {self.max_tries} at position {t}")
+        self.calls = self.calls + (tries * (~ended)).sum()
+        return first, tries
+
+    def outputs(self, state: dict, *args, **kwargs) -> dict:
+        """``{site: tokens [n, max_tokens]}`` (``<pad>`` after each string's end)."""
+        return {self.site: state["tokens"]}
+
+
 # ---------------------------------------------------------------------------------------------- the program
-class VerifiedLM(_VerifierSteps):
+class VerifiedLM(TokenSteps):
     """p(s) proportional to p_O(s) 1(s in A): an LM restricted to the constraint set of a process verifier
     (Def 3.1.2, Def 3.1.3, Section 3.1.1), one token per step (see the module docstring).
 
@@ -220,7 +374,7 @@ class VerifiedLM(_VerifierSteps):
               the site's density is the pseudo-marginal O(t | s) (K - 1) at its own draw.
 
             Bootstrap SMC on ``draw="masked"`` is SMC with the locally optimal proposal in one LM pass per token
-            (what :class:`~ppl_thought.inference.VerifierSMC` runs); as guides of ``draw="lm"`` the same proposals
+            (the law :class:`~ppl_thought.verifiers.VerifierSMC` runs); as guides of ``draw="lm"`` the same proposals
             are :class:`LocallyOptimalProposal` and :class:`WeightedRejectionProposal` (two LM passes: the guide's
             and the model's).
         max_tries: proposals per row and position for ``draw="rejection"``.
@@ -234,37 +388,26 @@ class VerifiedLM(_VerifierSteps):
     def __init__(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
                  site: str = "z", generator: torch.Generator | None = None, draw: str = "lm",
                  max_tries: int = 10_000):
-        super().__init__(lm, verifier, prompt, site, generator)
-        if draw not in DRAWS:
-            raise ConfigError(f"draw must be one of {DRAWS}, got {draw!r}")
+        self.length = _check_task(lm, verifier)
         if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 2:
             raise ConfigError(f"max_tries must be an integer >= 2 (two acceptances are needed), got {max_tries!r}")
-        self.draw, self.max_tries = draw, max_tries
-        self.calls = torch.zeros((), dtype=torch.long)
+        self.verifier = verifier
+        rule = TokenRule(length_automaton(verifier), lm.vocab_size)  # admits t iff V(s o t) = 1; final at N
+        spec = OneTokenStep(lm, rule, self.length, (), prompt=lambda *a, **k: self.prompt)
+        super().__init__(spec, prompt, site, generator, draw, max_tries)
 
     def init(self, state: dict, *args, **kwargs) -> None:
+        q = self.verifier.automaton.start_states(1, self.device)
+        if not bool(self.verifier.from_states(q, 0)):  # one sync per run
+            raise UnsatisfiableConstraintError(f"{self.verifier} rejects the empty prefix: A has no string (FAIL)")
         super().init(state, *args, **kwargs)
-        self.calls = torch.zeros((), dtype=torch.long, device=self.device)
 
-    def step(self, state: dict, t: int, *args, **kwargs):
-        name, ok = f"{self.site}_{t}", f"{self.site}_ok_{t}"
-        if self.draw == "lm":  # t ~ O(. | s), factor V(s o t)
-            tok = pyro.sample(name, NextToken(self.log_next(state), self.generator))
-            verifier_factor(ok, self.verifier, self.verifier.automaton.step(state["q"], tok), t + 1)
-        elif self.draw == "masked":  # t ~ O(. | s) V(s o t) / Z_V(s), factor Z_V(s): the same density, one pass
-            lq = self.log_next(state).masked_fill(~self.accepted(state, t), float("-inf"))
-            log_z = torch.logsumexp(lq, -1)
-            tok = pyro.sample(name, NextToken(lq - log_z.clamp(min=_LOWEST)[:, None], self.generator))
-            pyro.factor(ok, log_z)
-        else:  # weighted rejection: the first of two accepted proposals, factor 1 / (K - 1) (unbiased for Z_V)
-            draw = _RejectionDraw(self, state, t)
-            tok = pyro.sample(name, draw)
-            pyro.factor(ok, -draw.log_k_minus_1)
-        return self.advance(state, t, tok)
-
-    def outputs(self, state: dict, *args, **kwargs) -> dict:
-        """``{site: tokens [n, N]}``."""
-        return {self.site: state["tokens"]}
+    def one_token_step(self) -> OneTokenStep:
+        """The program's step as one token of the LM (the token-level protocol, :class:`OneTokenStep`): the verifier's
+        automaton is the rule (:func:`length_automaton`: admitted tokens are those with V(s o t) = 1, final at N),
+        ``max_tokens`` N, no stop token, the prompt given at construction. Every token-level engine reads it, and the
+        program's own step (:class:`TokenSteps`) is that step drawn by ``draw``."""
+        return self.spec
 
 
 # ---------------------------------------------------------------------------------------------- proposals

@@ -1,10 +1,15 @@
 """Verifier-assisted generation: rejection sampling (Def 3.1.4) and tokenwise rejection sampling (Def 3.1.5).
 
-Both engines draw from an LM (the autoregressive oracle O of Def 3.1.1) under a constraint set ``A``
-given by a :class:`~ppl_thought.verifiers.ProcessVerifier` with a fixed length ``N``
-(``A subset Sigma^N``), batched over samples: every row is a particle, the only Python loops are
-over token positions (and, for tokenwise rejection, over rounds of re-proposals of the rows still
-rejected at the current position).
+Every engine here takes a token-level program, ``run(program, guide, *args)``: any program whose
+:meth:`~ppl_thought.program.Program.one_token_step` declares its step as one token of one LM (the oracle O of
+Def 3.1.1) under a token automaton, whose language is the constraint set ``A`` (``pt.models.Constrained``,
+:class:`~ppl_thought.verifiers.VerifiedLM`, a user's own program); the target is p_O(s) 1(s in A). They read
+only the :class:`~ppl_thought.program.OneTokenStep` (a program without one gets a ConfigError naming the method);
+``guide`` must be ``None`` (each algorithm has its own proposal). ``run(lm, verifier, prompt=None,
+generator=None)`` is sugar for ``run(VerifiedLM(lm, verifier, prompt), None, generator=generator)``: ``A``
+given by a :class:`~ppl_thought.verifiers.ProcessVerifier` with a fixed length ``N`` (``A subset Sigma^N``).
+Batched over samples: every row is a particle, the only Python loops are over token positions (and, for
+tokenwise rejection, over rounds of re-proposals of the rows still rejected at the current position).
 
 Oracle calls are counted as the thesis counts them (Def 3.1.1, Def 3.1.6): one call of O returns
 one sample of the next token given a prefix, so a proposed token is one LM call and a complete
@@ -16,6 +21,8 @@ estimate the oracle complexities of Prop 3.1.1 (``2^D D`` and ``2 D`` on its exa
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ppl_thought.checks import integer as check_count  # the one home of the check
@@ -26,33 +33,82 @@ from ppl_thought.inference.resampling import check_scheme
 from ppl_thought.inference.result import Result
 from ppl_thought.inference.smc import SMC
 from ppl_thought.lm.base import lm_device
-from ppl_thought.program import Program
-from ppl_thought.verifiers.process import ProcessVerifier
-from ppl_thought.verifiers.program import VerifiedLM
+from ppl_thought.program import OneTokenStep, is_program
+from ppl_thought.verifiers.program import TokenSteps, VerifiedLM
+from ppl_thought.vocab import PAD_ID
 
 __all__ = ["RejectionSampling", "TokenwiseRejection", "VerifierSMC", "SamplingBudgetError",
            "UnsatisfiableConstraintError"]
 
 
-def start_states(verifier: ProcessVerifier, n: int, device) -> torch.Tensor:
-    """The constraint automaton's start state for ``n`` rows; FAIL (Def 3.1.2) if the verifier rejects ``()``."""
-    q = verifier.automaton.start_states(n, device)
-    if not bool(verifier.from_states(q[:1], 0)):
-        raise UnsatisfiableConstraintError(f"{verifier} rejects the empty prefix: A has no string (FAIL)")
-    return q
+def _is_lm(obj: Any) -> bool:
+    return isinstance(obj, torch.nn.Module) and not is_program(obj)
 
 
-def _check_common(num_samples, max_len, verifier, lm) -> None:
-    check_count("num_samples", num_samples)
+def token_program(program: Any, guide: Any, args: tuple, kwargs: dict, generator: torch.Generator | None,
+                  engine: str) -> tuple[OneTokenStep, Any, torch.Generator | None, Any]:
+    """(the program's :class:`OneTokenStep`, the prompt ids, the generator, the program) of ``run(program, guide,
+    *args, **kwargs)``, with the sugar ``run(lm, verifier, prompt=None, generator=None)`` ->
+    ``VerifiedLM(lm, verifier, prompt)``; a :class:`ConfigError` for a guide (the engine has its own proposal)."""
+    if _is_lm(program):
+        if len(args) > 2 or kwargs.keys() - {"prompt"}:
+            raise ConfigError(f"{engine}.run(lm, verifier, prompt=None, generator=None) takes at most a prompt and a "
+                              f"generator after the verifier, got {len(args)} more arguments and {sorted(kwargs)}")
+        prompt = kwargs.get("prompt", args[0] if args else None)
+        generator = args[1] if len(args) > 1 else generator
+        program, guide, args, kwargs = VerifiedLM(program, guide, prompt), None, (), {}
+    if guide is not None:
+        raise ConfigError(f"{engine} draws by its own proposal: guide must be None, got {type(guide).__name__}")
+    spec = OneTokenStep.of(program, engine)
+    return spec, spec.prompt_ids(args, kwargs), generator, program
+
+
+def _check_spec(engine: str, spec: OneTokenStep, num: int, max_len: int) -> None:
+    check_count("num_samples", num)
     check_count("max_len", max_len)
-    if not isinstance(verifier, ProcessVerifier):
-        raise ConfigError(f"expected a ProcessVerifier, got {type(verifier).__name__}")
-    if verifier.length != max_len:
-        raise ConfigError(f"the verifier decides strings of length {verifier.length} but max_len={max_len}: "
-                          f"build it as ProcessVerifier(automaton, length={max_len})")
-    if verifier.automaton.vocab_size != lm.vocab_size:
-        raise ConfigError(f"the constraint automaton has {verifier.automaton.vocab_size} token columns but the LM "
-                          f"has vocab_size={lm.vocab_size}")
+    if spec.max_tokens != max_len:
+        raise ConfigError(f"{engine}(max_len={max_len}) but the program draws max_tokens={spec.max_tokens} tokens (a "
+                          f"verifier decides strings of its length N: build the engine with max_len=N)")
+    if spec.rule.vocab_size != spec.lm.vocab_size:
+        raise ConfigError(f"the constraint has {spec.rule.vocab_size} token columns but the LM has "
+                          f"vocab_size={spec.lm.vocab_size}")
+
+
+class TokenRows:
+    """``n`` rows of a token-level program's LM (KV-cached, :class:`LMState` under O's own law) with the state of its
+    rule, lengths, end flags and tokens ``[n, max_tokens]`` (``<pad>`` after each end)."""
+
+    def __init__(self, spec: OneTokenStep, n: int, prompt: Any):
+        lm, T = spec.lm, int(spec.max_tokens)
+        dev = lm_device(lm)
+        self.spec, self.T, self.free = spec, T, TokenRule(None, lm.vocab_size)
+        self.x = LMState.start(lm, n, prompt=prompt, rule=self.free, max_len=T, device=dev)
+        self.s = spec.rule.start(n, dev)
+        self.done = spec.rule.is_final(self.s) | (T == 0)
+        self.lengths = torch.zeros(n, dtype=torch.long, device=dev)
+        self.tokens = torch.full((n, T), PAD_ID, dtype=torch.long, device=dev)
+
+    def check_satisfiable(self) -> None:
+        """FAIL (Def 3.1.2) when the rule admits nothing from its start state and the empty string is not in A."""
+        rule, s = self.spec.rule, self.s[:1]
+        if not bool(rule.allowed(s).any() | rule.is_final(s).any()):
+            raise UnsatisfiableConstraintError(f"{rule.constraint}: the constraint admits no string (FAIL)")
+
+    def log_free(self) -> torch.Tensor:
+        """log O(. | s) ``[n, V]`` (Def 3.1.1; <pad> and <bos> never generated)."""
+        return self.free.log_probs(self.x.logits, self.x.s)
+
+    def push(self, t: int, tok: torch.Tensor, s_new: torch.Tensor) -> None:
+        """Append ``tok`` (``<pad>`` on ended rows), taking the rule to ``s_new``; one LM pass (not after the last)."""
+        active = ~self.done
+        self.lengths += active.long()
+        _, ended = self.spec.ends(tok, s_new, self.lengths)
+        self.tokens[:, t] = tok
+        self.s, self.done = s_new, self.done | (active & ended)
+        if t + 1 < self.T:
+            x = self.x
+            logits, cache, context = x.feed(x.cache, x.context, tok[:, None], None)
+            x.logits, x.cache, x.context = logits[:, -1], cache, context
 
 
 class RejectionSampling:
@@ -82,46 +138,54 @@ class RejectionSampling:
         self.max_rounds = check_count("max_rounds", max_rounds)
         self.site = site
 
-    def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
-            generator: torch.Generator | None = None) -> Result:
-        _check_common(self.num_samples, self.max_len, verifier, lm)
-        dev = lm_device(lm)
-        L, n = self.max_len, self.num_samples
+    def run(self, program: Any, guide: Any = None, *args: Any, generator: torch.Generator | None = None,
+            **kwargs: Any) -> Result:
+        """Rejection sampling of the token-level ``program`` run on ``*args, **kwargs`` (``guide=None``); or
+        ``run(lm, verifier, prompt=None, generator=None)`` (module docstring)."""
+        spec, prompt, generator, _ = token_program(program, guide, args, kwargs, generator, "RejectionSampling")
+        _check_spec("RejectionSampling", spec, self.num_samples, self.max_len)
+        n, rule = self.num_samples, spec.rule
         kept: list[torch.Tensor] = []
-        gaps: list[torch.Tensor] = []  # strings generated up to and including each accepted one
-        since_last = 0  # strings generated after the last accepted one
-        total_strings = 0
+        per_sample: list[torch.Tensor] = []  # (strings, tokens) generated up to and including each accepted one
+        since_last = torch.zeros(2, dtype=torch.long)  # strings and tokens generated after the last accepted one
+        total = torch.zeros(2, dtype=torch.long)
         have = 0
         for _ in range(self.max_rounds):
-            state = LMState.start(lm, self.batch_size, prompt=prompt, max_len=L, device=dev)
-            z, _ = state.segment().sample_with_log_prob(generator)
-            if z.shape[1] < L:
-                z = torch.cat([z, z.new_zeros(z.shape[0], L - z.shape[1])], 1)
-            ok = verifier.accepts(z)
+            rows = TokenRows(spec, self.batch_size, prompt)
+            bad = torch.zeros_like(rows.done)
+            for t in range(rows.T):  # whole strings from O; the rule is stepped, and asked only at the end
+                active = ~rows.done
+                step = token_step(rule, None, rows.s, active, generator, log_probs=rows.log_free())
+                bad |= active & ~rule.allowed(rows.s).gather(1, step.token[:, None])[:, 0]
+                rows.push(t, step.token, step.state)
+                if bool(rows.done.all()):
+                    break
+            ok = ~bad  # one outcome-verifier call per string: every token admitted (s in A)
             idx = torch.nonzero(ok).squeeze(-1)[: n - have]
+            cost = torch.stack([torch.ones_like(rows.lengths), rows.lengths], 1).cumsum(0).cpu()  # [B, 2]
             if idx.numel():
-                pos = idx + 1  # 1-based position of each accepted string in this batch
-                gap = torch.diff(pos, prepend=pos.new_zeros(1))
+                at = cost[idx.cpu()]
+                gap = torch.diff(at, dim=0, prepend=torch.zeros(1, 2, dtype=torch.long))
                 gap[0] += since_last
-                gaps.append(gap)
-                kept.append(z[idx])
+                per_sample.append(gap)
+                kept.append(rows.tokens[idx])
                 have += idx.numel()
             if have == n:
-                total_strings += int(idx[-1]) + 1
+                total += cost[int(idx[-1])]
                 break
-            total_strings += self.batch_size
-            since_last = since_last + self.batch_size if not idx.numel() else self.batch_size - int(idx[-1]) - 1
+            total += cost[-1]
+            since_last = since_last + cost[-1] if not idx.numel() else cost[-1] - cost[int(idx[-1])]
         else:
             raise SamplingBudgetError(f"RejectionSampling: {have} of {n} samples accepted after {self.max_rounds} "
                                       f"rounds of {self.batch_size} strings; raise max_rounds or batch_size")
-        strings_per_sample = torch.cat(gaps)
+        gaps = torch.cat(per_sample)
         stats = {
-            "lm_calls": total_strings * L,
-            "verifier_calls": total_strings,
-            "lm_calls_per_sample": strings_per_sample * L,
-            "verifier_calls_per_sample": strings_per_sample,
-            "strings_generated": total_strings,
-            "acceptance_rate": n / total_strings,
+            "lm_calls": int(total[1]),
+            "verifier_calls": int(total[0]),
+            "lm_calls_per_sample": gaps[:, 1],
+            "verifier_calls_per_sample": gaps[:, 0],
+            "strings_generated": int(total[0]),
+            "acceptance_rate": n / int(total[0]),
         }
         return Result(samples={self.site: torch.cat(kept)}, stats=stats, engine="RejectionSampling")
 
@@ -159,28 +223,29 @@ class TokenwiseRejection:
         self.max_tries = check_count("max_tries", max_tries)
         self.site = site
 
-    def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
-            generator: torch.Generator | None = None) -> Result:
-        _check_common(self.num_samples, self.max_len, verifier, lm)
-        dev = lm_device(lm)
-        n, L = self.num_samples, self.max_len
-        aut = verifier.automaton
-        q = start_states(verifier, n, dev)
-        rule = TokenRule(None, lm.vocab_size)
-        checked = TokenRule(aut, lm.vocab_size)  # the verifier's automaton, stepped by each proposal
-        state = LMState.start(lm, n, prompt=prompt, rule=rule, max_len=L, device=dev)
+    def run(self, program: Any, guide: Any = None, *args: Any, generator: torch.Generator | None = None,
+            **kwargs: Any) -> Result:
+        """Tokenwise rejection on the token-level ``program`` run on ``*args, **kwargs`` (``guide=None``); or
+        ``run(lm, verifier, prompt=None, generator=None)`` (module docstring)."""
+        spec, prompt, generator, _ = token_program(program, guide, args, kwargs, generator, "TokenwiseRejection")
+        _check_spec("TokenwiseRejection", spec, self.num_samples, self.max_len)
+        n, rule = self.num_samples, spec.rule
+        rows = TokenRows(spec, n, prompt)
+        rows.check_satisfiable()
+        dev = rows.tokens.device
         calls = torch.zeros(n, dtype=torch.long, device=dev)
-        out = torch.zeros(n, L, dtype=torch.long, device=dev)
-        for i in range(L):
-            probs = torch.exp(rule.log_probs(state.logits, state.s))  # O(. | s) for every row
-            tok = torch.zeros(n, dtype=torch.long, device=dev)
-            pending = torch.arange(n, device=dev)
+        for i in range(rows.T):
+            probs = torch.exp(rows.log_free())  # O(. | s) for every row
+            tok = torch.full((n,), PAD_ID, dtype=torch.long, device=dev)
+            pending = torch.nonzero(~rows.done).squeeze(-1)
+            if pending.numel() == 0:
+                break
             for _ in range(self.max_tries):
-                # one oracle call per pending row: the token step drawing from O (not the verifier's mask) and
-                # stepping the verifier's automaton; a row of O with no mass is never accepted
-                prop = token_step(checked, None, q[pending], generator=generator, probs=probs[pending])
+                # one oracle call per pending row: the token step drawing from O (not the rule's mask) and stepping
+                # the rule's automaton; a row of O with no mass is never accepted
+                prop = token_step(rule, None, rows.s[pending], generator=generator, probs=probs[pending])
                 calls[pending] += 1
-                ok = verifier.from_states(prop.state, i + 1) & ~prop.dead  # one verifier call each
+                ok = (prop.state >= 0) & ~prop.dead  # one verifier call each: V(s o t) = 1, t admitted
                 tok[pending[ok]] = prop.token[ok]
                 pending = pending[~ok]
                 if pending.numel() == 0:
@@ -188,24 +253,22 @@ class TokenwiseRejection:
             else:
                 raise SamplingBudgetError(f"TokenwiseRejection: {pending.numel()} rows still rejected after "
                                           f"{self.max_tries} proposals at position {i}")
-            q = aut.step(q, tok)
-            out[:, i] = tok
-            if i + 1 < L:
-                state.extend(tok)
+            rows.push(i, tok, rule.advance(rows.s, tok))
         stats = {
             "lm_calls": int(calls.sum()),
             "verifier_calls": int(calls.sum()),
             "lm_calls_per_sample": calls,
             "verifier_calls_per_sample": calls.clone(),
         }
-        return Result(samples={self.site: out}, stats=stats, engine="TokenwiseRejection")
+        return Result(samples={self.site: rows.tokens}, stats=stats, engine="TokenwiseRejection")
 
 
 class VerifierSMC:
-    """Exact baselines for verifier-guided generation: ``pt.infer.SMC`` on the program
-    :class:`~ppl_thought.verifiers.program.VerifiedLM` (the LM restricted to A, Defs 3.1.2-3.1.3),
-    drawing its tokens by the proposal (``VerifiedLM(..., draw=proposal)``, bootstrap: one LM pass per token;
-    docs/architecture.md, "Engines": one engine core).
+    """Exact baselines for verifier-guided generation: ``pt.infer.SMC`` on a token-level program (its
+    :class:`~ppl_thought.program.OneTokenStep`, e.g. :class:`~ppl_thought.verifiers.program.VerifiedLM`: the LM
+    restricted to A, Defs 3.1.2-3.1.3) drawing its tokens by the proposal
+    (:class:`~ppl_thought.verifiers.program.TokenSteps`; for VerifiedLM the law of ``VerifiedLM(..., draw=proposal)``;
+    one LM pass per token; docs/architecture.md, "Engines": one engine core).
 
     The target after ``i`` tokens is ``gamma_i(s) = p_O(s) V(s)`` (the LM times the perfect process
     verifier, Def 3.1.3, a factor of each step); at ``i = N`` it is ``p_O(s) 1(s in A)``, the restricted
@@ -251,17 +314,22 @@ class VerifierSMC:
         self.max_tries = check_count("max_tries", max_tries)
         self.site = site
 
-    def program(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> tuple[VerifiedLM, Program | None]:
-        """(model, guide) that :meth:`run` gives ``pt.infer.SMC``: :class:`VerifiedLM` drawing its tokens by the
-        proposal (one LM pass per token), and ``None`` (the program proposes; its factors carry the weights)."""
-        return VerifiedLM(lm, verifier, prompt, self.site, generator, draw=self.proposal,
-                          max_tries=max(self.max_tries, 2)), None
+    def program(self, program: Any, guide: Any = None, *args: Any, generator: torch.Generator | None = None,
+                **kwargs: Any) -> tuple[TokenSteps, None]:
+        """(model, guide) that :meth:`run` gives ``pt.infer.SMC``: the program's :class:`OneTokenStep` as
+        :class:`~ppl_thought.verifiers.program.TokenSteps` drawing its tokens by the proposal (one LM pass per
+        token), and ``None`` (the program proposes; its factors carry the weights). Same arguments as :meth:`run`."""
+        spec, prompt, generator, _ = token_program(program, guide, args, kwargs, generator, "VerifierSMC")
+        _check_spec("VerifierSMC", spec, self.num_particles, self.max_len)
+        return TokenSteps(spec, prompt, self.site, generator, draw=self.proposal, max_tries=self.max_tries), None
 
-    def run(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
-            generator: torch.Generator | None = None) -> Result:
-        _check_common(self.num_particles, self.max_len, verifier, lm)
-        model, guide = self.program(lm, verifier, prompt, generator)
+    def run(self, program: Any, guide: Any = None, *args: Any, generator: torch.Generator | None = None,
+            **kwargs: Any) -> Result:
+        """SMC on the token-level ``program`` run on ``*args, **kwargs`` (``guide=None``: the proposal is
+        ``proposal=``); or ``run(lm, verifier, prompt=None, generator=None)`` (module docstring)."""
+        if _is_lm(program) and len(args) > 1:  # the sugar's generator, for SMC's resampling too
+            generator = args[1]
+        model, guide = self.program(program, guide, *args, generator=generator, **kwargs)
         n, L = self.num_particles, self.max_len
         smc = SMC(n, ess_threshold=self.ess_threshold, resampling=self.resample_method, generator=generator,
                   max_steps=L)
@@ -270,11 +338,12 @@ class VerifierSMC:
         except ZeroWeightsError as e:
             raise ZeroWeightsError(f"VerifierSMC(proposal={self.proposal!r}): {e}; use proposal='masked' or more "
                                    "particles") from None
+        V = model.spec.lm.vocab_size
         if self.proposal == "rejection":
             lm_calls = ver_calls = int(model.calls)
         else:
             lm_calls = n * L
-            ver_calls = n * L * (lm.vocab_size if self.proposal == "masked" else 1)
+            ver_calls = n * L * (V if self.proposal == "masked" else 1)
         res.engine = "VerifierSMC"
         res.stats.update({
             "lm_calls": lm_calls, "verifier_calls": ver_calls,
