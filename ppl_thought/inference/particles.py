@@ -36,19 +36,11 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from ppl_thought import checks
+from ppl_thought.contract import PARTICLES, arg_versions, as_twist, check_args, program_name, site_batch_error
 from ppl_thought.errors import ChunkMismatchError, ConfigError, DeviceMismatchError, ProgramError, SiteMismatchError
 from ppl_thought.inference.resampling import log_ratio
 from ppl_thought.lm.base import lm_device
-from ppl_thought.program import (
-    PARTICLES,
-    arg_versions,
-    as_twist,
-    check_args,
-    is_output,
-    is_program,
-    program_name,
-    site_batch_error,
-)
+from ppl_thought.program import is_output, is_program
 from ppl_thought.twists import collect_twists
 
 __all__ = [
@@ -300,7 +292,7 @@ def per_particle(trace, n: int, which: str = "all", device=None, skip=(), who: s
 
     A site inside the particle plate is summed over every dim but the plate's; a site outside it
     (a global) adds its total to every particle. Keeps the graph (for the SVI objectives).
-    Every site read must keep the batch-shape contract (:func:`~ppl_thought.program.site_batch_error`;
+    Every site read must keep the batch-shape contract (:func:`~ppl_thought.contract.site_batch_error`;
     a :class:`ProgramError` naming ``who``, ``where`` and the site otherwise), so no engine weighs a site
     that Pyro's plate broadcast to ``[n, n]``.
     """
@@ -533,7 +525,7 @@ def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, wh
     model log-probability minus the guide's (per particle), -inf where the model's is; ``device``: where a
     step without sites puts its zero weights (the engine's device). ``who`` (the program's name) and
     ``where`` (``"in step 3"``) name the step in the contract's errors: site batch shapes (:func:`per_particle`),
-    the twist ``[n]`` (:func:`~ppl_thought.program.as_twist`), a guide observing a model latent. ``check``: the
+    the twist ``[n]`` (:func:`~ppl_thought.contract.as_twist`), a guide observing a model latent. ``check``: the
     engine's own contract checks (state entries, the caller's arguments), run right after the step, before any
     log-probability is read (a step that wrote into an observed argument would otherwise fail there first).
     """

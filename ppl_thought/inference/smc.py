@@ -21,6 +21,16 @@ import torch
 
 from ppl_thought import checks
 from ppl_thought.checks import fraction, integer
+from ppl_thought.contract import (
+    arg_versions,
+    as_done,
+    check_args,
+    check_state,
+    freeze_finished,
+    program_name,
+    snapshot_state,
+    step_bound,
+)
 from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ProgramError, ZeroWeightsError
 from ppl_thought.guides.base import as_step_guide
@@ -37,17 +47,7 @@ from ppl_thought.inference.particles import (
 from ppl_thought.inference.resampling import RESAMPLING, check_scheme, resample, resample_groups
 from ppl_thought.inference.result import Result
 from ppl_thought.inference.static_smc import run_static
-from ppl_thought.program import (
-    arg_versions,
-    as_done,
-    check_args,
-    check_state,
-    freeze_finished,
-    program_name,
-    reorder_state,
-    snapshot_state,
-    step_bound,
-)
+from ppl_thought.program import reorder_state
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 #: how a run is executed: Pyro traces of any program, or the static one-token step (inference/static_smc.py)
@@ -273,8 +273,8 @@ class SMC:
     @staticmethod
     def _check(sm: dict, sg: dict, N: int, versions: list, name: str, gname: str, where: str) -> None:
         """The contract at the end of ``init`` and of each step (docs/architecture.md, "The contract"): the state
-        entries of model and guide (:func:`~ppl_thought.program.check_state`) and the caller's arguments
-        (:func:`~ppl_thought.program.check_args`); types, shapes and version counters only, no host sync."""
+        entries of model and guide (:func:`~ppl_thought.contract.check_state`) and the caller's arguments
+        (:func:`~ppl_thought.contract.check_args`); types, shapes and version counters only, no host sync."""
         check_state(sm, N, name, where)
         check_state(sg, N, gname, where)
         check_args(versions, name, where)
