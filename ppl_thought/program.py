@@ -12,7 +12,8 @@ Both methods are ordinary Pyro code (``pyro.sample``, ``pyro.sample(..., obs=...
 that an engine runs once for all particles under a particle plate. ``state`` is a dict the engine
 owns: its entries are tensors ``[num_particles, ...]`` or objects with ``reorder(index)`` (KV-cached LM
 states, :class:`~ppl_thought.distributions.LMState`), and the engine reorders every entry after
-resampling. Site names must be unique across steps (``f"z_{t}"``).
+resampling. Site names must be unique across steps (``f"z_{t}"``). The rest of the contract (site batch
+shapes ``[n]``, frozen finished particles, read-only arguments) and its checks: :mod:`ppl_thought.contract`.
 
 ``pt.twist(log_psi)`` inside a step sets a potential log psi_t ``[n]`` on the particles (LLaMPPL's
 idea): SMC multiplies the incremental weight by psi_t / psi_{t-1} and divides the last potential out
@@ -247,7 +248,9 @@ class Shared:
 def reorder_state(state: dict, index: torch.Tensor, n: int) -> None:
     """Gather every entry of ``state`` by the ancestor ``index`` (in place): tensors ``[n, ...]`` by
     indexing, objects by their ``reorder(index)`` (its return value replaces the entry if not None),
-    dicts / lists / tuples entry by entry. Anything else is an error naming the key."""
+    dicts entry by entry, shared scalars (0-dim tensors, Python scalars) left alone. The engines check
+    the entries at the end of each step (:func:`~ppl_thought.contract.check_state`, which refuses lists
+    and tuples), so anything else here is an error naming the key."""
     for key in list(state):
         state[key] = _reorder(state[key], index, n, key)
 
@@ -311,7 +314,8 @@ class Program:
 
     * ``max_plate_nesting``: plates the program uses itself inside a step (the particle plate goes
       left of them); 0 by default.
-    * ``max_steps``: a bound on the number of steps (engines raise past it); ``None``: the engine's bound.
+    * ``max_steps``: a bound on the number of steps (engines raise past it), an int >= 1; ``None``: the
+      engine's bound.
     """
 
     max_plate_nesting: int = 0
