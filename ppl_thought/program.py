@@ -12,7 +12,8 @@ Both methods are ordinary Pyro code (``pyro.sample``, ``pyro.sample(..., obs=...
 that an engine runs once for all particles under a particle plate. ``state`` is a dict the engine
 owns: its entries are tensors ``[num_particles, ...]`` or objects with ``reorder(index)`` (KV-cached LM
 states, :class:`~ppl_thought.distributions.LMState`), and the engine reorders every entry after
-resampling. Site names must be unique across steps (``f"z_{t}"``).
+resampling. Site names must be unique across steps (``f"z_{t}"``). The rest of the contract (site batch
+shapes ``[n]``, frozen finished particles, read-only arguments) and its checks: :mod:`ppl_thought.contract`.
 
 ``pt.twist(log_psi)`` inside a step sets a potential log psi_t ``[n]`` on the particles (LLaMPPL's
 idea): SMC multiplies the incremental weight by psi_t / psi_{t-1} and divides the last potential out
@@ -27,25 +28,41 @@ later sites.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyro
 import pyro.poutine as poutine
 import torch
 from pyro.poutine.runtime import _PYRO_STACK
 
+from ppl_thought.contract import (  # noqa: F401 -- the contract's names, re-exported where programs live
+    PARTICLES,
+    SHARED_SCALARS,
+    SiteContract,
+    arg_versions,
+    as_done,
+    as_twist,
+    check_args,
+    check_state,
+    freeze_finished,
+    program_name,
+    site_batch_error,
+    snapshot_state,
+    step_bound,
+)
 from ppl_thought.errors import PPLThoughtError, ProgramError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.twists import current as current_twists
 
-PARTICLES = "particles"
-
-__all__ = ["OUTPUT", "PARTICLES", "PARTICLE_PLATES", "OneTokenStep", "Program", "Shared", "as_done", "factor",
-           "freeze_finished", "is_output", "observe", "particle_frame", "particle_groups", "particles", "reorder_state",
-           "sample", "twist"]
+__all__ = ["OUTPUT", "PARTICLES", "PARTICLE_PLATES", "OneTokenStep", "Program", "Shared", "SiteContract",
+           "arg_versions", "as_done", "as_twist", "check_args", "check_state", "factor", "freeze_finished",
+           "is_output", "observe", "particle_frame", "particle_groups", "particles", "program_name", "reorder_state",
+           "sample", "site_batch_error", "snapshot_state", "step_bound", "twist"]
 
 
 # ---------------------------------------------------------------------------------------------- the four verbs
@@ -209,21 +226,6 @@ def particle_groups() -> int:
     return 1 if frame is None else int(getattr(frame, "groups", 1))
 
 
-def as_done(done, n: int, device=None) -> torch.Tensor | None:
-    """A step's return value as a bool tensor ``[n]`` (``None``: nobody finished)."""
-    if done is None:
-        return None
-    d = torch.as_tensor(done, device=device)
-    if d.dtype != torch.bool:
-        raise ProgramError(f"Program.step must return None or a bool tensor [num_particles], got dtype {d.dtype}")
-    if d.ndim == 0:
-        d = d.expand(n)
-    if d.shape != (n,):
-        raise ProgramError(f"Program.step returned finished flags of shape {tuple(d.shape)}; expected ({n},) "
-                           "(one flag per particle)")
-    return d
-
-
 # ---------------------------------------------------------------------------------------------- state
 class Shared:
     """A state entry shared by every particle (a lifting automaton, a table): resampling leaves it alone.
@@ -246,7 +248,9 @@ class Shared:
 def reorder_state(state: dict, index: torch.Tensor, n: int) -> None:
     """Gather every entry of ``state`` by the ancestor ``index`` (in place): tensors ``[n, ...]`` by
     indexing, objects by their ``reorder(index)`` (its return value replaces the entry if not None),
-    dicts / lists / tuples entry by entry. Anything else is an error naming the key."""
+    dicts entry by entry, shared scalars (0-dim tensors, Python scalars) left alone. The engines check
+    the entries at the end of each step (:func:`~ppl_thought.contract.check_state`, which refuses lists
+    and tuples), so anything else here is an error naming the key."""
     for key in list(state):
         state[key] = _reorder(state[key], index, n, key)
 
@@ -271,15 +275,6 @@ def _reorder(v: Any, index: torch.Tensor, n: int, key: str):
         return v
     raise ProgramError(f"state[{key!r}] of type {type(v).__name__} cannot be reordered after resampling: "
                        "store tensors [num_particles, ...] or objects with reorder(index)")
-
-
-def freeze_finished(before: dict, after: dict, finished: torch.Tensor) -> None:
-    """Keep the tensor entries of finished particles as they were before the step (in place)."""
-    for key, v in after.items():
-        old = before.get(key)
-        if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and v.shape == old.shape and v.ndim:
-            m = finished.to(v.device).reshape((-1,) + (1,) * (v.ndim - 1))
-            after[key] = torch.where(m, old, v)
 
 
 # ---------------------------------------------------------------------------------------------- program
@@ -385,11 +380,22 @@ class Program:
 
     * ``max_plate_nesting``: plates the program uses itself inside a step (the particle plate goes
       left of them); 0 by default.
-    * ``max_steps``: a bound on the number of steps (engines raise past it); ``None``: the engine's bound.
+    * ``max_steps``: a bound on the number of steps (engines raise past it), an int >= 1; ``None``: the
+      engine's bound.
     """
 
     max_plate_nesting: int = 0
     max_steps: int | None = None
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A class attribute ``max_steps`` must be None or an int >= 1 (checked where the class is written; an
+        instance's, e.g. set in ``init`` from the data, is checked by the engines, :func:`step_bound`)."""
+        super().__init_subclass__(**kwargs)
+        v = cls.__dict__.get("max_steps")
+        if v is not None and not isinstance(v, property) and (
+                isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Integral) or v < 1):
+            raise ProgramError(f"{cls.__name__}.max_steps must be an integer >= 1 (the most steps a run may take) "
+                               f"or None, got {type(v).__name__} {v!r}"[:300])
 
     @property
     def device(self) -> torch.device | None:
@@ -441,20 +447,31 @@ class Program:
 def run_whole(program: Program, *args, max_steps: int = 10_000, **kwargs) -> dict:
     """Run a program from start to finish as one Pyro trace, masking the sites of finished particles.
 
-    Returns the final state. Twists are not applied (they cancel over a whole run).
+    Returns the final state. Twists are not applied (they cancel over a whole run). Checks the contract as
+    SMC does (docs/architecture.md, "The contract"): site batch shapes (:class:`SiteContract`), finished flags,
+    state entries (:func:`check_state`), ``max_steps`` (:func:`step_bound`) and the caller's arguments
+    (:func:`check_args`); a finished particle's state is frozen (:func:`freeze_finished`).
     """
     n = particles()
+    who = program_name(program)
+    versions = arg_versions(args, kwargs)
     state: dict = {}
-    program.init(state, *args, **kwargs)
+    with SiteContract(who, "in init"):
+        program.init(state, *args, **kwargs)
+    check_state(state, n, who, "in init")
+    check_args(versions, who, "in init")
     finished = None
-    bound = program.max_steps if program.max_steps is not None else max_steps
+    bound = step_bound(program, max_steps, who)
     t = 0
     while True:
         if t >= bound:
-            raise ProgramError(f"{type(program).__name__} did not finish within max_steps={bound} steps")
-        before = dict(state) if finished is not None else None
-        with _masked(finished):
-            done = as_done(program.step(state, t, *args, **kwargs), n)
+            raise ProgramError(f"{who} did not finish within max_steps={bound} steps")
+        where = f"in step {t}"
+        before = snapshot_state(state) if finished is not None else None
+        with _masked(finished), SiteContract(who, where):
+            done = as_done(program.step(state, t, *args, **kwargs), n, None, who, where)
+        check_state(state, n, who, where)
+        check_args(versions, who, where)
         if finished is not None:
             freeze_finished(before, state, finished)
         if done is not None:

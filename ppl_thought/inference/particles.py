@@ -22,6 +22,7 @@ weights silently wrong, so both are errors that name the site.
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,10 +36,11 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from ppl_thought import checks
+from ppl_thought.contract import PARTICLES, arg_versions, as_twist, check_args, program_name, site_batch_error
 from ppl_thought.errors import ChunkMismatchError, ConfigError, DeviceMismatchError, ProgramError, SiteMismatchError
 from ppl_thought.inference.resampling import log_ratio
 from ppl_thought.lm.base import lm_device
-from ppl_thought.program import PARTICLES, is_output, is_program
+from ppl_thought.program import is_output, is_program
 from ppl_thought.twists import collect_twists
 
 __all__ = [
@@ -283,16 +285,25 @@ def site_log_prob(site) -> torch.Tensor:
     return lp
 
 
-def per_particle(trace, n: int, which: str = "all", device=None, skip=()) -> torch.Tensor:
+def per_particle(trace, n: int, which: str = "all", device=None, skip=(), who: str = "",
+                 where: str = "") -> torch.Tensor:
     """Sum of site log-probs per particle ``[n]`` (``which``: "all", "observed" or "latent"; the sites named in
     ``skip`` are left out).
 
     A site inside the particle plate is summed over every dim but the plate's; a site outside it
     (a global) adds its total to every particle. Keeps the graph (for the SVI objectives).
+    Every site read must keep the batch-shape contract (:func:`~ppl_thought.contract.site_batch_error`;
+    a :class:`ProgramError` naming ``who``, ``where`` and the site otherwise), so no engine weighs a site
+    that Pyro's plate broadcast to ``[n, n]``.
     """
     total = None
     for site in trace.nodes.values():
-        if site["type"] != "sample" or site_is_subsample(site) or is_output(site) or site["name"] in skip:
+        if site["type"] != "sample" or site_is_subsample(site):
+            continue
+        err = site_batch_error(site, who, where)
+        if err is not None:
+            raise err
+        if is_output(site) or site["name"] in skip:
             continue  # an output is drawn from the program itself: its p / q cancels
         if which == "observed" and not site["is_observed"]:
             continue
@@ -427,6 +438,8 @@ def sample_particles(model: Callable, guide: Callable | None, n: int, *args, max
     dev = engine_device(model, guide, args, kwargs)
     depth = find_max_plate_nesting(model, guide, args, kwargs) if max_plate_nesting is None else max_plate_nesting
     dim = -(int(depth) + 1)
+    who, gwho = program_name(model), f"the guide {program_name(guide)}"
+    versions = arg_versions(args, kwargs)
     try:
         marks = OutputNames()
         if guide is not None:
@@ -437,18 +450,18 @@ def sample_particles(model: Callable, guide: Callable | None, n: int, *args, max
             mtr = poutine.trace(_in_plate(model, n, dim, device=dev)).get_trace(*args, **kwargs)
             gtr = None
     except RuntimeError as e:
-        raise _duplicate_site_error(e) from None
+        raise _duplicate_site_error(e, who) from None
+    check_args(versions, who)  # a plain Pyro function's writes (a program's are named with their step)
     if gtr is not None:
+        log_q = per_particle(gtr, n, "latent", dev, who=gwho)  # the contract on the guide's sites first
         check_sites(mtr, gtr, partial=partial_guide, outputs=marks.names)
         gtr.compute_log_prob()
     mtr.compute_log_prob()
     drawn = _drawn_by_model(mtr, gtr) if partial_guide else ()
-    log_p = per_particle(mtr, n, device=dev, skip=drawn)
-    if gtr is not None:
-        log_q = per_particle(gtr, n, "latent", dev)
-    else:
-        log_q = torch.zeros_like(log_p) if partial_guide else per_particle(mtr, n, "latent", dev)
-    log_lik = per_particle(mtr, n, "observed", dev)
+    log_p = per_particle(mtr, n, device=dev, skip=drawn, who=who)
+    if gtr is None:
+        log_q = torch.zeros_like(log_p) if partial_guide else per_particle(mtr, n, "latent", dev, who=who)
+    log_lik = per_particle(mtr, n, "observed", dev, who=who)
     source = gtr if gtr is not None and not partial_guide else mtr
     values = {k: s["value"] for k, s in latent_sites(source).items()}
     values.update({k: s["value"] for k, s in output_sites(mtr).items()})
@@ -466,12 +479,26 @@ def _drawn_by_model(model_trace, guide_trace) -> frozenset:
     return frozenset(k for k in latent_sites(model_trace) if k not in g)
 
 
-def _duplicate_site_error(e: RuntimeError) -> Exception:
+def _duplicate_site_error(e: RuntimeError, who: str = "", where: str = "") -> Exception:
+    """A Pyro ``RuntimeError`` raised while tracing a model on its guide, as the :class:`ProgramError` that names
+    the program, the step and the site: two sites of one name, or a guide that observes (``obs=``) a site the
+    model samples (Pyro's replay: ``site z_0 must be sampled in trace``)."""
     msg = str(e)
+    at = " ".join(p for p in (who, where) if p)
+    at = f"{at}: " if at else ""
     if "Multiple" in msg and "sites named" in msg:
-        return ProgramError(f"{msg}. Site names must be unique per step of a program: name them by the step, "
+        return ProgramError(f"{at}{msg}. Site names must be unique per step of a program: name them by the step, "
                             "e.g. pyro.sample(f'z_{t}', ...)")
+    m = _REPLAY_OBSERVED.search(msg)
+    if m is not None:
+        return ProgramError(f"{at}the guide observes site {m.group(1)!r} (obs=...), which the model samples as a "
+                            "latent: a guide proposes the model's latent sites (pt.sample), it may not observe "
+                            "them; sample the site in the guide, or leave it out (the model's prior proposes it)")
     return e
+
+
+#: Pyro's replay error for a guide site that is not sampled (observed) but is a latent of the model
+_REPLAY_OBSERVED = re.compile(r"site (.+) must be sampled in trace")
 
 
 # ---------------------------------------------------------------------------------------------- one step
@@ -490,13 +517,17 @@ class StepOutput:
 
 def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, where: str,
              plate: pyro.plate | None = None, device: torch.device | None = None,
-             partial_guide: bool = False) -> StepOutput:
+             partial_guide: bool = False, who: str = "", check: Callable[[], None] | None = None) -> StepOutput:
     """Run one step: ``guide_fn()`` (if any) under the particle plate, then ``model_fn()`` replayed on it.
 
     ``model_fn`` / ``guide_fn`` are closures over the program's state, ``t`` and the data; ``plate``
     (:func:`particle_plate`) is made once per run by the engine. The incremental weight is the step's
     model log-probability minus the guide's (per particle), -inf where the model's is; ``device``: where a
-    step without sites puts its zero weights (the engine's device).
+    step without sites puts its zero weights (the engine's device). ``who`` (the program's name) and
+    ``where`` (``"in step 3"``) name the step in the contract's errors: site batch shapes (:func:`per_particle`),
+    the twist ``[n]`` (:func:`~ppl_thought.contract.as_twist`), a guide observing a model latent. ``check``: the
+    engine's own contract checks (state entries, the caller's arguments), run right after the step, before any
+    log-probability is read (a step that wrote into an observed argument would otherwise fail there first).
     """
     try:
         gtr = None
@@ -511,15 +542,19 @@ def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, wh
             done = mt()
         mtr = mt.trace
     except RuntimeError as e:
-        raise _duplicate_site_error(e) from None
+        raise _duplicate_site_error(e, who, where) from None
+    if check is not None:
+        check()
     if gtr is not None:
+        log_q = per_particle(gtr, n, "latent", device, who=f"the guide of {who}" if who else "the guide",
+                             where=where)
         check_sites(mtr, gtr, where, partial=partial_guide, outputs=marks.names)
     source = gtr if gtr is not None else mtr
     if gtr is not None:
         drawn = _drawn_by_model(mtr, gtr) if partial_guide else ()
-        log_w = log_ratio(per_particle(mtr, n, device=device, skip=drawn), per_particle(gtr, n, "latent", device))
+        log_w = log_ratio(per_particle(mtr, n, device=device, skip=drawn, who=who, where=where), log_q)
     else:
-        log_w = per_particle(mtr, n, "observed", device)
+        log_w = per_particle(mtr, n, "observed", device, who=who, where=where)
     values, token_steps = {}, 0
     outs = output_sites(mtr)
     # with a partial guide the model's trace holds every latent (the guide's replayed, and its own)
@@ -530,7 +565,7 @@ def run_step(model_fn: Callable, guide_fn: Callable | None, n: int, dim: int, wh
         values[k] = (v, v.ndim - ev + dim if particle_frame_dim(s) is not None else None)
         if getattr(s["fn"], "ragged_event", False):
             token_steps += int(v.shape[-1]) if v.ndim > len(s["fn"].batch_shape) else 1
-    psi = tw.log_psi
+    psi = as_twist(tw.log_psi, n, who, where)
     return StepOutput(log_w, psi, done, values, token_steps, list(outs), (mtr, gtr))
 
 

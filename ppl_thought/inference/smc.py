@@ -21,6 +21,16 @@ import torch
 
 from ppl_thought import checks
 from ppl_thought.checks import fraction, integer
+from ppl_thought.contract import (
+    arg_versions,
+    as_done,
+    check_args,
+    check_state,
+    freeze_finished,
+    program_name,
+    snapshot_state,
+    step_bound,
+)
 from ppl_thought.distributions.lm_state import LMState
 from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ProgramError, ZeroWeightsError
 from ppl_thought.guides.base import as_step_guide
@@ -37,7 +47,7 @@ from ppl_thought.inference.particles import (
 from ppl_thought.inference.resampling import RESAMPLING, check_scheme, resample, resample_groups
 from ppl_thought.inference.result import Result
 from ppl_thought.inference.static_smc import run_static
-from ppl_thought.program import as_done, freeze_finished, reorder_state
+from ppl_thought.program import reorder_state
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 #: how a run is executed: Pyro traces of any program, or the static one-token step (inference/static_smc.py)
@@ -149,15 +159,17 @@ class SMC:
         plate = particle_plate(N, dim, G, device)
         sm: dict = {}
         sg: dict = {}
-        name = type(model).__name__
+        name = program_name(model)
+        gname = f"the guide {program_name(guide)} of {name}"
+        versions = arg_versions(args, kwargs)  # engines never write into the caller's tensors (check_args)
         out = run_step(lambda: model.init(sm, *args, **kwargs),
                        (lambda: guide.init(sg, *args, **kwargs)) if guide is not None else None, N, dim, "in init",
-                       plate, device)
+                       plate, device, who=name, check=lambda: self._check(sm, sg, N, versions, name, gname, "in init"))
         lw = out.log_w.clone()
         dev = lw.device if device is None else device
         lw = lw.to(dev)
         # read after init: a program may set its number of steps from the data there
-        bound = model.max_steps if getattr(model, "max_steps", None) is not None else self.max_steps
+        bound = step_bound(model, self.max_steps, name)
         values: dict[str, list] = {}
         seen: dict[str, str] = {}
         self._record(values, seen, out.values, "init")
@@ -171,15 +183,19 @@ class SMC:
             if t >= bound:
                 raise ProgramError(f"{name} did not finish within max_steps={bound} steps (return a bool tensor "
                                    "[num_particles] from step to mark finished particles)")
-            before = dict(sm) if any_finished else None
+            # a finished particle's state keeps its values however the step writes it (in place or not)
+            before = (snapshot_state(sm), snapshot_state(sg)) if any_finished else None
+            where = f"in step {t}"
             out = run_step(lambda t=t: model.step(sm, t, *args, **kwargs),
                            (lambda t=t: guide.step(sg, t, *args, **kwargs)) if guide is not None else None,
-                           N, dim, f"in step {t}", plate, dev)
+                           N, dim, where, plate, dev, who=name,
+                           check=lambda w=where: self._check(sm, sg, N, versions, name, gname, w))
             if before is not None:
-                freeze_finished(before, sm, finished)
+                freeze_finished(before[0], sm, finished)
+                freeze_finished(before[1], sg, finished)
             self._record(values, seen, out.values, f"step {t}")
             token_steps += out.token_steps
-            done = as_done(out.done, N, dev)
+            done = as_done(out.done, N, dev, name, where)
             inc = torch.where(finished, torch.zeros_like(out.log_w), out.log_w.to(dev))
             now_done = finished | done if done is not None else finished
             twisted = twisted or out.log_psi is not None
@@ -253,6 +269,15 @@ class SMC:
                 + (f"; also groups {bad[1:]}" if len(bad) > 1 else "") + f") of {self.groups} are zero (log "
                 f"weight -inf) after step {t} of {name}: the proposal only produced values the model (or a twist) "
                 "gives probability 0 for that group's data")
+
+    @staticmethod
+    def _check(sm: dict, sg: dict, N: int, versions: list, name: str, gname: str, where: str) -> None:
+        """The contract at the end of ``init`` and of each step (docs/architecture.md, "The contract"): the state
+        entries of model and guide (:func:`~ppl_thought.contract.check_state`) and the caller's arguments
+        (:func:`~ppl_thought.contract.check_args`); types, shapes and version counters only, no host sync."""
+        check_state(sm, N, name, where)
+        check_state(sg, N, gname, where)
+        check_args(versions, name, where)
 
     @staticmethod
     def _record(values: dict, seen: dict, new: dict, where: str) -> None:
