@@ -103,7 +103,8 @@ class Posterior(ptn.Program):
 def test_site_batch_shapes_exact_log_z_and_the_n_by_1_site_is_refused(data):
     """With batch ``[n]`` sites (and a declared plate of replicas) the exact-posterior guide gives the enumerated
     log Z to float precision; the same program with the coin's batch ``[n, 1]`` (which the particle plate used to
-    broadcast to ``[n, n]``, silently: SMC gave -26.36 for an exact -2.90) is now refused, naming the site."""
+    broadcast to ``[n, n]``, silently: at 2c2398b bootstrap SMC with n = 16 gave log Z -43.14 for this program,
+    exact -2.31; the [n] program's mean Z over 40 seeds is -2.32 +- 0.06) is now refused, naming the site."""
     exact = exact_log_z(data)
     res = ptn.infer.SMC(N, ess_threshold=0.5).run(Coins(plates=data.ndim - 1), Posterior(), data, rng_key=0)
     assert abs(float(res.log_marginal) - exact) < 1e-5
@@ -212,7 +213,7 @@ def test_max_steps_must_be_an_integer_of_at_least_one(bad):
 
     with pytest.raises(ProgramError, match=rf"Bounded\.max_steps = {bad!r}: .*an integer >= 1"):
         ptn.infer.SMC(N).run(Bounded(), None)
-    with pytest.raises(ConfigError, match="max_steps must be an integer"):
+    with pytest.raises(ConfigError, match="max_steps"):  # the engine argument: ConfigError (type layer or check)
         ptn.infer.Importance(N, max_steps=bad)
 
 
