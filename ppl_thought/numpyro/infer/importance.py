@@ -173,7 +173,7 @@ class Importance(StepEngine):
         try:
             bind = getattr(model, "as_program", None)
             if callable(bind) and not isinstance(model, type):
-                bind(*args)  # the protocol's as_program raises NotInImageError where p(data) = 0 exactly
+                bind(*args, **kwargs)  # the protocol's as_program raises NotInImageError where p(data) = 0
             log_w, log_p, log_q, values = self.compiled(model, guide, *args, **kwargs)(jax.random.split(key, n))
         except NotInImageError as e:
             return not_in_image_result(f"log p(x) = -inf: {e}", n, "Importance", observed)

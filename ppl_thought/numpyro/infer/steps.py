@@ -266,7 +266,8 @@ def as_programs(model: Any, guide: Any, args: tuple, engine: str) -> tuple[Any, 
     method ``as_program(*args) -> ptn.Program``, the program it stands for given these arguments (bound in it):
     the engine then runs ``model.as_program(*args)`` with no arguments, and a guide that is not a program is bound
     the same way (``guide.as_program(*args)``). ``as_program`` may raise ``NotInImageError`` when the arguments
-    have probability 0 (the engine then returns log Z-hat = -inf). No model class is special-cased."""
+    have probability 0 (the engine then returns log Z-hat = -inf), or return ``None`` when no program binds them
+    (a ``ConfigError`` here). No model class is special-cased."""
     observed = {"args": args}
     if is_program(model):
         if guide is not None and not is_program(guide) and callable(getattr(guide, "as_program", None)):
@@ -281,6 +282,9 @@ def as_programs(model: Any, guide: Any, args: tuple, engine: str) -> tuple[Any, 
                           f"{type(model).__name__}: write the model as a ptn.Program (docs/programs.md), add "
                           "as_program to it, or run a whole-trace NumPyro model with ptn.infer.Importance")
     program = bind(*args)
+    if program is None:
+        raise ConfigError(f"{type(model).__name__}.as_program{args!r:.60} returned None: it has no program for these "
+                          f"arguments (e.g. generation without data); {engine} runs a program")
     if not is_program(program):
         raise ProgramError(f"{type(model).__name__}.as_program returned a {type(program).__name__}, not a "
                            "ptn.Program (an object with init and step)")
