@@ -184,6 +184,11 @@ class Sampler:
     def proposal(self, x: ArrayLike, params: Any = None) -> Proposal:
         raise NotImplementedError(f"{type(self).__name__} has no step-wise form")
 
+    def as_program(self, x: ArrayLike | str) -> SamplerProgram:
+        """The engines' protocol method (the guide of ``SlowThinking.as_program(x)`` in ``ptn.infer.SMC``):
+        :meth:`program`."""
+        return self.program(x)
+
     def program(self, x: ArrayLike | str) -> SamplerProgram:
         """Q(. | x) as a :class:`~ppl_thought.numpyro.program.Program` that proposes the segments of Lemma 2.1
         (site ``"z"``, ``[n, L]`` per step): the guide of ``SlowThinking.program(x)`` in ``ptn.infer.SMC``.

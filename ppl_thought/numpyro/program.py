@@ -16,6 +16,13 @@ stacks a site's values over steps) and leaves ``state`` with the same structure 
 NumPyro's primitives under the names of the theory: :func:`sample` (latent), :func:`observe` (data; ``None``:
 an output), :func:`factor` (a log-potential in the target) and :func:`twist` (a potential SMC adds and later
 removes; it leaves the target).
+
+The contract the engines check while tracing (docs/numpyro.md, "The program contract"; a ``ProgramError`` naming
+the program, the step and the site or entry): every site's batch shape is exactly ``[n]`` plus the dims of the
+plates the program declares (``max_plate_nesting``); twists and finished flags are ``[n]``; every leaf of
+``state`` is an array with leading dim n (dicts, lists, tuples and pytrees of them are fine; no Python scalars);
+``max_steps`` is an integer >= 1. An object that is not a program may implement ``as_program(*args)``, the
+program it stands for with the arguments bound in it (``SlowThinking``, the samplers of ``ptn.guides``).
 """
 
 from __future__ import annotations
@@ -88,7 +95,12 @@ def twist(log_psi: ArrayLike) -> None:
     (Importance, a plain trace) nothing is done."""
     collector = current_twists()
     if collector is not None:
-        collector.add(as_array("log_psi", log_psi, jnp.float32, "twist"))
+        v = as_array("log_psi", log_psi, jnp.float32, "twist")
+        n = particles()
+        if tuple(v.shape) != (n,):
+            raise ProgramError(f"ptn.twist(log_psi): log_psi has shape {tuple(v.shape)}; a twist is one potential "
+                               f"per particle, shape [num_particles] = ({n},) exactly")
+        collector.add(v)
 
 
 # ---------------------------------------------------------------------------------------------- plates
@@ -130,17 +142,16 @@ def is_program(obj: Any) -> bool:
 
 
 def as_done(done: Any, n: int) -> jax.Array | None:
-    """A step's return value as a bool array ``[n]`` (``None``: nobody finished this step)."""
+    """A step's return value as a bool array ``[n]`` (``None``: nobody finished this step); any other shape (a
+    scalar included: ``jnp.broadcast_to(flag, (n,))`` says "every particle") is a :class:`ProgramError`."""
     if done is None:
         return None
     d = jnp.asarray(done)
     if d.dtype != jnp.bool_:
-        raise ProgramError(f"Program.step must return None or a bool array [num_particles], got dtype {d.dtype}")
-    if d.ndim == 0:
-        d = jnp.broadcast_to(d, (n,))
+        raise ProgramError(f"step must return None or a bool array [num_particles], got dtype {d.dtype}")
     if d.shape != (n,):
-        raise ProgramError(f"Program.step returned finished flags of shape {tuple(d.shape)}; expected ({n},) "
-                           "(one flag per particle)")
+        raise ProgramError(f"step returned finished flags of shape {tuple(d.shape)}; expected ({n},) exactly "
+                           f"(one flag per particle; jnp.broadcast_to(flag, ({n},)) for one flag for all)")
     return d
 
 

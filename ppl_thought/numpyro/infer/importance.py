@@ -18,10 +18,17 @@ import numpy as np
 from numpyro.handlers import replay, seed, trace
 
 from ppl_thought.checks import integer
-from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
+from ppl_thought.errors import (
+    ConfigError,
+    NotInImageError,
+    NumericalError,
+    ProgramError,
+    SiteMismatchError,
+    ZeroWeightsError,
+)
 from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, prng_key
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
-from ppl_thought.numpyro.infer.steps import StepEngine, program_result
+from ppl_thought.numpyro.infer.steps import StepEngine, _read_only, as_programs, program_result
 from ppl_thought.numpyro.program import is_program
 
 
@@ -50,8 +57,14 @@ def log_weight_fn(model, guide, args: tuple, kwargs: dict):
             values = {k: s["value"] for k, s in m_tr.items() if s["type"] == "sample" and not s["is_observed"]}
             return log_p, log_p, jnp.zeros(()), values
         g_tr = trace(seed(guide, kq)).get_trace(*args, **kwargs)
-        m_tr = trace(replay(seed(model, kp), trace=g_tr)).get_trace(*args, **kwargs)
+        m_tr = trace(replay(seed(model, kp), trace={k: s for k, s in g_tr.items() if not s.get("is_observed")})
+                     ).get_trace(*args, **kwargs)
         latent = {k for k, s in m_tr.items() if s["type"] == "sample" and not s["is_observed"]}
+        observed = sorted(k for k in latent if k in g_tr and g_tr[k]["type"] == "sample" and g_tr[k]["is_observed"])
+        if observed:
+            raise ProgramError(f"the guide {getattr(guide, '__name__', type(guide).__name__)} observes site "
+                               f"{observed[0]!r}, a latent site of the model: a guide proposes the model's latent "
+                               "sites (numpyro.sample without obs=); condition on data in the model")
         proposed = {k for k, s in g_tr.items() if s["type"] == "sample" and not s["is_observed"]}
         if not latent <= proposed:
             raise SiteMismatchError(f"the guide does not propose the model's latent sites {sorted(latent - proposed)}")
@@ -115,7 +128,10 @@ class Importance(StepEngine):
     compiles anew (the compiled function is kept at module level per model, guide and arguments, so a fresh
     ``Importance`` object reuses it).
 
-    A :class:`~ppl_thought.numpyro.program.Program` runs through the generic step engine
+    A model that is a plain NumPyro model (a callable) runs as whole traces even when it also implements the
+    protocol method ``as_program(*args)`` (``ptn.models.SlowThinking``); the engine only binds it first, so that
+    data of probability 0 exactly (``as_program`` raises ``NotInImageError``) gives log Z-hat = -inf with a
+    warning, as under SMC. A :class:`~ppl_thought.numpyro.program.Program` runs through the generic step engine
     (:mod:`ppl_thought.numpyro.infer.steps`) without resampling: ``run(program, guide, *args, rng_key=key,
     static=())``, the same weights as whole traces (its arguments traced, ``static`` as for SMC).
     Returns a :class:`Result`: ``log_weights [n]``, ``log_marginal``, ``log_marginal_stderr`` (delta method),
@@ -128,8 +144,8 @@ class Importance(StepEngine):
 
     def compiled(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> Any:
         """The jitted ``keys [n, 2] -> (log w, log p, log q, values)`` for these arguments (cached)."""
-        args = tuple(_concrete(a) for a in args)
-        kwargs = {k: _concrete(v) for k, v in kwargs.items()}
+        args = tuple(_read_only(_concrete(a)) for a in args)  # the model is traced on copies: never the caller's
+        kwargs = {k: _read_only(_concrete(v)) for k, v in kwargs.items()}
         key = (id(model), id(guide), tuple(np.asarray(a).tobytes() if a is not None else None for a in args),
                tuple(sorted((k, np.asarray(v).tobytes()) for k, v in kwargs.items())))
         hit = _COMPILED.get(key)
@@ -144,19 +160,20 @@ class Importance(StepEngine):
         """Draw n particles from the guide, weight them by p/q, and estimate log p(data) by (3.2).
 
         ``rng_key``: a ``jax.random.PRNGKey`` or an int seed (``PRNGKey(seed)``); default ``PRNGKey(0)``."""
-        if is_program(model):
+        if is_program(model) or (not callable(model) and callable(getattr(model, "as_program", None))):
+            model, guide, args, observed = as_programs(model, guide, args, "Importance")
             if kwargs:
                 raise ConfigError(f"Importance.run on a ptn.Program takes positional arguments only, got "
                                   f"{sorted(kwargs)}")
-            out = self._program_run(model, guide, args, prng_key(rng_key), static, 0.0, "Importance")
-            return program_result(out, "Importance", args)
+            out = self._program_run(model, guide, args, prng_key(rng_key), static if args else (), 0.0, "Importance")
+            return program_result(out, "Importance", args, observed)
         n = self.num_particles
         observed = {"args": args, "kwargs": kwargs}
         key = prng_key(rng_key)  # an int seed is accepted: PRNGKey(seed)
         try:
-            projection = getattr(model, "projection", None)
-            if projection is not None and len(args) == 1 and args[0] is not None and hasattr(model, "x_ids"):
-                projection.lifting(model.x_ids(_concrete(args[0])))  # NotInImageError: p(x) = 0 exactly
+            bind = getattr(model, "as_program", None)
+            if callable(bind) and not isinstance(model, type):
+                bind(*args, **kwargs)  # the protocol's as_program raises NotInImageError where p(data) = 0
             log_w, log_p, log_q, values = self.compiled(model, guide, *args, **kwargs)(jax.random.split(key, n))
         except NotInImageError as e:
             return not_in_image_result(f"log p(x) = -inf: {e}", n, "Importance", observed)

@@ -5,8 +5,9 @@ Every run goes through the one generic engine core (:mod:`ppl_thought.numpyro.in
 :class:`~ppl_thought.numpyro.program.Program` and its guide program step in lockstep, step t multiplies each
 particle's weight by p(sites of step t) / q(latent sites of step t), the particles are resampled (systematic) when
 the ESS falls under ``ess_threshold * n``, decided on the device, and Z-hat = prod_t (1/n) sum_i W_{t-1}^i w_t^i
-is unbiased. The slow-thinking model Proj # P_f is one such program (``SlowThinking.program(x)``): step t draws
-the segment z^(t) of Lemma 2.1 from the guide's program (``Sampler.program(x)``: causal, explanatory,
+is unbiased. The slow-thinking model Proj # P_f is one such program (``SlowThinking.as_program(x)``, the protocol
+method the engine calls on a model that is not itself a program): step t draws the segment z^(t) of Lemma 2.1 from
+the guide's program (``Sampler.as_program(x)``: causal, explanatory,
 predictive / identity, the exact posterior; or, with ``guide=None``, the masked prior itself, the bootstrap), and
 its weight is
 
@@ -22,18 +23,18 @@ from typing import Any
 import jax
 
 from ppl_thought.checks import fraction, integer
-from ppl_thought.errors import ConfigError, NotInImageError
-from ppl_thought.numpyro.infer.importance import Importance, not_in_image_result
+from ppl_thought.errors import NotInImageError
+from ppl_thought.numpyro.infer.importance import not_in_image_result
 from ppl_thought.numpyro.infer.resampling import prng_key, systematic_resample
 from ppl_thought.numpyro.infer.result import Result
-from ppl_thought.numpyro.infer.steps import StepEngine, program_result
-from ppl_thought.numpyro.program import is_program
+from ppl_thought.numpyro.infer.steps import StepEngine, as_programs, program_result
 
 
 class SMC(StepEngine):
     """SMC over the steps of any :class:`~ppl_thought.numpyro.program.Program` (the generic engine core,
-    :mod:`ppl_thought.numpyro.infer.steps`); a :class:`~ppl_thought.numpyro.models.SlowThinking` model runs as its
-    program ``model.program(x)`` (the segments of Lemma 2.1), its guide as ``guide.program(x)``.
+    :mod:`ppl_thought.numpyro.infer.steps`); a model that is not a program runs as ``model.as_program(*args)``
+    (a :class:`~ppl_thought.numpyro.models.SlowThinking` model: the segments of Lemma 2.1), its guide as
+    ``guide.as_program(*args)``.
 
     Args:
         num_particles: n.
@@ -51,11 +52,13 @@ class SMC(StepEngine):
     traced (new data of the same shapes reuses the compiled run); ``static`` lists the indices of arguments
     that must be concrete (their values key the compiled run).
 
-    ``run(model, guide, x, rng_key=key) -> Result`` for a model with ``program(x)`` (SlowThinking):
-    ``samples["z"] [n, L]`` (the whole latent sequence), ``ancestry [|x|, n]``; the guide is ``None`` (bootstrap:
-    the masked prior proposes), a sampler of :mod:`ppl_thought.numpyro.guides` (run as ``guide.program(x)``) or
-    a program with the same steps. ``log_marginal_stderr`` is the delta method on the final weights when no step
-    resampled (then it is importance sampling), else ``None``: use ``groups``.
+    ``run(model, guide, *args, ...)`` for an object that is not a program but implements the protocol method
+    ``as_program(*args) -> ptn.Program`` (``ptn.models.SlowThinking``, the samplers of
+    :mod:`ppl_thought.numpyro.guides`; any user class may): the engine runs ``model.as_program(*args)`` with
+    ``guide.as_program(*args)`` (or a guide program, or ``None``) and no arguments
+    (:func:`~ppl_thought.numpyro.infer.steps.as_programs`); for SlowThinking that is ``samples["z"] [n, L]`` (the
+    whole latent sequence), ``ancestry [|x|, n]``. ``log_marginal_stderr`` is the delta method on the final
+    weights when no step resampled (then it is importance sampling), else ``None``: use ``groups``.
     """
 
     def __init__(self, num_particles: int, ess_threshold: float = 0.5, groups: int = 1, max_steps: int = 64):
@@ -69,32 +72,12 @@ class SMC(StepEngine):
         """Run SMC; see the class docstring. ``rng_key``: a ``jax.random.PRNGKey`` or an int seed
         (``PRNGKey(seed)``); default ``PRNGKey(0)``."""
         key = prng_key(rng_key)  # an int seed is accepted: PRNGKey(seed)
-        if is_program(model):
-            out = self._program_run(model, guide, args, key, static, self.ess_threshold, "SMC")
-            return program_result(out, "SMC", args)
-        if not callable(getattr(model, "program", None)):
-            raise ConfigError(f"SMC runs a ptn.Program (or a model with program(x), such as ptn.models.SlowThinking), "
-                              f"got {type(model).__name__}: write the model as a ptn.Program (docs/programs.md), or "
-                              "run the whole-trace NumPyro model with ptn.infer.Importance")
-        if len(args) != 1:
-            raise ConfigError(f"SMC.run(model, guide, x) on {type(model).__name__} takes one observation x, got "
-                              f"{len(args)} arguments (a ptn.Program takes any)")
-        xa = model.x_ids(args[0])
-        n = self.num_particles
-        observed = {"x": xa}
-        if len(xa) == 0:  # no segment: importance sampling of the empty observation
-            return Importance(n).run(model, guide, xa, rng_key=key)
         try:
-            program = model.program(xa)
-            if guide is not None and not is_program(guide):
-                if not callable(getattr(guide, "program", None)):
-                    raise ConfigError(f"SMC on {type(model).__name__} needs a guide with program(x) (a sampler of "
-                                      f"ptn.guides), a ptn.Program or None, got {type(guide).__name__}")
-                guide = guide.program(xa)
-        except NotInImageError as e:
-            return not_in_image_result(f"log p(x) = -inf: {e}", n, "SMC", observed)
-        out = self._program_run(program, guide, (), key, (), self.ess_threshold, "SMC")
-        return program_result(out, "SMC", (), observed)
+            model, guide, run_args, observed = as_programs(model, guide, args, "SMC")
+        except NotInImageError as e:  # as_program says the arguments have probability 0
+            return not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles, "SMC", {"args": args})
+        out = self._program_run(model, guide, run_args, key, static if run_args else (), self.ess_threshold, "SMC")
+        return program_result(out, "SMC", run_args, observed)
 
 
 __all__ = ["SMC", "systematic_resample"]

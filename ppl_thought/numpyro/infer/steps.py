@@ -46,7 +46,7 @@ from ppl_thought.numpyro.lm_state import bind_params, collect_lms
 from ppl_thought.numpyro.program import PARTICLES, as_done, is_output, is_program
 from ppl_thought.twists import collect_twists
 
-__all__ = ["StepEngine", "clear_cache", "compilations", "program_result"]
+__all__ = ["StepEngine", "as_programs", "clear_cache", "compilations", "program_result"]
 
 #: how many times a run was traced (= compiled); tests read it through :func:`compilations`
 _TRACES = [0]
@@ -93,9 +93,45 @@ def _latent(site: dict) -> bool:
     return site["type"] == "sample" and not site["is_observed"] and not is_output(site)
 
 
-def _run_step(model_fn, guide_fn, key, n: int, depth: int, where: str) -> _StepOut:
-    """One step (or init) of model and guide for all particles, traced; weights and site checks."""
+def _plate_shape(site: dict, n: int, depth: int) -> tuple:
+    """The batch shape the contract asks of a site: ``[n]`` at the particle dim ``-(depth + 1)``, the size of each
+    plate of the program that encloses it at that plate's dim, 1 elsewhere (NumPyro's plate broadcasting)."""
+    shape = [1] * (depth + 1)
+    for frame in site.get("cond_indep_stack") or ():
+        if frame.dim is not None and -(depth + 1) <= frame.dim < 0:
+            shape[frame.dim] = frame.size
+    return tuple(shape)
+
+
+def _check_sites(tr: dict, who: str, n: int, depth: int, at: str) -> None:
+    """Every sample site (``factor`` and ``observe`` included) has batch shape exactly :func:`_plate_shape`:
+    a distribution of batch shape ``[n, 1]`` is broadcast by the particle plate to ``[n, n]`` and every particle
+    would be weighed by n terms (a wrong log Z-hat, silently). Shapes are static: the check costs nothing at run
+    time."""
+    for k, s in tr.items():
+        if s["type"] != "sample":
+            continue
+        batch, want = tuple(s["fn"].batch_shape), _plate_shape(s, n, depth)
+        if batch == want:
+            continue
+        outside = [f.name for f in s.get("cond_indep_stack") or () if f.dim is not None and f.dim < -(depth + 1)]
+        hint = (f"it sits in plate(s) {outside} outside the max_plate_nesting={depth} the program declares: set "
+                "the class attribute max_plate_nesting to the number of plates a step opens" if outside else
+                f"the particle plate broadcasts a distribution of batch shape [n, 1] (or [1, n], or an extra dim) "
+                f"to {batch}, and each particle's weight would sum {int(np.prod(batch)) // n} terms instead of one: "
+                f"give the distribution's parameters the batch shape [n] = ({n},) (a Python scalar or a [1] "
+                "parameter broadcasts), move vector dims to the event (.to_event(1)), or open a numpyro.plate for "
+                "them and declare max_plate_nesting")
+        raise ProgramError(f"{at}: site {k!r} of {who} has batch shape {batch}; a site's batch shape must be exactly "
+                           f"{want} ([num_particles={n}] plus the dims of the plates the program declares, "
+                           f"max_plate_nesting={depth}; event dims after them): {hint}")
+
+
+def _run_step(model_fn, guide_fn, key, n: int, depth: int, where: str, name: str = "the program") -> _StepOut:
+    """One step (or init) of model and guide for all particles, traced; weights and the contract's checks of
+    sites, twists and finished flags (static shapes: checked while tracing, free at run time)."""
     kq, kp = jax.random.split(key)
+    at = f"{name}.{where.split()[-1]}"
 
     def plated(fn):
         def f():
@@ -104,15 +140,21 @@ def _run_step(model_fn, guide_fn, key, n: int, depth: int, where: str) -> _StepO
         return f
 
     g_tr = None
-    if guide_fn is not None:
-        g_tr = trace(seed(plated(guide_fn), kq)).get_trace()
-    with collect_twists() as tw:
-        if g_tr is None:
-            m_tr = trace(seed(plated(model_fn), kp))
-        else:
-            m_tr = trace(replay(seed(plated(model_fn), kp), trace=g_tr))
-        done = m_tr()
-        m_tr = m_tr.trace
+    try:
+        if guide_fn is not None:
+            g_tr = trace(seed(plated(guide_fn), kq)).get_trace()
+        with collect_twists() as tw:
+            if g_tr is None:
+                m_tr = trace(seed(plated(model_fn), kp))
+            else:  # the guide's observed sites are not replayed: a latent site it observes is refused below
+                m_tr = trace(replay(seed(plated(model_fn), kp),
+                                    trace={k: s for k, s in g_tr.items() if not s.get("is_observed")}))
+            done = m_tr()
+            m_tr = m_tr.trace
+    except ProgramError as e:  # e.g. ptn.twist of the wrong shape: say which program and step
+        if str(e).startswith(at):
+            raise
+        raise ProgramError(f"{at}: {e}") from e
     for tr, who in ((m_tr, "the model"), (g_tr or {}, "the guide")):
         traced = [k for k in tr if "Tracer" in k or "Traced<" in k]  # str() of a tracer, by JAX version
         if traced:
@@ -121,6 +163,14 @@ def _run_step(model_fn, guide_fn, key, n: int, depth: int, where: str) -> _StepO
                                "(the engine stacks a step site's values over steps: samples[name] is [n, steps, ...])")
     sites = {k: s for k, s in m_tr.items() if s["type"] == "sample"}
     latent = [k for k, s in sites.items() if _latent(s)]
+    _check_sites(m_tr, name, n, depth, at)
+    if g_tr is not None:
+        observed = [k for k in latent if k in g_tr and g_tr[k]["type"] == "sample" and g_tr[k]["is_observed"]]
+        if observed:
+            raise ProgramError(f"{at}: the guide observes site {observed[0]!r}, a latent site of {name}: a guide "
+                               "proposes the model's latent sites (ptn.sample / numpyro.sample without obs=); "
+                               "condition on data in the model (ptn.observe), not in the guide")
+        _check_sites(g_tr, "the guide", n, depth, at)
     log_w = jnp.zeros(n)
     if g_tr is not None:
         proposed = [k for k, s in g_tr.items() if s["type"] == "sample" and not s["is_observed"]]
@@ -149,16 +199,36 @@ def _run_step(model_fn, guide_fn, key, n: int, depth: int, where: str) -> _StepO
             continue
         log_w = log_w + _site_log_prob(s, n, depth)
     values = {k: s["value"] for k, s in sites.items() if not s["is_observed"]}
-    return _StepOut(log_w, values, as_done(done, n), tw.log_psi)
+    log_psi = tw.log_psi
+    if log_psi is not None and jnp.shape(log_psi) != (n,):
+        raise ProgramError(f"{at}: the twist log psi has shape {tuple(jnp.shape(log_psi))}; a twist is one "
+                           f"potential per particle, shape ({n},) exactly")
+    try:
+        return _StepOut(log_w, values, as_done(done, n), log_psi)
+    except ProgramError as e:
+        raise ProgramError(f"{at}: {e}") from e
 
 
-def _check_state(state: dict, n: int, who: str) -> None:
+def _check_state(state: Any, n: int, who: str, where: str = "init") -> None:
+    """The contract on a program's state: a dict whose every leaf (through dicts, lists, tuples and registered
+    pytrees such as ``LMState``) is an array with leading dim n, so that resampling gathers every entry by the
+    ancestors and a finished particle's rows freeze. A Python scalar or a 0-d array (shared by every particle)
+    would be neither gathered nor frozen: refused, as is any leaf that is not an array."""
+    if not isinstance(state, dict):
+        raise ProgramError(f"{who}.{where}: state is a {type(state).__name__}; it is a dict (assign its entries, "
+                           "state['name'] = ..., do not rebind it)")
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        shape = jnp.shape(leaf)
-        if len(shape) and shape[0] != n:
-            raise ProgramError(f"{who} state{jax.tree_util.keystr(path)} has shape {shape}: state arrays must be "
-                               f"[num_particles={n}, ...] so that resampling can gather them (keep shared constants "
-                               "on the program object)")
+        entry = f"state{jax.tree_util.keystr(path)}"
+        if not isinstance(leaf, (jax.Array, np.ndarray)):
+            raise ProgramError(f"{who}.{where}: {entry} is a {type(leaf).__name__} ({leaf!r:.40}); every state "
+                               f"entry is an array [num_particles={n}, ...] or a pytree of them (dict, list, tuple, "
+                               f"LMState): a per-particle value as jnp.full(({n},), value), a constant shared by "
+                               "every particle as an attribute of the program")
+        shape = tuple(jnp.shape(leaf))
+        if not shape or shape[0] != n:
+            raise ProgramError(f"{who}.{where}: {entry} has shape {shape}; state arrays are [num_particles={n}, ...] "
+                               "so that resampling gathers them and a finished particle's rows freeze (keep "
+                               "constants shared by every particle on the program object)")
 
 
 def _freeze(finished: jax.Array, old, new):
@@ -176,12 +246,55 @@ def _gather(tree, idx: jax.Array, n: int):
 
 def _same_structure(before: dict, after: dict, who: str, t_desc: str) -> None:
     sb, sa = jax.tree.structure(before), jax.tree.structure(after)
-    shapes_b = [(jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(before)]
-    shapes_a = [(jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(after)]
-    if sb != sa or shapes_b != shapes_a:
+    if sb != sa:
         raise ProgramError(f"{who}.step changed the structure or shapes of its state ({t_desc}): keys "
-                           f"{sorted(before)} -> {sorted(after)}; a JAX program keeps every state entry's shape "
-                           "across steps (size LM states with max_len= at start, preallocate buffers in init)")
+                           f"{sorted(before)} -> {sorted(after)}, {sb} -> {sa}; a JAX program keeps every state "
+                           "entry across steps (no new keys, no appends to a list: preallocate buffers in init)")
+    flat_b = jax.tree_util.tree_flatten_with_path(before)[0]
+    for (path, a), b in zip(flat_b, jax.tree.leaves(after)):
+        if (jnp.shape(a), jnp.result_type(a)) != (jnp.shape(b), jnp.result_type(b)):
+            raise ProgramError(f"{who}.step changed the structure or shapes of its state ({t_desc}): "
+                               f"state{jax.tree_util.keystr(path)} from "
+                               f"{jnp.result_type(a)}{list(jnp.shape(a))} to {jnp.result_type(b)}"
+                               f"{list(jnp.shape(b))}; a JAX program keeps every state entry's shape and dtype across "
+                               "steps (size LM states with max_len= at start, preallocate buffers in init)")
+
+
+def as_programs(model: Any, guide: Any, args: tuple, engine: str) -> tuple[Any, Any, tuple, dict]:
+    """``(model, guide, run_args, observed)`` for an engine called as ``run(model, guide, *args)``: a program
+    (``init`` / ``step``) runs as it is, with ``args``. An object that is not a program may implement the protocol
+    method ``as_program(*args) -> ptn.Program``, the program it stands for given these arguments (bound in it):
+    the engine then runs ``model.as_program(*args)`` with no arguments, and a guide that is not a program is bound
+    the same way (``guide.as_program(*args)``). ``as_program`` may raise ``NotInImageError`` when the arguments
+    have probability 0 (the engine then returns log Z-hat = -inf), or return ``None`` when no program binds them
+    (a ``ConfigError`` here). No model class is special-cased."""
+    observed = {"args": args}
+    if is_program(model):
+        if guide is not None and not is_program(guide) and callable(getattr(guide, "as_program", None)):
+            raise ConfigError(f"{engine}: the model {type(model).__name__} is a program run with the arguments, so the "
+                              f"guide must be a program too (or None), got {type(guide).__name__}: pass "
+                              "guide.as_program(*args) with a model bound the same way, or a guide program")
+        return model, guide, args, observed
+    bind = getattr(model, "as_program", None)
+    if not callable(bind) or isinstance(model, type):
+        raise ConfigError(f"{engine} runs a ptn.Program (init / step) or an object with the protocol method "
+                          f"as_program(*args) -> ptn.Program (ptn.models.SlowThinking has one), got "
+                          f"{type(model).__name__}: write the model as a ptn.Program (docs/programs.md), add "
+                          "as_program to it, or run a whole-trace NumPyro model with ptn.infer.Importance")
+    program = bind(*args)
+    if program is None:
+        raise ConfigError(f"{type(model).__name__}.as_program{args!r:.60} returned None: it has no program for these "
+                          f"arguments (e.g. generation without data); {engine} runs a program")
+    if not is_program(program):
+        raise ProgramError(f"{type(model).__name__}.as_program returned a {type(program).__name__}, not a "
+                           "ptn.Program (an object with init and step)")
+    if guide is not None and not is_program(guide):
+        gbind = getattr(guide, "as_program", None)
+        if not callable(gbind):
+            raise ConfigError(f"{engine}: the guide of {type(model).__name__} must be a ptn.Program, an object with "
+                              f"as_program(*args) (a sampler of ptn.guides) or None, got {type(guide).__name__}")
+        guide = gbind(*args)
+    return program, guide, (), observed
 
 
 class StepEngine:
@@ -195,15 +308,18 @@ class StepEngine:
             raise SiteMismatchError(f"{engine}: the guide of a ptn.Program must be a ptn.Program with the same steps "
                                     f"and latent sites (or None: the bootstrap), got {type(guide).__name__}")
         n = self.num_particles
-        T = model.max_steps if getattr(model, "max_steps", None) is not None else self.max_steps
+        T = getattr(model, "max_steps", None)
+        if T is None:
+            T = self.max_steps
+        elif isinstance(T, (bool, np.bool_)) or not isinstance(T, (int, np.integer)) or T < 1:
+            raise ProgramError(f"{type(model).__name__}.max_steps = {T!r}: the length of the compiled step loop is an "
+                               "integer >= 1 (or None: the engine's max_steps=)")
         T = int(T)
-        if T < 1:
-            raise ConfigError(f"{engine}: max_steps must be >= 1, got {T}")
         static = tuple(sorted({int(i) % max(len(args), 1) for i in static})) if args else ()
         dyn, stat = [], []
         for i, a in enumerate(args):
             if i in static or a is None or isinstance(a, (bool, int, float, str)):
-                stat.append((i, _static_key(a), a))
+                stat.append((i, _static_key(a), _read_only(a)))
             else:
                 dyn.append((i, jnp.asarray(a)))
         lms = collect_lms(model, guide)
@@ -242,6 +358,14 @@ class StepEngine:
                 f"e.g. {engine}(...).run(model, guide, *args, static=(0,)); t is traced too: index arrays with it "
                 "(x[t]) rather than int(t), and choose with jnp.where / mask sites with numpyro.handlers.mask "
                 "instead of a Python if on traced values") from e
+        except ValueError as e:
+            _CACHE.pop(key, None)
+            if "read-only" in str(e):  # numpy's refusal to write into a static argument's read-only copy
+                raise ProgramError(f"{type(model).__name__} (or its guide) writes into one of its arguments ({e}): "
+                                   "an engine never changes the caller's arguments, and a static argument is "
+                                   "passed as a read-only copy; compute a new array (y = x * 0.5) instead of "
+                                   "writing in place (x *= 0.5)") from e
+            raise
         except BaseException:
             _CACHE.pop(key, None)
             raise
@@ -281,9 +405,9 @@ class StepEngine:
         sg: dict = {}
         key, k0 = jax.random.split(key)
         init = _run_step(lambda: model.init(sm, *args), (lambda: guide.init(sg, *args)) if guide is not None else None,
-                         k0, n, depth, "in init")
+                         k0, n, depth, "in init", name)
         _check_state(sm, n, name)
-        _check_state(sg, n, "the guide's")
+        _check_state(sg, n, f"the guide {type(guide).__name__}")
         lw0 = init.log_w
         finished0 = jnp.zeros(n, bool) if init.done is None else init.done
 
@@ -293,7 +417,7 @@ class StepEngine:
             sm2, sg2 = jax.tree.map(lambda a: a, sm), jax.tree.map(lambda a: a, sg)
             out = _run_step(lambda: model.step(sm2, t, *args),
                             (lambda: guide.step(sg2, t, *args)) if guide is not None else None,
-                            k, n, depth, "in step")
+                            k, n, depth, "in step", name)
             _same_structure(sm, sm2, name, "model")
             _same_structure(sg, sg2, "the guide", "guide")
             return sm2, sg2, out
@@ -390,6 +514,15 @@ def program_result(out: dict, engine: str, args: tuple, observed: dict | None = 
     return Result(samples=out["samples"], log_weights=lw, log_marginal=logz, log_marginal_stderr=se,
                   ancestry=out["ancestry"], stats=stats, observed={"args": args} if observed is None else observed,
                   engine=engine)
+
+
+def _read_only(a: Any) -> Any:
+    """A static numpy argument as a read-only copy: a program that writes into it in place (at trace time) gets
+    numpy's error (turned into a ProgramError) instead of changing the caller's array."""
+    if isinstance(a, np.ndarray):
+        a = a.copy()
+        a.setflags(write=False)
+    return a
 
 
 def _static_key(a: Any):

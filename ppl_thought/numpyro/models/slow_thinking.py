@@ -116,6 +116,13 @@ class SlowThinking:
             cache[key] = SlowThinkingProgram(self, xa)
         return cache[key]
 
+    def as_program(self, x: ArrayLike | str | None = None, length: int | None = None) -> SlowThinkingProgram | None:
+        """The engines' protocol method (``ptn.infer.SMC(n).run(model, guide, x)`` runs ``model.as_program(x)``
+        with ``guide.as_program(x)``, docs/architecture.md "One protocol, two backends"): :meth:`program` for an
+        observation x (``NotInImageError`` when x is outside the image of Proj); ``None`` when generating
+        (``x=None``: no program binds it)."""
+        return None if x is None else self.program(x)
+
     # ------------------------------------------------------------------ exact answers
     def enumerate_log_joint(self, x: ArrayLike | str, limit: int = 20_000) -> tuple[np.ndarray, jax.Array]:
         """(support ``[K, L]``, log P^{<=|z|}(z) ``[K]``) over the lifting of x (one jitted teacher-forced pass)."""
