@@ -157,7 +157,8 @@ class Segment(TorchDistribution):
             self._end_tables = tabs if tabs is not None else False
         if tabs:
             idx = s if rule.constraint is not None else torch.zeros_like(s)
-            seq_state, seg_state = tabs[1][idx], tabs[0][idx]  # any shape of s: [n] or [n, S]
+            seq_state = tabs[1][idx]  # any shape of s: [n] or [n, S]
+            seg_state = seq_state if tabs[0] is tabs[1] else tabs[0][idx]
         else:
             seq_state = rule.is_final(s)
             seg_state = seq_state if until is None else seq_state | (rule.num_emitted(s) >= until)
@@ -256,9 +257,8 @@ class Segment(TorchDistribution):
         log-probability added to the segment's (2.13), the rule state advanced, and where the segment and the
         sequence end (:meth:`_ends`: the segments of Lemma 2.1 end in a state of the constraint, at a stop id or
         after ``max_tokens``). Updates ``loop`` (token, rule state, lengths, done, the rows that go on)."""
-        inc = loop.active.long()
-        lengths = loop.lengths + inc
-        count = loop.count + inc if self.max_tokens is not None else loop.count
+        lengths = loop.lengths + loop.active  # (long + bool: long)
+        count = loop.count + loop.active if self.max_tokens is not None else loop.count
         loop.len_bound += 1
         ends = partial(self._ends, count=count, lengths=lengths, until=loop.until, len_bound=loop.len_bound)
         step = token_step(self.base.rule, loop.logits, loop.s, loop.active, generator, ends=ends, done=loop.done)

@@ -186,8 +186,7 @@ class TokenRule:
         if self.constraint is not None or logits.requires_grad and torch.is_grad_enabled():
             return self.masked_law(logits, s).log_norm
         x = upcast(logits)[..., BOS_ID + 1:]  # every generated token (PAD_ID, BOS_ID = 0, 1)
-        m = x.amax(-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        m = x.amax(-1, keepdim=True).nan_to_num_(0.0, 0.0, 0.0)  # not finite: shift by 0
         return m.squeeze(-1) + torch.sub(x, m, out=self._buffer("scratch", x)).exp_().sum(-1).log()
 
     def _compute_law(self, logits: torch.Tensor, s: torch.Tensor) -> MaskedLaw:
@@ -197,7 +196,7 @@ class TokenRule:
         w = self._buffer("law", x)  # masked logits, then their weights, in place
         torch.where(allowed, x, self._table("-inf", x.device, x.dtype), out=w)
         m = w.amax(-1, keepdim=True)
-        w.sub_(torch.where(torch.isfinite(m), m, torch.zeros_like(m))).exp_()  # a dead row (m = -inf): all 0
+        w.sub_(m.nan_to_num(0.0, 0.0, 0.0)).exp_()  # a dead row (m = -inf) all 0; not finite m: shift by 0
         return MaskedLaw(w, m.squeeze(-1) + w.sum(-1).log())
 
     def _buffer(self, name: str, x: torch.Tensor) -> torch.Tensor:
