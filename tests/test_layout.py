@@ -148,7 +148,8 @@ DRAWS = {"multinomial", "categorical", "sample_categorical", "sample_token"}
 
 #: (module, function) -> why it may draw from a categorical law outside the one token step of its backend
 #: (``token_step`` in distributions/token_rule.py and in numpyro/distributions.py). Tokens drawn from an LM's logits
-#: never qualify: they go through ``token_step``.
+#: never qualify: they go through ``token_step``. A module ending in ``/`` names a package (the function may move
+#: between its modules).
 DRAWS_ALLOWED = {
     ("distributions/token_rule.py", "token_step"): "the torch token step itself",
     ("numpyro/distributions.py", "token_step"): "the JAX token step itself (its draw, sample_token)",
@@ -165,10 +166,10 @@ DRAWS_ALLOWED = {
     ("data/markov_mixture.py", "sample"): "the data law (a mixture of Markov chains), no LM",
     ("data/markov_mixture.py", "sample_continuation"): "the data law (a mixture of Markov chains), no LM",
     ("training/active.py", "conditional_decode"): "an importance resample of particles (index I), not tokens",
-    ("inference/decoding.py", "_next_token_loop"): "an observed symbol from the predictive law (3.12)-(3.14)",
-    ("inference/decoding.py", "_exact_loop"): "an observed symbol from the exact predictive law (Algorithm 2)",
-    ("inference/decoding.py", "_program_algorithm2"): "an observed symbol from the predictive law (G.1)",
-    ("inference/decoding.py", "_program_exact"): "outputs from an enumerated exact law",
+    ("inference/", "_next_token_loop"): "an observed symbol from the predictive law (3.12)-(3.14)",
+    ("inference/", "_exact_loop"): "an observed symbol from the exact predictive law (Algorithm 2)",
+    ("inference/", "_program_algorithm2"): "an observed symbol from the predictive law (G.1)",
+    ("inference/", "_program_exact"): "outputs from an enumerated exact law",
     ("experiments/verifiers.py", "compare_methods"): "completions from an enumerated exact law",
     # pending (issue 39, item 3): routed through token_step by other branches; drop these entries when they land
     ("verifiers/program.py", "sample"): "pending: NextToken.sample, routed through token_step elsewhere",
@@ -211,8 +212,10 @@ def test_one_token_step_per_backend():
     for path in sorted(PKG.rglob("*.py")):
         rel = str(path.relative_to(PKG))
         for fn, draw in categorical_draws(path):
-            if (rel, fn) in DRAWS_ALLOWED:
-                seen.add((rel, fn))
+            keys = [k for k in DRAWS_ALLOWED if k[1] == fn and (rel == k[0] or k[0].endswith("/") and
+                                                                 rel.startswith(k[0]))]
+            if keys:
+                seen.update(keys)
             else:
                 bad.append(f"{rel}: {fn} calls {draw}")
     assert bad == [], f"token draws outside the one token step (route them through token_step): {bad}"
