@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ppl_thought.distributions.token_rule import token_step
 from ppl_thought.errors import ConfigError
 from ppl_thought.validation import ArrayLike
 
@@ -126,7 +127,8 @@ def k_token_advantage(distinguisher: Callable, prefixes: ArrayLike, held_out: Ar
 @torch.no_grad()
 def sample_continuations(lm: torch.nn.Module, prefixes: torch.Tensor, k: int,
                          generator: torch.Generator | None = None) -> torch.Tensor:
-    """k tokens from ``lm`` after each row of ``prefixes`` ``[N, t]`` (plain ancestral sampling) -> ``[N, k]``.
+    """k tokens from ``lm`` after each row of ``prefixes`` ``[N, t]`` (plain ancestral sampling, each token by
+    :func:`~ppl_thought.distributions.token_rule.token_step`, the one token step) -> ``[N, k]``.
 
     ``lm(tokens) -> (logits, cache)`` as every :mod:`ppl_thought.lm` module; the prefix should start with
     ``<bos>`` when the LM expects it.
@@ -135,8 +137,8 @@ def sample_continuations(lm: torch.nn.Module, prefixes: torch.Tensor, k: int,
     out = []
     for _ in range(int(k)):
         logits, _ = lm(toks)
-        probs = torch.softmax(logits[:, -1].double(), -1)
-        nxt = torch.multinomial(probs, 1, generator=generator)
+        law = torch.log_softmax(logits[:, -1].double(), -1)  # the LM's own law, every token
+        nxt = token_step(None, None, None, generator=generator, log_probs=law).token[:, None]  # the one token step
         out.append(nxt)
         toks = torch.cat([toks, nxt], 1)
     return torch.cat(out, 1) if out else torch.zeros(len(prefixes), 0, dtype=torch.long)

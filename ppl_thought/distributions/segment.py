@@ -1,6 +1,7 @@
 """The next segment of every row of an :class:`~ppl_thought.distributions.lm_state.LMState` as a Pyro
-distribution: the lockstep sampling loop (one decoding loop for every engine, guide and program) and the
-teacher-forced scoring pass. Step log-probabilities are log softmax(f~(z_<i))_{z_i} of Def 2.8, summed over the
+distribution: the lockstep sampling loop (one decoding loop for every engine, guide and program), each token through
+:func:`~ppl_thought.distributions.token_rule.token_step`; the teacher-forced scoring pass is in scoring.py. Step
+log-probabilities are log softmax(f~(z_<i))_{z_i} of Def 2.8, summed over the
 segment as in (2.13).
 """
 
@@ -16,16 +17,16 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
 from ppl_thought import checks
+from ppl_thought.distributions.scoring import append_rows, check_no_nan, teacher_force
 from ppl_thought.distributions.token_rule import (  # sample_categorical: re-exported from its old home
     TokenStep,
     left_pack,
-    per_row,
     sample_categorical,
     skip_draws,
     token_step,
     trim_padding,
 )
-from ppl_thought.errors import MalformedSequenceError, NumericalError
+from ppl_thought.errors import MalformedSequenceError
 from ppl_thought.lm.base import match_rows
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
@@ -156,7 +157,8 @@ class Segment(TorchDistribution):
             self._end_tables = tabs if tabs is not None else False
         if tabs:
             idx = s if rule.constraint is not None else torch.zeros_like(s)
-            seq_state, seg_state = tabs[1][idx], tabs[0][idx]  # any shape of s: [n] or [n, S]
+            seq_state = tabs[1][idx]  # any shape of s: [n] or [n, S]
+            seg_state = seq_state if tabs[0] is tabs[1] else tabs[0][idx]
         else:
             seq_state = rule.is_final(s)
             seg_state = seq_state if until is None else seq_state | (rule.num_emitted(s) >= until)
@@ -210,7 +212,7 @@ class Segment(TorchDistribution):
         if self.scalar and value.shape[1] == 0:
             out = torch.zeros(n, dtype=torch.long, device=dev)
         self._memo.append((out, post, False))
-        out._pt_sampled_vocab = base.lm.vocab_size  # well formed by construction (see _check)
+        out._pt_sampled_vocab = base.lm.vocab_size  # well formed by construction (see scoring.check_value)
         return out, post["_step_lp"]
 
     def _decode(self, active, generator, valid_mode):
@@ -255,9 +257,8 @@ class Segment(TorchDistribution):
         log-probability added to the segment's (2.13), the rule state advanced, and where the segment and the
         sequence end (:meth:`_ends`: the segments of Lemma 2.1 end in a state of the constraint, at a stop id or
         after ``max_tokens``). Updates ``loop`` (token, rule state, lengths, done, the rows that go on)."""
-        inc = loop.active.long()
-        lengths = loop.lengths + inc
-        count = loop.count + inc if self.max_tokens is not None else loop.count
+        lengths = loop.lengths + loop.active  # (long + bool: long)
+        count = loop.count + loop.active if self.max_tokens is not None else loop.count
         loop.len_bound += 1
         ends = partial(self._ends, count=count, lengths=lengths, until=loop.until, len_bound=loop.len_bound)
         step = token_step(self.base.rule, loop.logits, loop.s, loop.active, generator, ends=ends, done=loop.done)
@@ -274,8 +275,9 @@ class Segment(TorchDistribution):
         each row's forced run after its token (``loop.r``), the longest ``R`` and whether the runs are aligned."""
         base = self.base
         active, done, still, need = loop.active, loop.done, loop.still, loop.need
-        feed_all = (active | done).all() if valid_mode else need.all()
-        flags = [step.dead.any(), need.any(), still.any(), done.sum(), feed_all, need.all()]
+        fed = active | done if valid_mode else need
+        # per-row flags counted in one reduction: any <=> count > 0, all <=> count == rows
+        flags = [torch.stack([step.dead, need, still, done, fed]).sum(1)]
         if runs is not None:
             # the forced run after this token, for the rows whose segment goes on: it never ends the
             # segment nor the sequence (the tables stop before that), nor reaches max_len / max_tokens
@@ -286,10 +288,11 @@ class Segment(TorchDistribution):
                 r = torch.minimum(r, self.max_tokens - 1 - loop.count).clamp_(min=0)
             r_max = r.max()
             loop.r = r
-            flags += [r_max, ((r == r_max) | done).all(), ((r == r_max) | ~still).all()]
-        host = torch.stack([f.long() for f in flags]).tolist()  # the one host sync of the step
-        R, aligned, aligned_still = host[6:] if runs is not None else (0, True, True)
-        return _Flags(bool(host[0]), bool(host[1]), bool(host[2]), host[3], bool(host[4]), bool(host[5]), R,
+            flags.append(torch.stack([r_max, ((r == r_max) | done).all().long(), ((r == r_max) | ~still).all().long()]))
+        host = (torch.cat(flags) if runs is not None else flags[0]).tolist()  # the one host sync of the step
+        m = done.shape[0]
+        R, aligned, aligned_still = host[5:] if runs is not None else (0, True, True)
+        return _Flags(host[0] > 0, host[1] > 0, host[2] > 0, host[3], host[4] == m, host[1] == m, R,
                       bool(aligned), bool(aligned_still))
 
     def _drop_ended(self, loop: _Loop, flags: _Flags) -> _Flags:
@@ -413,7 +416,7 @@ class Segment(TorchDistribution):
         if loop.ragged_cols:  # runs of different lengths left <pad> inside rows: pack each row's tokens to the left
             value = trim_padding(left_pack(value))
         post = {"cache": loop.cache, "context": loop.context,
-                "tokens": _append(snap["tokens"], snap["lengths"], value)}
+                "tokens": append_rows(snap["tokens"], snap["lengths"], value)}
         if loop.rows is None:
             post.update(logits=loop.logits, s=loop.s, lengths=loop.lengths, done=loop.done, _step_lp=loop.lp)
         else:
@@ -461,7 +464,7 @@ class Segment(TorchDistribution):
         """The state after appending ``value`` (memoised by identity) with ``_step_lp`` its log-probability."""
         i, post = self._lookup(value)
         if post is None:
-            post = self._teacher_force(value)
+            post = teacher_force(self, value)
             self._memo.append((value, post, _needs_grad(self.base.lm)))
         elif "_src" in post:  # rows were dropped while sampling: gather the cache back to n rows
             post = _gathered(post)
@@ -475,115 +478,6 @@ class Segment(TorchDistribution):
             if v is value and (g or not grad):
                 return i, post
         return -1, None
-
-    def _check(self, value) -> torch.Tensor:
-        base = self.base
-        sampled_vocab = getattr(value, "_pt_sampled_vocab", None)
-        if sampled_vocab is not None and sampled_vocab <= base.lm.vocab_size and value.ndim == 2 \
-                and value.shape[0] == base.n:
-            return value  # a segment a Segment sampled: ids in range, no <pad> inside a row
-        v = torch.as_tensor(value, device=base.device)
-        if v.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise MalformedSequenceError(f"segments must hold integer token ids, got dtype {v.dtype}")
-        v = v.long()
-        if v.ndim == 1 and v.shape[0] == base.n:  # one token per row
-            v = v[:, None]
-        elif self.scalar:
-            raise MalformedSequenceError(f"a next token for {base.n} rows must be [{base.n}], got {tuple(v.shape)}")
-        if v.ndim != 2 or v.shape[0] != base.n:
-            raise MalformedSequenceError(f"a segment for {base.n} rows must be [{base.n}, S], got {tuple(v.shape)}")
-        if v.numel() and (v.min() < 0 or v.max() >= base.lm.vocab_size):
-            raise MalformedSequenceError(f"segment ids outside the vocabulary [0, {base.lm.vocab_size})")
-        present = v != PAD_ID
-        if v.shape[1] and (present[:, 1:] & ~present[:, :-1]).any():
-            raise MalformedSequenceError("padding inside a segment: <pad> must only fill the end of a row")
-        return v
-
-    def _teacher_force(self, value: torch.Tensor) -> dict:
-        base, snap = self.base, self.snap
-        rule = base.rule
-        v = self._check(value)
-        n, S = v.shape
-        dev = base.device
-        present = v != PAD_ID
-        seg_len = present.sum(-1)
-        until = self._until()
-        start_active = self._start_active()
-        # step the rule along the segment: states before each token, vectorised over rows
-        s = snap["s"]
-        states = []
-        lengths = snap["lengths"]
-        count = torch.zeros(n, dtype=torch.long, device=dev)
-        ended = ~start_active  # the segment has ended (or the sequence, for an open segment)
-        ok = ~(ended & (seg_len > 0))
-        if not self.open_end:
-            ok = ok & ~(start_active & (seg_len == 0))
-        done = snap["done"]
-        tabs = self._end_tables
-        if tabs is None:
-            scalar = until is None or until.ndim == 0
-            tabs = rule.end_tables(None if until is None else int(until), dev) if scalar else None
-            self._end_tables = tabs if tabs is not None else False
-        if tabs and S:
-            # table rules: step the states along the segment, then every end test at once on [n, S]
-            for j in range(S):
-                states.append(s)
-                s = rule.advance(s, v[:, j])
-            after = torch.stack(states[1:] + [s], 1)
-            cum = torch.cumsum(present.long(), 1)
-            seg_end, seq_end = self._ends(v, after, cum, lengths[:, None] + cum, until, int(lengths.max()) + S)
-            seg_end, seq_end = seg_end & present, seq_end & present
-            lengths = lengths + seg_len
-            done = done | seq_end.any(-1)
-            end_at = seq_end if self.open_end else seg_end
-            before = (torch.cumsum(end_at.long(), 1) - end_at.long()) > 0  # an end before this token
-            ok = ok & ~(present & (before | ended[:, None])).any(-1)
-            ended = ended | end_at.any(-1)
-        for j in range(0 if tabs else S):
-            tok = v[:, j]
-            inside = present[:, j]
-            ok = ok & ~(inside & ended)  # a token after the segment's end
-            states.append(s)
-            s = torch.where(per_row(inside, s), rule.step(s, tok), s)
-            lengths = lengths + inside.long()
-            count = count + inside.long()
-            seg_end, seq_end = self._ends(tok, s, count, lengths, until)
-            done = done | (inside & seq_end)
-            ended = ended | (inside & (seq_end if self.open_end else seg_end))
-        if not self.open_end:
-            ok = ok & (ended | ~(start_active & (seg_len > 0)))  # a segment must reach its end
-        if S == 0:
-            step_lp = torch.zeros(n, device=dev)
-            logits_after, cache, context = snap["logits"], snap["cache"], snap["context"]
-        else:
-            # the last token of a sequence that ends here is scored but not fed: nothing reads the logits after
-            # it, and feeding it would need one position more than the sequence has (a spurious max_len error)
-            last = torch.arange(S, device=dev)[None] == (seg_len - 1)[:, None]
-            last_of_seq = (done & ~snap["done"])[:, None] & last
-            out, cache, context = base.feed(snap["cache"], snap["context"], v, present & ~last_of_seq)
-            prev = torch.cat([snap["logits"][:, None].to(out.dtype), out[:, :-1]], 1)  # logits before each token
-            st = torch.stack(states, 1)
-            logq = rule.log_probs(prev.reshape(n * S, -1), st.reshape((n * S,) + st.shape[2:])).reshape(n, S, -1)
-            tl = logq.gather(-1, v[..., None]).squeeze(-1)
-            step_lp = torch.where(present, tl, torch.zeros_like(tl)).sum(-1)
-            last = (seg_len - 1).clamp(min=0)
-            after = out[torch.arange(n, device=dev), last]
-            logits_after = torch.where((seg_len > 0)[:, None], after, snap["logits"].to(after.dtype))
-        check_no_nan(step_lp, base.lm)
-        step_lp = torch.where(ok, step_lp, torch.full_like(step_lp, float("-inf")))
-        return {"logits": logits_after, "cache": cache, "context": context, "s": s,
-                "tokens": _append(snap["tokens"], snap["lengths"], v), "lengths": lengths,
-                "log_prob": snap["log_prob"] + step_lp, "done": done, "_step_lp": step_lp}
-
-
-def check_no_nan(log_prob: torch.Tensor, lm) -> None:
-    """Raise :class:`NumericalError` if a log-probability the LM gave is NaN (one host sync per segment)."""
-    if bool(torch.isnan(log_prob.detach()).any()):
-        bad = [n for n, p in lm.named_parameters() if not torch.isfinite(p.detach()).all()] \
-            if isinstance(lm, torch.nn.Module) else []
-        where = f": non-finite parameters {bad[:5]}" if bad else " (NaN logits)"
-        raise NumericalError(f"{type(lm).__name__} gave NaN log-probabilities{where}")
-
 
 def _gathered(post: dict) -> dict:
     """A post-state sampled on fewer rows made whole: the cache (or contexts) gathered back to every row
@@ -611,19 +505,3 @@ def _as_ids(stop, device=None) -> torch.Tensor:
         raise MalformedSequenceError(f"stop takes token ids, got {bad!r}: an LMState knows ids, not strings; "
                                      f"use vocab.id({bad[0]!r})")
     return torch.tensor([int(s) for s in items], dtype=torch.long, device=device)
-
-
-def _append(tokens: torch.Tensor, lengths: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
-    """Right-padded rows ``tokens`` (``lengths``) followed by the right-padded ``seg`` rows."""
-    if seg.shape[1] == 0:
-        return tokens
-    if tokens.shape[1] == 0:
-        return seg
-    n, S = seg.shape
-    width = tokens.shape[1] + S
-    out = torch.zeros(n, width + 1, dtype=tokens.dtype, device=tokens.device)
-    out[:, : tokens.shape[1]] = tokens
-    pos = lengths[:, None] + torch.arange(S, device=seg.device)[None]
-    out.scatter_(1, torch.where(seg != PAD_ID, pos, torch.full_like(pos, width)), seg)  # pads go to a spare column
-    used = int((lengths + (seg != PAD_ID).sum(-1)).max())  # one host sync per segment
-    return out[:, :used]

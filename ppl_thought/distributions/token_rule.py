@@ -186,8 +186,7 @@ class TokenRule:
         if self.constraint is not None or logits.requires_grad and torch.is_grad_enabled():
             return self.masked_law(logits, s).log_norm
         x = upcast(logits)[..., BOS_ID + 1:]  # every generated token (PAD_ID, BOS_ID = 0, 1)
-        m = x.amax(-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        m = x.amax(-1, keepdim=True).nan_to_num_(0.0, 0.0, 0.0)  # not finite: shift by 0
         return m.squeeze(-1) + torch.sub(x, m, out=self._buffer("scratch", x)).exp_().sum(-1).log()
 
     def _compute_law(self, logits: torch.Tensor, s: torch.Tensor) -> MaskedLaw:
@@ -197,7 +196,7 @@ class TokenRule:
         w = self._buffer("law", x)  # masked logits, then their weights, in place
         torch.where(allowed, x, self._table("-inf", x.device, x.dtype), out=w)
         m = w.amax(-1, keepdim=True)
-        w.sub_(torch.where(torch.isfinite(m), m, torch.zeros_like(m))).exp_()  # a dead row (m = -inf): all 0
+        w.sub_(m.nan_to_num(0.0, 0.0, 0.0)).exp_()  # a dead row (m = -inf) all 0; not finite m: shift by 0
         return MaskedLaw(w, m.squeeze(-1) + w.sum(-1).log())
 
     def _buffer(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -479,11 +478,16 @@ def token_step(rule: TokenRule | None, logits: torch.Tensor | None, state: torch
     log_norm = None
     if probs is None and log_probs is None and _reads_law(rule, logits):
         law = rule.masked_law(logits, state, take=True)  # Def 2.8's weights, ours to change in place
-        probs, log_norm = law.weights, law.log_norm
-        if active is not None:  # inactive rows: all the mass on <pad>, as inactive_row
-            probs.masked_fill_(~active[:, None], 0.0)
-            probs[:, PAD_ID].masked_fill_(~active, 1.0)
-        tok = _draw_in_place(probs, generator)
+        log_norm, V = law.log_norm, law.weights.shape[-1]
+        tok = _draw_in_place(law.weights, generator)  # every row draws its uniform; inactive rows' draws are dropped
+        # no token of positive mass <=> log Z = -inf (a row with mass has a weight exp(0) = 1; NaN logits: NaN, not
+        # dead, reported downstream)
+        dead = torch.isneginf(log_norm)
+        if active is not None:  # inactive rows read <pad> (as drawn from inactive_row), never dead
+            dead &= active
+            tok = torch.where(active, tok.clamp_(max=V - 1), PAD_ID)
+        else:
+            tok = tok.clamp_(max=V - 1)
     else:
         if probs is None:
             if log_probs is None:
@@ -494,11 +498,9 @@ def token_step(rule: TokenRule | None, logits: torch.Tensor | None, state: torch
                                                                                               probs.device)
                 probs = torch.where(active[:, None], probs, inactive)
         tok = sample_categorical(probs, generator)
-    V = probs.shape[-1]
-    dead = tok == V
-    if log_norm is not None:  # NaN logits are not a dead row: their NaN log-probability is reported downstream
-        dead &= ~torch.isnan(log_norm)
-    tok = tok.clamp_(max=V - 1)
+        V = probs.shape[-1]
+        dead = tok == V
+        tok = tok.clamp_(max=V - 1)
     new_state = rule.advance(state, tok) if rule is not None and state is not None else state
     new_done = seg_end = None
     if ends is not None:

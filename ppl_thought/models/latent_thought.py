@@ -39,7 +39,7 @@ import pyro.distributions as dist
 import torch
 from torch import nn
 
-from ppl_thought.distributions.lm_state import upcast
+from ppl_thought.distributions.token_rule import token_step, upcast
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.guides.gaussian import LocalGaussianGuide
 from ppl_thought.lm.transformer import Transformer
@@ -201,8 +201,9 @@ class LatentThought(nn.Module):
         ``z [B, L, N_z, d]`` is one latent per row: a draw from q(z | x) fitted to the prefix gives the
         posterior-conditioned continuation of Eq. 7, a draw from N(0, I) with no prefix the unconditional
         sample of Eq. 8. ``prefix [B, M]`` (optional) is kept and continued. Returns ``[B, M + num_tokens]``.
-        Each token is drawn from the softmax of the teacher-forced logits at its position (multinomial
-        sampling at temperature 1), so the law of the output given z is exactly the product in Eq. 1.
+        Each token is drawn from the softmax of the teacher-forced logits at its position (temperature 1, by
+        :func:`~ppl_thought.distributions.token_rule.token_step`, the one token step), so the law of the output
+        given z is exactly the product in Eq. 1.
         """
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise MalformedSequenceError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
@@ -224,9 +225,9 @@ class LatentThought(nn.Module):
             for _ in range(num_tokens):
                 # position n = len(out) is predicted from <bos>, out (the appended 0 is never read)
                 probe = torch.cat([out, out.new_zeros(B, 1)], 1)
-                probs = torch.softmax(upcast(self.logits(probe, z)[:, -1]), -1)
-                nxt = torch.multinomial(probs, 1, generator=generator)
-                out = torch.cat([out, nxt], 1)
+                law = torch.log_softmax(upcast(self.logits(probe, z)[:, -1]), -1)  # Eq. 1, every token
+                nxt = token_step(None, None, None, generator=generator, log_probs=law).token  # the one token step
+                out = torch.cat([out, nxt[:, None]], 1)
         return out
 
     # -- Pyro programs ---------------------------------------------------------------------------------

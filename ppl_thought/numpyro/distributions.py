@@ -6,8 +6,9 @@ The automata are the projections' numpy tables (:class:`~ppl_thought.projections
 and forbids ``<pad>`` and ``<bos>``. A *token rule* (:class:`TokenRule` and the guides' rules) turns the LM's
 next-token log-probabilities and a rule state into the masked law of the next token; one decoding loop
 (:func:`decode`, a ``lax.scan`` over positions with every particle a row of the batch and the KV cache
-carried) samples, and one teacher-forced pass (:func:`score`) scores. Both are pure functions of arrays:
-they run under ``jit``, ``vmap`` and ``grad``.
+carried) samples, and one teacher-forced pass (:func:`score`) scores; both, and the LMState sites, take every
+token through one token step (:func:`token_step`: masked softmax, draw, automaton advance, end flags). All are
+pure functions of arrays: they run under ``jit``, ``vmap`` and ``grad``.
 
 Log-probabilities follow the masked parametrisation log softmax(f~(z_<i))_{z_i} of Def 2.8; a sequence's is
 their sum, (2.13) and (2.22). ``-inf`` outside the domain, never NaN.
@@ -16,8 +17,8 @@ their sum, (2.13) and (2.22). ``-inf`` outside the domain, never NaN.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -179,6 +180,43 @@ def sample_token(key: Key, q: Array, done: Array) -> jax.Array:
     return jnp.where(done, PAD_ID, jax.random.categorical(key, safe, -1)).astype(jnp.int32)
 
 
+class TokenStep(NamedTuple):
+    """What :func:`token_step` returns, every field per row (``[n]``; ``state`` a pytree with the rows on axis 0)."""
+
+    #: int32: the drawn token (the given one when scoring); ``<pad>`` for inactive rows when drawing
+    token: jax.Array
+    #: the rule state after the token (inactive rows keep theirs)
+    state: Any
+    #: log Q(token | state) of Def 2.8 (0 for inactive rows; -inf outside the rule's support, never NaN)
+    log_prob: jax.Array
+    #: ``ends(token, state)``: the rows whose segment ends at this token (None without ``ends``)
+    ends: jax.Array | None
+
+
+def token_step(rule: SupportsTokenRule, logp: Array, s: Any, active: Array | None = None, key: Key | None = None, *,
+               token: Array | None = None, log_probs: Array | None = None,
+               ends: Callable[[Any, Any], Any] | None = None) -> TokenStep:
+    """The one token step of the JAX backend (the twin of the torch ``token_step``): the masked law
+    ``rule.log_probs`` = log softmax(f~(z_<i)) of Def 2.8 of the LM's next-token log-probabilities ``logp [n, V]``
+    in rule state ``s``, one categorical draw per row from ``key`` (:func:`sample_token`; or, scoring, the given
+    ``token [n]``), the draw's log-probability (the step's term of (2.13)), the rule's advance and the end flags.
+    Every sampler and scorer of the backend steps through it (:func:`decode`, :func:`score`, the LMState sites).
+
+    ``active`` bool ``[n]`` (None: all): inactive rows draw ``<pad>``, get log-probability 0 and keep their state.
+    ``log_probs``: the masked law ``rule.log_probs(logp, s)`` when the caller has it already (``logp`` unread).
+    ``ends(token, new_state)`` -> bool ``[n]``: where the segment ends. Pure and jit-friendly (no host sync).
+    """
+    q = rule.log_probs(logp, s) if log_probs is None else log_probs
+    n = q.shape[0]
+    on = jnp.ones(n, bool) if active is None else active
+    if token is None:
+        token = sample_token(key, q, ~on)
+    tok = jnp.asarray(token, jnp.int32)
+    lp = jnp.where(on, jnp.take_along_axis(q, jnp.clip(tok, 0, q.shape[-1] - 1)[:, None], -1)[:, 0], 0.0)
+    s1 = rule.step(s, tok) if active is None else tree_where(on, rule.step(s, tok), s)
+    return TokenStep(tok, s1, lp, None if ends is None else ends(tok, s1))
+
+
 def decode(key: Key, lm: LM, params: Any, rule: SupportsTokenRule, n: int, prompt: ArrayLike, max_len: int,
            stop_ids: ArrayLike, latents: Any = None) -> tuple[jax.Array, jax.Array]:
     """Sample ``n`` sequences in one batched, KV-cached loop under ``rule``: ``(z int32 [n, max_len], log Q [n])``.
@@ -192,16 +230,16 @@ def decode(key: Key, lm: LM, params: Any, rule: SupportsTokenRule, n: int, promp
     s = rule.start(n)
     done = rule.is_final(s) | (max_len == 0)
 
+    def ends(tok, s1):
+        return jnp.isin(tok, stops) | rule.is_final(s1)
+
     def body(carry, k):
         logp, cache, s, done, lp = carry
-        q = rule.log_probs(logp, s)
-        tok = sample_token(k, q, done)
-        lp = lp + jnp.where(done, 0.0, jnp.take_along_axis(q, tok[:, None], -1)[:, 0])
-        s = tree_where(done, s, rule.step(s, tok))
-        ends = jnp.isin(tok, stops) | rule.is_final(s)
+        step = token_step(rule, logp, s, ~done, k, ends=ends)
+        tok = step.token
         feed = jnp.where(done, BOS_ID, tok)
         nlogp, cache = lm.apply(params, cache, feed[:, None], valid=~done[:, None], latents=latents)
-        return (nlogp[:, 0], cache, s, done | ends, lp), tok
+        return (nlogp[:, 0], cache, step.state, done | step.ends, lp + step.log_prob), tok
 
     init = (logp, cache, s, done, jnp.zeros(n, jnp.float32))
     (_, _, _, _, lp), toks = jax.lax.scan(body, init, jax.random.split(key, max_len))
@@ -237,10 +275,8 @@ def score(rule: SupportsTokenRule, logp: Array, z: Array, max_len: int,
 
     def body(s, inp):
         lp_i, tok = inp
-        q = rule.log_probs(lp_i, s)
-        step = jnp.take_along_axis(q, tok[:, None], -1)[:, 0]
-        s1 = tree_where(tok == PAD_ID, s, rule.step(s, tok))
-        return s1, (step, rule.is_final(s1))
+        step = token_step(rule, lp_i, s, tok != PAD_ID, token=tok, ends=lambda _, s1: rule.is_final(s1))
+        return step.state, (step.log_prob, step.ends)
 
     _, (steps, fin) = jax.lax.scan(body, s0, (jnp.swapaxes(logp, 0, 1), z.T))
     steps, fin = steps.T, fin.T

@@ -37,7 +37,7 @@ from numpyro.distributions import Distribution, constraints
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.numpyro.boundary import ArrayLike, SupportsTokenRule, as_numpy
-from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, tree_where
+from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, token_step, tree_where
 from ppl_thought.numpyro.lm.base import LM
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
@@ -296,7 +296,8 @@ class NextToken(Distribution):
     def sample(self, key: Any, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         if sample_shape:
             raise ConfigError("NextToken draws one token per row (sample_shape must be ())")
-        return jax.random.categorical(key, self.q, -1).astype(jnp.int32)
+        st = self.state
+        return token_step(st.rule, st.logp, st.rule_state, key=key, log_probs=self.q).token
 
     def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
         v = jnp.broadcast_to(jnp.asarray(value, jnp.int32), (self.state.n,))
@@ -341,15 +342,11 @@ class Segment(Distribution):
 
         def body(carry):
             i, logp, cache, s, done, lq, toks = carry
-            q = rule.log_probs(logp, s)
-            tok = jnp.where(done, PAD_ID, jax.random.categorical(keys[i], jnp.where(done[:, None], 0.0, q), -1))
-            tok = tok.astype(jnp.int32)
-            lq = lq + jnp.where(done, 0.0, _take(q, tok))
-            s = tree_where(done, s, rule.step(s, tok))
-            ends = self._ends(tok, s)
+            step = token_step(rule, logp, s, ~done, keys[i], ends=self._ends)  # Def 2.8: draw, advance, ends
+            tok = step.token
             nlogp, cache = lm.apply(params, cache, jnp.where(done, BOS_ID, tok)[:, None], valid=~done[:, None])
             logp = jnp.where(done[:, None], logp, nlogp[:, 0])
-            return i + 1, logp, cache, s, done | ends, lq, toks.at[i].set(tok)
+            return i + 1, logp, cache, step.state, done | step.ends, lq + step.log_prob, toks.at[i].set(tok)
 
         if K == 0:
             return jnp.zeros((n, 0), jnp.int32), [jnp.zeros(n)]
@@ -388,10 +385,8 @@ class Segment(Distribution):
 
         def body(s, inp):
             lp_i, tok, ok = inp
-            q = rule.log_probs(lp_i, s)
-            step = jnp.where(ok, _take(q, jnp.clip(tok, 0, q.shape[-1] - 1)), 0.0)
-            s1 = tree_where(ok, rule.step(s, tok), s)
-            return s1, (step, self._ends(tok, s1) & ok)
+            step = token_step(rule, lp_i, s, ok, token=tok, ends=self._ends)  # the given token through the step
+            return step.state, (step.log_prob, step.ends & ok)
 
         _, (steps, ends) = jax.lax.scan(body, st.rule_state, (jnp.swapaxes(logps, 0, 1), v.T, prefix.T))
         steps, ends = steps.T, ends.T
