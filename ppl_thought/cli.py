@@ -48,6 +48,7 @@ MAX_SEEDS = 100
 
 
 def _cpus() -> int:
+    """The cores this process may use."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -220,10 +221,7 @@ def default_demo_threads(cpus: int | None = None) -> int | None:
     cores other processes hold; issue 32 measured ``demo --quick`` 6-14x slower at torch's default than at
     ``--threads 1`` on a busy 2-core machine. ``cpus`` defaults to the cores this process may use."""
     if cpus is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = os.cpu_count() or 1
+        cpus = _cpus()
     return 1 if cpus <= SMALL_MACHINE_CORES else None
 
 
