@@ -508,6 +508,12 @@ def is_program(obj) -> bool:
 
 
 def pyro_module(name: str, module: torch.nn.Module) -> None:
-    """``pyro.module`` for a trainable module (no-op for frozen ones)."""
-    if any(p.requires_grad for p in module.parameters()):
-        pyro.module(name, module)
+    """``pyro.module(name, module)`` for the trainable parameters of ``module`` only: a frozen parameter
+    (``requires_grad`` False) is never a param site of the trace, and a frozen module registers nothing. Unlike
+    ``pyro.module`` it names no frozen weight: Pyro warns once per frozen weight of a module in training mode, and
+    lists every registered weight in the trace-shape table of an error raised inside a program."""
+    from pyro.params.param_store import param_with_module_name
+
+    for key, p in module.named_parameters():
+        if p.requires_grad:
+            pyro.param(param_with_module_name(name, key), p)

@@ -417,3 +417,25 @@ def test_example_quick_runs(tmp_path):
     assert 0 <= r["h_x_given_z"] <= ce[0] * math.log(2) + 1e-6
     assert set(r["remedies"]) == {"learned", "exact+anneal"} and 0 <= r["restarts_within_5pct"] <= 1
     assert png.stat().st_size > 0
+
+
+def test_active_lift_refuses_a_model_it_cannot_act_on():
+    """ActiveLift on a model without the site ``site`` ran the model untouched (no Z, no G); on a site that is not a
+    token sequence it replaced it by G. Both are now an ActiveLiftError (a TransformError) naming the site."""
+    lift = _lift(separate=False)
+    x = XS[0]
+
+    def other_site(x):
+        return pyro.sample("y", pt.dist.LMSequence(lift.lm, max_len=3), obs=x)
+
+    def normal_site(x):
+        return pyro.sample("x", pyro.distributions.Normal(0.0, 1.0))
+
+    with pytest.raises(ActiveLiftError, match=r"site 'x'.*sequence sites: 'y'"):
+        pyro.poutine.trace(lift(other_site)).get_trace(x)
+    with pytest.raises(ActiveLiftError, match=r"site 'x': it is a Normal"):
+        pyro.poutine.trace(lift(normal_site)).get_trace(x)
+    assert issubclass(ActiveLiftError, pt.errors.TransformError)
+    ok = ActiveLift(lift.lm, VOCAB, T, OMEGA, max_x_len=3, site="y")(other_site)
+    tr = pyro.poutine.trace(ok).get_trace(x)
+    assert {"z", "y"} <= set(tr.nodes)

@@ -417,3 +417,93 @@ def test_forgetful_context_refuses_float_or_1d_tokens():
     with pytest.raises(MalformedSequenceError, match="\\[n, L\\]"):
         forgetful_context(torch.tensor([6, 7]))
     assert forgetful_context(torch.tensor([[6, 7]])).tolist() == [[6, 7]]
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def normal_model(x):
+    """A model without a sequence site: what no transform of this module can act on."""
+    return pyro.sample("x", pyro.distributions.Normal(0.0, 1.0), obs=torch.tensor(0.3))
+
+
+class CountingLM(pt.models.PlainLM):
+    """PlainLM that counts its steps (the refusal comes at the end of the first one)."""
+
+    steps = 0
+
+    def step(self, state, t, *args, **kwargs):
+        CountingLM.steps += 1
+        return super().step(state, t, *args, **kwargs)
+
+
+def test_projection_lift_refuses_a_site_the_model_does_not_have():
+    """ProjectionLift(site="nope") ran and returned log p(x) of the unlifted LM (Importance and SMC alike): now a
+    TransformError naming the site and the model's sequence sites, at the end of the run (whole view) or of the
+    first step (step view, SMC)."""
+    proj, lm, x = projections()["pause"], tab(1), torch.tensor(VOCAB.encode("a b a"))
+    for lift in (ProjectionLift(proj, site="nope"), Ubiquitous(VOCAB, 2, site="nope")):
+        for run in (lambda m: pt.infer.Importance(4).run(m, None, x),
+                    lambda m: exact_log_prob(m, x), lambda m: pyro.poutine.trace(m).get_trace(x)):
+            with pytest.raises(TransformError, match=r"'nope'.*sequence sites: 'x'"):
+                run(lift(pt.models.PlainLM(lm, VOCAB)))
+        with pytest.raises(TransformError, match=r"'nope'"):
+            run(lift(plain_function(lm, VOCAB)))
+        CountingLM.steps = 0
+        with pytest.raises(TransformError, match=r"needs the token-sequence site 'nope'"):
+            pt.infer.SMC(4).run(lift(CountingLM(lm, VOCAB)), None, x)
+        assert CountingLM.steps == 1  # refused at the first step, not after the whole run
+
+
+def test_projection_lift_refuses_a_site_that_is_not_a_sequence():
+    """ProjectionLift on a Normal site returned the Normal's log-density: now refused when the site is met."""
+    proj = projections()["pause"]
+    with pytest.raises(TransformError, match=r"site 'x': it is a Normal.*LMSequence"):
+        pt.infer.Importance(4).run(ProjectionLift(proj)(normal_model), None, None)
+    with pytest.raises(TransformError, match=r"site 'x': it is a Normal"):
+        pyro.poutine.trace(Ubiquitous(VOCAB, 2)(normal_model)).get_trace(None)
+
+
+@pytest.mark.parametrize("transform", [Forgetful, Persistent])
+def test_thinking_transforms_refuse_a_model_without_a_sequence_site(transform):
+    """Forgetful() / Persistent() on a model with no sequence site ran and returned a number."""
+    with pytest.raises(TransformError, match=r"needs a sequence site.*sequence sites: none"):
+        pt.infer.Importance(4).run(transform()(normal_model), None, None)
+    x = torch.tensor(VOCAB.encode("a b"))
+    res = pt.infer.Importance(4).run(transform()(pt.models.PlainLM(tab(1), VOCAB)), None, x)  # a sequence site
+    assert torch.isfinite(res.log_marginal)
+
+
+def test_cost_aware_refuses_a_model_without_latent_thoughts():
+    """CostAware on the plain LM (no latent sequence) priced nothing; refused in both views. With a lifting it
+    runs, also when the engine conditions the latent (exact enumeration)."""
+    lm, x = tab(1), torch.tensor(VOCAB.encode("a b"))
+    for run in (lambda m: pt.infer.Importance(4).run(m, None, x), lambda m: pt.infer.SMC(4).run(m, None, x)):
+        with pytest.raises(TransformError, match="latent sequence site"):
+            run(pt.transforms.CostAware(0.1)(pt.models.PlainLM(lm, VOCAB)))
+    lifted = pt.transforms.CostAware(0.1)(ProjectionLift(projections()["pause"])(pt.models.PlainLM(lm, VOCAB)))
+    assert math.isfinite(float(exact_log_prob(lifted, x)))
+
+
+# ---------------------------------------------------------------------------------------------- frozen models
+def test_an_error_inside_a_program_over_a_frozen_lm_names_no_weight(recwarn):
+    """A frozen (requires_grad False) LM in training mode: PlainLM's ``pyro.module`` warned once per weight and a
+    partly frozen one listed its frozen weights; an error raised inside ``step`` now shows no weight's name."""
+
+    class Failing(pt.models.PlainLM):
+        def step(self, state, t, *args, **kwargs):
+            raise pt.errors.ProgramError("boom inside step")
+
+    pyro.clear_param_store()
+    lm = pt.lm.Transformer(V, d_model=8, n_layers=1, n_heads=2, max_len=16)  # training mode
+    names = [k for k, _ in lm.named_parameters()]
+    x = torch.tensor(VOCAB.encode("a b"))
+    lm.requires_grad_(False)
+    with pytest.raises(pt.errors.ProgramError) as e:
+        pt.infer.SMC(2).run(Failing(lm, VOCAB), None, x)
+    text = str(e.value) + " ".join(str(w.message) for w in recwarn.list)
+    assert "boom inside step" in str(e.value) and not any(n in text for n in names), text
+    lm.embed.requires_grad_(True)  # partly frozen: only the trainable weight is a param site
+    tr = pyro.poutine.trace(pt.models.PlainLM(lm, VOCAB)).get_trace(x)
+    params = [k for k, s in tr.nodes.items() if s["type"] == "param"]
+    assert params == ["lm$$$embed.weight"], params
+    assert not any("requires_grad" in str(w.message) for w in recwarn.list)
+    pyro.clear_param_store()

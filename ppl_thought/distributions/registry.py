@@ -7,6 +7,8 @@ import pyro
 import torch
 from pyro.params.param_store import module_from_param_with_module_name, param_with_module_name
 
+from ppl_thought.program import pyro_module
+
 __all__ = ["register_lm"]
 
 
@@ -42,7 +44,7 @@ def register_lm(lm: torch.nn.Module, name: str | None = None) -> str | None:
             i += 1
             name = f"{base}_{i}"
     if not known:
-        pyro.module(name, lm)
+        pyro_module(name, lm)  # its trainable parameters only: a frozen weight is never a param site
         return name
     for k, p in trainable.items():  # some registered (a shared part): the rest under ``name``
         pyro.param(known.get(k, param_with_module_name(name, k)), p)

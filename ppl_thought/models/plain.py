@@ -23,7 +23,7 @@ from ppl_thought import checks
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.errors import ProgramError
 from ppl_thought.lm.base import lm_device
-from ppl_thought.program import Program, Shared, particles
+from ppl_thought.program import Program, Shared, particles, pyro_module
 from ppl_thought.projections.base import as_id_array
 from ppl_thought.projections.identity import Identity
 from ppl_thought.transforms.base import sequence_start
@@ -40,7 +40,8 @@ class PlainLM(Program):
         lm: any ppl_thought LM over ``vocab``.
         vocab: the vocabulary (Sigma = its ordinary tokens and ``<eos>``).
         site: the name of the sequence site (the step sites are ``f"{site}_{t}"``).
-        module_name: the name the LM is registered under with ``pyro.module``.
+        module_name: the name the LM's trainable parameters are registered under (``pyro.module``; a frozen LM
+            registers nothing).
         state_key: where the step view keeps the site's LM state in ``state`` (default: ``site``).
 
     ``model(x)`` observes x (text, token strings or 1-D ids); ``model(None, length=n)`` generates n tokens.
@@ -81,7 +82,7 @@ class PlainLM(Program):
             raise ValueError("give the observation x, or length= to generate")
         xt = self.x_ids(x) if x is not None else None
         n = len(xt) if xt is not None else int(length)
-        pyro.module(self.module_name, self.lm)
+        pyro_module(self.module_name, self.lm)  # frozen weights are never param sites
         return pyro.sample(self.site, self.x_dist(n), obs=xt)
 
     model = __call__
@@ -93,7 +94,7 @@ class PlainLM(Program):
                                "(SMC conditions on it)")
 
         xt = self.x_ids(x)
-        pyro.module(self.module_name, self.lm)
+        pyro_module(self.module_name, self.lm)  # frozen weights are never param sites
         state[self.state_key] = sequence_start(self.site, self.x_dist(len(xt)), particles(), observed=xt)
         state[f"{self.site}:observed"] = Shared(xt)
         # where the steps end (observable counts): one token each, unless a transform set them at sequence_start

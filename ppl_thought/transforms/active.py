@@ -31,7 +31,8 @@ teacher-forced pass each: :meth:`ActiveLift.prior_log_probs`, :meth:`ActiveLift.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyro
@@ -141,6 +142,9 @@ class ActiveLift(Messenger):
         self.sigma[torch.as_tensor(vocab.observable_ids)] = True
         self._omega_auto = _alphabet_automaton(V, self.omega.nonzero().flatten(), "Omega^T")
         self._sigma_auto = _alphabet_automaton(V, self.sigma.nonzero().flatten(), "Sigma*")
+        self._met = False  # whether the current run met the site ``site`` (refused at its end otherwise)
+        self._seen: list[str] = []  # the run's sequence sites, for that message
+        self._runs = 0
 
     # ------------------------------------------------------------------ inputs
     def _device(self) -> torch.device:
@@ -205,9 +209,42 @@ class ActiveLift(Messenger):
         return pyro.sample(self.site, self.generator(z), obs=obs)
 
     # ------------------------------------------------------------------ the handler
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:  # type: ignore[override]
+        """The lifted model: ``fn`` run under the handler, refused (:class:`ActiveLiftError`) at the end of a run
+        that never met the sequence site ``site``."""
+        if not callable(fn):
+            raise ActiveLiftError(f"ActiveLift applies to a Pyro model (a function or a pt.Program), got "
+                                  f"{type(fn).__name__}")
+
+        @functools.wraps(fn)
+        def lifted(*args: Any, **kwargs: Any):
+            if self._runs == 0:
+                self._met, self._seen = False, []
+            self._runs += 1
+            try:
+                with self:
+                    out = fn(*args, **kwargs)
+            finally:
+                self._runs -= 1
+            if self._runs == 0 and not self._met:
+                seen = ", ".join(repr(s) for s in self._seen) or "none"
+                raise ActiveLiftError(f"ActiveLift cannot act on this model: it needs the observed token-sequence "
+                                      f"site {self.site!r} (pyro.sample({self.site!r}, LMSequence(lm, ...), obs=x)); "
+                                      f"the model's run met none (its sequence sites: {seen}); name it with site=")
+            return out
+
+        return lifted
+
     def _pyro_sample(self, msg: dict) -> None:
+        if isinstance(msg["fn"], LMSequence) and msg["name"] not in self._seen and len(self._seen) < 16:
+            self._seen.append(msg["name"])
         if msg["name"] != self.site or msg.get("_active_lifted"):
             return
+        if not isinstance(msg["fn"], LMSequence):
+            raise ActiveLiftError(f"ActiveLift cannot act on site {self.site!r}: it is a {type(msg['fn']).__name__}, "
+                                  f"and active lifting needs a token-sequence site (pyro.sample({self.site!r}, "
+                                  "LMSequence(lm, ...), obs=x)) to make X ~ G(. | Z)")
+        self._met = True
         msg["_active_lifted"] = True
         z = pyro.sample(self.latent_site, self.prior())
         msg["fn"] = self.generator(z)

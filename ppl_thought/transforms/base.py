@@ -91,10 +91,16 @@ class Transform(Messenger):
 
     _keys = itertools.count()
 
+    #: what the transform acts on: the end of the message of a run that met nothing of it (:meth:`check_met`)
+    needs = "a sequence site: pyro.sample(name, LMSequence(lm, ...)) or sequence_start(name, ...)"
+
     def __init__(self) -> None:
         super().__init__()
         self._state: dict | None = None
         self.key = f"_transform{next(Transform._keys)}"
+        self._met = False  # whether the current run met a site the transform acts on
+        self._seen: list[str] = []  # the run's sequence sites (for the message when it met none)
+        self._runs = 0  # whole-view runs in progress (nested calls check once, at the outermost)
 
     # -- applying --------------------------------------------------------------------------------------
     def __call__(self, model: Callable[..., Any]):  # type: ignore[override]
@@ -127,6 +133,43 @@ class Transform(Messenger):
     @property
     def state(self) -> dict | None:
         return self._state
+
+    # -- refusing a model it cannot act on ---------------------------------------------------------------
+    def _process_message(self, msg) -> None:
+        if self._runs or self._state is not None:
+            is_seq = msg["type"] == "sequence_start" or (msg["type"] == "sample" and isinstance(msg["fn"], LMSequence))
+            if is_seq and msg["name"] not in self._seen and len(self._seen) < 16:
+                self._seen.append(msg["name"])
+        super()._process_message(msg)
+
+    def _acted(self) -> None:
+        """Record that this run met a site the transform acts on."""
+        self._met = True
+
+    def _reset(self) -> None:
+        self._met = False
+        self._seen = []
+
+    def check_met(self) -> None:
+        """Refuse a run that met nothing the transform acts on (a :class:`TransformError` naming what it needs and
+        the sequence sites the model has): called at the end of a whole-view run and of the first step."""
+        if not self._met:
+            seen = ", ".join(repr(s) for s in self._seen) or "none"
+            raise TransformError(f"{self!r} cannot act on this model: it needs {self.needs}; the model's run met "
+                                 f"none (its sequence sites: {seen})")
+
+    @contextmanager
+    def run(self) -> Iterator[Transform]:
+        """One whole-view run of a transformed model: :meth:`check_met` at its end (the outermost of nested runs)."""
+        if self._runs == 0:
+            self._reset()
+        self._runs += 1
+        try:
+            yield self
+        finally:
+            self._runs -= 1
+        if self._runs == 0:
+            self.check_met()
 
     def outputs(self, state: dict) -> dict:
         """Extra ``Result.samples`` entries read from the final state (default: none)."""
@@ -171,16 +214,21 @@ class Transformed(Program):
         transform, or, for a program without one, ``init`` and every step in one trace."""
         if type(self.base).__call__ is Program.__call__:
             return run_whole(self, *args, **kwargs)
-        with self.transform.bound(None):
+        with self.transform.run(), self.transform.bound(None):
             return self.inner(*args, **kwargs)
 
     def init(self, state: dict, *args, **kwargs) -> None:
+        if self.transform._runs == 0:
+            self.transform._reset()
         with self.transform.bound(state):
             self.inner.init(state, *args, **kwargs)
 
     def step(self, state: dict, t: int, *args, **kwargs):
         with self.transform.bound(state):
-            return self.inner.step(state, t, *args, **kwargs)
+            out = self.inner.step(state, t, *args, **kwargs)
+        if self.transform._runs == 0 and hasattr(t, "__index__") and t.__index__() == 0:
+            self.transform.check_met()  # the sequence sites start in init or the first step
+        return out
 
     def outputs(self, state: dict, *args, **kwargs) -> dict:
         out = dict(self.inner.outputs(state, *args, **kwargs))
@@ -207,7 +255,7 @@ class TransformedFunction:
         return getattr(self.fn, name)
 
     def __call__(self, *args, **kwargs):
-        with self.transform.bound(None):
+        with self.transform.run(), self.transform.bound(None):
             return self.fn(*args, **kwargs)
 
     def __repr__(self) -> str:

@@ -78,6 +78,9 @@ class CostAware(Transform):
     inner one (its handler only records the latent lengths).
     """
 
+    needs = ("a latent sequence site whose length it prices (an unobserved LMSequence or segment, e.g. the thoughts "
+             "z of ProjectionLift(proj)(model)); a model without latent thoughts has nothing to cost")
+
     def __init__(self, weight: float, entropy: float = 0.0, tau: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         w = float(weight)
@@ -97,6 +100,11 @@ class CostAware(Transform):
     def tau(self, lengths: torch.Tensor) -> torch.Tensor:
         """tau(|Z|): the time cost of latent sequences of these lengths."""
         return self._tau(lengths) if self._tau is not None else 1.0 + self.weight * lengths
+
+    def _pyro_sample(self, msg) -> None:
+        # a latent of the model itself (no obs=); an engine may condition it later (exact enumeration does)
+        if not msg["is_observed"] and isinstance(getattr(msg["fn"], "base_dist", msg["fn"]), (LMSequence, Segment)):
+            self._acted()
 
     def _pyro_post_sample(self, msg) -> None:
         fn = getattr(msg["fn"], "base_dist", msg["fn"])

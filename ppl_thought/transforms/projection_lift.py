@@ -97,6 +97,12 @@ class ProjectionLift(Transform):
         self._domains: dict[int, tuple[Automaton, TokenRule]] = {}
 
     @property
+    def needs(self) -> str:  # type: ignore[override]
+        """What the transform acts on (the message of :meth:`~Transform.check_met`)."""
+        return (f"the token-sequence site {self.site!r} (pyro.sample({self.site!r}, LMSequence(lm, ...), obs=x), or "
+                f"sequence_start({self.site!r}, ...) in a step-wise program); name the model's site with site=")
+
+    @property
     def provides(self) -> dict:
         return {"projection": self.projection, "chunk": self.chunk}
 
@@ -133,7 +139,11 @@ class ProjectionLift(Transform):
         if msg["infer"].get("_pt_lifted"):
             return
         fn = msg["fn"]
-        if msg["name"] == self.site and isinstance(fn, LMSequence):
+        if msg["name"] == self.site:
+            if not isinstance(fn, LMSequence):
+                raise TransformError(f"{self!r} cannot act on site {self.site!r}: it is a {type(fn).__name__}, and "
+                                     f"the transform needs {self.needs}")
+            self._acted()
             self._lift_site(msg, fn)
             return
         if msg["is_observed"] and isinstance(fn, Segment) and getattr(fn.base, "_pt_lift", None) == self.key:
@@ -154,6 +164,7 @@ class ProjectionLift(Transform):
         if msg["name"] != self.site or msg["infer"].get("_pt_lifted"):
             return
         dist, n = msg["args"]
+        self._acted()
         observed = msg["kwargs"].get("observed")
         if observed is None:
             raise TransformError(f"ProjectionLift: the step view of site {self.site!r} needs its observation "

@@ -148,12 +148,14 @@ class Forgetful(Transform):
     def _pyro_sample(self, msg) -> None:
         fn = msg["fn"]
         if isinstance(fn, LMSequence):
+            self._acted()
             _mark(msg, "forgetful", msg["name"])
             if not isinstance(fn.lm, ForgetfulLM):
                 msg["fn"] = rebuild(fn, lm=self.wrap(fn.lm))
 
     def _pyro_sequence_start(self, msg) -> None:
         dist = msg["args"][0]
+        self._acted()
         _mark(msg, "forgetful", msg["name"])
         if not isinstance(dist.lm, ForgetfulLM):
             msg["args"] = (rebuild(dist, lm=self.wrap(dist.lm)),) + tuple(msg["args"][1:])
@@ -167,12 +169,14 @@ class Persistent(Transform):
     def _pyro_sample(self, msg) -> None:
         fn = msg["fn"]
         if isinstance(fn, LMSequence):
+            self._acted()
             if isinstance(fn.lm, ForgetfulLM):
                 raise TransformError(f"site {msg['name']!r} is both forgetful and persistent: Persistent() and "
                                      "Forgetful() say opposite things about earlier thoughts; apply one of them")
             _mark(msg, "persistent", msg["name"])
 
     def _pyro_sequence_start(self, msg) -> None:
+        self._acted()
         if isinstance(msg["args"][0].lm, ForgetfulLM):
             raise TransformError(f"site {msg['name']!r} is both forgetful and persistent: apply one of them")
         _mark(msg, "persistent", msg["name"])
