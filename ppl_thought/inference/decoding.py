@@ -108,12 +108,13 @@ METHODS = ("direct", "streaming", "resampling", "unbiased", "exact", "best_of_k"
 
 @dataclass
 class Decoded:
-    """``tokens [S, m]`` new observable tokens (``<pad>`` after a stop; for a program: its integer outputs, -1
-    where not active, or ``None``), ``z [S, L]`` latent sequences (lifted LM path), ``outputs`` ``{site: [S,
-    ...]}`` and ``latents`` ``{site: [S, ...]}`` (programs), ``stats`` (next-token vectors for ``"unbiased"`` /
-    ``"exact"``; for ``"best_of_k"`` every candidate's ``candidates``, ``candidate_z`` and ``scores``), the
-    ``method`` and the ``prompt`` ids x. ``pt.diagnostics.to_inference_data`` converts it (``z`` in
-    ``posterior``, ``tokens`` in ``predictions``)."""
+    """``tokens [S, m]`` the program's integer outputs (-1 where the program had finished before the output;
+    ``None`` unless every output is one integer per sample), ``outputs`` ``{site: [S, ...]}`` and ``latents``
+    ``{site: [S, ...]}`` (for SlowThinking's continuation: ``"z"`` and every segment ``"s_t"``), ``stats`` (the
+    next-output vectors for ``"unbiased"`` / ``"exact"``; for ``"best_of_k"`` every candidate's ``candidates``,
+    ``candidate_tokens`` and ``scores``; ``active``), the ``method``; ``z [S, L]`` the latents joined when they
+    are token segments (SlowThinking: Z0 followed by every S_t); ``prompt`` is unused by ``decode``.
+    ``pt.diagnostics.to_inference_data`` converts it."""
 
     tokens: torch.Tensor | None
     z: torch.Tensor | None = None
@@ -231,7 +232,19 @@ def _decode_program(program, guide, args, kwargs, method, n, S, k, generator) ->
     else:
         draws, stats = _program_exact(run, S, generator)
     stats["active"] = draws.active
-    return Decoded(_tokens(draws), None, stats, method, None, draws.outputs, draws.latents)
+    return Decoded(_tokens(draws), _joined(draws.latents), stats, method, None, draws.outputs, draws.latents)
+
+
+def _joined(latents: dict) -> torch.Tensor | None:
+    """``z [S, L]``: the latents joined in program order when every one is a right-padded token segment
+    ``[S, L_t]`` (an LMState's prompt lifting and next segments, e.g. SlowThinking's continuation), ``<pad>``
+    moved to the end of each row; else ``None``."""
+    vals = list(latents.values())
+    if not vals or any(v.ndim != 2 or torch.is_floating_point(v) or v.dtype == torch.bool for v in vals):
+        return None
+    z = torch.cat([v.long() for v in vals], 1)
+    order = torch.argsort((z == PAD_ID).to(torch.int8), dim=1, stable=True)
+    return z.gather(1, order)
 
 
 # ------------------------------------------------------------------------------------ greedy and beam search

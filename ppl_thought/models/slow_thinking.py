@@ -187,6 +187,40 @@ class SlowThinking(Transformed):
         log_w = torch.where(torch.isneginf(log_p), torch.full_like(log_p, float("-inf")), log_p - log_q)
         return {"z": z}, log_w, {"log_p": log_p, "log_q": log_q, "log_likelihood": log_lik.expand(n)}
 
+    def conditional_weights(self, sampler: SupportsSampleWithLogProb, x: ArrayLike, y: ArrayLike, n: int,
+                            shared: bool = True) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """The weights of (3.7) for ``Importance.conditional_log_prob`` (the protocol method of docs/programs.md):
+        ``(samples {"z": [n, L]}, log w of p_n(xy) [n], log w of q_n(x) [n])``, -inf (never NaN) where p = 0.
+
+        ``shared=False``: W_i ~ Q(. | xy) and independent Z_i ~ Q(. | x) (:meth:`sampler_weights` on each, the
+        plain (3.7)). ``shared=True`` (Remark 3.5): Z_i = the prefix of W_i in the lifting of x (Lemma 2.1), with
+        log Q(Z_i | x) the sum of the sampler's token log-probabilities over Z_i (``sampler.token_log_probs(z,
+        x)`` or ``sampler.dist(x)``). Raises :class:`~ppl_thought.errors.NotInImageError` for xy outside the image.
+        """
+        from ppl_thought.inference.importance import _sampler_step_log_probs, lifted_prefix_length
+
+        xt, yt = self.x_ids(x), self.x_ids(y)
+        xy = torch.cat([xt, yt])
+        self.projection.lifting(xy)  # NotInImageError for xy outside the image
+        if not shared:
+            samples, log_w_xy, _ = self.sampler_weights(sampler, xy, n)
+            _, log_w_x, _ = self.sampler_weights(sampler, xt, n)
+            return samples, log_w_xy, log_w_x
+        dist_xy = self.z_dist(len(xy))
+        with torch.no_grad():
+            w, lq_w = sampler.sample_with_log_prob(xy, n)
+            w = _pad_to(w, dist_xy.max_len)
+            p_steps, complete = dist_xy.step_log_probs(w)
+            lp_w = torch.where(complete, p_steps.sum(-1), torch.full((n,), float("-inf"), device=p_steps.device))
+            log_w_xy = torch.where(torch.isneginf(lp_w), lp_w, lp_w - lq_w)
+            k = lifted_prefix_length(self.projection.lifting(xt), w)
+            q_steps = _sampler_step_log_probs(sampler, w, xy)
+            inside = torch.arange(w.shape[-1], device=w.device)[None] < k[:, None]
+            lp_z = torch.where(inside, p_steps, torch.zeros_like(p_steps)).sum(-1)
+            lq_z = torch.where(inside, q_steps, torch.zeros_like(q_steps)).sum(-1)
+            log_w_x = torch.where(torch.isneginf(lp_z), lp_z, lp_z - lq_z)
+        return {"z": w}, log_w_xy, log_w_x
+
     # ------------------------------------------------------------------ exact answers
     def enumerate_log_joint(self, x: ArrayLike, limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
         """(support ``[K, L]``, log P^{<=|z|}(z) ``[K]``) for every z in the lifting of x."""
