@@ -97,7 +97,7 @@ from ppl_thought.inference.decoding_methods import (
     _program_exact,
     _program_resample,
 )
-from ppl_thought.inference.decoding_program import _Draws, _ProgramRun, _stream_program, _tokens
+from ppl_thought.inference.decoding_program import _Draws, _joined, _on_values, _ProgramRun, _stream_program, _tokens
 from ppl_thought.inference.particles import engine_device
 from ppl_thought.lm.base import as_id_batch, lm_device
 from ppl_thought.lm.base import step as lm_step
@@ -113,14 +113,15 @@ class Decoded:
     ``{site: [S, ...]}`` (for SlowThinking's continuation: ``"z"`` and every segment ``"s_t"``), ``stats`` (the
     next-output vectors for ``"unbiased"`` / ``"exact"``; for ``"best_of_k"`` every candidate's ``candidates``,
     ``candidate_tokens`` and ``scores``; ``active``), the ``method``; ``z [S, L]`` the latents joined when they
-    are token segments (SlowThinking: Z0 followed by every S_t); ``prompt`` is unused by ``decode``.
+    are token segments (SlowThinking: Z0 followed by every S_t); ``prompt`` the program's
+    argument when it takes one (the data it observes, e.g. x).
     ``pt.diagnostics.to_inference_data`` converts it."""
 
     tokens: torch.Tensor | None
     z: torch.Tensor | None = None
     stats: dict = field(default_factory=dict)
     method: str = ""
-    prompt: torch.Tensor | None = None
+    prompt: Any = None
     outputs: dict = field(default_factory=dict)
     latents: dict = field(default_factory=dict)
 
@@ -206,15 +207,6 @@ def next_token_distribution(model: Callable[..., Any], guide: Callable[..., Any]
     return _on_values(values, got, finished, p)
 
 
-def _on_values(values: torch.Tensor, got: torch.Tensor, finished: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``[U]`` the probabilities ``p`` of the (unfinished) values ``got`` placed at their rows of ``values``."""
-    dev = p.device
-    a = values.reshape(values.shape[0], -1).to(dev).double()
-    b = got.reshape(got.shape[0], -1).to(dev).double()
-    match = (a[:, None, :] == b[None, :, :]).all(-1) & ~finished.to(dev)[None]  # [U, G]
-    return (match.double() * p.double()[None]).sum(1).float()
-
-
 def _decode_program(program, guide, args, kwargs, method, n, S, k, generator) -> Decoded | Iterator:
     """:func:`decode` for any program (module docstring)."""
     if method == "streaming":
@@ -232,19 +224,8 @@ def _decode_program(program, guide, args, kwargs, method, n, S, k, generator) ->
     else:
         draws, stats = _program_exact(run, S, generator)
     stats["active"] = draws.active
-    return Decoded(_tokens(draws), _joined(draws.latents), stats, method, None, draws.outputs, draws.latents)
-
-
-def _joined(latents: dict) -> torch.Tensor | None:
-    """``z [S, L]``: the latents joined in program order when every one is a right-padded token segment
-    ``[S, L_t]`` (an LMState's prompt lifting and next segments, e.g. SlowThinking's continuation), ``<pad>``
-    moved to the end of each row; else ``None``."""
-    vals = list(latents.values())
-    if not vals or any(v.ndim != 2 or torch.is_floating_point(v) or v.dtype == torch.bool for v in vals):
-        return None
-    z = torch.cat([v.long() for v in vals], 1)
-    order = torch.argsort((z == PAD_ID).to(torch.int8), dim=1, stable=True)
-    return z.gather(1, order)
+    prompt = args[0] if len(args) == 1 and not kwargs else None  # the data the program observes
+    return Decoded(_tokens(draws), _joined(draws.latents), stats, method, prompt, draws.outputs, draws.latents)
 
 
 # ------------------------------------------------------------------------------------ greedy and beam search

@@ -18,7 +18,9 @@ from ppl_thought.inference.decoding_program import (
     _Draws,
     _finish_mismatch,
     _first_of_each,
+    _joined,
     _keys,
+    _on_values,
     _ProgramRun,
     _rows,
     _tokens,
@@ -56,7 +58,8 @@ def _program_best_of_k(run: _ProgramRun, n: int, K: int, generator) -> tuple[_Dr
     best = int(torch.argmax(scores))
     pick = torch.tensor([best], device=scores.device)
     return cands.select(pick), {"candidates": cands.outputs, "candidate_active": cands.active,
-                                "candidate_tokens": _tokens(cands), "scores": scores}
+                                "candidate_tokens": _tokens(cands), "candidate_z": _joined(cands.latents),
+                                "scores": scores}
 
 
 def _program_algorithm2(run: _ProgramRun, n: int, S: int, generator) -> tuple[_Draws, dict]:
@@ -78,7 +81,20 @@ def _program_algorithm2(run: _ProgramRun, n: int, S: int, generator) -> tuple[_D
                 break  # the program finished: no further output
             fixed[name] = values[j: j + 1]
         outs.append(dict(fixed))
-    return _collect(outs), {"next_output_probs": probs, "next_output_support": supports}
+    stats = {"next_output_probs": probs, "next_output_support": supports}
+    return _collect(outs), _on_output_values(run, stats, [(p, s["finished"], s["values"]) for p, s in
+                                                          zip(probs, supports)])
+
+
+def _on_output_values(run: _ProgramRun, stats: dict, steps: list) -> dict:
+    """Adds ``next_token_probs`` (each step's vector over ``output_values``, the protocol method of
+    docs/programs.md) and ``sigma`` (those values) when the program offers ``output_values``."""
+    support = getattr(run.program, "output_values", None)
+    if callable(support):
+        sigma = torch.as_tensor(support(*run.args, **run.kwargs))
+        stats["next_token_probs"] = [_on_values(sigma, v, f, p) for p, f, v in steps]
+        stats["sigma"] = sigma
+    return stats
 
 
 def _algorithm2_step(run: _ProgramRun, n: int, fixed: dict):
@@ -153,7 +169,9 @@ def _program_algorithm1(run: _ProgramRun, S: int, generator) -> tuple[_Draws, di
             j = int(torch.multinomial(p.float(), 1, generator=generator))  # line 7 (the next prompt: host sync)
             fixed[name] = values[j: j + 1]
         outs.append(fixed)
-    return _collect(outs), {"next_output_probs": probs, "next_output_support": supports}
+    stats = {"next_output_probs": probs, "next_output_support": supports}
+    steps = [(p, torch.zeros(s["values"].shape[0], dtype=torch.bool), s["values"]) for p, s in zip(probs, supports)]
+    return _collect(outs), _on_output_values(run, stats, steps)
 
 
 def _program_exact(run: _ProgramRun, S: int, generator) -> tuple[_Draws, dict]:

@@ -33,6 +33,7 @@ from ppl_thought.inference.particles import (
 )
 from ppl_thought.inference.resampling import log_ratio
 from ppl_thought.program import OUTPUT, Program, as_done, is_output, is_program
+from ppl_thought.vocab import PAD_ID
 
 
 def _log_weights(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -269,3 +270,22 @@ def _first_of_each(key: torch.Tensor) -> torch.Tensor:
     return first.scatter_reduce_(0, inv, pos, "amin")
 
 
+def _joined(latents: dict) -> torch.Tensor | None:
+    """``z [S, L]``: the latents joined in program order when every one is a right-padded token segment
+    ``[S, L_t]`` (an LMState's prompt lifting and next segments, e.g. SlowThinking's continuation), ``<pad>``
+    moved to the end of each row; else ``None``."""
+    vals = list(latents.values())
+    if not vals or any(v.ndim != 2 or torch.is_floating_point(v) or v.dtype == torch.bool for v in vals):
+        return None
+    z = torch.cat([v.long() for v in vals], 1)
+    order = torch.argsort((z == PAD_ID).to(torch.int8), dim=1, stable=True)
+    return z.gather(1, order)
+
+
+def _on_values(values: torch.Tensor, got: torch.Tensor, finished: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``[U]`` the probabilities ``p`` of the (unfinished) values ``got`` placed at their rows of ``values``."""
+    dev = p.device
+    a = values.reshape(values.shape[0], -1).to(dev).double()
+    b = got.reshape(got.shape[0], -1).to(dev).double()
+    match = (a[:, None, :] == b[None, :, :]).all(-1) & ~finished.to(dev)[None]  # [U, G]
+    return (match.double() * p.double()[None]).sum(1).float()
