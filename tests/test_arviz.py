@@ -350,7 +350,8 @@ def decoding_setup():
 @pytest.mark.parametrize("method", ["direct", "resampling", "unbiased", "best_of_k"])
 def test_decoding_results_convert(method):
     model, sampler = decoding_setup()
-    d = decode(model, sampler, "a", method=method, n=8, max_new_tokens=3, num_samples=6, k=4,
+    n = 64 if method == "unbiased" else 8  # Algorithm 2 conditions the program's prior continuations on 2 outputs
+    d = decode(model, sampler, "a", method=method, n=n, max_new_tokens=3, num_samples=6, k=4,
                generator=torch.Generator().manual_seed(0))
     idata = to_inference_data(d, vocab=VOCAB)
     pred = idata.predictions

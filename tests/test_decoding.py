@@ -22,9 +22,10 @@ from engine_helpers import (
     thinking_model,
 )
 
-from ppl_thought.inference import decode, decoding, next_token_distribution
+from ppl_thought.inference import decode, decoding_program, next_token_distribution
 from ppl_thought.lm.transformer import Transformer
 from ppl_thought.models import SlowThinking
+from ppl_thought.models.slow_thinking import start_lifted
 from ppl_thought.projections import PauseToThink
 from ppl_thought.vocab import PAD_ID
 
@@ -39,7 +40,7 @@ WEIGHTS = {
 def use_weights(monkeypatch, name: str) -> bool:
     """Replace the decoder's importance weights by the variant ``name``; True for the right ones."""
     if WEIGHTS[name] is not None:
-        monkeypatch.setattr(decoding, "_log_weights", WEIGHTS[name])
+        monkeypatch.setattr(decoding_program, "_log_weights", WEIGHTS[name])
     return name == "P/Q"
 
 
@@ -101,7 +102,7 @@ def test_algorithm1_equals_enumeration(prior):
     assert torch.allclose(p.double(), exact_next(model, x), atol=1e-5)
     torch.manual_seed(0)
     out = decode(model, None, X, method="exact", max_new_tokens=3, stop_at_eos=False)
-    probs = out.stats["next_token_probs"]
+    probs = out.stats["next_output_probs"]
     for t in (1, 2):  # the line-8 cache is right after one and two appended tokens
         xt = torch.cat([model.x_ids(X), out.tokens[0, :t]])
         assert torch.allclose(probs[t].double(), exact_next(model, xt), atol=1e-5)
@@ -112,10 +113,10 @@ def test_prefill_scores_the_weight_numerator():
     the numerator of the weights; a sequence that is not a complete lifting scores -inf."""
     model = thinking_model()
     z, _ = LiftingSampler(contrary_lm(), model).sample_with_log_prob("ab", 64)
-    state, lp = decoding._start(model, z, 2, 5)
+    state, lp = start_lifted(model, z, 2, 5)
     assert torch.allclose(lp, model.z_dist(2).log_prob(z), atol=1e-5)
     assert torch.equal(state.tokens[:, : z.shape[1]], z)
-    _, lp_short = decoding._start(model, z[:, :1], 2, 5)
+    _, lp_short = start_lifted(model, z[:, :1], 2, 5)
     assert torch.isneginf(lp_short).all()
 
 
@@ -142,7 +143,7 @@ def test_streaming_prop32():
     model = thinking_model()
     exact = exact_next(model, X)
     torch.manual_seed(3)
-    streams = [list(decode(model, ExactPosterior(model), X, method="streaming", max_new_tokens=3))
+    streams = [[int(v) for _, v in decode(model, ExactPosterior(model), X, method="streaming", max_new_tokens=3)]
                for _ in range(400)]
     sigma = model.projection.observable_ids.tolist()
     for s in streams:
@@ -153,16 +154,19 @@ def test_streaming_prop32():
 
 
 def test_latents_project_to_the_tokens():
-    """Decoded.z continues a lifting of x and projects to x followed by the decoded tokens (cut at <eos>)."""
+    """The decoded latents (the prompt's lifting z, then one segment s_t per output) project to x followed by the
+    decoded tokens (cut at <eos>; -1 where the program had finished)."""
     model = thinking_model()
     torch.manual_seed(5)
     out = decode(model, LiftingSampler(contrary_lm(), model), "ab", method="resampling", n=8, max_new_tokens=4,
                  num_samples=64)
-    assert out.tokens.shape == (64, 4)
-    for z, y in zip(out.z, out.tokens):
+    assert out.tokens.shape[0] == 64 and out.tokens.shape[1] <= 4
+    parts = [out.latents["z"]] + [out.latents[f"s_{t}"] for t in range(1, out.tokens.shape[1] + 1)]
+    for r, y in enumerate(out.tokens):
+        z = torch.cat([p[r] for p in parts])
         xs = model.projection.project(z[z != PAD_ID])
         assert xs[:2].tolist() == model.x_ids("ab").tolist()
-        y = y[y != PAD_ID].tolist()
+        y = y[y >= 0].tolist()
         assert xs[2:].tolist() == y
         assert len(y) == 4 or y[-1] == VOCAB.eos_id
 
@@ -224,7 +228,7 @@ def test_unbiased_decode_runs():
     out = decode(model, LiftingSampler(contrary_lm(), model), X, method="unbiased", n=8, max_new_tokens=2,
                  num_samples=2)
     assert out.tokens.shape == (2, 2)
-    assert all(torch.isclose(p.sum(), torch.tensor(1.0)) for p in out.stats["next_token_probs"])
+    assert all(torch.isclose(p.sum(), torch.tensor(1.0)) for p in out.stats["next_output_probs"])
 
 
 # ---------------------------------------------------------------------------------------------- best of K
@@ -248,8 +252,8 @@ def test_best_of_k_regret(weights, monkeypatch):
     regret = []
     for _ in range(20):
         out = decode(model, sampler, X, method="best_of_k", n=32, k=4, max_new_tokens=2)
-        cands = out.stats["candidates"]
-        ex = torch.tensor([exact(c[c != PAD_ID]) for c in cands])
+        cands = out.stats["candidate_tokens"]
+        ex = torch.tensor([exact(c[c >= 0]) for c in cands])
         best = int(torch.argmax(out.stats["scores"]))
         assert torch.equal(out.tokens[0], cands[best])
         regret.append(float(ex.max() - ex[best]))

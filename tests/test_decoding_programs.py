@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import ppl_thought as pt
-from ppl_thought.inference import decoding
+from ppl_thought.inference import decoding_program
 from ppl_thought.inference.decoding import decode
 
 EOS = 2
@@ -402,7 +402,7 @@ def test_best_of_k_regret(name, guided):
 def test_wrong_weights_fail(monkeypatch):
     """With uniform weights instead of p/q, resampling follows the proposal ((3.12)'s law), Algorithm 2 estimates
     the proposal's predictive law and best-of-K scores every candidate alike: the same checks fail."""
-    monkeypatch.setattr(decoding, "_log_weights", lambda log_p, log_q: torch.zeros_like(log_q))
+    monkeypatch.setattr(decoding_program, "_log_weights", lambda log_p, log_q: torch.zeros_like(log_q))
     # hmm-guide is left out of the (3.14) check: its chi2 (12) makes Prop 3.3's bound at n = 1024 (0.36) looser
     # than the proposal's own error (TV 0.26), so that check has no teeth there
     for name, guided in [("qta", True), ("qta", False), ("hmm", False)]:

@@ -360,11 +360,12 @@ def _decoded(g: _Groups, decoded, vocab) -> None:
     stats = decoded.stats or {}
     tokens, z = decoded.tokens, decoded.z
     if "candidates" in stats:  # best-of-K: every candidate is a draw of (3.14) + (3.12); the argmax is marked
-        tokens = stats["candidates"]
+        tokens = stats.get("candidate_tokens", stats["candidates"])
         z = stats.get("candidate_z", None)
         g.add("sample_stats", {"score": (("chain", "draw"), _np(stats["scores"]).astype(np.float64)[None])})
         g.attrs["best"] = int(torch.as_tensor(stats["scores"]).argmax())
     t = _np(tokens)
+    t = np.where(t < 0, PAD_ID, t)  # a program's outputs after it finished (-1) read as <pad>
     g.add("predictions", _site_vars("tokens", t[None]))
     g.add("predictions_text", _text_vars("tokens", t[None], vocab))
     if z is not None:
@@ -386,6 +387,8 @@ def _decoded(g: _Groups, decoded, vocab) -> None:
     g.attrs.update(engine=f"decode ({decoded.method})" if getattr(decoded, "method", "") else "decode",
                    num_samples=int(t.shape[0]))
     prompt = getattr(decoded, "prompt", None)
+    if isinstance(prompt, str) and vocab is not None:  # the prompt as the program was given it: text
+        prompt = torch.as_tensor(vocab.encode(prompt), dtype=torch.long)
     if prompt is not None:
         g.add("observed_data", _observed_vars({"x": prompt}, vocab))
 

@@ -42,8 +42,29 @@ from tqdm.auto import tqdm
 
 from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
 from ppl_thought.distributions.lm_state import masked_log_softmax
+from ppl_thought.distributions.token_rule import token_step
 from ppl_thought.errors import ConfigError
 from ppl_thought.experiments.common import provenance, run_alone, score, set_lr, standard_error
+from ppl_thought.experiments.sec7_losses import (
+    _logits_and_features,
+    causal_gaps,
+    clip_gradients_,
+    gate_mix,
+    latent_surrogate,
+    sampler_surrogate,
+)
+from ppl_thought.experiments.sec7_seeds import (
+    _SEED_KEYS,
+    PAPER,
+    _criterion,
+    _mean_curves,
+    _relative_improvement,
+    _smooth,
+    merge_seed_runs,
+    mutual_information,
+    summarize_seeds,
+)
+from ppl_thought.experiments.sec7_seeds import bootstrap_relative_improvement as bootstrap_relative_improvement
 from ppl_thought.lm import Transformer
 from ppl_thought.lm.gated import gate_mlp
 from ppl_thought.projections import QueryResponse
@@ -99,72 +120,6 @@ class Sec7Config:
         return cls(n=n, steps=300, num_test=512, eval_every=50, seeds=1)
 
 
-
-def _logits_and_features(lm: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and the features before the unembedding (f_post and f_pre of App. L) from one pass."""
-    out = {}
-    handle = lm.norm.register_forward_hook(lambda _m, _i, o: out.__setitem__("f", o))
-    try:
-        logits, _ = lm(tokens)
-    finally:
-        handle.remove()
-    return logits, out["f"]
-
-
-def gate_mix(gate: torch.nn.Module, f_fast: torch.Tensor, f_slow: torch.Tensor, fast: torch.Tensor,
-             slow: torch.Tensor) -> torch.Tensor:
-    """The gating trick of App. L: (L.1) ``p_fast * fast + p_slow * slow`` with (L.2)
-    ``[p_fast, p_slow] = softmax(MLP(f_fast (+) f_slow))`` row by row, for the latent model P (fast: ``x x_r``,
-    slow: ``x <s> y </s> x_r``) and for the explanatory sampler (fast: the predictive format ``x <s> y``, slow:
-    the explanatory one). ``f_*`` are the features before the unembedding ``[..., d]``, ``fast``/``slow`` the
-    logits ``[..., V]`` at the same rows."""
-    g = torch.softmax(gate(torch.cat([f_fast, f_slow], -1)), -1)
-    return g[..., :1] * fast + g[..., 1:] * slow
-
-
-def clip_gradients_(groups: list[list[torch.Tensor]], max_norm: float, mode: str) -> list[float]:
-    """Gradient clipping of App. L. ``mode="joint"``: all groups as one model, v / max(1, ||v|| / max_norm)
-    with v = v_latent (+) v_sampler (what the paper does); ``"separate"``: each group alone,
-    v_latent / max(1, ||v_latent|| / max_norm) (+) v_sampler / max(1, ||v_sampler|| / max_norm) (the
-    alternative of Fig L.2, left). Returns the norm(s) before clipping (one for joint, one per group)."""
-    if mode == "joint":
-        return [clip_joint_([p for g in groups for p in g], max_norm)]
-    if mode == "separate":
-        return [clip_joint_(g, max_norm) for g in groups]
-    raise ConfigError(f"clipping mode must be 'joint' or 'separate' (App. L, Fig L.2), got {mode!r}")
-
-
-def latent_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """(7.1) per example, batched ``[B, n] -> [B]``: the surrogate of
-    :class:`~ppl_thought.training.objectives.OneSampler` ((3.17)/(5.20)), -sum_i w_i log P(Y_i X_r | X),
-    w = softmax(log P - log Q) detached; its gradient is that of -log (1/n) sum_i P/U(Q). ``-inf``
-    log P (impossible particles) get weight 0 and contribute 0, never NaN."""
-    lw = (log_p - log_q).detach()
-    w = torch.softmax(lw, -1).nan_to_num(0.0)
-    return -(w * log_p.masked_fill(w == 0, 0.0)).sum(-1)
-
-
-def sampler_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """(7.2) per example, batched ``[B, n] -> [B]``: the plain policy gradient of
-    :class:`~ppl_thought.training.objectives.SamplerPolicyGradient` ((3.25)/(5.24)) with rewards
-    R_i = U(log P/Q) and the leave-one-out baseline: -1/(n-1) sum_i U(R_i - mean_j R_j) log Q(Y_i | .)."""
-    rew = (log_p - log_q).detach()
-    if not torch.isfinite(rew).all():
-        raise ValueError("sampler reward log P/Q is not finite: the sampler proposes thoughts outside the prior's "
-                         "support")
-    adv = rew - rew.mean(-1, keepdim=True)
-    return -(adv * log_q).sum(-1) / (log_q.shape[-1] - 1)
-
-
-def causal_gaps(log_p_y: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """(7.3) per example ``[B, n] -> [B]``: sum_i r_i p_i with r_i = log Q(Y_i | .) - log P(Y_i | X) and
-    p = softmax(log P(Y_i X_r | X) - log Q(Y_i | .))."""
-    with torch.no_grad():
-        p = torch.softmax(log_p - log_q, -1).nan_to_num(0.0)
-        return (p * (log_q - log_p_y)).masked_fill(p == 0, 0.0).sum(-1)
-
-
-# ====================================================================== Section 7
 class Sec7:
     """The three trainings of Section 7 on one :class:`PermutationChoiceTask` (see the module docstring)."""
 
@@ -300,8 +255,8 @@ class Sec7:
         y = torch.zeros(q.shape[0], 0, dtype=torch.long)
         with torch.no_grad():
             for _ in range(self.cfg.thought_len):
-                p = masked_log_softmax(self.q_logits(Q, q, r, y)[:, -1], self.thought).exp()
-                y = torch.cat([y, torch.multinomial(p, 1)], 1)
+                lq = masked_log_softmax(self.q_logits(Q, q, r, y)[:, -1], self.thought)
+                y = torch.cat([y, token_step(None, None, None, log_probs=lq).token[:, None]], 1)  # the one token step
         return y
 
     def log_q(self, Q: torch.nn.Module, q: torch.Tensor, r: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
@@ -336,7 +291,7 @@ class Sec7:
         cond = rn if explanatory else None
         if self.cfg.thought_len == 1:  # one pass gives both the sample and log Q
             lq_all = masked_log_softmax(self.q_logits(Q, qn, cond, qn[:, :0])[:, -1], self.thought)
-            y = torch.multinomial(lq_all.detach().exp(), 1)
+            y = token_step(None, None, None, log_probs=lq_all.detach()).token[:, None]  # the one token step
             lq = lq_all.gather(1, y).squeeze(1)
         else:
             y = self.sample_thoughts(Q, qn, cond)
@@ -475,22 +430,6 @@ def run_sec7(cfg: Sec7Config, seed: int = 0, progress: bool = True) -> dict:
     return res
 
 
-def _relative_improvement(gain_pred: float, gain_expl: float) -> float:
-    """(L_fast - L_expl) / (L_fast - L_pred) - 1 of Section 7 (NaN when the predictive gain is 0)."""
-    return gain_expl / gain_pred - 1 if gain_pred != 0 else float("nan")
-
-
-def _criterion(gain_pred: float, gain_expl: float, gain_expl_se: float) -> bool:
-    """The issue's test: the explanatory gain is at least twice the predictive one and above 3 s.e."""
-    return bool(gain_expl >= 2 * gain_pred and gain_expl > 3 * gain_expl_se)
-
-
-def _mean_curves(reps: list[dict], curves: str, value: str) -> dict:
-    """Average over replicates of the curves ``rep[curves][method]`` (the same evaluation steps)."""
-    return {m: [{"step": row["step"], value: float(np.mean([r[curves][m][i][value] for r in reps]))}
-                for i, row in enumerate(reps[0][curves][m])] for m in reps[0][curves]}
-
-
 def _sec7_replicate(task: PermutationChoiceTask, cfg: Sec7Config, seed: int, test, progress: bool,
                     label: str, shared: dict | None = None) -> dict:
     """One replicate of the three trainings from one shared base model (see :func:`run_sec7`).
@@ -550,82 +489,6 @@ def _sec7_replicate(task: PermutationChoiceTask, cfg: Sec7Config, seed: int, tes
     return res
 
 
-def _smooth(xs: list[float], bins: int = 20) -> list[float]:
-    if not xs:
-        return []
-    chunks = np.array_split(np.asarray(xs), min(bins, len(xs)))
-    return [float(c.mean()) for c in chunks]
-
-
-def mutual_information(thoughts: np.ndarray, choices: np.ndarray) -> float:
-    """I(thought; hidden choice) in nats from the test particles [N, n] (how much y tells about c)."""
-    y = thoughts.reshape(-1)
-    c = np.repeat(choices, thoughts.shape[1])
-    joint = np.zeros((int(y.max()) + 1, int(c.max()) + 1))
-    np.add.at(joint, (y, c), 1.0)
-    joint /= joint.sum()
-    py, pc = joint.sum(1, keepdims=True), joint.sum(0, keepdims=True)
-    nz = joint > 0
-    return float((joint[nz] * np.log(joint[nz] / (py @ pc)[nz])).sum())
-
-
-# the paper's Section 7 / App. L numbers (Qwen2.5-7B on OpenWebMath), for comparison in the JSON
-PAPER = {"8": {"L_fast": 1.7345, "L_pred": 1.7331, "L_expl": 1.7294, "relative_improvement": 2.64},
-         "16": {"L_fast": 1.7345, "L_pred": 1.7301, "L_expl": 1.7278, "relative_improvement": 0.52}}
-
-# what run_seeds keeps of each replicate (the curves stay in the JSON too)
-_SEED_KEYS = ("seed", "L_fast", "L_pred", "L_expl", "L_fast_se", "L_pred_se", "L_expl_se", "gain_pred", "gain_pred_se",
-              "gain_expl", "gain_expl_se", "relative_improvement", "causal_gap", "causal_gap_pred",
-              "thought_choice_mutual_information", "criterion_expl_ge_2x_pred_and_3se", "base_model", "seconds",
-              "total_seconds", "num_params", "test_loss_curve", "causal_gap_curve")
-
-
-def bootstrap_relative_improvement(gain_pred: np.ndarray, gain_expl: np.ndarray, resamples: int = 10000,
-                                   seed: int = 0) -> dict:
-    """The relative improvement of Section 7, mean(gain_expl) / mean(gain_pred) - 1 over seeds, and its
-    bootstrap over seeds: resample the S seeds with replacement ``resamples`` times (paired: a seed brings
-    both its gains), the ratio of each resample's mean gains, its 2.5 / 97.5 percentiles (resamples whose
-    mean predictive gain is exactly 0 have no ratio and are left out). ``share_gain_pred_nonpositive`` is
-    the share of resamples with mean predictive gain <= 0, where the ratio does not read as "how much more
-    the explanatory sampler gains"; the same bootstrap of the difference gain_expl - gain_pred is always
-    defined."""
-    gp, ge = np.asarray(gain_pred, dtype=float), np.asarray(gain_expl, dtype=float)
-    if gp.shape != ge.shape or gp.ndim != 1 or len(gp) < 2:
-        raise ConfigError(f"gain_pred and gain_expl must be 1-d arrays of the same length >= 2 (one value per seed), "
-                          f"got shapes {gp.shape} and {ge.shape}")
-    idx = np.random.default_rng(seed).integers(len(gp), size=(resamples, len(gp)))
-    mp, me = gp[idx].mean(1), ge[idx].mean(1)
-    ok = mp != 0
-    ratio = me[ok] / mp[ok] - 1
-    diff = me - mp
-    return {"relative_improvement": _relative_improvement(float(gp.mean()), float(ge.mean())),
-            "ci95": [float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))] if ok.any() else None,
-            "share_gain_pred_nonpositive": float((mp <= 0).mean()),
-            "difference_ci95": [float(np.percentile(diff, 2.5)), float(np.percentile(diff, 97.5))],
-            "resamples": int(resamples), "bootstrap_seed": int(seed)}
-
-
-def summarize_seeds(rows: list[dict], resamples: int = 10000) -> dict:
-    """Across-seed summary of one n: mean and standard error across seeds (std / sqrt(S)) of the three test
-    losses, both gains and the causal gaps; the relative improvement with its bootstrap interval
-    (:func:`bootstrap_relative_improvement`)."""
-    out: dict = {"seeds": [r["seed"] for r in rows]}
-    for key in ("L_fast", "L_pred", "L_expl", "gain_pred", "gain_expl", "causal_gap", "causal_gap_pred",
-                "thought_choice_mutual_information"):
-        v = np.array([r[key] for r in rows], dtype=float)
-        out[key] = {"mean": float(v.mean()), "se": standard_error(v), "per_seed": v.tolist()}
-    gp = np.array(out["gain_pred"]["per_seed"])
-    ge = np.array(out["gain_expl"]["per_seed"])
-    d = ge - gp
-    out["gain_difference"] = {"mean": float(d.mean()), "se": standard_error(d)}
-    out["seeds_expl_beats_pred"] = int((d > 0).sum())
-    out["seeds_gain_pred_positive"] = int((gp > 0).sum())
-    out["seeds_gain_expl_positive"] = int((ge > 0).sum())
-    out["relative_improvement"] = bootstrap_relative_improvement(gp, ge, resamples) if len(rows) > 1 else {
-        "relative_improvement": _relative_improvement(float(gp.mean()), float(ge.mean()))}
-    return out
-
-
 def run_seeds(cfg: Sec7Config, seeds: int = 5, ns: tuple[int, ...] = (8, 16), seed: int = 0,
               progress: bool = True, task_seed: int = 0, partial: Callable[[dict], None] | None = None) -> dict:
     """The multi-seed Section 7 run (Table of Section 7 and Fig L.2, right): for seeds ``seed, ..., seed +
@@ -672,46 +535,6 @@ def run_seeds(cfg: Sec7Config, seeds: int = 5, ns: tuple[int, ...] = (8, 16), se
             if partial is not None:
                 partial(result(False))
     return result(True)
-
-
-def merge_seed_runs(parts: list[dict], allow_partial: bool = False) -> dict:
-    """One multi-seed result from several :func:`run_seeds` results of the same task and sizes that cover
-    different (seed, n) pairs (the run split over processes): the rows of each n are pooled, sorted by seed,
-    and summarized again. Each replicate depends only on its seed and n, so the pooled rows are those of
-    one run over all of them. ``seconds`` is the sum, ``commands`` lists the parts' commands. Parts still
-    running (``"partial": true``) are refused unless ``allow_partial``; the result then says ``"partial": true``."""
-    if not parts:
-        raise ConfigError("merge_seed_runs needs at least one run_seeds result, got none")
-    skip = ("ns", "seeds")
-    base = {k: v for k, v in parts[0]["config"].items() if k not in skip}
-    for p in parts[1:]:
-        other = {k: v for k, v in p["config"].items() if k not in skip}
-        if other != base or p["task"] != parts[0]["task"]:
-            diff = {k: (base.get(k), other.get(k)) for k in set(base) | set(other) if base.get(k) != other.get(k)}
-            raise ConfigError(f"merge_seed_runs: the parts differ in config or task; config differences {diff}")
-    runs: dict[str, dict[int, dict]] = {}
-    for p in parts:
-        for n, rows in p["runs"].items():
-            for r in rows:
-                if r["seed"] in runs.setdefault(n, {}):
-                    raise ConfigError(f"merge_seed_runs: seed {r['seed']} at n = {n} appears twice")
-                runs[n][r["seed"]] = r
-    ns = sorted(runs, key=int)
-    merged = {n: [runs[n][s] for s in sorted(runs[n])] for n in ns}
-    seeds = sorted({s for n in ns for s in runs[n]})
-    commits = {p.get("commit") for p in parts}
-    partial = any(p.get("partial") for p in parts)
-    if partial and not allow_partial:
-        raise ConfigError("merge_seed_runs: a part is partial (its run has not finished); allow_partial=True "
-                          "(--allow-partial) pools the replicates finished so far")
-    return {**{k: v for k, v in parts[0].items() if k not in ("runs", "summary", "seconds", "command", "paper")},
-            "commit": parts[0].get("commit") if len(commits) == 1 else sorted(str(c) for c in commits),
-            "dirty": any(p.get("dirty") for p in parts),
-            "config": {**base, "ns": [int(n) for n in ns], "seeds": seeds},
-            "paper": {k: v for k, v in PAPER.items() if k in merged},
-            "runs": merged, "summary": {n: summarize_seeds(v) for n, v in merged.items()},
-            "seconds": round(sum(p["seconds"] for p in parts), 1),
-            "commands": [p.get("command") for p in parts], "partial": partial}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from ppl_thought import checks
 from ppl_thought.checks import integer
-from ppl_thought.errors import NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
+from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
 from ppl_thought.inference.particles import check_compatible, infinite_sites, sample_particles
 from ppl_thought.inference.result import Result, pareto_k
 from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb
@@ -122,11 +122,12 @@ class Importance:
         num_particles: n, the number of draws from the guide.
         log_normal_correction: report the log-normal estimate of Remark 3.4 as ``log_marginal``
             (the plain (3.2) estimate stays in ``stats["log_marginal_iid"]``).
-        fast: when the model offers ``sampler_weights(guide, x, n) -> (samples, log_w [n], extra)`` (the
-            fast-path protocol; :meth:`~ppl_thought.models.SlowThinking.sampler_weights` samples z and log q in
-            one decoding loop and scores log P with one teacher-forced pass instead of tracing) and the guide is
-            a sampler (``sample_with_log_prob(x, n)``), take it for one observation ``x``. No engine tests the
-            model's class: any program offering the method gets the path. Same numbers as the trace path.
+        fast: when the model offers the protocol method ``sampler_weights(guide, x, n) -> (samples, log_w [n],
+            extra)`` (docs/programs.md, "Protocol methods"; :meth:`~ppl_thought.models.SlowThinking.sampler_weights`
+            samples z and log q in one decoding loop and scores log P with one teacher-forced pass instead of
+            tracing) and the guide is a sampler (``sample_with_log_prob(x, n)``), take it for one observation
+            ``x``. Read with ``getattr``: any program offering the method gets the path. Same numbers as the trace
+            path.
         max_plate_nesting: plates of the user program (found by tracing once when ``None``).
 
     ``run(model, guide, *args, **kwargs) -> Result``: ``log_weights [n]``, ``log_marginal`` (3.2),
@@ -196,39 +197,24 @@ class Importance:
         ``sampler.token_log_probs(z, x)`` (every library guide) or ``sampler.dist(x)`` (an LMSequence).
 
         Returns a Result whose ``log_marginal`` is the estimate, with ``stats["log_p_xy"]`` and
-        ``stats["log_p_x"]``.
+        ``stats["log_p_x"]``. The weights come from the model's protocol method ``conditional_weights(sampler, x,
+        y, n, shared) -> (samples, log_w_xy [n], log_w_x [n])`` (docs/programs.md; read with ``getattr``, e.g.
+        :meth:`~ppl_thought.models.SlowThinking.conditional_weights`); a model without it is a ConfigError.
         """
-        xt, yt = model.x_ids(x), model.x_ids(y)
-        xy = torch.cat([xt, yt])
         n = self.num_particles
+        weights = getattr(model, "conditional_weights", None)
+        if not callable(weights):
+            raise ConfigError(f"conditional_log_prob needs {type(model).__name__}.conditional_weights(sampler, x, y, "
+                              "n, shared) -> (samples, log_w_xy [n], log_w_x [n]): the protocol method of "
+                              "docs/programs.md (pt.models.SlowThinking offers it)")
         try:
-            model.projection.lifting(xy)
+            samples, log_w_xy, log_w_x = weights(sampler, x, y, n, shared)
         except NotInImageError as e:
             return not_in_image_result(f"log p(y | x) = -inf: {e}", n, "Importance.conditional", {"x": x, "y": y})
-        dist_xy = model.z_dist(len(xy))
-        with torch.no_grad():
-            w, lq_w = sampler.sample_with_log_prob(xy, n)
-            w = _pad_to(w, dist_xy.max_len)
-            if not shared:
-                res_xy = self.run(model, sampler, xy)
-                res_x = self.run(model, sampler, xt)
-                lp_xy, lp_x = res_xy.log_marginal, res_x.log_marginal
-                log_w_xy, log_w_x = res_xy.log_weights, res_x.log_weights
-            else:
-                p_steps, complete = dist_xy.step_log_probs(w)
-                lp_w = torch.where(complete, p_steps.sum(-1), torch.full((n,), float("-inf")))
-                log_w_xy = torch.where(torch.isneginf(lp_w), lp_w, lp_w - lq_w)
-                k = lifted_prefix_length(model.projection.lifting(xt), w)
-                q_steps = _sampler_step_log_probs(sampler, w, xy)
-                pos = torch.arange(w.shape[-1])[None]
-                inside = pos < k[:, None]
-                lp_z = torch.where(inside, p_steps, torch.zeros_like(p_steps)).sum(-1)
-                lq_z = torch.where(inside, q_steps, torch.zeros_like(q_steps)).sum(-1)
-                log_w_x = torch.where(torch.isneginf(lp_z), lp_z, lp_z - lq_z)
-                lp_xy = _summarise(log_w_xy, False, "Importance.conditional (xy)")["log_marginal"]
-                lp_x = _summarise(log_w_x, False, "Importance.conditional (x)")["log_marginal"]
+        lp_xy = _summarise(log_w_xy, False, "Importance.conditional (xy)")["log_marginal"]
+        lp_x = _summarise(log_w_x, False, "Importance.conditional (x)")["log_marginal"]
         est = lp_xy - lp_x
-        return Result(samples={"z": w}, log_weights=log_w_xy, log_marginal=est,
+        return Result(samples=samples, log_weights=log_w_xy, log_marginal=est,
                       log_marginal_stderr=None,
                       stats={"log_p_xy": lp_xy, "log_p_x": lp_x, "log_weights_x": log_w_x, "shared": shared},
                       observed={"x": x, "y": y}, engine="Importance.conditional")

@@ -18,14 +18,17 @@ vocab))`` with the exact answers below.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pyro.distributions as pdist
 import torch
 
 from ppl_thought import checks
 from ppl_thought.distributions.lm_sequence import LMSequence
+from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.distributions.projected import ProjectionDelta
 from ppl_thought.errors import (
     ConfigError,
@@ -36,6 +39,8 @@ from ppl_thought.errors import (
 )
 from ppl_thought.lm.base import lm_device
 from ppl_thought.models.plain import PlainLM
+from ppl_thought.program import Program, observe, particles
+from ppl_thought.program import sample as pt_sample
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.transforms.base import Transformed
 from ppl_thought.transforms.projection_lift import ProjectionLift
@@ -151,6 +156,12 @@ class SlowThinking(Transformed):
 
     model = Transformed.__call__
 
+    # ------------------------------------------------------------------ decoding (docs/programs.md, protocol methods)
+    def continuation(self, max_new_tokens: int = 8, stop_at_eos: bool = True) -> Continuation:
+        """The program that ``pt.infer.decode`` runs for Proj # P_f: the prompt x observed, then up to
+        ``max_new_tokens`` new observables as output sites (:class:`Continuation`)."""
+        return Continuation(self, max_new_tokens, stop_at_eos)
+
     # ------------------------------------------------------------------ the sampler fast path
     def sampler_weights(self, sampler: SupportsSampleWithLogProb, x: ArrayLike,
                         n: int) -> tuple[dict, torch.Tensor, dict]:
@@ -175,6 +186,40 @@ class SlowThinking(Transformed):
             log_p = log_p + log_lik
         log_w = torch.where(torch.isneginf(log_p), torch.full_like(log_p, float("-inf")), log_p - log_q)
         return {"z": z}, log_w, {"log_p": log_p, "log_q": log_q, "log_likelihood": log_lik.expand(n)}
+
+    def conditional_weights(self, sampler: SupportsSampleWithLogProb, x: ArrayLike, y: ArrayLike, n: int,
+                            shared: bool = True) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """The weights of (3.7) for ``Importance.conditional_log_prob`` (the protocol method of docs/programs.md):
+        ``(samples {"z": [n, L]}, log w of p_n(xy) [n], log w of q_n(x) [n])``, -inf (never NaN) where p = 0.
+
+        ``shared=False``: W_i ~ Q(. | xy) and independent Z_i ~ Q(. | x) (:meth:`sampler_weights` on each, the
+        plain (3.7)). ``shared=True`` (Remark 3.5): Z_i = the prefix of W_i in the lifting of x (Lemma 2.1), with
+        log Q(Z_i | x) the sum of the sampler's token log-probabilities over Z_i (``sampler.token_log_probs(z,
+        x)`` or ``sampler.dist(x)``). Raises :class:`~ppl_thought.errors.NotInImageError` for xy outside the image.
+        """
+        from ppl_thought.inference.importance import _sampler_step_log_probs, lifted_prefix_length
+
+        xt, yt = self.x_ids(x), self.x_ids(y)
+        xy = torch.cat([xt, yt])
+        self.projection.lifting(xy)  # NotInImageError for xy outside the image
+        if not shared:
+            samples, log_w_xy, _ = self.sampler_weights(sampler, xy, n)
+            _, log_w_x, _ = self.sampler_weights(sampler, xt, n)
+            return samples, log_w_xy, log_w_x
+        dist_xy = self.z_dist(len(xy))
+        with torch.no_grad():
+            w, lq_w = sampler.sample_with_log_prob(xy, n)
+            w = _pad_to(w, dist_xy.max_len)
+            p_steps, complete = dist_xy.step_log_probs(w)
+            lp_w = torch.where(complete, p_steps.sum(-1), torch.full((n,), float("-inf"), device=p_steps.device))
+            log_w_xy = torch.where(torch.isneginf(lp_w), lp_w, lp_w - lq_w)
+            k = lifted_prefix_length(self.projection.lifting(xt), w)
+            q_steps = _sampler_step_log_probs(sampler, w, xy)
+            inside = torch.arange(w.shape[-1], device=w.device)[None] < k[:, None]
+            lp_z = torch.where(inside, p_steps, torch.zeros_like(p_steps)).sum(-1)
+            lq_z = torch.where(inside, q_steps, torch.zeros_like(q_steps)).sum(-1)
+            log_w_x = torch.where(torch.isneginf(lp_z), lp_z, lp_z - lq_z)
+        return {"z": w}, log_w_xy, log_w_x
 
     # ------------------------------------------------------------------ exact answers
     def enumerate_log_joint(self, x: ArrayLike, limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,3 +285,171 @@ def _pad_to(z: torch.Tensor, length: int) -> torch.Tensor:
         return z[..., :length]
     pad = torch.full(z.shape[:-1] + (length - z.shape[-1],), PAD_ID, dtype=z.dtype, device=z.device)
     return torch.cat([z, pad], -1)
+
+
+# ---------------------------------------------------------------------------------------------- decoding's view
+def start_lifted(model: SlowThinking, z0: torch.Tensor, num_observed: int | torch.Tensor,
+                 total: int) -> tuple[LMState, torch.Tensor]:
+    """An LMState of ``z0.shape[0]`` rows under Dom(Proj) stopped at ``total`` observables (Def 2.8), with the
+    prompt liftings ``z0 [n, L0]`` (right-padded) teacher-forced as one segment ``until_emitted=num_observed``.
+
+    Returns the state (ready to continue P(. | [Z0]), (3.12)) and log P^{<=|z0|}(z0) ``[n]``: the numerator of the
+    weights (3.2) / (3.14), -inf where z0 breaks the domain or does not end where the segment must.
+    """
+    z0 = torch.as_tensor(z0, dtype=torch.long, device=model.device)
+    state = start_lifted_state(model, z0.shape[0], total)
+    until = num_observed.to(state.device) if isinstance(num_observed, torch.Tensor) else int(num_observed)
+    log_p = state.segment(until_emitted=until).log_prob(z0)
+    state.extend(z0)
+    return state, log_p
+
+
+class Continuation(Program):
+    """``decode``'s program for Proj # P_f (docs/inference.md, "decode"): ``continuation(x)`` observes the prompt
+    and generates up to ``max_new_tokens`` observables after it, one per step.
+
+    * ``init``: site ``"z"``, the prompt's lifting Z0 ~ P_f masked to Dom(Proj) until |x| observables are
+      determined (one segment of an LMState under ``domain(|x| + max_new_tokens)``, Def 2.8; a guide such as
+      ``pt.guides.Causal`` proposes it, its log-probability is P^{<=|Z0|}(Z0) of the weights (3.14) / Algorithm 2),
+      and the observed site ``"x"``: log 1{Proj(Z0) = x} (Prop 2.3).
+    * step t: site ``f"s_{t + 1}"``, the next segment S ~ P(. | Z^(t) -> next segment) (Def 2.5: until one more
+      observable is determined, (3.13)), and the output ``f"y_{t + 1}"``, the observable it determines (a delta).
+      A row finishes after ``max_new_tokens`` outputs, or (``stop_at_eos``) after the output ``<eos>``.
+
+    It offers ``next_output_law`` (Algorithm 1 of App. G, exact by enumeration: ``decode(..., method="exact")``)
+    and ``output_values`` (the observables, in ``projection.observable_ids`` order), the protocol methods of
+    docs/programs.md.
+    """
+
+    def __init__(self, model: SlowThinking, max_new_tokens: int = 8, stop_at_eos: bool = True):
+        self.model = model
+        self.max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 0)
+        self.stop_at_eos = bool(stop_at_eos)
+        self.max_steps = self.max_new_tokens + 1
+        self._alg1: dict[tuple[int, ...], dict[tuple[int, ...], float]] = {}  # Algorithm 1's line-8 cache
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def init(self, state: dict, x: ArrayLike) -> None:
+        m, n = self.model, particles()
+        xt = m.x_ids(x)
+        N = len(xt)
+        m.projection.lifting(xt)  # NotInImageError for a prompt outside the image
+        lm = start_lifted_state(m, n, N + self.max_new_tokens)
+        z = pt_sample("z", lm.segment(until_emitted=N))
+        if z.ndim == 1:  # a guide traced outside the particle plate (the engines' look-ahead for plates): one row
+            z = z[None]
+        lm.extend(z)
+        observe("x", ProjectionDelta(m.projection, z, N), xt.expand(n, N))
+        state["lm"], state["stopped"] = lm, torch.zeros(n, dtype=torch.bool, device=lm.device)
+
+    def step(self, state: dict, t: int, x: ArrayLike):
+        m, lm, stopped = self.model, state["lm"], state["stopped"]
+        N = int(self.model.x_ids(x).shape[0])
+        if self.max_new_tokens == 0:
+            return torch.ones_like(stopped)
+        j = N + t + 1
+        target = torch.where(stopped, torch.full_like(stopped, -1, dtype=torch.long),
+                             torch.full_like(stopped, j, dtype=torch.long))
+        seg = pt_sample(f"s_{t + 1}", lm.segment(until_emitted=target))
+        lm.extend(seg)
+        y = observable_at(m, lm.tokens, j - 1)
+        V = int(m.prior.vocab_size)
+        delta = torch.full((lm.n, V), -math.inf, device=lm.device).scatter_(1, y[:, None], 0.0)
+        y = observe(f"y_{t + 1}", pdist.Categorical(logits=delta), None)
+        if self.stop_at_eos:
+            state["stopped"] = stopped = stopped | (y == m.vocab.eos_id)
+        return stopped | torch.tensor(t + 1 >= self.max_new_tokens, device=stopped.device)
+
+    def output_values(self, x: ArrayLike) -> torch.Tensor:
+        """Protocol method: the values an output site takes, Sigma in ``projection.observable_ids`` order."""
+        return torch.as_tensor(self.model.projection.observable_ids, dtype=torch.long, device=self.model.device)
+
+    def next_output_law(self, decoded: list, x: ArrayLike) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+        """Protocol method, Algorithm 1 of App. G (lines 4-6, with the cache of line 8): the exact law of the next
+        output given the ``decoded`` ones, ``(site, values [|Sigma|], probs [|Sigma|])``; ``None`` once the
+        program has finished (``max_new_tokens`` outputs, or ``<eos>`` with ``stop_at_eos``)."""
+        dec = [int(v) for v in decoded]
+        if len(dec) >= self.max_new_tokens or (self.stop_at_eos and dec and dec[-1] == self.model.vocab.eos_id):
+            return None
+        xt = self.model.x_ids(x)
+        X = torch.cat([xt, torch.tensor(dec, dtype=torch.long, device=xt.device)])
+        key = tuple(int(a) for a in X)
+        cache = self._alg1.pop(key, None)
+        if cache is None:
+            cache = algorithm1_cache(self.model, X)
+        p, terms = algorithm1_step(self.model, X, cache)
+        if len(self._alg1) > 4096:
+            self._alg1.clear()
+        for a, t in terms.items():
+            self._alg1[key + (a,)] = t  # line 8: the cache of each possible next prompt X a
+        return f"y_{len(dec) + 1}", self.output_values(x), p
+
+
+def start_lifted_state(model: SlowThinking, n: int, total: int) -> LMState:
+    """An empty LMState of n rows under Dom(Proj) stopped at ``total`` observables (Def 2.8)."""
+    dom = model.projection.domain(int(total))
+    return LMState.start(model.prior, n, rule=TokenRule(dom, model.prior.vocab_size),
+                         max_len=dom.max_len if dom.max_len is not None else 1 << 30)
+
+
+def observable_at(model: SlowThinking, z: torch.Tensor, i: int) -> torch.Tensor:
+    """``[n]``: observable i of Proj(z) per row (Def 2.6, the projection's batched host projection), ``<pad>``
+    where a row has fewer."""
+    xs = model.projection.project(z.cpu())
+    return torch.tensor([int(r[i]) if len(r) > i else PAD_ID for r in xs], dtype=torch.long, device=z.device)
+
+
+def algorithm1_cache(model: SlowThinking, xt: torch.Tensor) -> dict[tuple[int, ...], float]:
+    """Line 2 of Algorithm 1: {P^{<=|z|}(z) : z in Proj^{-1}_{<w}(x)} (log values, P(z) > 0 only)."""
+    support, lp = model.enumerate_log_joint(xt)
+    return {tuple(int(t) for t in row if t != PAD_ID): float(v) for row, v in zip(support, lp) if v > -math.inf}
+
+
+def algorithm1_step(model: SlowThinking, xt: torch.Tensor,
+                    cache: dict) -> tuple[torch.Tensor, dict[int, dict[tuple[int, ...], float]]]:
+    """Lines 4-6 of Algorithm 1: p(a | X) = sum_z Q_*(z | X) P(Phi_X(z, a) | z), and the terms of line 8.
+
+    Phi_X(z, a) is enumerated from the lifting of Xa; every P^{<=|zs|}(s | z) of line 4 is the log-probability
+    of the segment s of the LMState started at z (one teacher-forced pass for all (z, s)).
+    """
+    proj = model.projection
+    sigma = [int(a) for a in proj.observable_ids]
+    keys = list(cache)
+    index = {key: i for i, key in enumerate(keys)}
+    lpz = torch.tensor([cache[key] for key in keys], dtype=torch.float64, device="cpu")  # host: enumeration
+    post = torch.softmax(lpz, 0)  # line 5
+    zi, segs, ai, zss = [], [], [], []
+    for j, a in enumerate(sigma):
+        try:
+            lift = proj.lifting(torch.cat([xt.cpu(), torch.tensor([a], device="cpu")]))
+        except NotInImageError:
+            continue
+        for zs in lift.enumerate():
+            # the lifting of X is prefix-free: exactly one prefix of zs is in it (Lemma 2.1)
+            cut = next((c for c in range(len(zs), -1, -1) if zs[:c] in index), None)
+            if cut is None:
+                continue
+            zi.append(index[zs[:cut]])
+            segs.append(zs[cut:])
+            ai.append(j)
+            zss.append(zs)
+    p = torch.zeros(len(sigma), dtype=torch.float64, device="cpu")
+    new_terms: dict[int, dict[tuple[int, ...], float]] = {a: {} for a in sigma}
+    if zi:
+        N = len(xt)
+        with torch.no_grad():
+            state, _ = start_lifted(model, pad_sequences(keys, device=model.device), N, N + 1)
+            state.reorder(torch.tensor(zi, device=state.device))
+            lp_s = state.segment(until_emitted=N + 1).log_prob(pad_sequences(segs, device=state.device))  # line 4
+        lp_s = lp_s.double().cpu()
+        zi_t, ai_t = torch.tensor(zi, device="cpu"), torch.tensor(ai, device="cpu")
+        ok = ~torch.isneginf(lp_s)
+        p.index_add_(0, ai_t[ok], post[zi_t[ok]] * lp_s[ok].exp())  # line 6
+        lp_zs = lpz[zi_t] + lp_s  # line 8: P(zs) = P(z) P(s | z)
+        for zs, j, v, good in zip(zss, ai, lp_zs.tolist(), ok.tolist()):
+            if good:
+                new_terms[sigma[j]][zs] = v
+    return (p / p.sum()).float().to(model.device), new_terms
