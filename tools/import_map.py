@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "checks", "vocab", "arviz_compat", "draws", "checkpoint", "twists", "validation")),
     ("projections", ("projections",)),
     ("lm", ("lm", "io", "weights")),
-    ("distributions", ("distributions", "program", "verifiers.process")),
+    ("distributions", ("distributions", "program", "contract", "verifiers.process")),
     ("transforms", ("transforms",)),
     ("models/guides", ("models", "guides", "data")),
     ("inference", ("inference",)),
