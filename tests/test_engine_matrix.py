@@ -15,6 +15,8 @@ Programs:
 * ``NoDoubleC`` (tests/test_token_programs.py): a token-level program (one token of a bigram per step under a
   token automaton). Exact: P_O(A), the restricted law, the locally renormalised law, the argmax, by enumerating
   all strings.
+* ``PlanGuide``: a guide program with one learnable logit, trained by ``pt.train.SVI`` (3.25). Exact: the
+  posterior p(z | q, a).
 * ``GaussianMean`` (torch) / a NumPyro model: mu ~ N(0, 1), y_i ~ N(mu, 0.5) observed. Exact: the conjugate
   posterior.
 """
@@ -26,6 +28,7 @@ import inspect
 import math
 import pathlib
 
+import pyro
 import pyro.distributions as dist
 import pytest
 import torch
@@ -145,6 +148,35 @@ def langevin_general():
     assert abs(float(mu.mean()) - mean) < 0.1 and abs(float(mu.std()) - sd) < 0.08, (float(mu.mean()), mean)
 
 
+class PlanGuide(pt.Program):
+    """A user's guide program for PlanThenAnswer: the plan from a Bernoulli with one learnable logit."""
+
+    max_steps = 1
+
+    def step(self, state, t, question, answer=None):
+        logit = pyro.param("plan_logit", torch.tensor(0.0))
+        pt.sample("plan", dist.Bernoulli(logits=logit.expand(pt.particles())))
+        return torch.ones(pt.particles(), dtype=torch.bool)
+
+
+def svi_general():
+    """pt.train.SVI with the sampler objective (3.25) trains the guide to the exact posterior p(z | q, a), where
+    the weights are constant: log Z-hat = log p(q, a) with zero spread."""
+    log_z, _ = exact_plan_then_answer()
+    prior = torch.tensor([1 - PLAN, PLAN], dtype=torch.float64).log()
+    log_joint = prior + torch.log_softmax(Q_LOGITS.double(), -1)[:, Q_OBS] + torch.log_softmax(A_LOGITS.double(),
+                                                                                                 -1)[:, A_OBS]
+    post = float(torch.softmax(log_joint, 0)[1])
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    res = pt.train.SVI(pt.train.SamplerPolicyGradient(32), {"lr": 0.1}).run(
+        PlanThenAnswer(), PlanGuide(), torch.tensor(Q_OBS), torch.tensor(A_OBS), num_steps=300)
+    got = float(torch.sigmoid(pyro.param("plan_logit").detach()))
+    pyro.clear_param_store()
+    assert abs(got - post) < 0.02, (got, post)
+    assert abs(float(res.log_marginal) - log_z) < 0.01
+
+
 def _token(name: str) -> str:
     """A cell that lives in tests/test_token_programs.py (run there, once per suite run; checked to exist here):
     the engine on the user's token-level program against its exact answer."""
@@ -158,6 +190,7 @@ TORCH_CELLS = {
     "pt.infer.decode": [decode_general],
     "pt.infer.next_token_distribution": [next_token_distribution_general],
     "pt.infer.Langevin": [langevin_general],
+    "pt.train.SVI": [svi_general],
     "pt.infer.greedy": [_token("test_greedy_and_beam_search_find_the_exact_argmax")],
     "pt.infer.beam_search": [_token("test_greedy_and_beam_search_find_the_exact_argmax")],
     "pt.verifiers.RejectionSampling": [_token("test_rejection_sampling_draws_the_restricted_law")],
@@ -206,6 +239,7 @@ def token_setup():
 
 def _exports() -> set[str]:
     names = {f"pt.infer.{n}" for n in pt.infer.__all__} | {f"pt.verifiers.{n}" for n in ptv.__all__}
+    names.add("pt.train.SVI")  # the SVI engine (pt.train's other names are its objectives)
     try:
         import ppl_thought.numpyro.infer as ni
     except ImportError:  # the torch side alone
