@@ -232,7 +232,7 @@ def _decoding(method: str):
             if method == "next_token":
                 return pt.infer.next_token_distribution(model, sampler, "a", n=8, generator=gen)
             if method == "streaming":
-                return list(pt.infer.decode(model, sampler, "a", method="streaming", max_new_tokens=2))
+                return [v for _, v in pt.infer.decode(model, sampler, "a", method="streaming", max_new_tokens=2)]
             d = pt.infer.decode(model, sampler, "a", method=method, n=8, max_new_tokens=2, num_samples=3, k=3,
                                 generator=gen)
             return [d.tokens, d.z, d.stats.get("scores"), d.stats.get("next_token_probs")]

@@ -114,7 +114,7 @@ def _algorithm2_step(run: _ProgramRun, n: int, fixed: dict):
     trace = p.model_trace
     lw = run.weights(p)
     want = {k: torch.ones(n, dtype=torch.bool, device=v.device) for k, v in fixed.items()}
-    lw = torch.where(_finish_mismatch(trace, n, want, complete=False).to(lw.device),
+    lw = torch.where(_finish_mismatch(trace, n, want, complete=False, device=lw.device),
                      torch.full_like(lw, -math.inf), lw)
     nxt = list(output_sites(trace))
     if not nxt:
@@ -170,7 +170,8 @@ def _program_algorithm1(run: _ProgramRun, S: int, generator) -> tuple[_Draws, di
             fixed[name] = values[j: j + 1]
         outs.append(fixed)
     stats = {"next_output_probs": probs, "next_output_support": supports}
-    steps = [(p, torch.zeros(s["values"].shape[0], dtype=torch.bool), s["values"]) for p, s in zip(probs, supports)]
+    steps = [(p, torch.zeros(s["values"].shape[0], dtype=torch.bool, device=p.device), s["values"])
+             for p, s in zip(probs, supports)]
     return _collect(outs), _on_output_values(run, stats, steps)
 
 

@@ -77,6 +77,11 @@ class _Conditioned:
         self.program, self.data, self.dim = program, data, dim
         self.max_plate_nesting = getattr(program, "max_plate_nesting", None)
 
+    @property
+    def device(self):
+        """The program's device (the engines make the particle plate there)."""
+        return getattr(self.program, "device", None)
+
     def __call__(self, *args, **kwargs):
         with _Condition(self.data, self.dim):
             return self.program(*args, **kwargs)
@@ -160,13 +165,13 @@ class _ProgramRun:
         return _log_weights(p.log_p, p.log_q.to(p.log_p.device))
 
 
-def _finish_mismatch(trace, R: int, expected: dict, complete: bool) -> torch.Tensor:
+def _finish_mismatch(trace, R: int, expected: dict, complete: bool, device=None) -> torch.Tensor:
     """``[R]`` bool: rows whose program finished elsewhere than the fixed outputs say (weight 0).
 
     ``expected`` ``{site: bool [R]}``: whether each fixed output site was drawn (the program had not finished).
     ``complete``: the fixed outputs are a whole continuation, so a row still active at a further output site
     does not match either."""
-    dev = next(iter(expected.values())).device if expected else None
+    dev = next(iter(expected.values())).device if expected else device
     bad = torch.zeros(R, dtype=torch.bool, device=dev)
     for name, want in expected.items():
         site = trace.nodes.get(name)
