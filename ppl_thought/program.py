@@ -40,6 +40,7 @@ from pyro.poutine.runtime import _PYRO_STACK
 from ppl_thought.errors import PPLThoughtError, ProgramError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.twists import current as current_twists
+from ppl_thought.validation import not_checked
 
 PARTICLES = "particles"
 
@@ -86,6 +87,7 @@ def _site_error(verb: str, name: str, e: ValueError) -> ProgramError:
     return ProgramError(f"pt.{verb}({name!r}, ...): {e}"[:500])
 
 
+@not_checked("a step verb: called once per site per step inside every engine")
 def sample(name: str, fn, **kwargs) -> torch.Tensor:
     """A latent site: ``pyro.sample(name, fn, **kwargs)`` (a guide proposes it; without one the program does).
 
@@ -102,6 +104,7 @@ def sample(name: str, fn, **kwargs) -> torch.Tensor:
         raise _site_error("sample", name, e) from e
 
 
+@not_checked("a step verb: called once per site per step inside every engine")
 def observe(name: str, fn, value) -> torch.Tensor:
     """Condition on data: ``pyro.sample(name, fn, obs=value)``; its log-probability enters every weight.
 
@@ -135,6 +138,7 @@ def observe(name: str, fn, value) -> torch.Tensor:
         raise _site_error("observe", name, e) from e
 
 
+@not_checked("a step verb: called once per step inside every engine")
 def factor(name: str, log_factor) -> None:
     """Multiply the program's density by exp(log_factor) ``[n]`` (``pyro.factor``): a hard constraint is
     ``torch.where(ok, 0., -inf)``, a soft one any log-potential. Unlike :func:`twist` it changes the target.
@@ -161,6 +165,7 @@ def is_output(site: dict) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- twists
+@not_checked("a step verb: called once per step inside every engine")
 def twist(log_psi) -> None:
     """Set the potential log psi_t ``[n]`` of the particles at this step (SMC adds it now, removes it later).
 
@@ -190,6 +195,7 @@ def particle_frame():
     return None
 
 
+@not_checked("a step verb: read once per step inside every engine")
 def particles() -> int:
     """The number of particles of the enclosing particle plate (``pyro.plate("particles", n)``, or the
     plate of a vectorised Pyro ELBO / ``Predictive(parallel=True)``), else 1."""
@@ -197,6 +203,7 @@ def particles() -> int:
     return 1 if frame is None else int(frame.size)
 
 
+@not_checked("a step verb: read once per step inside every engine")
 def particle_groups() -> int:
     """The number G of independent particle groups of the enclosing particle plate, else 1.
 
@@ -225,6 +232,7 @@ def as_done(done, n: int, device=None) -> torch.Tensor | None:
 
 
 # ---------------------------------------------------------------------------------------------- state
+@not_checked("a state entry the engines build and reorder once per step")
 class Shared:
     """A state entry shared by every particle (a lifting automaton, a table): resampling leaves it alone.
 
@@ -312,6 +320,7 @@ class OneTokenStep:
     twist: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
+@not_checked("the step protocol's base class: users subclass it, engines call its methods per step")
 class Program:
     """Base class of step-wise programs (see the module docstring).
 

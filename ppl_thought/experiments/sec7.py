@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
 from ppl_thought.distributions.lm_state import masked_log_softmax
-from ppl_thought.errors import ConfigError
+from ppl_thought.errors import ConfigError, NumericalError
 from ppl_thought.experiments.common import provenance, run_alone, score, set_lr, standard_error
 from ppl_thought.lm import Transformer
 from ppl_thought.lm.gated import gate_mlp
@@ -150,7 +150,7 @@ def sampler_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     R_i = U(log P/Q) and the leave-one-out baseline: -1/(n-1) sum_i U(R_i - mean_j R_j) log Q(Y_i | .)."""
     rew = (log_p - log_q).detach()
     if not torch.isfinite(rew).all():
-        raise ValueError("sampler reward log P/Q is not finite: the sampler proposes thoughts outside the prior's "
+        raise NumericalError("sampler reward log P/Q is not finite: the sampler proposes thoughts outside the prior's "
                          "support")
     adv = rew - rew.mean(-1, keepdim=True)
     return -(adv * log_q).sum(-1) / (log_q.shape[-1] - 1)
@@ -431,7 +431,7 @@ def run_sec7(cfg: Sec7Config, seed: int = 0, progress: bool = True) -> dict:
     Losses and gains are averaged over replicates; their ``*_se`` are test-set standard errors of that
     average, and ``*_seed_sd`` the spread between replicates. ``per_seed`` keeps each replicate's numbers."""
     if cfg.seeds < 1:
-        raise ValueError(f"seeds must be >= 1, got {cfg.seeds}")
+        raise ConfigError(f"seeds must be >= 1, got {cfg.seeds}")
     task = permutation_choice_task(cfg.m, cfg.query_len, cfg.num_choices, seed=seed)
     q_te, c_te, r_te = task.sample(cfg.num_test, generator=torch.Generator().manual_seed(seed + 7919))
     t0 = time.time()

@@ -90,7 +90,7 @@ from pyro.poutine.messenger import Messenger
 
 from ppl_thought.checks import integer
 from ppl_thought.distributions.lm_state import LMState, TokenRule
-from ppl_thought.errors import ConfigError, NotInImageError, ProgramError, ZeroWeightsError
+from ppl_thought.errors import ConfigError, NotInDomainError, NotInImageError, ProgramError, ZeroWeightsError
 from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.particles import (
     engine_device,
@@ -109,12 +109,13 @@ from ppl_thought.lm.base import as_id_batch, lm_device
 from ppl_thought.lm.base import step as lm_step
 from ppl_thought.models.slow_thinking import pad_sequences
 from ppl_thought.program import OUTPUT, as_done, is_output
-from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb
+from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb, checked
 from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID
 
 METHODS = ("direct", "streaming", "resampling", "unbiased", "exact", "best_of_k")
 
 
+@checked
 @dataclass
 class Decoded:
     """``tokens [S, m]`` new observable tokens (``<pad>`` after a stop; for a program: its integer outputs, -1
@@ -172,7 +173,7 @@ def _start(model, z0: torch.Tensor, num_observed, total: int) -> tuple[LMState, 
 
 def _check_in_domain(state: LMState) -> None:
     if bool((state.s < 0).any()):
-        raise ValueError("a prompt latent sequence is outside Dom(Proj)")
+        raise NotInDomainError("a prompt latent sequence is outside Dom(Proj)")
 
 
 def _continue(model, state: LMState, num_observed: int, max_new: int, stop_at_eos: bool,
@@ -227,7 +228,7 @@ def _resample(model, sampler, xt, n: int, num_samples: int, total: int, generato
     state, lp = _start(model, z, N, total)
     lw = _log_weights(lp, lq.to(lp.device)).reshape(num_samples, n)
     if bool(torch.isneginf(lw).all(-1).any()):
-        raise ValueError("resampling decoding: all n weights P/Q of a particle set are zero")
+        raise ZeroWeightsError("resampling decoding: all n weights P/Q of a particle set are zero")
     idx = ancestors(lw.double(), "multinomial", generator, size=1).squeeze(-1)  # one of n per sample, propto P/Q
     state.reorder(torch.arange(num_samples, device=idx.device) * n + idx)
     return state
@@ -241,6 +242,7 @@ def lifts_lm(model) -> bool:
         and callable(getattr(model, "x_ids", None))
 
 
+@checked
 def decode(model: Callable[..., Any], guide: Callable[..., Any] | SupportsSampleWithLogProb | None, *args: Any,
            method: str = "resampling", n: int = 16, max_new_tokens: int | None = None,
            num_samples: int = 1, stop_at_eos: bool | None = None, k: int = 4,
@@ -272,8 +274,6 @@ def decode(model: Callable[..., Any], guide: Callable[..., Any] | SupportsSample
         raise ConfigError("max_new_tokens / stop_at_eos are for models with the lifted LM protocol (prior, "
                           f"projection, x_ids); a program such as {type(model).__name__} decides how much it "
                           "generates: pass the horizon as one of its arguments")
-    if not callable(model):
-        raise ConfigError(f"decode takes a pt.Program (or a Pyro model), got {type(model).__name__}")
     return _decode_program(model, guide, args, kwargs, method, n, num_samples, k, generator)
 
 
@@ -361,6 +361,7 @@ def _next_token_loop(model, xt, max_new, num_samples, stop_at_eos, generator, di
     return Decoded(out, None, {"next_token_probs": probs_log, "sigma": sigma})
 
 
+@checked
 def next_token_distribution(model: Callable[..., Any], sampler: SupportsSampleWithLogProb | None, x: ArrayLike,
                             n: int = 16, method: str = "unbiased",
                             generator: torch.Generator | None = None) -> torch.Tensor:
@@ -385,7 +386,7 @@ def next_token_distribution(model: Callable[..., Any], sampler: SupportsSampleWi
         sigma = torch.as_tensor(model.projection.observable_ids, device=dev)
         lw = _log_weights(lp, lq.to(dev))
         if bool(torch.isneginf(lw).all()):
-            raise ValueError("Algorithm 2: all n weights P/Q are zero")
+            raise ZeroWeightsError("Algorithm 2: all n weights P/Q are zero")
         w = torch.softmax(lw.double(), 0)  # w_i / sum_j w_j
         m = torch.ceil(n * w**2 / (w**2).sum()).long().clamp(min=1)
         m = torch.where(w > 0, m, torch.zeros_like(m))

@@ -24,10 +24,10 @@ import torch
 
 from ppl_thought import checks
 from ppl_thought.checks import integer
-from ppl_thought.errors import NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
+from ppl_thought.errors import ArgumentTypeError, NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
 from ppl_thought.inference.particles import check_compatible, infinite_sites, sample_particles
 from ppl_thought.inference.result import Result, pareto_k
-from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb
+from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb, checked, per_token
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 
@@ -115,6 +115,7 @@ def not_in_image_result(message: str, n: int, engine: str, observed: dict) -> Re
 
 
 # ---------------------------------------------------------------------------------------------- engine
+@checked
 class Importance:
     """Vectorised importance sampling, estimator (3.2) (docs/architecture.md, "Engines").
 
@@ -168,6 +169,7 @@ class Importance:
             engine="Importance",
         )
 
+    @per_token
     def log_prob(self, model: Callable[..., Any], guide: Callable[..., Any] | None, *args: Any,
                  **kwargs: Any) -> torch.Tensor:
         """log p_n of (3.2) (``-inf`` for x outside the image of Proj)."""
@@ -271,8 +273,8 @@ def _sampler_step_log_probs(sampler, z: torch.Tensor, x: torch.Tensor) -> torch.
         if callable(getattr(sampler, name, None)):
             dist = getattr(sampler, name)(x)
             return dist.step_log_probs(_pad_to(z, dist.max_len))[0][..., : z.shape[-1]]
-    raise TypeError("the shared-sample estimator of Remark 3.5 needs the sampler's token probabilities: give it "
-                    "token_log_probs(z, x) -> [n, L] or dist(x) -> LMSequence; or use shared=False")
+    raise ArgumentTypeError("the shared-sample estimator of Remark 3.5 needs the sampler's token probabilities: give "
+                            "it token_log_probs(z, x) -> [n, L] or dist(x) -> LMSequence; or use shared=False")
 
 
 __all__ = ["Importance", "ZeroWeightsError", "lifted_prefix_length", "log_marginal_stderr", "log_normal_estimate",

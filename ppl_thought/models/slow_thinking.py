@@ -39,10 +39,11 @@ from ppl_thought.models.plain import PlainLM
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.transforms.base import Transformed
 from ppl_thought.transforms.projection_lift import ProjectionLift
-from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb
+from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb, checked, per_token
 from ppl_thought.vocab import PAD_ID
 
 
+@checked
 def pad_sequences(seqs: Sequence[ArrayLike], length: int | None = None, pad_id: int = PAD_ID,
                   device: torch.device | str | None = None) -> torch.Tensor:
     """A list of 1-D id sequences -> a right-padded LongTensor ``[len(seqs), length]`` (built on the host,
@@ -75,6 +76,7 @@ def pad_sequences(seqs: Sequence[ArrayLike], length: int | None = None, pad_id: 
     return out if device is None else out.to(device)
 
 
+@checked
 @dataclass
 class EnumeratedPosterior:
     """The exact posterior Q_*(z | x) of (2.24) over the enumerated lifting of x.
@@ -92,6 +94,7 @@ class EnumeratedPosterior:
     def probs(self) -> torch.Tensor:
         return self.log_probs.exp()
 
+    @per_token
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         idx = torch.multinomial(self.probs, n, replacement=True, generator=generator)
         return self.support[idx]
@@ -100,6 +103,7 @@ class EnumeratedPosterior:
         return {tuple(int(t) for t in row if t != PAD_ID): float(p) for row, p in zip(self.support, self.probs)}
 
 
+@checked
 class SlowThinking(Transformed):
     """The Pyro model of Proj # P_f with latent site ``"z"`` and observed site ``"x"``.
 
@@ -125,7 +129,7 @@ class SlowThinking(Transformed):
         checks.has_attributes("SlowThinking: projection", projection, ("vocab", "lifting", "domain"),
                               "a pt.projections projection (PauseToThink, QueryResponse, SparseThoughts, ...)")
         if int(prior.vocab_size) != len(projection.vocab):
-            raise ValueError(
+            raise ConfigError(
                 f"prior vocab_size {prior.vocab_size} != projection vocabulary size {len(projection.vocab)}"
             )
         plain = PlainLM(prior, projection.vocab, module_name="prior", state_key="z")

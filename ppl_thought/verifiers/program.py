@@ -53,6 +53,7 @@ from ppl_thought.errors import (
 )
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import Program, particles
+from ppl_thought.validation import checked, per_token
 from ppl_thought.verifiers.process import ProcessVerifier
 
 DRAWS = ("lm", "masked", "rejection")
@@ -62,6 +63,7 @@ _LOWEST = torch.finfo(torch.float32).min
 
 
 # ---------------------------------------------------------------------------------------------- pieces
+@checked
 class NextToken(TorchDistribution):
     """One token per row from log-probabilities ``[n, V]`` (-inf: impossible), as a Pyro distribution.
 
@@ -80,12 +82,14 @@ class NextToken(TorchDistribution):
         self.generator = generator
         super().__init__(batch_shape=log_probs.shape[:-1], event_shape=(), validate_args=False)
 
+    @per_token
     def expand(self, batch_shape: Sequence[int], _instance: NextToken | None = None):
         batch_shape = torch.Size(batch_shape)
         if batch_shape == self.batch_shape:
             return self
         return NextToken(self.log_probs.expand(batch_shape + self.log_probs.shape[-1:]), self.generator)
 
+    @per_token
     def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         if tuple(sample_shape):
             raise ProgramError("NextToken draws one token per particle row; sample_shape is not supported")
@@ -93,11 +97,13 @@ class NextToken(TorchDistribution):
         tok = sample_categorical(torch.exp(lp), self.generator).clamp(max=lp.shape[-1] - 1)
         return tok.reshape(self.batch_shape)
 
+    @per_token
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         v = torch.as_tensor(value, device=self.log_probs.device).long()
         return self.log_probs.gather(-1, v.unsqueeze(-1)).squeeze(-1)
 
 
+@checked
 def verifier_factor(name: str, verifier: ProcessVerifier, states: torch.Tensor, length: int | torch.Tensor) -> None:
     """``pyro.factor(name, log V(s))``: the process verifier of Def 3.1.3 as a factor (0 or -inf, never NaN)
     on prefixes given by their automaton ``states [n]`` and ``length`` (their common length, or ``[n]``)."""
@@ -198,6 +204,7 @@ class _VerifierSteps(Program):
 
 
 # ---------------------------------------------------------------------------------------------- the program
+@checked
 class VerifiedLM(_VerifierSteps):
     """p(s) proportional to p_O(s) 1(s in A): an LM restricted to the constraint set of a process verifier
     (Def 3.1.2, Def 3.1.3, Section 3.1.1), one token per step (see the module docstring).
@@ -237,15 +244,17 @@ class VerifiedLM(_VerifierSteps):
         super().__init__(lm, verifier, prompt, site, generator)
         if draw not in DRAWS:
             raise ConfigError(f"draw must be one of {DRAWS}, got {draw!r}")
-        if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 2:
+        if isinstance(max_tries, bool) or max_tries < 2:
             raise ConfigError(f"max_tries must be an integer >= 2 (two acceptances are needed), got {max_tries!r}")
         self.draw, self.max_tries = draw, max_tries
         self.calls = torch.zeros((), dtype=torch.long)
 
+    @per_token
     def init(self, state: dict, *args, **kwargs) -> None:
         super().init(state, *args, **kwargs)
         self.calls = torch.zeros((), dtype=torch.long, device=self.device)
 
+    @per_token
     def step(self, state: dict, t: int, *args, **kwargs):
         name, ok = f"{self.site}_{t}", f"{self.site}_ok_{t}"
         if self.draw == "lm":  # t ~ O(. | s), factor V(s o t)
@@ -268,6 +277,7 @@ class VerifiedLM(_VerifierSteps):
 
 
 # ---------------------------------------------------------------------------------------------- proposals
+@checked
 class LocallyOptimalProposal(_VerifierSteps):
     """The locally optimal proposal of :class:`VerifiedLM` (``proposal="masked"``): token i from
     q(t | s) = O(t | s) V(s o t) / Z_V(s), the law of tokenwise rejection (Def 3.1.5). The engine's weight
@@ -279,6 +289,7 @@ class LocallyOptimalProposal(_VerifierSteps):
         lq = self.log_next(state).masked_fill(~self.accepted(state, t), float("-inf"))
         return lq - torch.logsumexp(lq, -1, keepdim=True).clamp(min=_LOWEST)
 
+    @per_token
     def step(self, state: dict, t: int, *args, **kwargs):
         tok = pyro.sample(f"{self.site}_{t}", NextToken(self.local_log_probs(state, t), self.generator))
         return self.advance(state, t, tok)
@@ -319,6 +330,7 @@ class _RejectionDraw(NextToken):
         return super().log_prob(value) + self._drawn[1]
 
 
+@checked
 class WeightedRejectionProposal(_VerifierSteps):
     """Weighted rejection (AWRS style) as the proposal of :class:`VerifiedLM` (``proposal="rejection"``).
 
@@ -336,15 +348,17 @@ class WeightedRejectionProposal(_VerifierSteps):
     def __init__(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
                  site: str = "z", generator: torch.Generator | None = None, max_tries: int = 10_000):
         super().__init__(lm, verifier, prompt, site, generator)
-        if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 2:
+        if isinstance(max_tries, bool) or max_tries < 2:
             raise ConfigError(f"max_tries must be an integer >= 2 (two acceptances are needed), got {max_tries!r}")
         self.max_tries = max_tries
         self.calls = torch.zeros((), dtype=torch.long)
 
+    @per_token
     def init(self, state: dict, *args, **kwargs) -> None:
         super().init(state, *args, **kwargs)
         self.calls = torch.zeros((), dtype=torch.long, device=self.device)
 
+    @per_token
     def step(self, state: dict, t: int, *args, **kwargs):
         tok = pyro.sample(f"{self.site}_{t}", _RejectionDraw(self, state, t))
         return self.advance(state, t, tok)

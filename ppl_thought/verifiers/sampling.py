@@ -27,6 +27,7 @@ from ppl_thought.inference.result import Result
 from ppl_thought.inference.smc import SMC
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import Program
+from ppl_thought.validation import checked
 from ppl_thought.verifiers.process import ProcessVerifier
 from ppl_thought.verifiers.program import VerifiedLM
 
@@ -55,6 +56,7 @@ def _check_common(num_samples, max_len, verifier, lm) -> None:
                           f"has vocab_size={lm.vocab_size}")
 
 
+@checked
 class RejectionSampling:
     """Rejection sampling with an outcome verifier (Def 3.1.4).
 
@@ -126,6 +128,7 @@ class RejectionSampling:
         return Result(samples={self.site: torch.cat(kept)}, stats=stats, engine="RejectionSampling")
 
 
+@checked
 class TokenwiseRejection:
     """Tokenwise rejection sampling with a process verifier (Def 3.1.5).
 
@@ -201,6 +204,7 @@ class TokenwiseRejection:
         return Result(samples={self.site: out}, stats=stats, engine="TokenwiseRejection")
 
 
+@checked
 class VerifierSMC:
     """Exact baselines for verifier-guided generation: ``pt.infer.SMC`` on the program
     :class:`~ppl_thought.verifiers.program.VerifiedLM` (the LM restricted to A, Defs 3.1.2-3.1.3),

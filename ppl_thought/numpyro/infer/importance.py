@@ -19,6 +19,7 @@ from numpyro.handlers import replay, seed, trace
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
+from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, prng_key
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 from ppl_thought.numpyro.infer.steps import StepEngine, program_result
@@ -107,6 +108,7 @@ def not_in_image_result(message: str, n: int, engine: str, observed: dict) -> Re
 _COMPILED: dict = {}
 
 
+@checked_jax
 class Importance(StepEngine):
     """Vectorised importance sampling, estimator (3.2): ``Importance(n).run(model, guide, *args, rng_key=key)``.
 

@@ -23,6 +23,7 @@ import jax
 
 from ppl_thought.checks import fraction, integer
 from ppl_thought.errors import ConfigError, NotInImageError
+from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.infer.importance import Importance, not_in_image_result
 from ppl_thought.numpyro.infer.resampling import prng_key, systematic_resample
 from ppl_thought.numpyro.infer.result import Result
@@ -30,6 +31,7 @@ from ppl_thought.numpyro.infer.steps import StepEngine, program_result
 from ppl_thought.numpyro.program import is_program
 
 
+@checked_jax
 class SMC(StepEngine):
     """SMC over the steps of any :class:`~ppl_thought.numpyro.program.Program` (the generic engine core,
     :mod:`ppl_thought.numpyro.infer.steps`); a :class:`~ppl_thought.numpyro.models.SlowThinking` model runs as its
