@@ -51,7 +51,6 @@ class Tables:
     ``allowed [S+1, V]`` (admissible next tokens Phi^{<=1} of (2.26), never ``<pad>``/``<bos>``),
     ``final [S+1]``, ``emitted [S+1]`` (dead: ``-1``), ``start``, ``max_len``."""
 
-
     def __init__(self, automaton: Automaton):
         t = np.concatenate([automaton.next_state, np.full((1, automaton.vocab_size), -1)], 0)
         allowed = t >= 0
@@ -121,7 +120,6 @@ class TokenRule:
 
     A rule's state is a pytree with the rows on axis 0; here one automaton state per row.
     """
-
 
     def __init__(self, constraint: Automaton | None, vocab_size: int):
         self.constraint = constraint

@@ -340,7 +340,6 @@ class MarginalRule:
     State: ``(domain state [n], lifting state [n])``. The thought decision sees x_<t only (predictive, Def 3.7).
     """
 
-
     def __init__(self, projection: Projection, domain: Automaton, lifting: Automaton, x: ArrayLike):
         x = as_numpy("x", x, where="MarginalRule")
         if x.ndim != 1 or (x.size and not np.issubdtype(x.dtype, np.integer)):
@@ -429,7 +428,6 @@ class Predictive(Identity):
 class TableRule:
     """Q(next token | prefix) from a table over the lifting (ratios of prefix masses): the step-wise form of
     :class:`Posterior`. State: ``(rows of the table agreeing with the prefix [n, K], position [n], lifting state)``."""
-
 
     def __init__(self, support: Array, log_probs: Array, lifting: Automaton, vocab_size: int):
         self.V = self.vocab_size = integer("vocab_size", vocab_size, minimum=2)

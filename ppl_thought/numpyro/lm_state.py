@@ -139,7 +139,6 @@ class LMState:
     """
 
     # the constructor is the pytree's unflatten (JAX calls it with placeholders); start() is the checked entry
-
     @per_token
     def __init__(self, lm: Any, rule: Any, logp: Any, cache: Any, rule_state: Any, room: Any):
         self.lm, self.rule, self.room = lm, rule, room
@@ -292,7 +291,6 @@ class NextToken(Distribution):
     support = constraints.nonnegative_integer
     is_discrete = True
 
-
     def __init__(self, state: LMState, validate_args: bool | None = None):
         self.state = state
         self.q = state.log_probs()
@@ -318,7 +316,6 @@ class Segment(Distribution):
     arg_constraints: dict = {}
     support = constraints.independent(constraints.nonnegative_integer, 1)
     is_discrete = True
-
 
     def __init__(self, state: LMState, stop_ids: ArrayLike, max_tokens: int,
                  until: Callable[[Any], Any] | None = None, validate_args: bool | None = None):

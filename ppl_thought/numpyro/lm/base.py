@@ -25,7 +25,6 @@ class LM:
     """A JAX language model: parameters plus pure, jit-able functions. Caches are pytrees whose every
     leaf has the batch (particles) on axis 0, so resampling is `reorder(cache, index)`."""
 
-
     vocab_size: int
     params: Any  # pytree of jnp arrays (float32 by default)
 
