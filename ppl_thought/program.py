@@ -58,6 +58,7 @@ from ppl_thought.contract import (  # noqa: F401 -- the contract's names, re-exp
 from ppl_thought.errors import PPLThoughtError, ProgramError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.twists import current as current_twists
+from ppl_thought.validation import not_checked
 
 __all__ = ["OUTPUT", "PARTICLES", "PARTICLE_PLATES", "OneTokenStep", "Program", "Shared", "SiteContract",
            "arg_versions", "as_done", "as_twist", "check_args", "check_state", "factor", "freeze_finished",
@@ -103,6 +104,7 @@ def _site_error(verb: str, name: str, e: ValueError) -> ProgramError:
     return ProgramError(f"pt.{verb}({name!r}, ...): {e}"[:500])
 
 
+@not_checked("a step verb: called once per site per step inside every engine")
 def sample(name: str, fn, **kwargs) -> torch.Tensor:
     """A latent site: ``pyro.sample(name, fn, **kwargs)`` (a guide proposes it; without one the program does).
 
@@ -119,6 +121,7 @@ def sample(name: str, fn, **kwargs) -> torch.Tensor:
         raise _site_error("sample", name, e) from e
 
 
+@not_checked("a step verb: called once per site per step inside every engine")
 def observe(name: str, fn, value) -> torch.Tensor:
     """Condition on data: ``pyro.sample(name, fn, obs=value)``; its log-probability enters every weight.
 
@@ -152,6 +155,7 @@ def observe(name: str, fn, value) -> torch.Tensor:
         raise _site_error("observe", name, e) from e
 
 
+@not_checked("a step verb: called once per step inside every engine")
 def factor(name: str, log_factor) -> None:
     """Multiply the program's density by exp(log_factor) ``[n]`` (``pyro.factor``): a hard constraint is
     ``torch.where(ok, 0., -inf)``, a soft one any log-potential. Unlike :func:`twist` it changes the target.
@@ -178,6 +182,7 @@ def is_output(site: dict) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- twists
+@not_checked("a step verb: called once per step inside every engine")
 def twist(log_psi) -> None:
     """Set the potential log psi_t ``[n]`` of the particles at this step (SMC adds it now, removes it later).
 
@@ -207,6 +212,7 @@ def particle_frame():
     return None
 
 
+@not_checked("a step verb: read once per step inside every engine")
 def particles() -> int:
     """The number of particles of the enclosing particle plate (``pyro.plate("particles", n)``, or the
     plate of a vectorised Pyro ELBO / ``Predictive(parallel=True)``), else 1."""
@@ -214,6 +220,7 @@ def particles() -> int:
     return 1 if frame is None else int(frame.size)
 
 
+@not_checked("a step verb: read once per step inside every engine")
 def particle_groups() -> int:
     """The number G of independent particle groups of the enclosing particle plate, else 1.
 
@@ -227,6 +234,7 @@ def particle_groups() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- state
+@not_checked("a state entry the engines build and reorder once per step")
 class Shared:
     """A state entry shared by every particle (a lifting automaton, a table): resampling leaves it alone.
 
@@ -373,6 +381,7 @@ class OneTokenStep:
         return done, done | (lengths >= self.max_tokens)
 
 
+@not_checked("the step protocol's base class: users subclass it, engines call its methods per step")
 class Program:
     """Base class of step-wise programs (see the module docstring).
 

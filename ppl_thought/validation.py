@@ -1,17 +1,19 @@
 """The type layer at the public boundary (docs/architecture.md, "Validation at the boundary").
 
-Every public callable (the names in a subpackage's ``__all__``: functions, and the constructors and public
-methods of classes) is checked against its own type hints on each call by ``beartype`` (O(1) per call: one
-check per argument, never per element or per token). A violation raises :class:`ArgumentTypeError` naming the
-callable, the argument, the value and the declared type, where a bare ``TypeError`` / ``AttributeError`` from
-deep inside torch used to come. Value checks (ranges, sizes, vocabularies that must agree) stay in
-:mod:`ppl_thought.checks`, written once per kind of value.
+Every public callable (the names in a subpackage's ``__all__``) says at its definition that it is checked:
+``@checked`` on a function, or on a class (its ``__init__``, ``__call__`` and public methods), checks each call
+against the callable's own type hints with ``beartype`` (O(1) per call: one check per argument, never per
+element or per token). A violation raises :class:`ArgumentTypeError` naming the callable, the argument, the
+value and the declared type, where a bare ``TypeError`` / ``AttributeError`` from deep inside torch used to come.
+The methods an engine calls once per token or per step carry :func:`per_token` and stay unchecked (the engine
+checks its run once, at its boundary); a public name left unchecked on purpose carries :func:`not_checked` with
+the reason. Value checks (ranges, sizes, vocabularies that must agree) stay in :mod:`ppl_thought.checks`,
+written once per kind of value.
 
-The JAX side (``ppl_thought.numpyro``) uses the same layer with two additions: ``check_exports(...,
-skip_while=tracing)`` makes every checked callable call the plain one while its predicate is true (JAX is
-tracing: under ``jit`` / ``vmap`` / ``lax.scan`` the values are tracers and the check would run at trace time
-only, so the layer stays out of compiled code), and a class may name its own per-step methods in a class
-attribute ``__ppl_thought_hot__`` (they join :data:`_HOT` for that class and its subclasses).
+The JAX side (``ppl_thought.numpyro``) uses ``@checked(skip_while=tracing)``, spelled ``checked_jax`` in
+:mod:`ppl_thought.numpyro.boundary`: the checked callable calls the plain one while JAX traces (under ``jit`` /
+``vmap`` / ``lax.scan`` the values are tracers and the check would run at trace time only, so the layer stays
+out of compiled code).
 
 ``PPL_THOUGHT_TYPECHECK=0`` in the environment turns the layer off (set before ``import ppl_thought``), for
 benchmarking what it costs (``benchmarks/engines.py --typecheck-ab``).
@@ -26,7 +28,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import sys
 import typing
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -34,12 +35,13 @@ from typing import Any
 
 import numpy as np
 from beartype import BeartypeConf, FrozenDict, beartype
+from beartype.door import is_bearable
 from beartype.roar import BeartypeDecorHintPep585DeprecationWarning, BeartypeException
 
 from ppl_thought.errors import ArgumentTypeError, PPLThoughtError, ResultTypeError
 
 __all__ = ["ENABLED", "CONF", "ArrayLike", "SupportsArray", "SupportsLogProb", "SupportsSampleWithLogProb",
-           "check_exports", "checked", "UNCHECKED"]
+           "checked", "per_token", "not_checked", "resolve_all", "UNCHECKED"]
 
 
 
@@ -107,159 +109,176 @@ CONF = BeartypeConf(
 #: (tests/test_validation.py checks it)
 UNCHECKED: dict[str, str] = {}
 
-_MARK = "__ppl_thought_checked__"
-# methods that engines call per token or per step: checked once per run at the engine's boundary instead
-_HOT = frozenset({
-    "forward", "step", "init", "log_prob", "sample", "rsample", "expand", "reorder", "index_select",
-    # LMState / Segment / LMSequence: an engine calls these once per token step
-    "segment", "next_token", "extend", "snapshot", "feed", "feed_checked", "sample_with_log_prob", "step_log_probs",
-    "lm_kwargs_for",
-    # TokenRule (automaton stepping for all particles at once)
-    "allowed", "log_probs", "inactive_row", "advance", "is_final", "num_emitted", "end_tables", "forced_runs",
-    # Automaton (its states/tokens hint ArrayLike: a protocol isinstance costs tens of microseconds per call)
-    "mask",
-    # caches and the HuggingFace adapter's per-step id maps
-    "with_rows", "append", "store", "finish", "latent_projections", "empty", "to_hf", "from_hf", "library_logits",
-})
+_MARK = "__ppl_thought_checked__"  # on a checked function (its wrapper) and in the dict of a checked class
+_PER_TOKEN = "__ppl_thought_per_token__"  # on a method that the class decorator leaves unchecked
+_EXEMPT = "__ppl_thought_exempt__"  # on a public name that is not checked: why
+
+#: the compilers of checks not yet compiled (a check is compiled on its first call, when every name its hints
+#: read exists): :func:`resolve_all` runs them all
+_PENDING: list[Callable[[], Callable]] = []
 
 
 def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
+def per_token(func: Callable) -> Callable:
+    """Mark a method that an engine calls once per token or per step (``step``, ``log_prob``, a cache's
+    ``reorder`` ...): :func:`checked` on its class leaves it unchecked, since the engine checks the run once at its
+    boundary. The mark is the only effect: the method itself is unchanged."""
+    setattr(func, _PER_TOKEN, True)
+    return func
+
+
+def not_checked(reason: str) -> Callable[[Any], Any]:
+    """Mark a public name that the type layer leaves alone on purpose, saying why (tests/test_validation.py reads
+    the reason: every name in an ``__all__`` is checked or carries one)."""
+
+    def mark(obj: Any) -> Any:
+        setattr(obj, _EXEMPT, reason)
+        return obj
+
+    return mark
+
+
+def checked(obj: Any = None, skip_while: Callable[[], bool] | None = None) -> Any:
+    """The type layer, written at the definition: ``@checked`` on a function checks each call against its hints;
+    on a class it checks ``__init__``, ``__call__`` and the public, static and class methods defined in the class
+    (inherited ones are checked where they are defined), except the methods marked :func:`per_token`. A
+    violation raises :class:`ArgumentTypeError` (:class:`ResultTypeError` for a returned value).
+
+    The check of a function is compiled on its first call (then every name its hints read is defined); a hint
+    that cannot be resolved or compiled leaves the function unchecked and listed in :data:`UNCHECKED`. With
+    ``skip_while`` (``@checked(skip_while=tracing)``, the JAX side's ``checked_jax``) the function runs unchecked
+    whenever ``skip_while()`` is true. Without the layer (``PPL_THOUGHT_TYPECHECK=0``) it returns ``obj``."""
+    if obj is None:
+        return functools.partial(checked, skip_while=skip_while)
+    if inspect.isclass(obj):
+        return _check_class(obj, skip_while)
+    return _check_function(obj, skip_while)
+
+
 _WRAPPED: dict[Callable, Callable] = {}
 
 
-def checked(func: Callable, skip_while: Callable[[], bool] | None = None) -> Callable:
-    """``func`` checked against its hints on every call (or ``func`` itself when the layer is off, when it has
-    no hints, or when its hints cannot be resolved or compiled: then it is listed in :data:`UNCHECKED`). One
-    wrapper per function, however many subpackages export it. With ``skip_while``, the checked version calls
-    ``func`` unchecked whenever ``skip_while()`` is true (the JAX side: while JAX traces)."""
+def _check_function(func: Callable, skip_while: Callable[[], bool] | None) -> Callable:
+    """``func`` checked against its hints on every call (see :func:`checked`); one wrapper per function."""
     if not ENABLED or getattr(func, _MARK, False) or not getattr(func, "__annotations__", None):
         return func
     if func in _WRAPPED:
         return _WRAPPED[func]
-    try:  # a hint naming what only a TYPE_CHECKING import brings would fail at call time: find it now
-        typing.get_type_hints(func)
-    except Exception as e:  # noqa: BLE001 -- any failure to resolve means: this callable cannot be checked
-        UNCHECKED[_qualname(func)] = f"unresolvable hint: {type(e).__name__}: {e}"
-        return func
-    try:
-        with warnings.catch_warnings():  # beartype's notes on PEP 585 spellings are for us, not for users
-            warnings.simplefilter("ignore", BeartypeDecorHintPep585DeprecationWarning)
-            wrapped = beartype(func, conf=CONF)
-    except BeartypeException as e:
-        UNCHECKED[_qualname(func)] = f"{type(e).__name__}: {e}".splitlines()[0]
-        return func
-    if wrapped is not func:
-        wrapped = _guarded(func, wrapped)  # first: it reads beartype's frame right under its own
-        if skip_while is not None:
-            wrapped = _unless(func, wrapped, skip_while)
-        setattr(wrapped, _MARK, True)
-        _WRAPPED[func] = wrapped
-    return wrapped
 
+    def compile_check() -> Callable:
+        nonlocal check
+        if check is not first_call:
+            return check
+        check = func
+        try:  # a hint naming what only a TYPE_CHECKING import brings would fail at call time: say so
+            typing.get_type_hints(func)
+        except Exception as e:  # noqa: BLE001 -- any failure to resolve means: this callable cannot be checked
+            UNCHECKED[_qualname(func)] = f"unresolvable hint: {type(e).__name__}: {e}"
+            return check
+        try:
+            with warnings.catch_warnings():  # beartype's notes on PEP 585 spellings are for us, not for users
+                warnings.simplefilter("ignore", BeartypeDecorHintPep585DeprecationWarning)
+                check = beartype(func, conf=CONF)
+        except BeartypeException as e:
+            UNCHECKED[_qualname(func)] = f"{type(e).__name__}: {e}".splitlines()[0]
+        return check
 
-def _unless(func: Callable, check: Callable, skip_while: Callable[[], bool]) -> Callable:
-    """``check`` (the checked ``func``), except that ``func`` itself runs while ``skip_while()`` is true."""
+    def first_call(*args: Any, **kwargs: Any) -> Any:
+        return compile_check()(*args, **kwargs)
 
-    @functools.wraps(func)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return func(*args, **kwargs) if skip_while() else check(*args, **kwargs)
+    check = first_call
+    if skip_while is None:
+        @functools.wraps(func)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return check(*args, **kwargs)
+            except (TypeError, ValueError, AttributeError, IndexError) as e:
+                _refuse_unreadable(func, e, args, kwargs)
+                raise
+    else:
+        @functools.wraps(func)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if skip_while():
+                return func(*args, **kwargs)
+            try:
+                return check(*args, **kwargs)
+            except (TypeError, ValueError, AttributeError, IndexError) as e:
+                _refuse_unreadable(func, e, args, kwargs)
+                raise
 
+    setattr(call, _MARK, True)
+    _PENDING.append(compile_check)
+    _WRAPPED[func] = call
     return call
 
 
-def _odd_arguments(func: Callable, args: tuple, kwargs: dict) -> str:
-    """The arguments of a failed call, 0-d arrays (the usual culprits) first, as ``name=value`` (the error path)."""
-    try:
-        bound = inspect.signature(func).bind_partial(*args, **kwargs).arguments
-    except TypeError:
-        return f"arguments {args!r} {kwargs!r}"[:200]
-    named = {k: v for k, v in bound.items() if k not in ("self", "cls")}
-    odd = {k: v for k, v in named.items() if getattr(v, "ndim", None) == 0} or named
-    return ", ".join(f"{k}={v!r}"[:120] for k, v in odd.items())
+def _check_class(cls: type, skip_while: Callable[[], bool] | None) -> type:
+    if not ENABLED or cls.__dict__.get(_MARK, False):
+        return cls
+    for name, attr in list(vars(cls).items()):
+        if name.startswith("_") and name not in ("__init__", "__call__"):
+            continue
+        if isinstance(attr, staticmethod | classmethod):
+            if not getattr(attr.__func__, _PER_TOKEN, False):
+                fn = _check_function(attr.__func__, skip_while)
+                if fn is not attr.__func__:
+                    setattr(cls, name, type(attr)(fn))
+        elif inspect.isfunction(attr) and not getattr(attr, _PER_TOKEN, False):
+            fn = _check_function(attr, skip_while)
+            if fn is not attr:
+                setattr(cls, name, fn)
+    setattr(cls, _MARK, True)
+    return cls
 
 
-def _binds(func: Callable, args: tuple, kwargs: dict) -> bool:
+def resolve_all() -> dict[str, str]:
+    """Compile every check not compiled yet (each is compiled on its first call) and return :data:`UNCHECKED`:
+    the tests' way to see that every hint of every imported checked callable compiles."""
+    for compile_check in _PENDING:
+        compile_check()
+    return UNCHECKED
+
+
+def _refuse_unreadable(func: Callable, error: BaseException, args: tuple, kwargs: dict) -> None:
+    """Raise :class:`ArgumentTypeError` when ``error`` came from the check itself failing to read an argument
+    (beartype sizes a value hinted ``Iterable[...]`` / ``Sequence[...]`` with ``len()``, which a 0-d tensor or
+    array answers with a bare ``TypeError``); return (the caller re-raises ``error`` unchanged) when the error is
+    the library's own, when the call does not bind (Python's own error), or when every argument meets its hint
+    (the body raised). Runs only after an exception: each argument is asked again with ``beartype.door``."""
+    if isinstance(error, PPLThoughtError):
+        return
     try:
-        inspect.signature(func).bind(*args, **kwargs)
+        bound = inspect.signature(func).bind(*args, **kwargs)
     except TypeError:
-        return False
-    return True
+        return
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception:  # noqa: BLE001 -- unresolvable hints: the function ran unchecked, the body raised
+        return
+    params = inspect.signature(func).parameters
+    odd = []
+    for name, value in bound.arguments.items():
+        if name not in hints:
+            continue
+        kind = params[name].kind
+        values = value if kind is inspect.Parameter.VAR_POSITIONAL else \
+            value.values() if kind is inspect.Parameter.VAR_KEYWORD else (value,)
+        for v in values:
+            try:
+                ok = is_bearable(v, hints[name], conf=CONF)
+            except Exception:  # noqa: BLE001 -- a value the hint cannot read at all
+                ok = False
+            if not ok:
+                odd.append(f"{name}={v!r}"[:120])
+                break
+    if odd:
+        raise ArgumentTypeError(f"{_qualname(func)}() got {', '.join(odd)}, which its type hints cannot read "
+                                f"({type(error).__name__}: {error}): expected the declared types "
+                                f"{_hints(func)}"[:600]) from None
 
 
 def _hints(func: Callable) -> str:
     return ", ".join(f"{k}: {v}" for k, v in getattr(func, "__annotations__", {}).items() if k != "return")
-
-
-def _guarded(func: Callable, wrapped: Callable) -> Callable:
-    """``wrapped`` (beartype's check of ``func``) with the exceptions the *check itself* raises on an odd value
-    turned into :class:`ArgumentTypeError`: beartype sizes a value hinted ``Iterable[...]`` or ``Sequence[...]``
-    with ``len()``, which a 0-d tensor or array answers with a bare ``TypeError``. An exception from ``func``'s own
-    body (the frame after beartype's is ``func``'s) passes unchanged."""
-    code = func.__code__
-
-    @functools.wraps(func)
-    def guard(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return wrapped(*args, **kwargs)
-        except (TypeError, ValueError, AttributeError, IndexError) as e:
-            tb = e.__traceback__.tb_next if e.__traceback__ is not None else None  # beartype's wrapper frame
-            if tb is None or not tb.tb_frame.f_code.co_filename.startswith("<@beartype(") or \
-                    (tb.tb_next is not None and tb.tb_next.tb_frame.f_code is code) or isinstance(e, PPLThoughtError) \
-                    or not _binds(func, args, kwargs):  # a call with missing or extra arguments: Python's own error
-                raise
-            raise ArgumentTypeError(f"{_qualname(func)}() got {_odd_arguments(func, args, kwargs)}, which its type "
-                                    f"hints cannot read ({type(e).__name__}: {e}): expected the declared types "
-                                    f"{_hints(func)}"[:600]) from None
-
-    return guard
-
-
-def _check_class(cls: type, skip_while: Callable[[], bool] | None = None) -> None:
-    if cls.__dict__.get(_MARK, False):
-        return
-    hot = _HOT | frozenset(getattr(cls, "__ppl_thought_hot__", ()))
-    for name, attr in list(vars(cls).items()):
-        if name in hot or (name.startswith("_") and name not in ("__init__", "__call__")):
-            continue
-        if isinstance(attr, staticmethod | classmethod):
-            fn = checked(attr.__func__, skip_while)
-            if fn is not attr.__func__:
-                setattr(cls, name, type(attr)(fn))
-        elif inspect.isfunction(attr):
-            fn = checked(attr, skip_while)
-            if fn is not attr:
-                setattr(cls, name, fn)
-    setattr(cls, _MARK, True)
-
-
-def check_exports(namespace: dict[str, Any], names: Iterable[str] | None = None, *,
-                  skip_while: Callable[[], bool] | None = None) -> None:
-    """Put the type layer on the public names of a module: call at the end of a subpackage's ``__init__`` as
-    ``check_exports(globals())``. Functions are replaced by their checked version in ``namespace`` and under
-    every name already bound to them in a loaded ``ppl_thought`` module (its home, every re-export), so there is
-    one object per function; classes get their constructor and public methods checked in place (except the
-    per-step methods of :data:`_HOT` and of the class's ``__ppl_thought_hot__``). ``skip_while``: see
-    :func:`checked` (the JAX side passes "JAX is tracing")."""
-    if not ENABLED:
-        return
-    replaced: dict[int, Callable] = {}  # id(original) -> its checked version
-    for name in names if names is not None else namespace.get("__all__", ()):
-        obj = namespace.get(name)
-        if not str(getattr(obj, "__module__", "")).startswith("ppl_thought"):
-            continue
-        if inspect.isclass(obj):
-            if not issubclass(obj, BaseException):
-                _check_class(obj, skip_while)
-        elif inspect.isfunction(obj):
-            namespace[name] = wrapped = checked(obj, skip_while)
-            if wrapped is not obj:
-                replaced[id(obj)] = wrapped
-    if replaced:  # one pass over the loaded modules for all of this namespace's functions
-        for mod_name, mod in list(sys.modules.items()):
-            if mod_name.startswith("ppl_thought") and mod is not None:
-                for key, value in list(vars(mod).items()):
-                    if id(value) in replaced and replaced[id(value)].__wrapped__ is value:
-                        setattr(mod, key, replaced[id(value)])

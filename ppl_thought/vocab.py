@@ -17,7 +17,7 @@ import numpy as np
 
 from ppl_thought import checks
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
-from ppl_thought.validation import ArrayLike, SupportsArray
+from ppl_thought.validation import ArrayLike, SupportsArray, checked
 
 PAD, BOS, EOS, THINK, END_THINK, EXPLAIN = "<pad>", "<bos>", "<eos>", "<s>", "</s>", "<explain>"
 RESERVED: tuple[str, ...] = (PAD, BOS, EOS, THINK, END_THINK, EXPLAIN)
@@ -26,6 +26,7 @@ DEFAULT: tuple[str, ...] = RESERVED
 PAD_ID, BOS_ID, EOS_ID, THINK_ID, END_THINK_ID, EXPLAIN_ID = range(len(RESERVED))
 
 
+@checked
 class Vocab:
     """A vocabulary: reserved specials first (ids 0..5), then extra specials, then ordinary tokens.
 

@@ -166,16 +166,10 @@ DRAWS_ALLOWED = {
     ("data/markov_mixture.py", "sample"): "the data law (a mixture of Markov chains), no LM",
     ("data/markov_mixture.py", "sample_continuation"): "the data law (a mixture of Markov chains), no LM",
     ("training/active.py", "conditional_decode"): "an importance resample of particles (index I), not tokens",
-    ("inference/", "_next_token_loop"): "an observed symbol from the predictive law (3.12)-(3.14)",
-    ("inference/", "_exact_loop"): "an observed symbol from the exact predictive law (Algorithm 2)",
     ("inference/", "_program_algorithm2"): "an observed symbol from the predictive law (G.1)",
     ("inference/", "_program_exact"): "outputs from an enumerated exact law",
+    ("inference/", "_program_algorithm1"): "an observed symbol from the exact next-output law (Algorithm 1, line 7)",
     ("experiments/verifiers.py", "compare_methods"): "completions from an enumerated exact law",
-    # pending (issue 39, item 3): routed through token_step by other branches; drop these entries when they land
-    ("verifiers/program.py", "sample"): "pending: NextToken.sample, routed through token_step elsewhere",
-    ("verifiers/program.py", "weighted_rejection"): "pending: routed through token_step elsewhere",
-    ("experiments/sec7.py", "sample_thoughts"): "pending: routed through token_step elsewhere",
-    ("experiments/sec7.py", "particles"): "pending: routed through token_step elsewhere",
 }
 
 

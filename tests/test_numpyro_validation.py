@@ -35,7 +35,7 @@ from ppl_thought.errors import (  # noqa: E402
 )
 from ppl_thought.numpyro.boundary import tracing  # noqa: E402
 from ppl_thought.projections import PauseToThink  # noqa: E402
-from ppl_thought.validation import _HOT, ENABLED, UNCHECKED, checked  # noqa: E402
+from ppl_thought.validation import ENABLED, checked, resolve_all  # noqa: E402
 from ppl_thought.vocab import Vocab  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ENABLED, reason="PPL_THOUGHT_TYPECHECK=0 turns the type layer off")
@@ -97,20 +97,29 @@ def test_the_hint_check_sees_a_missing_hint():
 
 
 def test_every_public_hint_compiles_and_is_checked():
-    """beartype compiled every hint (UNCHECKED empty), and every public ptn callable with hinted parameters is the
-    checked one, except the per-step methods (validation._HOT and the classes' __ppl_thought_hot__)."""
+    """beartype compiled every hint (nothing left in UNCHECKED), and every public ptn callable with hinted
+    parameters is the checked one, except the per-step methods marked ``@per_token`` at their definition."""
     checked_count = 0
-    for where, fn, cls in _public_callables():
-        hot = _HOT | frozenset(getattr(cls, "__ppl_thought_hot__", ())) if cls is not None else frozenset()
+    for where, fn, _ in _public_callables():
         name = where.rsplit(".", 1)[-1]
-        if name in hot or name == "__new__" or not set(fn.__annotations__) - {"return"}:
+        if getattr(fn, "__ppl_thought_per_token__", False) or name == "__new__" or \
+                not set(fn.__annotations__) - {"return"}:
             continue
-        if not getattr(fn, "__ppl_thought_checked__", False) and checked(fn) is fn:
-            continue  # every hint is Any: beartype has nothing to check
         assert getattr(fn, "__ppl_thought_checked__", False), f"{where} is not checked"
         checked_count += 1
     assert checked_count >= 90
-    assert {k: v for k, v in UNCHECKED.items() if ".numpyro." in k} == {}
+    assert {k: v for k, v in resolve_all().items() if ".numpyro." in k} == {}
+
+
+def test_the_jax_side_is_checked_with_its_tracing_predicate():
+    """Every checked public ptn function and method defined on the JAX side is ``@checked_jax`` (it runs plain
+    while JAX traces), never the torch side's ``@checked``: its wrapper reads ``skip_while``."""
+    seen = 0
+    for where, fn, _ in _public_callables():
+        if getattr(fn, "__ppl_thought_checked__", False) and ".numpyro." in fn.__module__:
+            assert "skip_while" in fn.__code__.co_freevars, f"{where} is checked without the tracing predicate"
+            seen += 1
+    assert seen >= 90
 
 
 # ---------------------------------------------------------------------------------------------- never while tracing
@@ -197,12 +206,16 @@ def test_the_tracing_probe_sees_a_check_inside_jit():
     assert calls.traced, "a check inside jit was not seen"
     quiet = checked(lambda a: 3 * a)  # no hints: not wrapped at all
     assert quiet(2) == 6
-    from ppl_thought.validation import _unless
 
-    skipping = _unless(double, plain, tracing)
+    def triple(a: jax.Array) -> jax.Array:
+        return 3 * a
+
+    triple.__module__ = "ppl_thought.numpyro.test"
+    triple.__qualname__ = "triple"
+    skipping = checked(triple, skip_while=tracing)
     calls = _record(lambda: jax.jit(lambda a: skipping(a))(jnp.ones(2)))
     assert calls.traced == []
-    with pytest.raises(ArgumentTypeError, match="double"):
+    with pytest.raises(ArgumentTypeError, match="triple"):
         skipping("x")
 
 

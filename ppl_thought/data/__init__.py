@@ -25,6 +25,3 @@ __all__ = [
     "self_reducible_curve",
 ]
 
-from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
-
-check_exports(globals())

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ppl_thought import checks
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.models.hmm import HMM, EntropyEstimate
 from ppl_thought.models.hmm_lifting import slow_thinking_parts
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked, per_token
 from ppl_thought.vocab import Vocab
 
 #: Permutations of {1..5} as tuples ``p`` with ``p[v - 1] = sigma(v)``.
@@ -68,14 +68,14 @@ def compose(*perms: Sequence[int]) -> tuple[int, ...]:
 def hidden_index(v: int, w: int) -> int:
     """Index of the hidden state ``(v, w)`` in ``HIDDEN_NAMES`` (v in 1..5, w in 0..2)."""
     if not (1 <= v <= 5 and 0 <= w <= 2):
-        raise ValueError(f"hidden state (v, w) = ({v}, {w}) outside {{1..5}} x {{0, 1, 2}}")
+        raise ConfigError(f"hidden state (v, w) = ({v}, {w}) outside {{1..5}} x {{0, 1, 2}}")
     return (v - 1) * 3 + w
 
 
 def hidden_state(index: int) -> tuple[int, int]:
     """The pair ``(v, w)`` of a hidden-state index."""
     if not 0 <= index < 15:
-        raise ValueError(f"hidden-state index {index} outside [0, 15)")
+        raise ConfigError(f"hidden-state index {index} outside [0, 15)")
     return index // 3 + 1, index % 3
 
 
@@ -101,6 +101,7 @@ def _build_hmm(reveal_prob: float) -> HMM:
     return HMM(A, B, lam, observable_tokens=OBSERVABLE_TOKENS, hidden_names=HIDDEN_NAMES)
 
 
+@checked
 @dataclass(frozen=True)
 class A5Task:
     """The App. E.1 HMM with its exact answers; build it with :func:`a5_hmm`.
@@ -126,7 +127,7 @@ class A5Task:
         for b in bits:
             b = int(b)
             if b not in (0, 1):
-                raise ValueError(f"F takes bits in {{0, 1}}, got {b}")
+                raise ConfigError(f"F takes bits in {{0, 1}}, got {b}")
             v = SIGMAS[b][v - 1]
         return v
 
@@ -157,6 +158,7 @@ class A5Task:
         return out[0] if single else out
 
     # ------------------------------------------------------------------ data
+    @per_token
     def sample(
         self,
         num_sequences: int,
@@ -233,6 +235,7 @@ class A5Task:
         return slow_thinking_parts(self.hmm, sep=sep)
 
 
+@checked
 def a5_hmm(reveal_prob: float = 0.5) -> A5Task:
     """The "cups and ball" HMM of App. E.1 (proof of Theorem 2.1), built on (E.1).
 

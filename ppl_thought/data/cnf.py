@@ -16,6 +16,7 @@ from ppl_thought.errors import (
     TooLargeToEnumerateError,
     UnsatisfiableConstraintError,
 )
+from ppl_thought.validation import checked
 
 __all__ = ["CNF", "MAX_VARIABLES", "assignment_bits", "random_cnf"]
 
@@ -32,6 +33,7 @@ def assignment_bits(m: int, device: torch.device | None = None) -> torch.Tensor:
     return ((a.unsqueeze(-1) >> shifts) & 1).bool()
 
 
+@checked
 class CNF:
     """A CNF formula over ``m`` Boolean variables with exact counts of satisfying completions.
 
@@ -43,7 +45,7 @@ class CNF:
     """
 
     def __init__(self, clauses: Sequence[Sequence[int]], m: int, device: torch.device | str | None = None) -> None:
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        if isinstance(m, bool) or m < 1:
             raise ConfigError(f"CNF needs a positive integer number of variables m, got {m!r}")
         if m > MAX_VARIABLES:
             raise TooLargeToEnumerateError(
@@ -151,6 +153,7 @@ class CNF:
         return out
 
 
+@checked
 def random_cnf(m: int, k: int, num_clauses: int, seed: int = 0, max_tries: int = 1000,
                device: torch.device | str | None = None) -> CNF:
     """A satisfiable random k-CNF: ``num_clauses`` clauses, each over ``k`` distinct variables with random signs.
@@ -161,7 +164,7 @@ def random_cnf(m: int, k: int, num_clauses: int, seed: int = 0, max_tries: int =
     for name, v in (("m", m), ("k", k), ("max_tries", max_tries)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"random_cnf needs a positive integer {name}, got {v!r}")
-    if isinstance(num_clauses, bool) or not isinstance(num_clauses, int) or num_clauses < 0:
+    if isinstance(num_clauses, bool) or num_clauses < 0:
         raise ConfigError(f"random_cnf needs a non-negative integer num_clauses, got {num_clauses!r}")
     if k > m:
         raise ConfigError(f"clause width k = {k} exceeds the number of variables m = {m}")

@@ -25,6 +25,7 @@ import torch
 from ppl_thought import checks
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.projections.automaton import Automaton
+from ppl_thought.validation import checked, per_token
 from ppl_thought.verifiers.process import ProcessVerifier, dyck
 from ppl_thought.vocab import Vocab
 
@@ -37,6 +38,7 @@ _OPEN, _CLOSE = "([{<", ")]}>"
 MAX_DYCK_STATES = 1_000_000
 
 
+@checked
 @dataclass
 class DyckTask:
     """Dyck_{k,D} strings of length ``N`` over a vocabulary of ``2k`` bracket tokens."""
@@ -64,6 +66,7 @@ class DyckTask:
         self.automaton: Automaton = dyck(self.k, self.D, self.vocab)
 
     # ------------------------------------------------------------------ sampling
+    @per_token
     def sample(self, n: int, type_probs: Sequence[float] | None = None, length: int | None = None,
                seed: int = 0) -> torch.Tensor:
         """``n`` strings ``[n, length]`` (default ``N``): prefixes of valid length-N Dyck strings, generated
@@ -120,6 +123,7 @@ class DyckTask:
         return torch.tensor([s for s, _ in frontier], dtype=torch.long).reshape(len(frontier), L)
 
 
+@checked
 @dataclass
 class DyckDistribution:
     """The Dyck distribution D_Dyck of Definition 3.2.1 over Dyck_D, strings of length ``D`` over ``[ ] ( )``.
@@ -228,6 +232,7 @@ class DyckDistribution:
                 self._advance(strings[:, i], depth, stack)
         return torch.stack(steps, 1)
 
+    @per_token
     def log_prob(self, strings: torch.Tensor) -> torch.Tensor:
         """log P(w_{1:N}) ``[n]`` under Definition 3.2.1 (float64; ``-inf`` outside the prefix set Dyck_N)."""
         strings = self._check_strings(strings)
@@ -235,6 +240,7 @@ class DyckDistribution:
         tok = probs.gather(2, strings[:, :, None])[..., 0]
         return tok.log().sum(-1)
 
+    @per_token
     def sample(self, n: int, length: int | None = None, seed: int | torch.Generator = 0) -> torch.Tensor:
         """``n`` strings ``[n, length]`` (default ``D``) drawn from the prefix law on Dyck_length by the
         autoregressive process of Remark 3.2.1; ``seed`` is an int or a ``torch.Generator``."""

@@ -39,12 +39,13 @@ import numpy as np
 import torch
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked, per_token
 from ppl_thought.vocab import Vocab
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
+@checked
 @dataclass(frozen=True)
 class PermutationChoiceTask:
     """The task (D.1): response = query permuted by one of C hidden methods, then the method's name.
@@ -76,11 +77,12 @@ class PermutationChoiceTask:
         return len(self.alphabet)
 
     # ------------------------------------------------------------------ data
+    @per_token
     def sample(self, num: int, generator: torch.Generator | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q, c, r)``: queries ``[num, k]``, choices ``[num]``, responses ``[num, k + 1]`` (token indices)."""
         if num < 0:
-            raise ValueError(f"num must be >= 0, got {num}")
+            raise ConfigError(f"num must be >= 0, got {num}")
         q = torch.randint(self.m, (num, self.query_len), generator=generator)
         c = torch.randint(self.num_choices, (num,), generator=generator)
         perms = torch.as_tensor(self.perms)
@@ -139,6 +141,7 @@ class PermutationChoiceTask:
         return self.conditional_entropy() / (self.query_len + 2)
 
 
+@checked
 def permutation_choice_task(m: int = 4, query_len: int = 2, num_choices: int = 4,
                             seed: int = 0) -> PermutationChoiceTask:
     """The task (D.1) with m letters, queries of length k = ``query_len`` and C = ``num_choices``

@@ -114,10 +114,12 @@ from ppl_thought.errors import (
     MalformedSequenceError,
     SamplingBudgetError,
 )
+from ppl_thought.validation import checked
 
 _DTYPE = torch.float64
 
 
+@checked
 def coordinatewise_median(predictions: torch.Tensor) -> torch.Tensor:
     """Consensus of ``T`` predicted distributions by the coordinate-wise median, renormalised (Lemma 5.11, (6)).
 
@@ -157,6 +159,7 @@ def _order_stat_antiderivative(u: torch.Tensor, T: int, k: int) -> torch.Tensor:
     return (pmf * j.clamp(max=k)).sum(-1) / (T + 1)
 
 
+@checked
 class WeakCoT:
     """A binary-vocabulary chain-of-thought model with (alpha, gamma)-weak token-wise learning (Definition 5.10).
 
@@ -232,7 +235,7 @@ class WeakCoT:
         lo, hi = self.good_interval(p)
         bad = self.bad_value(p)
         if num_samples is not None:
-            if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            if isinstance(num_samples, bool) or num_samples < 1:
                 raise ConfigError(f"num_samples must be a positive integer, got {num_samples!r}")
             lo, hi, bad = (v.expand(num_samples, *v.shape) for v in (lo, hi, bad))
         return self.draw_paths(lo, hi, bad, T, generator)
@@ -505,6 +508,7 @@ def expected_log_count_error(cnf: CNF, log_q: torch.Tensor) -> float:
     return float((w * (-lq - math.log(cnf.num_solutions)).abs()).sum())
 
 
+@checked
 def self_reducible_curve(T_values: Sequence[int], m: int = 12, alpha: float = 0.01, gamma: float = 0.25,
                          seed: int = 0, quick: bool = False, k: int = 3, clause_ratio: float = 3.0,
                          bad: str = "flip", num_formulas: int | None = None, n_count: int | None = None

@@ -84,6 +84,3 @@ __all__ = [
     "to_inference_data",
 ]
 
-from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
-
-check_exports(globals())

@@ -51,6 +51,7 @@ import torch
 
 from ppl_thought.checks import integer, real
 from ppl_thought.errors import DiagnosticError, MalformedSequenceError, TooLargeToEnumerateError
+from ppl_thought.validation import checked
 
 NextTokenModel = Callable[..., torch.Tensor]
 Distinguisher = Callable[[int, torch.Tensor], torch.Tensor]
@@ -227,6 +228,7 @@ def kl_advantage_bound(kl: float, n: int, k: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- boosting
+@checked
 class Boosted:
     """The boosted next-token model q' of Lemma 2, (1.4): q reweighted on the blocks of I_m by exp(eps d).
 
@@ -298,6 +300,7 @@ def boosted_log_ratio(q: NextTokenModel, d: Distinguisher, k: int, offset: int, 
     return out if isinstance(out, torch.Tensor) else torch.zeros(x.shape[0], dtype=DTYPE, device=x.device)
 
 
+@checked
 @dataclass
 class BoostingReport:
     """Lemma 1 on a pair (p, q) small enough to enumerate Sigma^n; KL in nats per document."""
@@ -324,6 +327,7 @@ class BoostingReport:
     theorem3_after: float = field(default=math.nan)
 
 
+@checked
 def exact_boosting(p: NextTokenModel, q: NextTokenModel, d: Distinguisher, vocab_size: int, n: int, k: int,
                    eps: float | None = None, offset: int | None = None) -> BoostingReport:
     """Lemmas 1-2 by enumeration of Sigma^n: the advantage, the offset m, the boosted model (1.4) and its law
@@ -385,6 +389,7 @@ def self_boosting_threshold(eps: float, n: int, k: int) -> float:
     return eps ** 2 * (n - k + 1) / (8 * k * n)
 
 
+@checked
 def self_boosting_schedule(train: Callable[[int], float], threshold: float, num_indices: int,
                            generator: torch.Generator | None = None, max_tries: int = 64) -> SelfBoostingRun:
     """Algorithm 1 (Section 3; Lemma 4): draw i0 uniformly from {1, .., num_indices}, train at i0, i0 + 1, ..

@@ -28,12 +28,13 @@ from pathlib import Path
 import torch
 
 from ppl_thought.diagnostics.plots import plot_causal_gap
-from ppl_thought.errors import ZeroWeightsError
+from ppl_thought.errors import ConfigError, DiagnosticError, ZeroWeightsError
 from ppl_thought.inference.importance import lifted_prefix_length
 from ppl_thought.models.slow_thinking import SlowThinking
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked
 
 
+@checked
 def causal_gap(log_q: torch.Tensor, log_prior_thought: torch.Tensor, log_response: torch.Tensor,
                response_length: int | torch.Tensor | None = None) -> torch.Tensor:
     """The weighted average causal gap (7.3) of one batch.
@@ -52,12 +53,12 @@ def causal_gap(log_q: torch.Tensor, log_prior_thought: torch.Tensor, log_respons
     if lq.ndim == 1:
         lq, lpy, lpr = lq[None], lpy[None], lpr[None]
     if not (lq.shape == lpy.shape == lpr.shape) or lq.ndim != 2:
-        raise ValueError(f"log_q, log_prior_thought, log_response must share a shape [B, n]; got "
+        raise DiagnosticError(f"log_q, log_prior_thought, log_response must share a shape [B, n]; got "
                          f"{tuple(lq.shape)}, {tuple(lpy.shape)}, {tuple(lpr.shape)}")
     if torch.isnan(lq).any() or torch.isnan(lpy).any() or torch.isnan(lpr).any():
-        raise ValueError("causal_gap: NaN log-probabilities")
+        raise DiagnosticError("causal_gap: NaN log-probabilities")
     if torch.isneginf(lq).any():
-        raise ValueError("causal_gap: log Q(Y_i | ...) = -inf for a thought Y_i drawn from Q")
+        raise DiagnosticError("causal_gap: log Q(Y_i | ...) = -inf for a thought Y_i drawn from Q")
     log_pt = torch.where(torch.isneginf(lpy) | torch.isneginf(lpr), torch.full_like(lq, -torch.inf), lpy + lpr - lq)
     dead = torch.isneginf(log_pt).all(-1)
     if dead.any():
@@ -71,6 +72,7 @@ def causal_gap(log_q: torch.Tensor, log_prior_thought: torch.Tensor, log_respons
     return per_b.mean()
 
 
+@checked
 @dataclass
 class CausalGapTracker:
     """Records the causal gap (7.3) per training step (e.g. from a Trainer's hook) for plotting."""
@@ -109,6 +111,7 @@ def _prefix_marginal(model, x, t0: int, t: int, limit: int) -> dict[tuple[int, .
     return out
 
 
+@checked
 def posterior_drift(model: SlowThinking, x: ArrayLike, t0: int, t1: int | None = None, t2: int | None = None,
                     limit: int = 20_000) -> float:
     """Total variation between Pi_{t0} # Q_*(.|x_{<=t1}) and Pi_{t0} # Q_*(.|x_{<=t2}) (Def 3.10, Ex 3.4).
@@ -121,12 +124,13 @@ def posterior_drift(model: SlowThinking, x: ArrayLike, t0: int, t1: int | None =
     t1 = t0 if t1 is None else int(t1)
     t2 = T if t2 is None else int(t2)
     if not 1 <= t0 <= min(t1, t2) or max(t1, t2) > T:
-        raise ValueError(f"posterior_drift needs 1 <= t0 <= t1, t2 <= |x| = {T}; got t0={t0}, t1={t1}, t2={t2}")
+        raise ConfigError(f"posterior_drift needs 1 <= t0 <= t1, t2 <= |x| = {T}; got t0={t0}, t1={t1}, t2={t2}")
     a = _prefix_marginal(model, xt, t0, t1, limit)
     b = _prefix_marginal(model, xt, t0, t2, limit)
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
 
+@checked
 def posterior_drift_curve(model: SlowThinking, x: ArrayLike, limit: int = 20_000) -> list[float]:
     """[posterior_drift(model, x, t) for t = 1..|x|-1] (Def 3.10 at every earlier time)."""
     T = len(model.x_ids(x))

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from ppl_thought.distributions.token_rule import token_step
-from ppl_thought.errors import ConfigError
-from ppl_thought.validation import ArrayLike
+from ppl_thought.errors import ConfigError, DiagnosticError
+from ppl_thought.validation import ArrayLike, checked
 
 
+@checked
 @dataclass
 class KTokenAdvantage:
     """The estimated advantage (Eq 1.2) with its standard error and a ``level`` confidence interval."""
@@ -53,6 +54,7 @@ def _normal_quantile(level: float) -> float:
     return float(norm.ppf(0.5 + level / 2))
 
 
+@checked
 def advantage_bound(k: int, loss: float, entropy_rate: float, n: int | None = None) -> float:
     """Theorem 3 (App. A) on |advantage| of any next-k-token distinguisher, from per-token rates.
 
@@ -63,9 +65,9 @@ def advantage_bound(k: int, loss: float, entropy_rate: float, n: int | None = No
     n -> infinity; for finite n > k it is too small by sqrt(n / N) (a test shows it failing), so pass ``n``.
     L - H < 0 can only come from estimation noise in L; it is clipped to 0.
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    if isinstance(k, bool) or k < 1:
         raise ConfigError(f"k must be an integer >= 1, got {k!r}")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < k):
+    if n is not None and (isinstance(n, bool) or n < k):
         raise ConfigError(f"n (the document length) must be an integer >= k = {k}, got {n!r}")
     if not (math.isfinite(loss) and math.isfinite(entropy_rate)):
         return math.inf
@@ -76,6 +78,7 @@ def advantage_bound(k: int, loss: float, entropy_rate: float, n: int | None = No
     return math.sqrt(min(k, N) * n * rate / (2 * N))
 
 
+@checked
 def k_token_advantage(distinguisher: Callable, prefixes: ArrayLike, held_out: ArrayLike, model: ArrayLike, k: int,
                       level: float = 0.95, loss: float | None = None,
                       entropy_rate: float | None = None, doc_len: int | None = None) -> KTokenAdvantage:
@@ -94,26 +97,27 @@ def k_token_advantage(distinguisher: Callable, prefixes: ArrayLike, held_out: Ar
     """
     N = len(prefixes)
     if not (N == len(held_out) == len(model)):
-        raise ValueError(f"prefixes, held_out and model must pair up; got lengths {N}, {len(held_out)}, {len(model)}")
+        raise DiagnosticError(f"prefixes, held_out and model must pair up; got lengths {N}, {len(held_out)}, "
+                              f"{len(model)}")
     if N < 2:
-        raise ValueError("k_token_advantage needs at least 2 prefixes")
+        raise ConfigError("k_token_advantage needs at least 2 prefixes")
     if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level}")
+        raise ConfigError(f"level must be in (0, 1), got {level}")
     if isinstance(prefixes, torch.Tensor):
         h = torch.as_tensor(held_out)[:, :k]
         m = torch.as_tensor(model)[:, :k]
         if h.shape[-1] < k or m.shape[-1] < k:
-            raise ValueError(f"continuations need at least k = {k} tokens")
+            raise DiagnosticError(f"continuations need at least k = {k} tokens")
         dm = np.asarray(torch.as_tensor(distinguisher(prefixes, m)).double().reshape(-1))
         dh = np.asarray(torch.as_tensor(distinguisher(prefixes, h)).double().reshape(-1))
     else:
         for c in list(held_out) + list(model):
             if len(c) < k:
-                raise ValueError(f"a continuation has {len(c)} < k = {k} tokens")
+                raise DiagnosticError(f"a continuation has {len(c)} < k = {k} tokens")
         dm = np.array([float(distinguisher(p, c[:k])) for p, c in zip(prefixes, model)])
         dh = np.array([float(distinguisher(p, c[:k])) for p, c in zip(prefixes, held_out)])
     if not (np.isin(dm, (0.0, 1.0)).all() and np.isin(dh, (0.0, 1.0)).all()):
-        raise ValueError("a distinguisher (Def 2) must return 0 or 1")
+        raise DiagnosticError("a distinguisher (Def 2) must return 0 or 1")
     diff = dm - dh
     adv = float(diff.mean())
     se = float(diff.std(ddof=1) / math.sqrt(N))
@@ -124,6 +128,7 @@ def k_token_advantage(distinguisher: Callable, prefixes: ArrayLike, held_out: Ar
                            level=float(level), bound=bound)
 
 
+@checked
 @torch.no_grad()
 def sample_continuations(lm: torch.nn.Module, prefixes: torch.Tensor, k: int,
                          generator: torch.Generator | None = None) -> torch.Tensor:

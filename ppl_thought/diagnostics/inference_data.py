@@ -40,6 +40,7 @@ from ppl_thought.errors import DiagnosticError, UnsupportedResultError
 from ppl_thought.inference.decoding import Decoded
 from ppl_thought.inference.resampling import resample
 from ppl_thought.inference.result import Result, pareto_k, psis
+from ppl_thought.validation import checked
 from ppl_thought.vocab import PAD_ID, Vocab
 from ppl_thought.weights import check_log_weights, effective_sample_size
 
@@ -394,6 +395,7 @@ def _decoded(g: _Groups, decoded, vocab) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the conversion
+@checked
 def to_inference_data(result: Any, vocab: Vocab | None = None, log_likelihood: Mapping[str, Any] | None = None,
                       num_draws: int | None = None, seed: int = 0, group: int | None = None):
     """Convert an engine result to ``arviz.InferenceData`` (module docstring; docs/diagnostics.md has the table).
@@ -471,6 +473,7 @@ def _check_finite_result(result: Result) -> None:
                                   "(a model or guide log-probability was NaN)")
 
 
+@checked
 def load_inference_data(path: str | Path) -> Any:
     """``arviz.from_netcdf(path)`` (the inverse of ``to_inference_data(...).to_netcdf(path)``); a path that is not
     one, or names no file, is a :class:`DiagnosticError` (never ArviZ's or h5py's own error)."""

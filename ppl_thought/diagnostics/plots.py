@@ -16,7 +16,7 @@ import torch
 from ppl_thought import checks
 from ppl_thought.diagnostics.inference_data import psis_khat
 from ppl_thought.errors import DiagnosticError
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked
 
 
 def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.6):
@@ -37,6 +37,7 @@ def _save(fig, path: str | Path | None):
     return fig
 
 
+@checked
 def plot_weights(log_weights: ArrayLike, path: str | Path | None = None, khat: float | None = None,
                  title: str = "importance weights"):
     """Sorted normalised importance weights (log scale) and the PSIS Pareto k against 0.5 / 0.7."""
@@ -87,6 +88,7 @@ class ScalingLawLike(Protocol):
     slope: float
 
 
+@checked
 def plot_scaling_law(law: ScalingLawLike, path: str | Path | None = None):
     """Measured error against n (2 standard errors) with the Table 3.1 prediction, log-log."""
     fig, (ax,) = _figure()
@@ -103,6 +105,7 @@ def plot_scaling_law(law: ScalingLawLike, path: str | Path | None = None):
     return _save(fig, path)
 
 
+@checked
 def plot_ess(ess_per_step: Sequence[float], num_particles: int | None = None, path: str | Path | None = None,
              resampled: Sequence[bool] | None = None, threshold: float | None = None):
     """ESS after each SMC step, with resampling steps marked."""
@@ -125,6 +128,7 @@ def plot_ess(ess_per_step: Sequence[float], num_particles: int | None = None, pa
     return _save(fig, path)
 
 
+@checked
 def plot_causal_gap(series: Mapping[str, tuple[Sequence[int], Sequence[float]]] | Sequence[float],
                     path: str | Path | None = None):
     """The causal gap (7.3) over training steps (several named series, e.g. explanatory vs predictive)."""
@@ -141,6 +145,7 @@ def plot_causal_gap(series: Mapping[str, tuple[Sequence[int], Sequence[float]]] 
     return _save(fig, path)
 
 
+@checked
 def plot_trace(values: ArrayLike, path: str | Path | None = None, name: str = "accept_prob"):
     """A per-chain trace ``[chains, draws]`` (e.g. Langevin acceptance probabilities)."""
     checks.numeric_array("values", values, DiagnosticError, "a trace [chains, draws] or [draws] of numbers")

@@ -24,6 +24,7 @@ from ppl_thought.diagnostics.plots import plot_ess, plot_trace, plot_weights
 from ppl_thought.errors import CheckpointError, DiagnosticError, MissingCheckpointError, PPLThoughtError
 from ppl_thought.inference.result import RESULT_FORMAT, load_result, saved_vocab
 from ppl_thought.io import CONFIG_FILE
+from ppl_thought.validation import checked
 
 #: at most this many rows of az.summary and variables in the posterior plot (a short report)
 MAX_ROWS = 12
@@ -156,6 +157,7 @@ def _texts(ds, title: str) -> list[str]:
     return lines
 
 
+@checked
 def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list[Path]]:
     """Summarise a saved result and write its plots (next to it, or into ``out``).
 

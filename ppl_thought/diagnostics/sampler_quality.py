@@ -19,10 +19,10 @@ import torch
 
 from ppl_thought import checks
 from ppl_thought.diagnostics.inference_data import psis_khat
-from ppl_thought.errors import DiagnosticError, TooLargeToEnumerateError
+from ppl_thought.errors import ConfigError, DiagnosticError, TooLargeToEnumerateError
 from ppl_thought.inference.importance import Importance
 from ppl_thought.models.slow_thinking import SlowThinking
-from ppl_thought.validation import ArrayLike, SupportsLogProb, SupportsSampleWithLogProb
+from ppl_thought.validation import ArrayLike, SupportsLogProb, SupportsSampleWithLogProb, checked
 from ppl_thought.weights import check_log_weights
 
 
@@ -48,6 +48,7 @@ def _log_vectors(p, q, model=None, x=None) -> tuple[torch.Tensor, torch.Tensor]:
     return lp, lq
 
 
+@checked
 def chi2(p: ArrayLike | SupportsLogProb, q: ArrayLike | SupportsLogProb, *, model: SlowThinking | None = None,
          x: ArrayLike | None = None) -> float:
     """chi^2(p || q) = sum_z p(z)^2 / q(z) - 1 (``inf`` if q misses mass of p).
@@ -63,6 +64,7 @@ def chi2(p: ArrayLike | SupportsLogProb, q: ArrayLike | SupportsLogProb, *, mode
     return max(0.0, float(torch.logsumexp(terms, -1).exp() - 1.0))  # >= 0 up to rounding
 
 
+@checked
 def kl(p: ArrayLike | SupportsLogProb, q: ArrayLike | SupportsLogProb, *, model: SlowThinking | None = None,
        x: ArrayLike | None = None) -> float:
     """KL(p || q) = sum_z p(z) (log p(z) - log q(z)) (``inf`` if q misses mass of p)."""
@@ -87,6 +89,7 @@ def _weights(log_w, what: str) -> torch.Tensor:
     return lw
 
 
+@checked
 def chi2_from_weights(log_w: ArrayLike) -> float:
     """Monte-Carlo chi^2(Q_* || Q) = E_q[w^2] / E_q[w]^2 - 1 from log-weights w = P(z)/Q(z), z ~ Q
     (the normaliser cancels: n sum w^2 / (sum w)^2 - 1). :class:`DiagnosticError` for NaN or +inf log
@@ -98,6 +101,7 @@ def chi2_from_weights(log_w: ArrayLike) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- estimates
+@checked
 def kl_from_weights(log_w: ArrayLike) -> tuple[float, float]:
     """Self-normalised Monte-Carlo (KL(Q_* || Q), KL(Q || Q_*)) from log-weights w = P(z)/Q(z), z ~ Q.
 
@@ -115,6 +119,7 @@ def kl_from_weights(log_w: ArrayLike) -> tuple[float, float]:
     return max(0.0, fwd), max(0.0, rev)
 
 
+@checked
 @dataclass
 class SamplerReport:
     """How good a sampler Q is for x: exact numbers (enumeration) next to estimates from n weights.
@@ -157,6 +162,7 @@ class SamplerReport:
         return "\n".join(lines)
 
 
+@checked
 def sampler_report(model: SlowThinking, sampler: SupportsSampleWithLogProb, x: ArrayLike, n: int = 1000,
                    seed: int | None = 0, limit: int = 20_000) -> SamplerReport:
     """Exact and estimated sampler quality of ``sampler`` (a Q(.|x) with ``sample_with_log_prob`` and
@@ -167,7 +173,7 @@ def sampler_report(model: SlowThinking, sampler: SupportsSampleWithLogProb, x: A
     """
 
     if int(n) < 2:
-        raise ValueError(f"sampler_report needs n >= 2 draws, got {n}")
+        raise ConfigError(f"sampler_report needs n >= 2 draws, got {n}")
     exact = True
     lp_exact = chi2_x = kl_x = klr_x = math.nan
     try:

@@ -32,14 +32,16 @@ import torch
 
 from ppl_thought.diagnostics.plots import plot_scaling_law
 from ppl_thought.diagnostics.sampler_quality import chi2
+from ppl_thought.errors import ConfigError, DiagnosticError
 from ppl_thought.guides.exact import Inquisitive
 from ppl_thought.models.slow_thinking import SlowThinking
-from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb
+from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb, checked
 
 TASKS = ("encoding", "decoding", "gradient")
 _ALPHA = {"encoding": 1.0, "decoding": 0.5, "gradient": 1.0}  # error ~ n^-alpha
 
 
+@checked
 @dataclass
 class ScalingLaw:
     """Measured error against sampling size n next to the Table 3.1 prediction.
@@ -80,7 +82,7 @@ class ScalingLaw:
 def _pad(z: torch.Tensor, L: int) -> torch.Tensor:
     if z.shape[-1] >= L:
         if z.shape[-1] > L and (z[..., L:] != 0).any():
-            raise ValueError("a sampled z is longer than every sequence of the enumerated lifting")
+            raise DiagnosticError("a sampled z is longer than every sequence of the enumerated lifting")
         return z[..., :L]
     return torch.cat([z, torch.zeros(z.shape[:-1] + (L - z.shape[-1],), dtype=z.dtype)], -1)
 
@@ -95,6 +97,7 @@ def support_index(support: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return table[inv[len(s):]]
 
 
+@checked
 def scaling_law(model: SlowThinking, sampler: SupportsSampleWithLogProb, x: ArrayLike, task: str = "encoding",
                 ns: Iterable[int] = (4, 8, 16, 32, 64), reps: int = 500,
                 seed: int | None = 0, limit: int = 2_000) -> ScalingLaw:
@@ -109,12 +112,12 @@ def scaling_law(model: SlowThinking, sampler: SupportsSampleWithLogProb, x: Arra
             n of each batch used for size n). seed: torch seed (global RNG state is restored).
     """
     if task not in TASKS:
-        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        raise ConfigError(f"task must be one of {TASKS}, got {task!r}")
     ns_arr = np.array(sorted({int(n) for n in ns}), dtype=np.int64)
     if len(ns_arr) == 0 or ns_arr[0] < 1:
-        raise ValueError(f"ns must be positive sampling sizes, got {ns}")
+        raise ConfigError(f"ns must be positive sampling sizes, got {ns}")
     if int(reps) < 2:
-        raise ValueError(f"reps must be >= 2, got {reps}")
+        raise ConfigError(f"reps must be >= 2, got {reps}")
     reps = int(reps)
     G = None
     if task == "gradient":
@@ -126,13 +129,13 @@ def scaling_law(model: SlowThinking, sampler: SupportsSampleWithLogProb, x: Arra
     lj = lj.double()
     log_p = torch.logsumexp(lj, 0)
     if not torch.isfinite(log_p):
-        raise ValueError("x has probability 0 under the model: no scaling law to measure")
+        raise DiagnosticError("x has probability 0 under the model: no scaling law to measure")
     post = (lj - log_p).exp()
     with torch.no_grad():
         lq_support = sampler.log_prob(support, x).double()
     chi2_x = chi2(lj - log_p, lq_support)
     if not math.isfinite(chi2_x):
-        raise ValueError("the sampler misses posterior mass (chi2 = inf): every scaling law is infinite")
+        raise DiagnosticError("the sampler misses posterior mass (chi2 = inf): every scaling law is infinite")
 
     N = reps * int(ns_arr[-1])
     with torch.random.fork_rng(devices=[]):

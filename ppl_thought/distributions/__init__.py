@@ -7,6 +7,3 @@ from ppl_thought.distributions.projected import ProjectionDelta
 __all__ = ["LMSequence", "LMState", "Segment", "TokenRule", "ProjectionDelta", "concat", "register_lm",
            "trim_padding"]
 
-from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
-
-check_exports(globals())

@@ -26,7 +26,7 @@ from ppl_thought.distributions.registry import register_lm
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.projections.automaton import Automaton
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked, per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
 
 
@@ -45,6 +45,7 @@ def _ids(seq, vocab: Vocab | None, what: str, device=None) -> torch.Tensor:
     return t.long()
 
 
+@checked
 def concat(*parts: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
     """Concatenate right-padded token arrays row by row, keeping the result right-padded.
 
@@ -68,6 +69,7 @@ def concat(*parts: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
     return trim_padding(torch.gather(cat, -1, order), pad_id)
 
 
+@checked
 class LMSequence(TorchDistribution):
     """A distribution over token sequences: an LM decoded under an automaton constraint (Def 2.8).
 
@@ -171,6 +173,7 @@ class LMSequence(TorchDistribution):
             bad = t[(t < 0) | (t >= self.vocab_size)][:5].tolist()
             raise UnknownTokenError(f"{what} contain ids {bad} outside the vocabulary [0, {self.vocab_size})")
 
+    @per_token
     def expand(self, batch_shape: Sequence[int], _instance: LMSequence | None = None):
         new = self._get_checked_instance(LMSequence, _instance)
         new.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_batch_shape"})
@@ -218,11 +221,13 @@ class LMSequence(TorchDistribution):
         return LMState.encode(self.lm, n, prompt, self.rule, self.max_len, self.stop_ids, self.lm_kwargs,
                                self.device, self.chunk)
 
+    @per_token
     def lm_kwargs_for(self, n: int) -> dict:
         """LM keyword arguments with batched tensors (e.g. latents) matched to ``n`` rows."""
         return match_rows(self.lm_kwargs, n)
 
     # ------------------------------------------------------------------ Distribution API
+    @per_token
     def sample_with_log_prob(self, sample_shape: Sequence[int] = (), generator: torch.Generator | None = None):
         """Draw sequences and their log-probabilities in one batched decoding loop: the segment of
         :meth:`start` that ends with the sequence (stop token, final state or ``max_len``), right-padded
@@ -244,11 +249,13 @@ class LMSequence(TorchDistribution):
             z[:, : value.shape[1]] = value
         return z.reshape(shape + (self.max_len,)), lp.reshape(shape)
 
+    @per_token
     def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         z, lp = self.sample_with_log_prob(sample_shape)
         self._last = (z, lp)
         return z
 
+    @per_token
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """log P(value): one teacher-forced pass, the masked step log-probabilities summed (Def 2.8)."""
         if self._last is not None and value is self._last[0] and not self._needs_grad():
@@ -310,6 +317,7 @@ class LMSequence(TorchDistribution):
         check_no_nan(lp, self.lm)
         return torch.where(complete, lp, torch.full_like(lp, float("-inf")))
 
+    @per_token
     def step_log_probs(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token masked log-probabilities ``[..., L]`` (0 on padding) and completeness ``[...]``.
 

@@ -42,6 +42,7 @@ from ppl_thought.distributions.token_rule import (
 )
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.lm.base import LMCache, ids_checked, lm_device, match_rows
+from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 # LMState's module is where programs meet the decoding loop: the token rule and the segment are re-exported
@@ -49,6 +50,7 @@ __all__ = ["LMState", "Segment", "TokenRule", "check_no_nan", "chunk_size", "gen
            "masked_log_softmax", "nucleus", "sample_categorical", "supports_valid", "trim_padding", "upcast"]
 
 
+@checked
 class LMState:
     """``n`` partial sequences of one LM (see the module docstring). Mutable: ``extend`` and ``reorder``
     change it in place (and return it).
@@ -184,6 +186,7 @@ class LMState:
                 + (f", chunk={self.chunk})" if self.chunk else ")"))
 
     # ------------------------------------------------------------------ distributions over what comes next
+    @per_token
     def segment(self, until_emitted: int | torch.Tensor | None = None,
                 stop: str | int | Sequence[str | int] | torch.Tensor | None = None, max_tokens: int | None = None,
                 name_hint: str = "") -> Segment:
@@ -196,6 +199,7 @@ class LMState:
         self._segments.append(seg)
         return seg
 
+    @per_token
     def next_token(self) -> Segment:
         """The next token of every row (event shape ``()``; ``<pad>`` for ended rows)."""
         seg = Segment(self, None, None, 1, scalar=True)
@@ -203,6 +207,7 @@ class LMState:
         return seg
 
     # ------------------------------------------------------------------ changing the state
+    @per_token
     def extend(self, value: torch.Tensor) -> LMState:
         """Append a segment ``[n, S]`` (or one token ``[n]``) to every row, in place; returns self.
 
@@ -217,6 +222,7 @@ class LMState:
         self._adopt(seg._advance(value))
         return self
 
+    @per_token
     def reorder(self, index: torch.Tensor) -> LMState:
         """Row i becomes row ``index[i]`` (resampling); the KV cache is gathered with ``cache.reorder``."""
         index = index.to(self.device)
@@ -237,10 +243,12 @@ class LMState:
             setattr(self, k, post[k])
         self._changed()
 
+    @per_token
     def snapshot(self) -> dict:
         return {k: getattr(self, k) for k in STATE_KEYS}
 
     # ------------------------------------------------------------------ feeding the LM
+    @per_token
     def feed(self, cache: LMCache | None, context: torch.Tensor | None, toks: torch.Tensor, valid: torch.Tensor | None,
              kw: dict | None = None):
         """Feed ``toks [n, S]`` (only where ``valid``; ``None``: everywhere) after ``cache`` (valid mode) or
@@ -248,6 +256,7 @@ class LMState:
         with ids_checked():  # sampled ids (below vocab_size) or a segment checked by Segment._check: no sync
             return self.feed_checked(cache, context, toks, valid, kw)
 
+    @per_token
     def feed_checked(self, cache: LMCache | None, context: torch.Tensor | None, toks: torch.Tensor,
                      valid: torch.Tensor | None, kw: dict | None):
         n, S = toks.shape

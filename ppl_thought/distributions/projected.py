@@ -10,11 +10,13 @@ import torch
 from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
-from ppl_thought.errors import NotInImageError
+from ppl_thought.errors import MalformedSequenceError, NotInImageError
 from ppl_thought.projections.base import Projection
+from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import PAD_ID
 
 
+@checked
 class ProjectionDelta(TorchDistribution):
     """x = Proj^{<w}(z) restricted to |x| = n: ``log_prob(x)`` is 0 if z lies in the lifting of x, else -inf.
 
@@ -31,10 +33,12 @@ class ProjectionDelta(TorchDistribution):
         self.num_observed = int(num_observed)
         super().__init__(z.shape[:-1], torch.Size([self.num_observed]), validate_args=validate_args)
 
+    @per_token
     def expand(self, batch_shape: Sequence[int], _instance: ProjectionDelta | None = None):
         z = self.z.expand(torch.Size(batch_shape) + self.z.shape[-1:])
         return ProjectionDelta(self.projection, z, self.num_observed)
 
+    @per_token
     def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         flat = self.z.reshape(-1, self.z.shape[-1])
         xs = self.projection.project(flat.cpu().numpy()) if flat.shape[0] else []
@@ -45,10 +49,12 @@ class ProjectionDelta(TorchDistribution):
         out = out.reshape(self.z.shape[:-1] + (self.num_observed,)).to(self.z.device)
         return out.expand(torch.Size(sample_shape) + out.shape)
 
+    @per_token
     def log_prob(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.as_tensor(x, device=x.device if isinstance(x, torch.Tensor) else self.z.device)
         if x.shape[-1] != self.num_observed:
-            raise ValueError(f"observed x has length {x.shape[-1]}, the model was built for {self.num_observed}")
+            raise MalformedSequenceError(f"observed x has length {x.shape[-1]}, the model was built for "
+                                         f"{self.num_observed}")
         xs = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (also for the empty observation)
         if not (xs == xs[:1]).all():
             return self._log_prob_rows(x)

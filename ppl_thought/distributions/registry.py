@@ -8,10 +8,12 @@ import torch
 from pyro.params.param_store import module_from_param_with_module_name, param_with_module_name
 
 from ppl_thought.program import pyro_module
+from ppl_thought.validation import checked
 
 __all__ = ["register_lm"]
 
 
+@checked
 def register_lm(lm: torch.nn.Module, name: str | None = None) -> str | None:
     """Register a trainable LM with Pyro's param store, as ``pyro.module(name, lm)`` would; return its name.
 

@@ -26,8 +26,9 @@ from ppl_thought.distributions.token_rule import (  # sample_categorical: re-exp
     token_step,
     trim_padding,
 )
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import MalformedSequenceError, UnsatisfiableConstraintError
 from ppl_thought.lm.base import match_rows
+from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 __all__ = ["STATE_KEYS", "Segment", "check_no_nan", "sample_categorical"]
@@ -91,6 +92,7 @@ class _Run(NamedTuple):
     feed: torch.Tensor  # what is fed: the run tokens, <bos> past a row's run
 
 
+@checked
 class Segment(TorchDistribution):
     """The next segment of every row of an :class:`LMState` as a Pyro distribution.
 
@@ -134,6 +136,7 @@ class Segment(TorchDistribution):
         event = () if scalar else (width,)
         super().__init__(torch.Size([lm_state.n]), torch.Size(event), validate_args=False)
 
+    @per_token
     def expand(self, batch_shape: Sequence[int], _instance: Segment | None = None):
         batch_shape = torch.Size(batch_shape)
         if batch_shape != self.batch_shape:
@@ -181,11 +184,13 @@ class Segment(TorchDistribution):
         return active
 
     # ------------------------------------------------------------------ sampling: the decoding loop
+    @per_token
     def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         if torch.Size(sample_shape) != torch.Size():
             raise MalformedSequenceError("a Segment draws one segment per row; use the particle plate for more")
         return self.sample_with_log_prob()[0]
 
+    @per_token
     def sample_with_log_prob(self, generator: torch.Generator | None = None):
         """Sample the segment of every row in one lockstep loop, one LM step per token; return
         (value, log-probability ``[n]``).
@@ -228,8 +233,9 @@ class Segment(TorchDistribution):
             step = self._draw(loop, generator)
             flags = self._host_flags(loop, step, runs, valid_mode)
             if flags.dead:
-                raise ValueError(f"{int(step.dead.sum())} rows have no admissible token of positive probability: "
-                                 "the LM gives probability 0 to every token the constraint allows")
+                raise UnsatisfiableConstraintError(f"{int(step.dead.sum())} rows have no admissible token of positive "
+                                                   "probability: the LM gives probability 0 to every token the "
+                                                   "constraint allows")
             if flags.any_still and flags.n_done > self.drop_fraction * loop.done.shape[0]:
                 flags = self._drop_ended(loop, flags)
             run = self._forced_run(loop, runs, flags.R, flags.aligned_still, generator, step.draw_dtype) \
@@ -400,8 +406,8 @@ class Segment(TorchDistribution):
         base, snap = self.base, self.snap
         n, dev = base.n, base.device
         if runs is not None and bool(loop.chunk_dead):  # one more host sync per segment, with chunks only
-            raise ValueError("rows have no admissible token of positive probability: the LM gives probability "
-                             "0 to a forced token (the only one the constraint allows)")
+            raise UnsatisfiableConstraintError("rows have no admissible token of positive probability: the LM gives "
+                                               "probability 0 to a forced token (the only one the constraint allows)")
         blocks = loop.blocks + [(loop.rows, loop.cols)]
         value = torch.zeros(n, sum(len(c) for _, c in blocks), dtype=torch.long, device=dev)
         at = 0
@@ -452,6 +458,7 @@ class Segment(TorchDistribution):
         return lp + tl.sum(-1), dead | torch.isneginf(tl).any()
 
     # ------------------------------------------------------------------ scoring: one teacher-forced pass
+    @per_token
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """The segment's log-probability ``[n]``: the masked step log-probabilities (Def 2.8) summed (2.13)."""
         post = self._lookup(value)[1]

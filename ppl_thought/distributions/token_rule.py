@@ -22,6 +22,7 @@ import torch
 from ppl_thought import checks
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.projections.automaton import Automaton
+from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 __all__ = ["MaskedLaw", "TokenRule", "TokenStep", "chunk_size", "generated_tokens", "left_pack", "masked_log_softmax",
@@ -99,6 +100,7 @@ def _same_key(a: tuple, b: tuple) -> bool:
     return a[0]() is b[0]() is not None and a[1] == b[1] and a[2]() is b[2]() is not None and a[3] == b[3]
 
 
+@checked
 class TokenRule:
     """Next-token log-probabilities from logits under an automaton constraint: the masked softmax of Def 2.8.
 
@@ -136,6 +138,7 @@ class TokenRule:
             table = self._tables[key]
         return table
 
+    @per_token
     def allowed(self, s: torch.Tensor) -> torch.Tensor:
         table = self._table("allowed", s.device)
         return table.expand(s.shape[0], -1) if self.constraint is None else table[s]
@@ -145,6 +148,7 @@ class TokenRule:
             return torch.zeros(n, dtype=torch.long, device=device)
         return self.constraint.start_states(n, device)
 
+    @per_token
     def log_probs(self, logits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """log softmax of the logits plus the state's 0 / -inf bias (Def 2.8), float32; a row with no
         admissible token is all -inf (never NaN)."""
@@ -213,6 +217,7 @@ class TokenRule:
                                                   dtype=x.dtype, device=x.device)
         return buf[: x.shape[0]]
 
+    @per_token
     def inactive_row(self, device: torch.device | str | None) -> torch.Tensor:
         """``[1, V]`` (default float dtype): all the mass on ``<pad>``, the law an inactive row draws from in
         :func:`token_step` (cached per device)."""
@@ -222,9 +227,11 @@ class TokenRule:
             row = self._tables[key] = _pad_row(self.vocab_size, device)
         return row
 
+    @per_token
     def step(self, s: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         return s if self.constraint is None else self.constraint.step(s, tok)
 
+    @per_token
     def advance(self, s: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         """:meth:`step`, except that rows reading ``<pad>`` keep their state (right-padded batches)."""
         if self.constraint is None:
@@ -233,16 +240,19 @@ class TokenRule:
             return self.constraint.advance(s, tok)
         return torch.where(per_row(tok != PAD_ID, s), self.step(s, tok), s)
 
+    @per_token
     def is_final(self, s: torch.Tensor) -> torch.Tensor:
         if self.constraint is None:
             return torch.zeros(s.shape[0], dtype=torch.bool, device=s.device)
         return self.constraint.is_final(s)
 
+    @per_token
     def num_emitted(self, s: torch.Tensor) -> torch.Tensor:
         if self.constraint is None:
             raise MalformedSequenceError("until_emitted needs a constraint automaton that counts observables")
         return self.constraint.num_emitted(s)
 
+    @per_token
     def end_tables(self, until: int | None,
                    device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Bool tables over states (last row: dead): (a segment that must reach ``until`` observables
@@ -265,6 +275,7 @@ class TokenRule:
             self._tables[key] = tabs
         return tabs
 
+    @per_token
     def forced_runs(self, until: int | None, stop_ids: torch.Tensor, limit: int, device: torch.device | str | None):
         """Per-state tables of the *forced runs* of chunked encoding (end of Section 5.6.2), or ``None`` for rules
         that are not one automaton state per row with the masked softmax of Def 2.8 (subclasses).
@@ -332,6 +343,7 @@ def chunk_size(chunk) -> int:
     return int(chunk)
 
 
+@checked
 def trim_padding(tokens: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
     """Drop the padding columns that every row has (right-padded [..., L] -> [..., L']). One host sync.
     ``tokens`` must hold integer ids (:class:`~ppl_thought.errors.MalformedSequenceError` for floats or bools)."""

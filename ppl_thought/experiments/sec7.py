@@ -386,7 +386,7 @@ def run_sec7(cfg: Sec7Config, seed: int = 0, progress: bool = True) -> dict:
     Losses and gains are averaged over replicates; their ``*_se`` are test-set standard errors of that
     average, and ``*_seed_sd`` the spread between replicates. ``per_seed`` keeps each replicate's numbers."""
     if cfg.seeds < 1:
-        raise ValueError(f"seeds must be >= 1, got {cfg.seeds}")
+        raise ConfigError(f"seeds must be >= 1, got {cfg.seeds}")
     task = permutation_choice_task(cfg.m, cfg.query_len, cfg.num_choices, seed=seed)
     q_te, c_te, r_te = task.sample(cfg.num_test, generator=torch.Generator().manual_seed(seed + 7919))
     t0 = time.time()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ppl_thought.errors import ConfigError
+from ppl_thought.errors import ConfigError, NumericalError
 from ppl_thought.lm import Transformer
 from ppl_thought.training.trainer import clip_joint_
 
@@ -62,8 +62,8 @@ def sampler_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     R_i = U(log P/Q) and the leave-one-out baseline: -1/(n-1) sum_i U(R_i - mean_j R_j) log Q(Y_i | .)."""
     rew = (log_p - log_q).detach()
     if not torch.isfinite(rew).all():
-        raise ValueError("sampler reward log P/Q is not finite: the sampler proposes thoughts outside the prior's "
-                         "support")
+        raise NumericalError("sampler reward log P/Q is not finite: the sampler proposes thoughts outside the prior's "
+                             "support")
     adv = rew - rew.mean(-1, keepdim=True)
     return -(adv * log_q).sum(-1) / (log_q.shape[-1] - 1)
 

@@ -39,6 +39,3 @@ __all__ = [
     "explanatory_guide",
 ]
 
-from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
-
-check_exports(globals())

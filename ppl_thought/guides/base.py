@@ -27,15 +27,16 @@ from torch.distributions import constraints
 
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import LMState, TokenRule
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import ArgumentTypeError, ConfigError, MalformedSequenceError
 from ppl_thought.lm.base import as_id_batch, lm_device
 from ppl_thought.program import Program, Shared, is_program, particles
 from ppl_thought.projections.automaton import Automaton, step_ends
 from ppl_thought.projections.base import Projection, as_id_array
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked, per_token
 from ppl_thought.vocab import PAD_ID
 
 
+@checked
 class Sampler(Program, ABC):
     """Base class of samplers Q(z | x) (Def 3.1). Subclasses implement ``_sample`` and ``_log_prob``,
     and ``step_state(x, n)`` (the batched state the segments are drawn from) for the step-wise face."""
@@ -88,7 +89,7 @@ class Sampler(Program, ABC):
         n = len(self.x_ids(x))
         L = self.domain(n).max_len
         if L is None:
-            raise ValueError(f"{type(self.projection).__name__}.domain({n}) is unbounded: no event length")
+            raise ConfigError(f"{type(self.projection).__name__}.domain({n}) is unbounded: no event length")
         return int(L)
 
     def _check_z(self, z, L: int) -> torch.Tensor:
@@ -113,17 +114,20 @@ class Sampler(Program, ABC):
     def _log_prob(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """log Q(z | x) ``[n]`` for validated ``z [n, L]``."""
 
+    @per_token
     def sample_with_log_prob(self, x: ArrayLike, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """n draws Z ~ Q(. | x) (one batched decoding, no loop over particles) and log Q(Z | x)."""
         xt = self.x_ids(x)
         if int(n) < 0:
-            raise ValueError(f"number of samples must be >= 0, got {n}")
+            raise ConfigError(f"number of samples must be >= 0, got {n}")
         return self._sample(xt, int(n))
 
+    @per_token
     def sample(self, x: ArrayLike, n: int) -> torch.Tensor:
         """n latent sequences ``[n, L]`` drawn from Q(. | x), right-padded with ``<pad>``."""
         return self.sample_with_log_prob(x, n)[0]
 
+    @per_token
     def log_prob(self, z: ArrayLike, x: ArrayLike) -> torch.Tensor:
         """log Q(z | x) ``[n]`` (Def 3.1): ``-inf`` for z outside the lifting of x, never NaN."""
         xt = self.x_ids(x)
@@ -151,7 +155,7 @@ class Sampler(Program, ABC):
     def __call__(self, x: ArrayLike | None = None, *args: Any, **kwargs: Any):
         """The Pyro guide: samples the site ``"z"`` (batch from an enclosing particle plate)."""
         if x is None:
-            raise ValueError("a guide needs the observation x")
+            raise ConfigError("a guide needs the observation x")
         self._register()
         return pyro.sample(self.site, SamplerDistribution(self, x))
 
@@ -171,15 +175,17 @@ class Sampler(Program, ABC):
             cache[key] = TokenRule(self.lifting(x), len(self.projection.vocab))
         return cache[key]
 
+    @per_token
     def init(self, state: dict, x: ArrayLike | None = None, *args: Any, **kwargs: Any) -> None:
         if x is None:
-            raise ValueError("a guide needs the observation x")
+            raise ConfigError("a guide needs the observation x")
         self._register()
         xt = self.x_ids(x)
         state["q"] = self.step_state(xt, particles())
         state["num_observed"] = len(xt)
         state["step_ends"] = Shared(step_ends(self.lifting(xt), chunked=bool(getattr(self, "chunk", 0))))
 
+    @per_token
     def step(self, state: dict, t: int, x: ArrayLike | None = None, *args: Any, **kwargs: Any):
         """Segment t of the lifting (Lemma 2.1): until x_{t+1} is determined; the last one until the end.
         With chunked encoding (``chunk > 0``) step t runs until ``step_ends[t]`` observables are determined
@@ -218,7 +224,7 @@ class SequenceGuide(Program):
     def init(self, state: dict, x=None, *args, **kwargs) -> None:
         seq = self.make(x)
         if not isinstance(seq, LMSequence) or seq.constraint is None:
-            raise TypeError("a sequence guide must give an LMSequence constrained to the lifting of x")
+            raise ArgumentTypeError("a sequence guide must give an LMSequence constrained to the lifting of x")
         auto = seq.constraint
         state["q"] = LMState.start(seq.lm, particles(), prompt=seq.prompt, rule=TokenRule(auto, seq.vocab_size),
                                    max_len=seq.max_len, stop_ids=seq.stop_ids, lm_kwargs=seq.lm_kwargs, chunk=seq.chunk)
@@ -242,6 +248,7 @@ def as_step_guide(guide):
     return guide
 
 
+@checked
 class SamplerDistribution(TorchDistribution):
     """Q(. | x) as a Pyro distribution over ``[*batch, L]`` latent arrays.
 
@@ -262,12 +269,14 @@ class SamplerDistribution(TorchDistribution):
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         super().__init__(torch.Size(batch_shape), torch.Size([self.L]), validate_args=validate_args)
 
+    @per_token
     def expand(self, batch_shape: Sequence[int], _instance: SamplerDistribution | None = None):
         new = self._get_checked_instance(SamplerDistribution, _instance)
         new.sampler, new.x, new.L, new._last = self.sampler, self.x, self.L, None
         TorchDistribution.__init__(new, torch.Size(batch_shape), self.event_shape, validate_args=False)
         return new
 
+    @per_token
     def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         shape = torch.Size(sample_shape) + self.batch_shape
         n = int(shape.numel())
@@ -276,6 +285,7 @@ class SamplerDistribution(TorchDistribution):
         self._last = (z, lq)
         return z
 
+    @per_token
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         if self._last is not None and value is self._last[0] and not torch.is_grad_enabled():
             return self._last[1]

@@ -12,10 +12,10 @@ from pyro.distributions import TorchDistribution
 from torch.distributions import constraints
 
 from ppl_thought import checks
-from ppl_thought.errors import NotInImageError
+from ppl_thought.errors import ConfigError, NotInImageError, ProgramError
 from ppl_thought.guides.base import Sampler, num_observed
 from ppl_thought.models.slow_thinking import SlowThinking
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked
 from ppl_thought.vocab import PAD_ID
 
 
@@ -75,6 +75,7 @@ class _TableSampler(Sampler):
                                                                       dtype=lq.dtype))
 
 
+@checked
 class Posterior(_TableSampler):
     """The posterior sampler Q_*(z | x) = P^{<=|z|}(z) / (Proj # P)^{<=|x|}(x), equation (2.24),
     by enumeration (``model.exact_posterior``). Importance weights P(z)/Q_*(z) equal p(x) for every z.
@@ -85,6 +86,7 @@ class Posterior(_TableSampler):
         return post.support, post.log_probs.detach()
 
 
+@checked
 class Inquisitive(_TableSampler):
     """The inquisitive sampler Q_bullet of (3.22), Def 3.2, exactly for small models:
 
@@ -117,7 +119,7 @@ class Inquisitive(_TableSampler):
         xt = self.x_ids(x)
         params = [p for p in self.model.prior.parameters() if p.requires_grad]
         if not params:
-            raise ValueError("Inquisitive: the prior has no trainable parameters; Q_bullet (3.22) needs theta")
+            raise ConfigError("Inquisitive: the prior has no trainable parameters; Q_bullet (3.22) needs theta")
         support, _ = self.model.enumerate_log_joint(xt, limit=self.limit)
         dist = self.model.z_dist(len(xt))
         with torch.enable_grad():
@@ -225,7 +227,7 @@ class TableSegment(TorchDistribution):
 
     def expand(self, batch_shape, _instance=None):
         if torch.Size(batch_shape) != self.batch_shape:
-            raise ValueError(f"a table segment has batch shape {tuple(self.batch_shape)}, not {tuple(batch_shape)}")
+            raise ProgramError(f"a table segment has batch shape {tuple(self.batch_shape)}, not {tuple(batch_shape)}")
         return self
 
     def _log_mass(self, ok: torch.Tensor) -> torch.Tensor:

@@ -21,11 +21,12 @@ from torch import nn
 from ppl_thought import checks
 from ppl_thought.distributions.lm_sequence import LMSequence, concat
 from ppl_thought.distributions.lm_state import LMState, chunk_size
-from ppl_thought.errors import UnknownTokenError
+from ppl_thought.errors import ArgumentTypeError, ConfigError, UnknownTokenError
 from ppl_thought.guides.base import Sampler
 from ppl_thought.lm.base import lm_device
 from ppl_thought.lm.gated import GatedLM
 from ppl_thought.projections.base import Projection
+from ppl_thought.validation import checked
 from ppl_thought.vocab import EXPLAIN_ID, Vocab
 
 
@@ -37,7 +38,7 @@ class _LMSampler(Sampler):
         checks.has_attributes(f"{type(self).__name__}: projection", projection, ("vocab", "lifting", "domain"),
                               "a pt.projections projection (the model's)")
         if int(lm.vocab_size) != len(projection.vocab):
-            raise ValueError(f"LM vocab_size {lm.vocab_size} != projection vocabulary size {len(projection.vocab)}")
+            raise ConfigError(f"LM vocab_size {lm.vocab_size} != projection vocabulary size {len(projection.vocab)}")
         self.lm = lm
         self.projection = projection
         self.name = name
@@ -71,6 +72,7 @@ class _LMSampler(Sampler):
         return self.seq(x).step_log_probs(z)[0]
 
 
+@checked
 class Causal(_LMSampler):
     """The causal sampler of (3.33), Def 3.8: ``LMSequence(lm, constraint=projection.lifting(x))``.
 
@@ -84,6 +86,7 @@ class Causal(_LMSampler):
         super().__init__(lm, projection, name, chunk)
 
 
+@checked
 class Explanatory(_LMSampler):
     """The explanatory sampler of Section 5.6.2 (Def 3.9): prompt ``x <explain> [mode_tag]``, then
     z decoded under the lifting automaton of x (Fig 5.5), so each token of z may depend on all of x.
@@ -125,6 +128,7 @@ class Explanatory(_LMSampler):
 
 
 # ---------------------------------------------------------------------- program view
+@checked
 def explanatory_guide(
     lm: nn.Module,
     site: str,
@@ -151,12 +155,12 @@ def explanatory_guide(
     def _arg(args, kwargs, key):
         if isinstance(key, str):
             if key not in kwargs:
-                raise TypeError(f"explanatory_guide: keyword argument {key!r} is missing")
+                raise ArgumentTypeError(f"explanatory_guide: keyword argument {key!r} is missing")
             return kwargs[key]
         try:
             return args[key]
         except IndexError:
-            raise TypeError(f"explanatory_guide: positional argument {key} is missing") from None
+            raise ArgumentTypeError(f"explanatory_guide: positional argument {key} is missing") from None
 
     def _ids(t):
         if isinstance(t, str) or (isinstance(t, (list, tuple)) and t and isinstance(t[0], str)):
@@ -166,7 +170,7 @@ def explanatory_guide(
     def guide(*args, **kwargs):
         raw = _arg(args, kwargs, observed)
         if raw is None:
-            raise ValueError(
+            raise ConfigError(
                 f"explanatory_guide: the observed answer (argument {observed!r}) is None, but an explanatory guide "
                 "reads it (Def 3.9). Pass it, e.g. pyro.infer.Predictive(model, guide=guide, ...)(question, answer); "
                 "to generate answers use Predictive(model) without this guide")

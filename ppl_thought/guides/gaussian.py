@@ -13,10 +13,12 @@ import torch
 from torch import nn
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError
+from ppl_thought.validation import checked, per_token
 
 __all__ = ["AmortizedGaussianEncoder", "LocalGaussianGuide"]
 
 
+@checked
 class LocalGaussianGuide:
     max_plate_nesting = 1  # the "sequences" plate
     """The local variational posterior of Eq. 5: q(z | x_i) = N(mu_i, diag(exp(log_var_i))), one per sequence.
@@ -36,6 +38,7 @@ class LocalGaussianGuide:
         self.log_var = log_var
 
     @classmethod
+    @per_token
     def init(cls, batch_size: int, latent_shape: tuple[int, int, int], init_log_var: float = 0.0,
              device: torch.device | str | None = None) -> LocalGaussianGuide:
         """mu = 0, log sigma^2 = ``init_log_var`` (0: the prior), as leaf tensors that require grad."""
@@ -55,6 +58,7 @@ class LocalGaussianGuide:
         loc, log_var = (self.loc.detach(), self.log_var.detach()) if detach else (self.loc, self.log_var)
         return dist.Normal(loc, (0.5 * log_var).exp()).to_event(3)
 
+    @per_token
     def rsample(self, num_samples: int | None = None, detach: bool = False) -> torch.Tensor:
         """Reparameterised draws: ``[B, ...]`` or ``[num_samples, B, ...]``."""
         shape = () if num_samples is None else (num_samples,)
@@ -73,6 +77,7 @@ class LocalGaussianGuide:
             return pyro.sample("z", self.distribution())
 
 
+@checked
 class AmortizedGaussianEncoder(nn.Module):
     """The amortised inference model q_phi(z | x) of the VAE baseline (latent-thought-models.txt, Sec 2.2,
     "Variational Autoencoder with Amortized Inference"): global parameters phi map a sequence to
@@ -100,6 +105,7 @@ class AmortizedGaussianEncoder(nn.Module):
             self.mlp[-1].weight.mul_(0.01)
             self.mlp[-1].bias.zero_()
 
+    @per_token
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> LocalGaussianGuide:
         """q_phi(z | x) for tokens ``[B, N]`` (ids in ``[0, vocab_size)``; ``mask`` True = scored)."""
         if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.int64, torch.int32):

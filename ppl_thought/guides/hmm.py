@@ -10,13 +10,15 @@ import pyro
 import pyro.distributions as dist
 import torch
 
+from ppl_thought.errors import ConfigError
 from ppl_thought.models.hmm import DTYPE, HMM, all_done, prior_logits
 from ppl_thought.program import Program, run_whole
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked, per_token
 
 __all__ = ["HMMGuide"]
 
 
+@checked
 class HMMGuide(Program):
     """A step-wise guide for :class:`~ppl_thought.models.HMM` sampling exactly the sites ``z_0 .. z_{T-1}``
     (no x sites).
@@ -67,7 +69,7 @@ class HMMGuide(Program):
     def _scores(self, x) -> torch.Tensor:
         """``log B[:, x_t] (+ log beta_t)`` for each t: ``[T, |Omega|]`` (cached for the current x)."""
         if x is None:
-            raise ValueError(f"{self!r} proposes hidden states given the observations: call it with x")
+            raise ConfigError(f"{self!r} proposes hidden states given the observations: call it with x")
         xt = torch.as_tensor(x)
         if self._key is not None and self._key.shape == xt.shape and torch.equal(self._key, xt.to(self._key.device)):
             return self._score
@@ -80,11 +82,13 @@ class HMMGuide(Program):
         self._key, self._score = xt.detach().clone(), score
         return score
 
+    @per_token
     def init(self, state: dict, x: ArrayLike | None = None, length: int | None = None) -> None:
         """Compute the per-step scores for x (backward messages for the posterior) and set ``max_steps = T``."""
         self.max_steps = max(1, self.hmm.program_length(x, length))
         self._scores(x)
 
+    @per_token
     def step(self, state: dict, t: int, x: ArrayLike | None = None, length: int | None = None) -> torch.Tensor | None:
         """Sample ``z_t`` from the proposal given ``state["z"] = z_{t-1}``; all-True flags at t = T - 1."""
         score = self._scores(x)

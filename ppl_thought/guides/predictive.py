@@ -27,15 +27,18 @@ import torch
 
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.distributions.token_rule import token_step
+from ppl_thought.errors import ConfigError
 from ppl_thought.guides.base import Sampler
 from ppl_thought.lm.base import lm_device
 from ppl_thought.models.slow_thinking import SlowThinking
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.substitution import emission_substitution
+from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 
+@checked
 class MarginalizedDecoder(Sampler):
     """Decode an LM under the domain mask, merging 'emit any a' onto x_t (the rule of (3.30)).
 
@@ -45,7 +48,7 @@ class MarginalizedDecoder(Sampler):
 
     def __init__(self, lm: torch.nn.Module, projection: Projection, name: str = "predictive_lm"):
         if int(lm.vocab_size) != len(projection.vocab):
-            raise ValueError(f"LM vocab_size {lm.vocab_size} != projection vocabulary size {len(projection.vocab)}")
+            raise ConfigError(f"LM vocab_size {lm.vocab_size} != projection vocabulary size {len(projection.vocab)}")
         self.lm = lm
         self.projection = projection
         self.name = name
@@ -58,6 +61,7 @@ class MarginalizedDecoder(Sampler):
     def _device(self) -> torch.device:
         return lm_device(self.lm)
 
+    @per_token
     def step_log_probs(self, logits: torch.Tensor, sD: torch.Tensor, sL: torch.Tensor, x: torch.Tensor, D: Automaton,
                        lift: Automaton) -> torch.Tensor:
         """log Q(next token | prefix) ``[N, V]`` for rows in domain state sD / lifting state sL.
@@ -194,6 +198,7 @@ class MarginalizedRule(TokenRule):
         return self.lift.num_emitted(s[:, 1])
 
 
+@checked
 class Identity(MarginalizedDecoder):
     """The identity sampler Q_id of (3.30), Def 3.6: the model's own prior decoded with the next
     observable token marginalised out of each thought decision, then x_t forced.
@@ -212,6 +217,7 @@ class Identity(MarginalizedDecoder):
         pass
 
 
+@checked
 class Predictive(MarginalizedDecoder):
     """A predictive sampler (Def 3.7) with its own trainable LM: the same decision rule as
     :class:`Identity` ((3.30) with ``lm`` in place of P), so the segment before x_t is drawn

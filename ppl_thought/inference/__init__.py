@@ -34,9 +34,6 @@ __all__ = [
     "save_result", "load_result", "resample", "RESAMPLING", "greedy", "beam_search",
 ]
 
-from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
-
-check_exports(globals())
 
 
 #: names that lived here before the engines were separated from training and verifier sampling

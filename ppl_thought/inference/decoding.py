@@ -92,10 +92,12 @@ from ppl_thought.inference.decoding_methods import (
 )
 from ppl_thought.inference.decoding_program import _Draws, _joined, _on_values, _ProgramRun, _stream_program, _tokens
 from ppl_thought.inference.particles import engine_device
+from ppl_thought.validation import checked
 
 METHODS = ("direct", "streaming", "resampling", "unbiased", "exact", "best_of_k")
 
 
+@checked
 @dataclass
 class Decoded:
     """``tokens [S, m]`` the program's integer outputs (-1 where the program had finished before the output;
@@ -131,6 +133,7 @@ def decoding_view(program: Callable[..., Any], **options: Any) -> Callable[..., 
     return program
 
 
+@checked
 def decode(model: Callable[..., Any], guide: Callable[..., Any] | None, *args: Any,
            method: str = "resampling", n: int = 16, max_new_tokens: int | None = None,
            num_samples: int = 1, stop_at_eos: bool | None = None, k: int = 4,
@@ -156,6 +159,7 @@ def decode(model: Callable[..., Any], guide: Callable[..., Any] | None, *args: A
     return _decode_program(program, guide, args, kwargs, method, n, num_samples, k, generator)
 
 
+@checked
 def next_token_distribution(model: Callable[..., Any], guide: Callable[..., Any] | None, *args: Any, n: int = 16,
                             method: str = "unbiased", generator: torch.Generator | None = None,
                             **kwargs: Any) -> torch.Tensor:

@@ -24,10 +24,17 @@ import torch
 
 from ppl_thought import checks
 from ppl_thought.checks import integer
-from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, SiteMismatchError, ZeroWeightsError
+from ppl_thought.errors import (
+    ConfigError,
+    NotInImageError,
+    NumericalError,
+    SiteMismatchError,
+    ZeroWeightsError,
+)
 from ppl_thought.inference.particles import check_compatible, infinite_sites, sample_particles
 from ppl_thought.inference.result import Result, pareto_k
-from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb
+from ppl_thought.models.slow_thinking import lifted_prefix_length as lifted_prefix_length
+from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb, checked, per_token
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 
@@ -115,6 +122,7 @@ def not_in_image_result(message: str, n: int, engine: str, observed: dict) -> Re
 
 
 # ---------------------------------------------------------------------------------------------- engine
+@checked
 class Importance:
     """Vectorised importance sampling, estimator (3.2) (docs/architecture.md, "Engines").
 
@@ -169,6 +177,7 @@ class Importance:
             engine="Importance",
         )
 
+    @per_token
     def log_prob(self, model: Callable[..., Any], guide: Callable[..., Any] | None, *args: Any,
                  **kwargs: Any) -> torch.Tensor:
         """log p_n of (3.2) (``-inf`` for x outside the image of Proj)."""
@@ -229,36 +238,6 @@ def _pad_to(z: torch.Tensor, length: int) -> torch.Tensor:
         return z[..., :length]
     pad = torch.zeros(z.shape[:-1] + (length - z.shape[-1],), dtype=z.dtype, device=z.device)
     return torch.cat([z, pad], -1)
-
-
-def lifted_prefix_length(lifting, w: torch.Tensor) -> torch.Tensor:
-    """Length ``[n]`` of the shortest prefix of each row of ``w [n, L]`` that the automaton accepts (its first
-    final state): the z of a sample of Q(. | xy) restricted to x (Remark 3.5). Raises
-    :class:`SiteMismatchError` if a row has none."""
-    table = lifting.device_table("table", w.device)
-    n, L = w.shape
-    s = lifting.start_states(n, w.device)
-    k = torch.where(lifting.is_final(s), torch.zeros(n, dtype=torch.long, device=w.device),
-                    torch.full((n,), -1, device=w.device))
-    for i in range(L):
-        s = table[s, w[:, i]]
-        k = torch.where((k < 0) & lifting.is_final(s), torch.full_like(k, i + 1), k)
-    if (k < 0).any():
-        raise SiteMismatchError("a sample of Q(. | xy) has no prefix in the lifting of x: the sampler is not "
-                         "supported on the lifting of xy")
-    return k
-
-
-def _sampler_step_log_probs(sampler, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """log Q(z_i | z_<i, x) ``[n, L]`` (every library guide has ``token_log_probs``)."""
-    if hasattr(sampler, "token_log_probs"):
-        return sampler.token_log_probs(z, x)
-    for name in ("dist", "seq"):
-        if callable(getattr(sampler, name, None)):
-            dist = getattr(sampler, name)(x)
-            return dist.step_log_probs(_pad_to(z, dist.max_len))[0][..., : z.shape[-1]]
-    raise TypeError("the shared-sample estimator of Remark 3.5 needs the sampler's token probabilities: give it "
-                    "token_log_probs(z, x) -> [n, L] or dist(x) -> LMSequence; or use shared=False")
 
 
 __all__ = ["Importance", "ZeroWeightsError", "lifted_prefix_length", "log_marginal_stderr", "log_normal_estimate",

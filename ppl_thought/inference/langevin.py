@@ -64,8 +64,9 @@ from pyro.poutine import block, trace
 from pyro.poutine.subsample_messenger import _Subsample
 from pyro.util import optional
 
-from ppl_thought.errors import ConfigError, DiscreteLatentError
+from ppl_thought.errors import ArgumentTypeError, ConfigError, DiscreteLatentError, NumericalError
 from ppl_thought.inference.result import Result
+from ppl_thought.validation import checked, per_token
 
 __all__ = ["MALA_TARGET_ACCEPT", "ULA_TARGET_ACCEPT", "DiscreteLatentError", "Langevin", "LangevinKernel",
            "default_target_accept"]
@@ -115,6 +116,7 @@ def _all_finite(pe: torch.Tensor, grads: Params) -> bool:
     return bool(torch.isfinite(pe)) and all(bool(torch.isfinite(g).all()) for g in grads.values())
 
 
+@checked
 class LangevinKernel(MCMCKernel):
     r"""One Langevin step per call: ULA (``adjust=False``) or MALA (``adjust=True``).
 
@@ -165,9 +167,9 @@ class LangevinKernel(MCMCKernel):
         if (model is None) == (potential_fn is None):
             raise ConfigError("LangevinKernel: give exactly one of `model` or `potential_fn`, got neither or both.")
         if not step_size > 0:
-            raise ValueError(f"LangevinKernel: step_size must be > 0, got {step_size}.")
+            raise ConfigError(f"LangevinKernel: step_size must be > 0, got {step_size}.")
         if not 0.0 < target_accept < 1.0:
-            raise ValueError(f"LangevinKernel: target_accept must be in (0, 1), got {target_accept}.")
+            raise ConfigError(f"LangevinKernel: target_accept must be in (0, 1), got {target_accept}.")
         self.model = model
         self.potential_fn = potential_fn
         self.transforms = transforms
@@ -244,7 +246,7 @@ class LangevinKernel(MCMCKernel):
             self._initial_params = init_params
             self._prototype_trace = prototype_trace
         if not self._initial_params:
-            raise ValueError(
+            raise ConfigError(
                 "LangevinKernel: nothing to sample. "
                 + (
                     "The model has no latent sample sites."
@@ -255,7 +257,7 @@ class LangevinKernel(MCMCKernel):
         z = {k: v.detach().clone() for k, v in self._initial_params.items()}
         z_grads, pe = potential_grad(self.potential_fn, z)
         if not _all_finite(pe, z_grads):
-            raise ValueError("LangevinKernel: the potential energy or its gradient is not finite at the start.")
+            raise NumericalError("LangevinKernel: the potential energy or its gradient is not finite at the start.")
         self._cache(z, pe, z_grads)
         if self.adapt_step_size and warmup_steps > 0:
             self.step_size = self._find_reasonable_step_size(z, pe, z_grads)
@@ -308,7 +310,7 @@ class LangevinKernel(MCMCKernel):
         :meth:`setup`, or with ``potential_fn``); ``step_size`` defaults to the current one.
         """
         if self.potential_fn is None:
-            raise ValueError("LangevinKernel.accept_prob: call setup(...) first (no potential function yet).")
+            raise ConfigError("LangevinKernel.accept_prob: call setup(...) first (no potential function yet).")
         s = self.step_size if step_size is None else float(step_size)
         z = {k: v.detach().clone() for k, v in z.items()}
         z_new = {k: v.detach().clone() for k, v in z_new.items()}
@@ -345,6 +347,7 @@ class LangevinKernel(MCMCKernel):
                 break
         return min(max(step_size, _MIN_STEP_SIZE), _MAX_STEP_SIZE)
 
+    @per_token
     def sample(self, params: Params) -> Params:
         """One ULA or MALA transition from ``params`` (unconstrained); adapts s during warmup."""
         z, pe, grads = self._z_last, self._potential_energy_last, self._z_grads_last
@@ -414,6 +417,7 @@ def _observed(model: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
+@checked
 class Langevin:
     """Langevin posterior sampling engine (latent-thought-models.txt, Eq. 4; ULA or MALA).
 
@@ -468,7 +472,7 @@ class Langevin:
     def chain_seeds(self) -> list[int]:
         """The torch seed of each chain, drawn from ``seed`` (distinct seeds give unrelated chains)."""
         if self.seed is None:
-            raise ValueError("Langevin.chain_seeds: no seed was given.")
+            raise ConfigError("Langevin.chain_seeds: no seed was given.")
         gen = torch.Generator().manual_seed(self.seed)
         return torch.randint(0, 2**62, (self.num_chains,), generator=gen, device="cpu").tolist()
 
@@ -514,7 +518,7 @@ class Langevin:
     def run(self, model: Callable, guide: Callable | None = None, *args: Any, **kwargs: Any) -> Result:
         """Sample p(latents | data) of ``model(*args, **kwargs)``; ``guide`` must be ``None``."""
         if guide is not None:
-            raise TypeError(
+            raise ArgumentTypeError(
                 "Langevin.run takes no guide: it samples the model's posterior directly "
                 "(call run(model, None, *data)); got guide="
                 f"{getattr(guide, '__name__', type(guide).__name__)}."

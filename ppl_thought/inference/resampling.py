@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ppl_thought.errors import ConfigError
+from ppl_thought.validation import checked
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 __all__ = ["RESAMPLING", "ancestors", "effective_sample_size", "log_mean_exp", "log_ratio", "resample",
@@ -62,6 +63,7 @@ def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u).clamp(max=w.shape[-1] - 1)
 
 
+@checked
 def resample(weights: torch.Tensor, method: str = "systematic", generator: torch.Generator | None = None,
              size: int | None = None, inverse_cdf: bool = False) -> torch.Tensor:
     """Ancestor indices ``[size]`` (default ``n``) from normalised weights ``[n]`` (each scheme has

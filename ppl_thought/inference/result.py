@@ -13,9 +13,9 @@ import torch
 
 from ppl_thought import checks
 from ppl_thought.checkpoint import parse_json
-from ppl_thought.errors import CheckpointError, ConfigError, DiagnosticError, PPLThoughtError
+from ppl_thought.errors import CheckpointError, DiagnosticError, PPLThoughtError
 from ppl_thought.io import CONFIG_FILE, load_checkpoint, save_checkpoint
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked
 from ppl_thought.vocab import Vocab
 from ppl_thought.weights import (  # noqa: F401 (effective_sample_size, log_mean_exp: their old import path)
     check_log_weights,
@@ -67,12 +67,14 @@ def psis(log_w) -> tuple[torch.Tensor, torch.Tensor]:
     return smoothed_t, torch.from_numpy(ks).reshape(lw.shape[:-1])
 
 
+@checked
 def pareto_k(log_w: ArrayLike | float) -> float | torch.Tensor:
     """The PSIS k-hat of :func:`psis` (a float for one row of weights, a tensor ``[...]`` for several)."""
     k = psis(log_w)[1]
     return float(k) if k.ndim == 0 else k
 
 
+@checked
 @dataclass
 class Result:
     """Weighted particles or MCMC draws.
@@ -242,6 +244,7 @@ def _decode_tree(obj, tensors: Mapping[str, torch.Tensor]):
     return obj
 
 
+@checked
 def save_result(path: str | Path, result: Result, vocab: Vocab | None = None) -> Path:
     """Write an engine :class:`Result` to directory ``path`` (with ``vocab``, a :class:`~ppl_thought.vocab.Vocab`,
     the vocabulary its token sites use: ``ppl-thought diagnose`` then shows tokens, not ids).
@@ -257,9 +260,6 @@ def save_result(path: str | Path, result: Result, vocab: Vocab | None = None) ->
     tree = _encode_tree(fields, "result", tensors)
     config = {"kind": RESULT_FORMAT, "engine": str(result.engine), "tree": tree}
     if vocab is not None:
-        if not isinstance(vocab, Vocab):
-            raise ConfigError(f"vocab must be a pt.Vocab (the vocabulary of the result's token sites) or None, got "
-                              f"{type(vocab).__name__}")
         config["vocab"] = vocab.to_dict()
     return save_checkpoint(path, tensors, config)
 
@@ -292,6 +292,7 @@ def is_saved_result(path: str | Path) -> bool:
         and header["config"].get("kind") == RESULT_FORMAT
 
 
+@checked
 def load_result(path: str | Path):
     """Read a :class:`Result` written by :func:`save_result`."""
     state, config, _ = load_checkpoint(path)

@@ -24,6 +24,7 @@ from ppl_thought.errors import ConfigError
 from ppl_thought.lm.base import as_id_batch, lm_device
 from ppl_thought.lm.base import step as lm_step
 from ppl_thought.program import OneTokenStep, is_program
+from ppl_thought.validation import checked
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 SCORES = ("model", "masked")
@@ -71,6 +72,7 @@ def _search_program(program: Any, guide: Any, args: tuple, constraint: Any, max_
 
 
 @torch.no_grad()
+@checked
 def beam_search(program: Any, guide: Any = None, *args: Any, width: int = 4, score: str = "model",
                 constraint: Any = None, max_new_tokens: int | None = None, **kwargs: Any) -> Searched:
     """Beam search over a token-level program (module docstring), batched over the beams.
@@ -137,6 +139,7 @@ def beam_search(program: Any, guide: Any = None, *args: Any, width: int = 4, sco
     return Searched(tokens[order], total[order], finished[order], prompt_ids[0], score)
 
 
+@checked
 def greedy(program: Any, guide: Any = None, *args: Any, score: str = "model", constraint: Any = None,
            max_new_tokens: int | None = None, **kwargs: Any) -> Searched:
     """Greedy decoding of a token-level program: at each step the most probable admissible token (the same

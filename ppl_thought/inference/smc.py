@@ -48,12 +48,14 @@ from ppl_thought.inference.resampling import RESAMPLING, check_scheme, resample,
 from ppl_thought.inference.result import Result
 from ppl_thought.inference.static_smc import run_static
 from ppl_thought.program import reorder_state
+from ppl_thought.validation import checked
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 #: how a run is executed: Pyro traces of any program, or the static one-token step (inference/static_smc.py)
 BACKENDS = ("generic", "static")
 
 
+@checked
 class SMC:
     """Sequential Monte Carlo over the steps of any :class:`~ppl_thought.program.Program` (SMCFilter's
     protocol, batched), unbiased estimate of p(data) ((2.22) for a slow-thinking model).
@@ -122,8 +124,6 @@ class SMC:
         self.groups = g
         if backend not in BACKENDS:
             raise ConfigError(f"unknown SMC backend {backend!r}; choose one of {BACKENDS}")
-        if graphs is not None and not isinstance(graphs, bool):
-            raise ConfigError(f"graphs must be True, False or None (CUDA graphs when on CUDA), got {graphs!r}")
         if graphs and backend != "static":
             raise ConfigError("graphs=True needs backend='static' (the captured step is the static path's)")
         self.backend, self.graphs = backend, graphs

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ppl_thought.distributions.token_rule import token_step
-from ppl_thought.errors import ConfigError, NumericalError, ZeroWeightsError
+from ppl_thought.errors import ConfigError, NumericalError, UnsatisfiableConstraintError, ZeroWeightsError
 from ppl_thought.inference.importance import log_marginal_stderr
 from ppl_thought.inference.resampling import effective_sample_size, resample_groups
 from ppl_thought.inference.result import Result, log_mean_exp
@@ -220,8 +220,9 @@ class StaticRunner:
         for t in range(steps):
             dead, nan, zero = (bool(x) for x in flags[t, :3])
             if dead:
-                raise ValueError(f"rows have no admissible token of positive probability at step {t} of {name}: the "
-                                 "LM gives probability 0 to every token the constraint allows")
+                raise UnsatisfiableConstraintError(f"rows have no admissible token of positive probability at step {t} "
+                                                   f"of {name}: the LM gives probability 0 to every token the "
+                                                   "constraint allows")
             if nan:
                 raise NumericalError(f"NaN weights after step {t} of {name} (a log-probability is NaN or +inf)")
             if zero:

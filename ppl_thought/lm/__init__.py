@@ -11,6 +11,3 @@ from ppl_thought.lm.transformer import Transformer
 __all__ = ["GatedCache", "GatedLM", "HuggingFace", "KVCache", "LMCache", "Looped", "Tabular", "TabularCache",
            "Transformer", "smollm2", "step"]
 
-from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
-
-check_exports(globals())

@@ -21,8 +21,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError
+from ppl_thought.validation import checked, per_token
 
 
+@checked
 @runtime_checkable
 class LMCache(Protocol):
     length: int
@@ -30,11 +32,14 @@ class LMCache(Protocol):
     @property
     def batch_size(self) -> int: ...
 
+    @per_token
     def reorder(self, index: torch.Tensor) -> LMCache: ...
 
+    @per_token
     def expand(self, n: int) -> LMCache: ...
 
 
+@checked
 def step(lm: torch.nn.Module, tokens: torch.Tensor, cache: LMCache | None = None, **kwargs: Any):
     """One incremental step: ``tokens [B]`` -> ``(logits [B, V], cache)``."""
     logits, cache = lm(tokens[:, None], cache=cache, **kwargs)

@@ -13,11 +13,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import BOS_ID, EXPLAIN_ID
 
 __all__ = ["GatedCache", "GatedLM", "gate_mlp"]
 
 
+@checked
 @dataclass
 class GatedCache:
     """Caches of the slow stream (full input) and the fast stream (after ``<explain>``)."""
@@ -30,10 +33,12 @@ class GatedCache:
     def batch_size(self) -> int:
         return self.slow.batch_size
 
+    @per_token
     def reorder(self, index: torch.Tensor) -> GatedCache:
         return GatedCache(self.slow.reorder(index), self.fast.reorder(index) if self.fast is not None else None,
                           self.length)
 
+    @per_token
     def expand(self, n: int) -> GatedCache:
         return GatedCache(self.slow.expand(n), self.fast.expand(n) if self.fast is not None else None, self.length)
 
@@ -48,6 +53,7 @@ def gate_mlp(d: int) -> nn.Module:
     return mlp
 
 
+@checked
 class GatedLM(nn.Module):
     """The gating trick of App. L around any LM f, for finetuning it into an explanatory sampler.
 
@@ -94,6 +100,7 @@ class GatedLM(nn.Module):
         mixed = pf * fast_logits.masked_fill(neg, 0.0) + ps * slow_logits.masked_fill(neg, 0.0)
         return mixed.masked_fill(neg, float("-inf"))
 
+    @per_token
     def forward(self, tokens: torch.Tensor, cache: GatedCache | None = None):
         B, T = tokens.shape
         slow_logits, slow_cache = self.lm(tokens, cache=cache.slow if cache is not None else None)
@@ -107,7 +114,7 @@ class GatedLM(nn.Module):
             return slow_logits, GatedCache(slow_cache, None, start + T)
         pos = hit.float().argmax(-1)
         if not (pos == pos[0]).all() or not hit.any(-1).all():
-            raise ValueError("GatedLM: <explain> must sit at the same position in every row")
+            raise MalformedSequenceError("GatedLM: <explain> must sit at the same position in every row")
         e = int(pos[0])
         fast_in = torch.cat([torch.full((B, 1), BOS_ID, dtype=torch.long, device=tokens.device),
                              tokens[:, e + 1:]], 1)

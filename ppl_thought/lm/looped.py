@@ -36,6 +36,7 @@ from ppl_thought import checks
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.lm.base import check_token_ids
 from ppl_thought.lm.transformer import Block, RMSNorm, rope_tables
+from ppl_thought.validation import checked, per_token
 
 __all__ = ["Looped"]
 
@@ -48,6 +49,7 @@ class _NoCache:
         return k, v
 
 
+@checked
 class Looped(nn.Module):
     """A block stack of fixed depth applied ``T`` times with input injection (cot-or-loop Section 4, Def. 2.2 / A.3).
 
@@ -101,6 +103,7 @@ class Looped(nn.Module):
         L = tokens.shape[1]
         return self.embed(tokens) + self.pos(torch.arange(L, device=tokens.device))
 
+    @per_token
     def step(self, h: torch.Tensor) -> torch.Tensor:
         """One application of the stack ``f`` to hidden states ``h [B, L, d_model]``."""
         L = h.shape[1]
@@ -121,6 +124,7 @@ class Looped(nn.Module):
             h = self.step(h + e if inject else h)
         return h
 
+    @per_token
     def forward(self, tokens: torch.Tensor, T: int = 1, inject: bool = True) -> torch.Tensor:
         """Logits ``[B, L, vocab_size]`` after ``T`` loops (per position; for ``causal=True``, next-token logits)."""
         return self.lm_head(self.norm(self.hidden(tokens, T, inject)))

@@ -12,9 +12,11 @@ from ppl_thought import checks
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import ids_are_checked
+from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import BOS_ID
 
 
+@checked
 @dataclass
 class TabularCache:
     """The last ``order - 1`` tokens of each row (``<bos>``-padded) and the positions consumed."""
@@ -26,13 +28,16 @@ class TabularCache:
     def batch_size(self) -> int:
         return self.context.shape[0]
 
+    @per_token
     def reorder(self, index: torch.Tensor) -> TabularCache:
         return TabularCache(self.context.index_select(0, index.to(self.context.device)), self.length)
 
+    @per_token
     def expand(self, n: int) -> TabularCache:
         return TabularCache(self.context.repeat_interleave(n, dim=0), self.length)
 
 
+@checked
 class Tabular(nn.Module):
     """n-gram LM: ``logits[c_1, ..., c_{n-1}, next]``; order 2 is a bigram ``logits[prev, next]``.
 
@@ -79,6 +84,7 @@ class Tabular(nn.Module):
         if tokens.numel() and not ids_are_checked() and not _in_range(tokens, self.vocab_size):
             raise UnknownTokenError(f"token ids must lie in [0, {self.vocab_size})")
 
+    @per_token
     def forward(self, tokens: torch.Tensor, cache: TabularCache | None = None,
                 valid: torch.Tensor | None = None):
         """``tokens [B, T]`` -> ``(logits [B, T, V], cache)``.

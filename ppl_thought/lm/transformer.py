@@ -40,10 +40,11 @@ from torch import nn
 
 from ppl_thought import checks
 from ppl_thought.checkpoint import check_finite, check_float_dtypes, check_transformer_config, saved_transformer_vocab
-from ppl_thought.errors import CheckpointError, MalformedSequenceError, VocabularyError
+from ppl_thought.errors import CheckpointError, ConfigError, MalformedSequenceError, VocabularyError
 from ppl_thought.io import load_checkpoint_raw, nonfinite_names, save_checkpoint
 from ppl_thought.lm.base import check_token_ids, describe, one_token
 from ppl_thought.lm.kv_cache import KVCache, check_positions, ragged_rows
+from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import Vocab
 
 # ---------------------------------------------------------------------------------------------------------
@@ -158,6 +159,7 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
+@checked
 class Transformer(nn.Module):
     """Causal decoder LM: RoPE, pre-norm RMSNorm, SwiGLU, tied embeddings, optional window and latents.
 
@@ -188,13 +190,13 @@ class Transformer(nn.Module):
         checks.real("Transformer: rope_base", rope_base, 0.0, open_min=True)
         checks.real("Transformer: dropout", dropout, 0.0, 1.0, open_max=True)
         if vocab_size < 1 or d_model < 1 or n_layers < 1 or n_heads < 1 or max_len < 1:
-            raise ValueError("vocab_size, d_model, n_layers, n_heads and max_len must be positive")
+            raise ConfigError("vocab_size, d_model, n_layers, n_heads and max_len must be positive")
         if d_model % n_heads or (d_model // n_heads) % 2:
-            raise ValueError(f"d_model / n_heads must be an even integer (RoPE), got {d_model} / {n_heads}")
+            raise ConfigError(f"d_model / n_heads must be an even integer (RoPE), got {d_model} / {n_heads}")
         if window is not None and window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+            raise ConfigError(f"window must be >= 1, got {window}")
         if d_latent is not None and not cross_attention:
-            raise ValueError("d_latent is only used with cross_attention=True")
+            raise ConfigError("d_latent is only used with cross_attention=True")
         self.vocab_size = vocab_size
         self.d_model, self.n_layers, self.n_heads = d_model, n_layers, n_heads
         self.d_ff = d_ff if d_ff is not None else 8 * math.ceil(8 * d_model / 3 / 8)
@@ -245,6 +247,7 @@ class Transformer(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------------
 
+    @per_token
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, latents: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
         """Next-token logits ``[B, T, vocab_size]`` after each position, and the cache to continue.
@@ -280,6 +283,7 @@ class Transformer(nn.Module):
         new = new.finish(T, latent_kv, latents)
         return logits, (new if rows is None else new.with_rows(*rows))
 
+    @per_token
     def step(self, tokens: torch.Tensor, cache: KVCache | None = None, latents: torch.Tensor | None = None,
              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
         """One incremental step: ``tokens [B]`` (``valid [B]`` optional) -> ``(logits [B, vocab_size], cache)``."""

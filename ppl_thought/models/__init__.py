@@ -11,6 +11,3 @@ from ppl_thought.models.slow_thinking import EnumeratedPosterior, SlowThinking, 
 __all__ = ["SlowThinking", "PlainLM", "Constrained", "EnumeratedPosterior", "HMM", "pad_sequences", "LatentThought",
            "hmm_as_slow_thinking", "slow_thinking_parts"]
 
-from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
-
-check_exports(globals())

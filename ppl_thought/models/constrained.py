@@ -21,11 +21,13 @@ from ppl_thought.errors import ConfigError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import OneTokenStep, Program, particles, twist
 from ppl_thought.projections.automaton import Automaton
+from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import EOS_ID
 
 __all__ = ["Constrained"]
 
 
+@checked
 class Constrained(Program):
     """``p(z | z in A)``: an LM restricted to the language of a token automaton, one token per step.
 
@@ -60,7 +62,7 @@ class Constrained(Program):
         if constraint is not None and constraint.vocab_size != lm.vocab_size:
             raise ConfigError(f"the constraint has {constraint.vocab_size} token columns but the LM has "
                               f"vocab_size={lm.vocab_size}")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        if isinstance(max_tokens, bool) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if twist is not None and not callable(twist) and twist != "lookahead":
             raise ConfigError(f"twist must be a callable on token prefixes or 'lookahead', got {twist!r}")
@@ -70,6 +72,7 @@ class Constrained(Program):
         self.free = TokenRule(None, lm.vocab_size)  # the LM's own law: every token but <pad> and <bos>
         self.stop_ids = (EOS_ID,)  # a particle ends after <eos> (or in a final state, or after max_tokens)
 
+    @per_token
     def init(self, state: dict, prompt: torch.Tensor | None = None) -> None:
         state["x"] = LMState.start(self.lm, particles(), prompt=prompt, rule=self.rule, max_len=self.max_tokens,
                                    stop_ids=torch.tensor(self.stop_ids, device=lm_device(self.lm)))
@@ -89,6 +92,7 @@ class Constrained(Program):
         :meth:`log_mass`, ended by ``<eos>``, a final state or ``max_tokens``; the prompt is the run's argument."""
         return OneTokenStep(self.lm, self.rule, self.max_tokens, self.stop_ids, self.log_mass, self.twist)
 
+    @per_token
     def step(self, state: dict, t: int, prompt: torch.Tensor | None = None):
         x = state["x"]
         log_z = self.log_mass(x.logits, x.s, x.done)

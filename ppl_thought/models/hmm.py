@@ -45,7 +45,7 @@ from ppl_thought import checks
 from ppl_thought.errors import ConfigError, MalformedSequenceError, TooLargeToEnumerateError, UnknownTokenError
 from ppl_thought.program import Program, particle_frame, particles, run_whole
 from ppl_thought.projections.product import Product
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked, per_token
 
 DTYPE = torch.float64
 _NEG_INF = float("-inf")
@@ -125,6 +125,7 @@ def prior_logits(hmm: HMM, state: dict, t: int) -> torch.Tensor:
     return hmm.log_A[state["z"]]
 
 
+@checked
 class HMM(Program):
     """A hidden Markov model ``(A, B, lam)`` (Def 2.2).
 
@@ -274,6 +275,7 @@ class HMM(Program):
             pred[:, T] = prior @ self.B
         return prefix, filt, pred
 
+    @per_token
     def log_prob(self, x: ArrayLike) -> torch.Tensor:
         """``log P_{A,B,lam}(x_1 .. x_T)`` (Def 2.2) by the forward algorithm (3.1).
 
@@ -409,6 +411,7 @@ class HMM(Program):
         return out[0] if single else out
 
     # ------------------------------------------------------------------ sampling
+    @per_token
     def sample(
         self, num_sequences: int, length: int, generator: torch.Generator | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -469,6 +472,7 @@ class HMM(Program):
         """
         return run_whole(self, x=x, length=length)
 
+    @per_token
     def init(self, state: dict, x: ArrayLike | None = None, length: int | None = None) -> None:
         """Check x / length and set ``max_steps = T`` (``1`` for T = 0: one empty step); samples nothing.
 
@@ -477,6 +481,7 @@ class HMM(Program):
         """
         self.max_steps = max(1, self.program_length(x, length))
 
+    @per_token
     def step(self, state: dict, t: int, x: ArrayLike | None = None, length: int | None = None) -> torch.Tensor | None:
         """Step t of Def 2.2: ``z_t ~ lam`` (t = 0) or ``A[z_{t-1}]``, then ``x_t ~ B[z_t]`` (observed if x given).
 

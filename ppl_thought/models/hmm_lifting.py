@@ -13,11 +13,13 @@ from ppl_thought.lm.tabular import Tabular
 from ppl_thought.models.hmm import DTYPE, HMM
 from ppl_thought.models.slow_thinking import SlowThinking
 from ppl_thought.projections.product import Product
+from ppl_thought.validation import checked
 from ppl_thought.vocab import BOS_ID
 
 __all__ = ["hmm_as_slow_thinking", "slow_thinking_parts"]
 
 
+@checked
 def slow_thinking_parts(hmm: HMM, observable_tokens: list[str] | None = None, hidden_names: list[str] | None = None,
                         sep: str = "|", trainable: bool = False) -> tuple[Product, Tabular]:
     """The HMM as ``Proj # P_f`` with a bigram latent prior (Theorem 2.3, proof in App. E.2).
@@ -62,6 +64,7 @@ def slow_thinking_parts(hmm: HMM, observable_tokens: list[str] | None = None, hi
     return product, prior
 
 
+@checked
 def hmm_as_slow_thinking(hmm: HMM, **kwargs) -> SlowThinking:
     """The HMM as ``pt.models.SlowThinking(prior, projection)`` (Theorem 2.3) from :func:`slow_thinking_parts`
     (``kwargs`` go there); its exact marginal likelihood is the forward algorithm's P(x)."""

@@ -43,6 +43,7 @@ from ppl_thought.distributions.token_rule import token_step, upcast
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.guides.gaussian import LocalGaussianGuide
 from ppl_thought.lm.transformer import Transformer
+from ppl_thought.validation import checked
 from ppl_thought.weights import log_mean_exp
 
 __all__ = ["LatentThought", "frozen"]
@@ -66,6 +67,7 @@ def frozen(module: nn.Module) -> Iterator[None]:
             p.requires_grad_(f)
 
 
+@checked
 class LatentThought(nn.Module):
     """A Latent Thought Model (Sec 2.1): z ~ N(0, I) per layer, x | z by a window-k cross-attending decoder.
 
@@ -112,7 +114,7 @@ class LatentThought(nn.Module):
     def batch(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked tokens ``[B, N]`` (long) and a boolean mask ``[B, N]`` (True = scored), from one sequence
         ``[N]`` or a batch, with or without a mask."""
-        if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32) \
+        if tokens.dtype not in (torch.int64, torch.int32) \
                 or tokens.ndim not in (1, 2):
             raise MalformedSequenceError(f"tokens must be a LongTensor [N] or [B, N], got "
                                          f"{getattr(tokens, 'dtype', type(tokens).__name__)} "
@@ -205,9 +207,9 @@ class LatentThought(nn.Module):
         :func:`~ppl_thought.distributions.token_rule.token_step`, the one token step), so the law of the output
         given z is exactly the product in Eq. 1.
         """
-        if not isinstance(num_tokens, int) or num_tokens < 0:
+        if num_tokens < 0:
             raise MalformedSequenceError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        if not isinstance(z, torch.Tensor) or z.ndim != 4:
+        if z.ndim != 4:
             raise MalformedSequenceError(f"z must be a float tensor [B, {', '.join(map(str, self.latent_shape))}], "
                                          f"got {tuple(getattr(z, 'shape', ()))}")
         B = z.shape[0]

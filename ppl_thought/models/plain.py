@@ -21,18 +21,19 @@ import torch
 
 from ppl_thought import checks
 from ppl_thought.distributions.lm_sequence import LMSequence
-from ppl_thought.errors import ProgramError
+from ppl_thought.errors import ConfigError, ProgramError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import Program, Shared, particles, pyro_module
 from ppl_thought.projections.base import as_id_array
 from ppl_thought.projections.identity import Identity
 from ppl_thought.transforms.base import sequence_start
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked, per_token
 from ppl_thought.vocab import Vocab
 
 __all__ = ["PlainLM"]
 
 
+@checked
 class PlainLM(Program):
     """x ~ P_f: an LM over Sigma as a Pyro program with the sequence site ``site`` (default ``"x"``).
 
@@ -52,7 +53,7 @@ class PlainLM(Program):
         checks.lm("PlainLM: lm", lm)
         checks.instance("PlainLM: vocab", vocab, Vocab, "a pt.Vocab")
         if int(lm.vocab_size) != len(vocab):
-            raise ValueError(f"LM vocab_size {lm.vocab_size} != vocabulary size {len(vocab)}")
+            raise ConfigError(f"LM vocab_size {lm.vocab_size} != vocabulary size {len(vocab)}")
         self.lm = lm
         self.vocab = vocab
         self.site = site
@@ -79,7 +80,7 @@ class PlainLM(Program):
     # ------------------------------------------------------------------ whole view
     def __call__(self, x: ArrayLike | None = None, length: int | None = None):
         if x is None and length is None:
-            raise ValueError("give the observation x, or length= to generate")
+            raise ConfigError("give the observation x, or length= to generate")
         xt = self.x_ids(x) if x is not None else None
         n = len(xt) if xt is not None else int(length)
         pyro_module(self.module_name, self.lm)  # frozen weights are never param sites
@@ -88,6 +89,7 @@ class PlainLM(Program):
     model = __call__
 
     # ------------------------------------------------------------------ step view
+    @per_token
     def init(self, state: dict, x: ArrayLike | None = None, length: int | None = None) -> None:
         if x is None:
             raise ProgramError(f"the step-wise {type(self).__name__} program needs the observation x "
@@ -101,6 +103,7 @@ class PlainLM(Program):
         # (ProjectionLift(proj, chunk=C): the forced segments join the step before them, end of 5.6.2)
         state.setdefault(f"{self.site}:step_ends", Shared(tuple(range(1, len(xt) + 1))))
 
+    @per_token
     def step(self, state: dict, t: int, x: ArrayLike | None = None, length: int | None = None):
         """The segment that emits x_t (one token of x here; the latent segment z^(t) under ProjectionLift), or
         the tokens up to ``state[f"{site}:step_ends"][t]`` when a transform set coarser steps."""

@@ -31,6 +31,7 @@ from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.distributions.projected import ProjectionDelta
 from ppl_thought.errors import (
+    ArgumentTypeError,
     ConfigError,
     MalformedSequenceError,
     NotInImageError,
@@ -44,10 +45,11 @@ from ppl_thought.program import sample as pt_sample
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.transforms.base import Transformed
 from ppl_thought.transforms.projection_lift import ProjectionLift
-from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb
+from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb, checked, per_token
 from ppl_thought.vocab import PAD_ID
 
 
+@checked
 def pad_sequences(seqs: Sequence[ArrayLike], length: int | None = None, pad_id: int = PAD_ID,
                   device: torch.device | str | None = None) -> torch.Tensor:
     """A list of 1-D id sequences -> a right-padded LongTensor ``[len(seqs), length]`` (built on the host,
@@ -80,6 +82,7 @@ def pad_sequences(seqs: Sequence[ArrayLike], length: int | None = None, pad_id: 
     return out if device is None else out.to(device)
 
 
+@checked
 @dataclass
 class EnumeratedPosterior:
     """The exact posterior Q_*(z | x) of (2.24) over the enumerated lifting of x.
@@ -97,6 +100,7 @@ class EnumeratedPosterior:
     def probs(self) -> torch.Tensor:
         return self.log_probs.exp()
 
+    @per_token
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         idx = torch.multinomial(self.probs, n, replacement=True, generator=generator)
         return self.support[idx]
@@ -105,6 +109,7 @@ class EnumeratedPosterior:
         return {tuple(int(t) for t in row if t != PAD_ID): float(p) for row, p in zip(self.support, self.probs)}
 
 
+@checked
 class SlowThinking(Transformed):
     """The Pyro model of Proj # P_f with latent site ``"z"`` and observed site ``"x"``.
 
@@ -130,7 +135,7 @@ class SlowThinking(Transformed):
         checks.has_attributes("SlowThinking: projection", projection, ("vocab", "lifting", "domain"),
                               "a pt.projections projection (PauseToThink, QueryResponse, SparseThoughts, ...)")
         if int(prior.vocab_size) != len(projection.vocab):
-            raise ValueError(
+            raise ConfigError(
                 f"prior vocab_size {prior.vocab_size} != projection vocabulary size {len(projection.vocab)}"
             )
         plain = PlainLM(prior, projection.vocab, module_name="prior", state_key="z")
@@ -197,8 +202,6 @@ class SlowThinking(Transformed):
         log Q(Z_i | x) the sum of the sampler's token log-probabilities over Z_i (``sampler.token_log_probs(z,
         x)`` or ``sampler.dist(x)``). Raises :class:`~ppl_thought.errors.NotInImageError` for xy outside the image.
         """
-        from ppl_thought.inference.importance import _sampler_step_log_probs, lifted_prefix_length
-
         xt, yt = self.x_ids(x), self.x_ids(y)
         xy = torch.cat([xt, yt])
         self.projection.lifting(xy)  # NotInImageError for xy outside the image
@@ -453,3 +456,33 @@ def algorithm1_step(model: SlowThinking, xt: torch.Tensor,
             if good:
                 new_terms[sigma[j]][zs] = v
     return (p / p.sum()).float().to(model.device), new_terms
+
+
+def lifted_prefix_length(lifting, w: torch.Tensor) -> torch.Tensor:
+    """Length ``[n]`` of the shortest prefix of each row of ``w [n, L]`` that the automaton accepts (its first
+    final state): the z of a sample of Q(. | xy) restricted to x (Remark 3.5). Raises
+    :class:`SiteMismatchError` if a row has none."""
+    table = lifting.device_table("table", w.device)
+    n, L = w.shape
+    s = lifting.start_states(n, w.device)
+    k = torch.where(lifting.is_final(s), torch.zeros(n, dtype=torch.long, device=w.device),
+                    torch.full((n,), -1, device=w.device))
+    for i in range(L):
+        s = table[s, w[:, i]]
+        k = torch.where((k < 0) & lifting.is_final(s), torch.full_like(k, i + 1), k)
+    if (k < 0).any():
+        raise SiteMismatchError("a sample of Q(. | xy) has no prefix in the lifting of x: the sampler is not "
+                         "supported on the lifting of xy")
+    return k
+
+
+def _sampler_step_log_probs(sampler, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """log Q(z_i | z_<i, x) ``[n, L]`` (every library guide has ``token_log_probs``)."""
+    if hasattr(sampler, "token_log_probs"):
+        return sampler.token_log_probs(z, x)
+    for name in ("dist", "seq"):
+        if callable(getattr(sampler, name, None)):
+            dist = getattr(sampler, name)(x)
+            return dist.step_log_probs(_pad_to(z, dist.max_len))[0][..., : z.shape[-1]]
+    raise ArgumentTypeError("the shared-sample estimator of Remark 3.5 needs the sampler's token probabilities: give "
+                            "it token_log_probs(z, x) -> [n, L] or dist(x) -> LMSequence; or use shared=False")

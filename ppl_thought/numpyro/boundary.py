@@ -1,10 +1,10 @@
 """The type layer of the JAX side (docs/architecture.md, "Validation at the boundary"; docs/numpyro.md).
 
-Each ``ptn`` subpackage ends with :func:`check_here` (``validation.check_exports`` with ``skip_while=tracing``):
-its public callables are checked against their hints when called from Python, and run unchecked while JAX
+Every public ``ptn`` callable carries :func:`checked_jax` at its definition (``validation.checked`` with
+``skip_while=tracing``): it is checked against its hints when called from Python, and runs unchecked while JAX
 traces (under ``jit`` / ``vmap`` / ``grad`` / ``lax.scan`` the arguments are tracers and a check would only run
 at trace time; the compiled code never holds one). The per-step methods (``step``, ``init``, ``apply``, a token
-rule's ``log_probs`` ...) are never wrapped (``validation._HOT`` and the classes' ``__ppl_thought_hot__``).
+rule's ``log_probs`` ...) carry ``validation.per_token`` and are never wrapped.
 
 Hints used on the JAX side:
 
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppl_thought.errors import ArgumentTypeError, NumericalError
-from ppl_thought.validation import check_exports
+from ppl_thought.validation import checked
 
 try:  # the one probe of "is JAX tracing now" (jax.core no longer re-exports it)
     from jax._src.core import trace_state_clean as _trace_state_clean
@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover -- a JAX without it: check always (trace
     def _trace_state_clean() -> bool:
         return True
 
-__all__ = ["Array", "ArrayLike", "Key", "SupportsTokenRule", "as_array", "as_numpy", "check_here", "refuse_nan",
+__all__ = ["Array", "ArrayLike", "Key", "SupportsTokenRule", "as_array", "as_numpy", "checked_jax", "refuse_nan",
            "tracing"]
 
 Array = jax.Array | np.ndarray
@@ -61,9 +61,10 @@ def tracing() -> bool:
     return not _trace_state_clean()
 
 
-def check_here(namespace: dict[str, Any], names: Any = None) -> None:
-    """The type layer on the public names of a ``ptn`` module (see the module docstring)."""
-    check_exports(namespace, names, skip_while=tracing)
+def checked_jax(obj: Any) -> Any:
+    """``@checked_jax``: the type layer on a ``ptn`` function or class (``validation.checked`` with
+    ``skip_while=tracing``; see the module docstring)."""
+    return checked(obj, skip_while=tracing)
 
 
 def as_array(name: str, value: Any, dtype: Any = None, where: str = "") -> jax.Array:

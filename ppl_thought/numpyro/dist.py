@@ -26,6 +26,3 @@ __all__ = ["NEG_INF", "LMSequence", "LMState", "NextToken", "ProjectionDelta", "
            "check_ids", "const", "decode", "encode", "masked_log_softmax", "pad_to", "sample_token", "score",
            "tables", "teacher_forced", "tree_where"]
 
-from ppl_thought.numpyro.boundary import check_here  # noqa: E402 -- the type layer on the names above
-
-check_here(globals())

@@ -27,15 +27,17 @@ from numpyro.distributions import Distribution, constraints
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, NotInImageError, UnknownTokenError
-from ppl_thought.numpyro.boundary import Array, ArrayLike, Key, SupportsTokenRule, as_array, as_numpy
+from ppl_thought.numpyro.boundary import Array, ArrayLike, Key, SupportsTokenRule, as_array, as_numpy, checked_jax
 from ppl_thought.numpyro.lm.base import LM
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection
+from ppl_thought.validation import per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
 
 NEG_INF = -jnp.inf
 
 
+@checked_jax
 def const(a: ArrayLike, dtype: Any = None) -> jax.Array:
     """A concrete jnp array even when called while a function is being traced (cached tables are built once
     and outlive any trace)."""
@@ -44,12 +46,11 @@ def const(a: ArrayLike, dtype: Any = None) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------- automaton tables
+@checked_jax
 class Tables:
     """jnp views of an :class:`Automaton`: ``table [S+1, V]`` (the last row is the dead state, ``-1``),
     ``allowed [S+1, V]`` (admissible next tokens Phi^{<=1} of (2.26), never ``<pad>``/``<bos>``),
     ``final [S+1]``, ``emitted [S+1]`` (dead: ``-1``), ``start``, ``max_len``."""
-
-    __ppl_thought_hot__ = ("step", "advance")
 
     def __init__(self, automaton: Automaton):
         t = np.concatenate([automaton.next_state, np.full((1, automaton.vocab_size), -1)], 0)
@@ -65,9 +66,11 @@ class Tables:
         self.max_len = automaton.max_len
         self.num_states = automaton.num_states
 
+    @per_token
     def step(self, s: Any, tok: Any) -> Any:
         return self.table[s, tok]
 
+    @per_token
     def advance(self, s: Any, tok: Any) -> Any:
         """:meth:`step`, except that ``<pad>`` keeps the state (right-padded rows)."""
         return jnp.where(tok == PAD_ID, s, self.table[s, tok])
@@ -76,6 +79,7 @@ class Tables:
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+@checked_jax
 def tables(automaton: Automaton) -> Tables:
     """The (cached) :class:`Tables` of an automaton."""
     t = _TABLES.get(automaton)
@@ -84,6 +88,7 @@ def tables(automaton: Automaton) -> Tables:
     return t
 
 
+@checked_jax
 def masked_log_softmax(logp: Array, mask: Array) -> jax.Array:
     """log softmax over admissible tokens (Def 2.8); rows with none admissible are all -inf, never NaN."""
     x = jnp.where(mask, logp, NEG_INF)
@@ -92,6 +97,7 @@ def masked_log_softmax(logp: Array, mask: Array) -> jax.Array:
     return jnp.where(dead | ~mask, NEG_INF, out)
 
 
+@checked_jax
 def tree_where(cond: Array, a: Any, b: Any) -> Any:
     """``where(cond, a, b)`` leaf by leaf, ``cond [n]`` broadcast over each leaf's trailing axes (leaves: arrays
     with the rows on axis 0)."""
@@ -109,13 +115,12 @@ def tree_where(cond: Array, a: Any, b: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- token rules
+@checked_jax
 class TokenRule:
     """The masked softmax of Def 2.8 under an automaton (or none: every token but ``<pad>``/``<bos>``).
 
     A rule's state is a pytree with the rows on axis 0; here one automaton state per row.
     """
-
-    __ppl_thought_hot__ = ("start",)
 
     def __init__(self, constraint: Automaton | None, vocab_size: int):
         self.constraint = constraint
@@ -128,22 +133,28 @@ class TokenRule:
         free[[PAD_ID, BOS_ID]] = False
         self._free = const(free)
 
+    @per_token
     def start(self, n: int) -> jax.Array:
         return jnp.full((n,), self.t.start if self.t is not None else 0, dtype=jnp.int32)
 
+    @per_token
     def mask(self, s: Any) -> jax.Array:
         return self.t.allowed[s] if self.t is not None else jnp.broadcast_to(self._free, s.shape + self._free.shape)
 
+    @per_token
     def log_probs(self, logp: jax.Array, s: Any) -> jax.Array:
         """log Q(next token | state) ``[n, V]``: the LM's log-probabilities masked and renormalised."""
         return masked_log_softmax(logp, self.mask(s))
 
+    @per_token
     def step(self, s: Any, tok: Any) -> Any:
         return self.t.table[s, tok] if self.t is not None else s
 
+    @per_token
     def is_final(self, s: Any) -> jax.Array:
         return self.t.final[s] if self.t is not None else jnp.zeros(s.shape, bool)
 
+    @per_token
     def num_emitted(self, s: Any) -> jax.Array:
         if self.t is None:
             raise MalformedSequenceError("counting observables needs a constraint automaton")
@@ -162,6 +173,7 @@ def _prompt_ids(prompt: Any, vocab_size: int, what: str = "prompt") -> np.ndarra
     return p.astype(np.int64)
 
 
+@checked_jax
 def encode(lm: LM, params: Any, prompt: ArrayLike, n: int, max_new: int, latents: Any = None) -> tuple[jax.Array, Any]:
     """Feed ``<bos> + prompt`` (shared by every row) into a fresh cache: ``(next log-probs [n, V], cache)``."""
     ctx = jnp.asarray(np.concatenate([[BOS_ID], _prompt_ids(prompt, lm.vocab_size)]), dtype=jnp.int32)
@@ -171,6 +183,7 @@ def encode(lm: LM, params: Any, prompt: ArrayLike, n: int, max_new: int, latents
     return logp[:, -1], cache
 
 
+@checked_jax
 def sample_token(key: Key, q: Array, done: Array) -> jax.Array:
     """One categorical draw per row from log-probabilities ``q [n, V]`` (``<pad>`` for finished rows)."""
     if q.ndim != 2 or done.shape != q.shape[:1]:
@@ -217,6 +230,7 @@ def token_step(rule: SupportsTokenRule, logp: Array, s: Any, active: Array | Non
     return TokenStep(tok, s1, lp, None if ends is None else ends(tok, s1))
 
 
+@checked_jax
 def decode(key: Key, lm: LM, params: Any, rule: SupportsTokenRule, n: int, prompt: ArrayLike, max_len: int,
            stop_ids: ArrayLike, latents: Any = None) -> tuple[jax.Array, jax.Array]:
     """Sample ``n`` sequences in one batched, KV-cached loop under ``rule``: ``(z int32 [n, max_len], log Q [n])``.
@@ -246,6 +260,7 @@ def decode(key: Key, lm: LM, params: Any, rule: SupportsTokenRule, n: int, promp
     return toks.T.reshape(n, max_len), lp
 
 
+@checked_jax
 def teacher_forced(lm: LM, params: Any, prompt: ArrayLike, z: Array, latents: Any = None) -> jax.Array:
     """The LM's next-token log-probabilities at each position of ``z [n, L]``: ``[n, L, V]`` (one pass)."""
     if z.ndim != 2 or not jnp.issubdtype(z.dtype, jnp.integer) or z.shape[0] == 0:
@@ -260,6 +275,7 @@ def teacher_forced(lm: LM, params: Any, prompt: ArrayLike, z: Array, latents: An
     return logp[:, len(ctx) - 1:]
 
 
+@checked_jax
 def score(rule: SupportsTokenRule, logp: Array, z: Array, max_len: int,
           stop_ids: ArrayLike) -> tuple[jax.Array, jax.Array]:
     """Per-token log Q ``[n, L]`` (0 on padding) and completeness ``[n]`` of right-padded ``z [n, L]`` given the
@@ -292,6 +308,7 @@ def score(rule: SupportsTokenRule, logp: Array, z: Array, max_len: int,
     return steps, complete
 
 
+@checked_jax
 def check_ids(value: ArrayLike, vocab_size: int, max_len: int, what: str = "sequence") -> np.ndarray | jax.Array:
     """Validate a right-padded id array ``[..., L]`` (concrete values only; traced values pass unchecked)."""
     vocab_size, max_len = integer("vocab_size", vocab_size, minimum=1), integer("max_len", max_len, minimum=0)
@@ -316,6 +333,7 @@ def check_ids(value: ArrayLike, vocab_size: int, max_len: int, what: str = "sequ
     return a.astype(np.int32)
 
 
+@checked_jax
 def pad_to(z: Array, length: int) -> Array:
     """Right-pad (or cut padding off) ``z [..., L]`` to ``length`` columns."""
     length = integer("length", length, minimum=0)
@@ -328,6 +346,7 @@ def pad_to(z: Array, length: int) -> Array:
 
 
 # ---------------------------------------------------------------------------------------------- LMSequence
+@checked_jax
 class LMSequence(Distribution):
     """A distribution over right-padded token arrays ``[*batch, max_len]``: ``lm`` decoded under a constraint
     automaton (Def 2.8), the NumPyro twin of ``ppl_thought.distributions.LMSequence`` (same semantics).
@@ -352,7 +371,6 @@ class LMSequence(Distribution):
 
     arg_constraints: dict = {}
     support = constraints.independent(constraints.nonnegative_integer, 1)
-    __ppl_thought_hot__ = ("sample_with_intermediates",)
 
     def __init__(self, lm: LM, prompt: ArrayLike | str | None = None, constraint: Automaton | None = None,
                  stop: str | int | Sequence[str | int] | None = None, max_len: int | None = None,
@@ -408,6 +426,7 @@ class LMSequence(Distribution):
             raise UnknownTokenError(f"stop tokens {a.tolist()} outside the vocabulary [0, {self.vocab_size})")
         return a
 
+    @per_token
     def expand(self, batch_shape: Any) -> LMSequence:
         new = object.__new__(LMSequence)
         new.__dict__.update(self.__dict__)
@@ -415,6 +434,7 @@ class LMSequence(Distribution):
         return new
 
     # ------------------------------------------------------------------ Distribution API
+    @per_token
     def sample_with_log_prob(self, key: jax.Array, sample_shape: tuple = ()) -> tuple[jax.Array, jax.Array]:
         """Draws ``[*sample_shape, *batch, max_len]`` and their log-probabilities, in one decoding loop."""
         shape = tuple(sample_shape) + tuple(self.batch_shape)
@@ -423,13 +443,16 @@ class LMSequence(Distribution):
                        self.latents)
         return z.reshape(shape + (self.max_len,)), lp.reshape(shape)
 
+    @per_token
     def sample(self, key: Key, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         return self.sample_with_log_prob(key, sample_shape)[0]
 
+    @per_token
     def sample_with_intermediates(self, key: Key, sample_shape: tuple[int, ...] = ()) -> tuple[jax.Array, list]:
         z, lp = self.sample_with_log_prob(key, sample_shape)
         return z, [lp]
 
+    @per_token
     def step_log_probs(self, value: Any) -> tuple[jax.Array, jax.Array]:
         """Per-token masked log-probabilities ``[..., L]`` (0 on padding) and completeness ``[...]``: the prefix
         sums are log P(z_{<=k}) (Def 2.8). One teacher-forced pass."""
@@ -445,6 +468,7 @@ class LMSequence(Distribution):
             steps, complete = score(self.rule, logp, flat, self.max_len, self.stop_ids)
         return steps.reshape(batch + (flat.shape[1],)), complete.reshape(batch)
 
+    @per_token
     def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
         """log P(value): the masked step log-probabilities summed (Def 2.8, (2.13)); ``-inf`` if incomplete."""
         if intermediates:
@@ -459,6 +483,7 @@ class LMSequence(Distribution):
 
 
 # ---------------------------------------------------------------------------------------------- ProjectionDelta
+@checked_jax
 class ProjectionDelta(Distribution):
     """x = Proj^{<w}(z) restricted to |x| = n (the observed site of Proj # P_f): ``log_prob(x)`` is 0 if z lies in
     the lifting of x (Prop 2.3), else -inf, checked by running the lifting automaton over every row of z.
@@ -478,10 +503,12 @@ class ProjectionDelta(Distribution):
         self.num_observed = integer("num_observed", num_observed, minimum=0)
         super().__init__(tuple(jnp.shape(z)[:-1]), (self.num_observed,), validate_args=validate_args)
 
+    @per_token
     def expand(self, batch_shape: Any) -> ProjectionDelta:
         z = jnp.broadcast_to(self.z, tuple(batch_shape) + jnp.shape(self.z)[-1:])
         return ProjectionDelta(self.projection, z, self.num_observed)
 
+    @per_token
     def sample(self, key: Key, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         if isinstance(self.z, jax.core.Tracer):
             raise ConfigError("ProjectionDelta.sample projects concrete latent sequences (outside jit)")
@@ -493,6 +520,7 @@ class ProjectionDelta(Distribution):
         out = jnp.asarray(out.reshape(tuple(self.batch_shape) + (self.num_observed,)))
         return jnp.broadcast_to(out, tuple(sample_shape) + out.shape)
 
+    @per_token
     def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
         if isinstance(value, jax.core.Tracer):
             raise ConfigError("ProjectionDelta needs the observation x as a concrete array (its lifting automaton "

@@ -33,7 +33,7 @@ from ppl_thought.numpyro.boundary import (
     SupportsTokenRule,
     as_array,
     as_numpy,
-    check_here,
+    checked_jax,
     refuse_nan,
 )
 from ppl_thought.numpyro.distributions import (
@@ -53,6 +53,7 @@ from ppl_thought.numpyro.program import Program, particles, sample
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.projections.substitution import emission_substitution
+from ppl_thought.validation import per_token
 from ppl_thought.vocab import EXPLAIN_ID, PAD_ID
 
 
@@ -64,6 +65,7 @@ class _ProposalFields(NamedTuple):
     max_len: int
 
 
+@checked_jax
 class Proposal(_ProposalFields):
     """What a sampler decodes with: ``lm`` (None for table samplers), its ``params``, a shared ``prompt``, the
     token ``rule`` and the event length ``max_len`` (SMC steps it segment by segment). Made by a sampler's
@@ -110,6 +112,7 @@ class SupportsExactPosterior(Protocol):
     def exact_posterior(self, x: Any, limit: int = ...) -> Any: ...
 
 
+@checked_jax
 class Sampler:
     """Base class of the NumPyro samplers Q(z | x) (Def 3.1). Subclasses implement :meth:`dist`."""
 
@@ -165,12 +168,14 @@ class Sampler:
 
     guide = __call__
 
+    @per_token
     def sample_with_log_prob(self, key: Key, x: ArrayLike | str, n: int) -> tuple[jax.Array, jax.Array]:
         """n draws Z ~ Q(. | x) (one batched decoding) and log Q(Z | x)."""
         d = self.dist(self.x_ids(x))
         z, inter = d.sample_with_intermediates(key, (int(n),))
         return z, d.log_prob(z, inter)
 
+    @per_token
     def log_prob(self, z: ArrayLike, x: ArrayLike | str) -> jax.Array:
         """log Q(z | x) ``[n]``: -inf outside the lifting of x, never NaN."""
         xa = self.x_ids(x)
@@ -233,6 +238,7 @@ class _LMSampler(Sampler):
                         self.event_length(x))
 
 
+@checked_jax
 class Causal(_LMSampler):
     """The causal sampler (3.33), Def 3.8: ``LMSequence(lm, constraint=projection.lifting(x))``; the masked softmax
     renormalises a thought against x_t, so segment t depends on x_t but never on x_>t."""
@@ -241,6 +247,7 @@ class Causal(_LMSampler):
         super().__init__(lm, projection, name, trainable)
 
 
+@checked_jax
 class Explanatory(_LMSampler):
     """The explanatory sampler (Def 3.9, Section 5.6.2): prompt ``x <explain> [mode_tag]`` (Fig 5.5, 5.2), then z
     decoded under the lifting automaton of x, so each token of z may read all of x."""
@@ -275,6 +282,7 @@ class _NoLM(LM):
         return jnp.zeros((B, T, self.vocab_size)), cache
 
 
+@checked_jax
 def lifting_state(rule: SupportsTokenRule, s: Any) -> tuple[Any, jax.Array]:
     """(the lifting automaton's tables, its state ``[n]``) inside the state ``s`` of a sampler's token rule."""
     if isinstance(rule, TokenRule):
@@ -286,6 +294,7 @@ def lifting_state(rule: SupportsTokenRule, s: Any) -> tuple[Any, jax.Array]:
     return rule.lifting_state(s)
 
 
+@checked_jax
 class SamplerProgram(Program):
     """A sampler Q(z | x) as a step-wise program (Lemma 2.1; torch twin: ``Sampler.init`` / ``Sampler.step``).
 
@@ -305,10 +314,12 @@ class SamplerProgram(Program):
         self.max_steps = len(x)
         self.max_len = int(self.prop.max_len)
 
+    @per_token
     def init(self, state: dict[str, Any]) -> None:
         state["q"] = LMState.start(self.lm, particles(), prompt=self.prop.prompt, rule=self.prop.rule,
                                    max_len=self.max_len)
 
+    @per_token
     def step(self, state: dict[str, Any], t: Any) -> jax.Array:
         q = state["q"]
         last = t == self.max_steps - 1
@@ -326,14 +337,13 @@ class SamplerProgram(Program):
 
 
 # ---------------------------------------------------------------------------------------------- (3.30)
+@checked_jax
 class MarginalRule:
     """The next-token rule of (3.30) for a disentangled Proj: the LM masked to Dom(Proj) (Def 2.8), the mass of
     every emitting token v moved onto ``sub[v, x_t]`` (3.29), restricted to the lifting and renormalised.
 
     State: ``(domain state [n], lifting state [n])``. The thought decision sees x_<t only (predictive, Def 3.7).
     """
-
-    __ppl_thought_hot__ = ("start", "lifting_state")
 
     def __init__(self, projection: Projection, domain: Automaton, lifting: Automaton, x: ArrayLike):
         x = as_numpy("x", x, where="MarginalRule")
@@ -348,9 +358,11 @@ class MarginalRule:
         self.sub = const(emission_substitution(projection), jnp.int32)
         self.V = self.vocab_size = int(self.sub.shape[0])
 
+    @per_token
     def start(self, n: int) -> tuple[jax.Array, jax.Array]:
         return (jnp.full((n,), self.D.start, jnp.int32), jnp.full((n,), self.Lf.start, jnp.int32))
 
+    @per_token
     def log_probs(self, logp: jax.Array, s: Any) -> jax.Array:
         sD, sL = s
         N, V = logp.shape
@@ -369,16 +381,20 @@ class MarginalRule:
         q = q * self.Lf.allowed[sL]
         return masked_log_softmax(jnp.log(jnp.where(q > 0, q, 1.0)), q > 0)
 
+    @per_token
     def step(self, s: Any, tok: Any) -> tuple[jax.Array, jax.Array]:
         return (self.D.table[s[0], tok], self.Lf.table[s[1], tok])
 
+    @per_token
     def is_final(self, s: Any) -> jax.Array:
         return self.Lf.final[s[1]]
 
+    @per_token
     def lifting_state(self, s: Any) -> tuple[Any, jax.Array]:
         return self.Lf, s[1]
 
 
+@checked_jax
 class Identity(_LMSampler):
     """The identity sampler Q_id of (3.30), Def 3.6: the model's prior decoded with the next observable
     marginalised out of each thought decision, then x_t forced. Needs a disentangled projection (Def 3.5)."""
@@ -399,6 +415,7 @@ class Identity(_LMSampler):
         return c[key]
 
 
+@checked_jax
 class Predictive(Identity):
     """A predictive sampler (Def 3.7) with its own trainable LM: the decision rule of :class:`Identity` ((3.30)
     with ``lm`` in place of P), so the segment before x_t reads only x_<t and earlier segments (3.31)."""
@@ -412,11 +429,10 @@ class Predictive(Identity):
 
 
 # ---------------------------------------------------------------------------------------------- Q_* (2.24)
+@checked_jax
 class TableRule:
     """Q(next token | prefix) from a table over the lifting (ratios of prefix masses): the step-wise form of
     :class:`Posterior`. State: ``(rows of the table agreeing with the prefix [n, K], position [n], lifting state)``."""
-
-    __ppl_thought_hot__ = ("start", "lifting_state")
 
     def __init__(self, support: Array, log_probs: Array, lifting: Automaton, vocab_size: int):
         self.V = self.vocab_size = integer("vocab_size", vocab_size, minimum=2)
@@ -430,10 +446,12 @@ class TableRule:
         self.lq = const(log_probs)
         self.Lf = tables(lifting)
 
+    @per_token
     def start(self, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         K = self.support.shape[0]
         return (jnp.ones((n, K), bool), jnp.zeros((n,), jnp.int32), jnp.full((n,), self.Lf.start, jnp.int32))
 
+    @per_token
     def log_probs(self, logp: Any, s: Any) -> jax.Array:
         agree, pos, _ = s
         n, K = agree.shape
@@ -444,15 +462,18 @@ class TableRule:
         q = q.at[:, PAD_ID].set(0.0)
         return masked_log_softmax(jnp.log(jnp.where(q > 0, q, 1.0)), q > 0)
 
+    @per_token
     def step(self, s: Any, tok: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
         agree, pos, sL = s
         L = self.support.shape[1]
         col = self.support[:, jnp.clip(pos, 0, L - 1)].T
         return (agree & (col == tok[:, None]), pos + 1, self.Lf.table[sL, tok])
 
+    @per_token
     def is_final(self, s: Any) -> jax.Array:
         return self.Lf.final[s[2]]
 
+    @per_token
     def lifting_state(self, s: Any) -> tuple[Any, jax.Array]:
         return self.Lf, s[2]
 
@@ -473,6 +494,7 @@ def _table(support: Any, log_probs: Any, where: str) -> tuple[np.ndarray, Any]:
     return rows, lq
 
 
+@checked_jax
 class TableDistribution(Distribution):
     """A categorical law over the rows of ``support [K, L]`` with log-probabilities ``log_probs [K]``."""
 
@@ -485,13 +507,16 @@ class TableDistribution(Distribution):
         self.lq = jnp.asarray(log_probs)
         super().__init__(tuple(batch_shape), (self.rows.shape[1],))
 
+    @per_token
     def expand(self, batch_shape: Any) -> TableDistribution:
         return TableDistribution(self.rows, self.lq, tuple(batch_shape))
 
+    @per_token
     def sample(self, key: Key, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         idx = jax.random.categorical(key, self.lq, shape=tuple(sample_shape) + tuple(self.batch_shape))
         return self.rows[idx]
 
+    @per_token
     def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
         v = jnp.asarray(value, jnp.int32)
         if v.shape[-1] != self.rows.shape[1]:
@@ -500,6 +525,7 @@ class TableDistribution(Distribution):
         return jnp.where(eq.any(-1), self.lq[jnp.argmax(eq, -1)], NEG_INF)
 
 
+@checked_jax
 class Posterior(Sampler):
     """The posterior sampler Q_*(z | x) = P^{<=|z|}(z) / (Proj # P)^{<=|x|}(x), equation (2.24), by enumeration
     (``model.exact_posterior``): every importance weight P(z) / Q_*(z) equals p(x)."""
@@ -529,5 +555,3 @@ class Posterior(Sampler):
 
 __all__ = ["Causal", "Explanatory", "HMMGuide", "HMMGuideProgram", "Identity", "MarginalRule", "Posterior",
            "Predictive", "Proposal", "Sampler", "SamplerProgram", "TableDistribution", "TableRule", "lifting_state"]
-
-check_here(globals())  # the type layer (ppl_thought.numpyro.boundary): checked from Python, never while tracing

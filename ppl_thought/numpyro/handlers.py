@@ -17,11 +17,12 @@ import numpyro
 from numpyro.primitives import Messenger
 
 from ppl_thought.errors import ConfigError
-from ppl_thought.numpyro.boundary import check_here
+from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.distributions import LMSequence, ProjectionDelta
 from ppl_thought.projections.base import Projection, as_id_array
 
 
+@checked_jax
 class ProjectionLift(Messenger):
     """Lift the sequence site ``site`` of an LM program through ``projection`` (Proj # P_f, Def 2.8).
 
@@ -38,7 +39,7 @@ class ProjectionLift(Messenger):
                  site: str = "x", latent: str = "z"):
         if projection is None and isinstance(fn, Projection):
             fn, projection = None, fn
-        if not isinstance(projection, Projection):
+        if projection is None:
             raise ConfigError(f"ProjectionLift needs a Projection, got {type(projection).__name__}")
         self.projection, self.site, self.latent = projection, site, latent
         self._domains: dict = {}
@@ -68,5 +69,3 @@ class ProjectionLift(Messenger):
 
 
 __all__ = ["ProjectionLift"]
-
-check_here(globals())  # the type layer (ppl_thought.numpyro.boundary): checked from Python, never while tracing

@@ -21,12 +21,14 @@ from ppl_thought.arviz_compat import make_inference_data
 from ppl_thought.arviz_compat import psislw as _psislw
 from ppl_thought.draws import bounded_num_draws
 from ppl_thought.errors import DiagnosticError, UnsupportedResultError
-from ppl_thought.numpyro.boundary import check_here
+from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.infer.resampling import check_log_weights, effective_sample_size, systematic_resample
+from ppl_thought.validation import not_checked
 
 PSIS_THRESHOLD = 0.5
 
 
+@not_checked("a NumPy helper behind to_inference_data, which is checked")
 def psis(lw: np.ndarray) -> tuple[np.ndarray, float]:
     """ArviZ's PSIS on the finite weights (as ``ppl_thought.inference.result.psis``): smoothed normalised log
     weights and k-hat (-inf for constant weights, nan when the tail is too short for the fit)."""
@@ -51,6 +53,7 @@ def _vars(name: str, a: np.ndarray) -> dict[str, Any]:
     return out
 
 
+@checked_jax
 def to_inference_data(result: Any, num_draws: int | None = None, seed: int = 0, group: int | None = None) -> Any:
     """Convert a :class:`~ppl_thought.numpyro.infer.Result` of Importance or SMC to ``arviz.InferenceData``
     (module docstring; an ``xarray.DataTree`` with the same groups under ArviZ 1.x). ``group``: the group of a
@@ -121,6 +124,3 @@ def to_inference_data(result: Any, num_draws: int | None = None, seed: int = 0, 
 
 
 __all__ = ["PSIS_THRESHOLD", "psis", "to_inference_data"]
-
-
-check_here(globals(), ("to_inference_data",))  # the type layer (ppl_thought.numpyro.boundary)

@@ -36,9 +36,10 @@ from numpyro.distributions import Distribution, constraints
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
-from ppl_thought.numpyro.boundary import ArrayLike, SupportsTokenRule, as_numpy
+from ppl_thought.numpyro.boundary import ArrayLike, SupportsTokenRule, as_numpy, checked_jax
 from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, token_step, tree_where
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.validation import per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 __all__ = ["LMState", "NextToken", "Segment", "bind_params", "collect_lms", "lm_params"]
@@ -129,6 +130,7 @@ def _ids(value, n: int, what: str) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------- LMState
+@checked_jax
 class LMState:
     """A batch of ``n`` LM contexts with a fixed-size cache (see the module docstring).
 
@@ -137,17 +139,18 @@ class LMState:
     """
 
     # the constructor is the pytree's unflatten (JAX calls it with placeholders); start() is the checked entry
-    __ppl_thought_hot__ = ("__init__", "tree_flatten", "tree_unflatten")
-
+    @per_token
     def __init__(self, lm: Any, rule: Any, logp: Any, cache: Any, rule_state: Any, room: Any):
         self.lm, self.rule, self.room = lm, rule, room
         self.logp, self.cache, self.rule_state = logp, cache, rule_state
 
     # -- pytree ------------------------------------------------------------------------------------------
+    @per_token
     def tree_flatten(self) -> tuple[tuple, tuple]:
         return (self.logp, self.cache, self.rule_state), (self.lm, self.rule, self.room)
 
     @classmethod
+    @per_token
     def tree_unflatten(cls, aux: tuple, children: Any) -> LMState:
         lm, rule, room = aux
         return cls(lm, rule, *children, room)
@@ -160,9 +163,6 @@ class LMState:
         ``n`` rows, with room for ``max_len`` more tokens per row. ``rule``: a
         :class:`~ppl_thought.numpyro.distributions.TokenRule` the LM's sampling is masked by (Def 2.8); it reads
         every token the state is extended with."""
-        if not isinstance(lm, LM):
-            raise ConfigError(f"LMState.start needs a JAX LM (ptn.lm.Tabular, ptn.lm.Transformer), got "
-                              f"{type(lm).__name__}")
         n = integer("n (the number of rows: ptn.particles())", n)
         room = integer("max_len", max_len, minimum=0)
         V = int(lm.vocab_size)
@@ -196,10 +196,12 @@ class LMState:
         return int(self.logp.shape[0])
 
     # -- sites ---------------------------------------------------------------------------------------------
+    @per_token
     def next_token(self) -> NextToken:
         """The law of the next token of every row, ``[n]`` (the rule's masked softmax)."""
         return NextToken(self)
 
+    @per_token
     def segment(self, stop: int | Sequence[int] | None = None, max_tokens: int = 16,
                 until: Callable[[Any], Any] | None = None) -> Segment:
         """The law of the next segment of every row, ``[n, max_tokens]`` right-padded (see the module docstring).
@@ -207,6 +209,7 @@ class LMState:
         automaton has emitted the next observation (the segments of Lemma 2.1)."""
         return Segment(self, _stop_array(stop), integer("max_tokens", max_tokens), until)
 
+    @per_token
     def extend(self, value: Any) -> LMState:
         """Feed ``value`` (a token, tokens ``[n]``, or segments ``[n, S]`` right-padded with ``<pad>``) to every row;
         returns the state (updated in place)."""
@@ -234,6 +237,7 @@ class LMState:
         self.rule_state, _ = jax.lax.scan(adv, self.rule_state, (v.T, valid.T))
         return self
 
+    @per_token
     def log_probs(self) -> jax.Array:
         """log P(next token) ``[n, V]`` under the rule (Def 2.8)."""
         return self.rule.log_probs(self.logp, self.rule_state)
@@ -279,6 +283,7 @@ def _check_range(a: np.ndarray, V: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the sites
+@checked_jax
 class NextToken(Distribution):
     """One token per row from the state's masked next-token law: value int32 ``[n]``."""
 
@@ -286,33 +291,32 @@ class NextToken(Distribution):
     support = constraints.nonnegative_integer
     is_discrete = True
 
-    __ppl_thought_hot__ = ("sample_with_intermediates",)
-
     def __init__(self, state: LMState, validate_args: bool | None = None):
         self.state = state
         self.q = state.log_probs()
         super().__init__((state.n,), (), validate_args=validate_args)
 
+    @per_token
     def sample(self, key: Any, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         if sample_shape:
             raise ConfigError("NextToken draws one token per row (sample_shape must be ())")
         st = self.state
         return token_step(st.rule, st.logp, st.rule_state, key=key, log_probs=self.q).token
 
+    @per_token
     def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
         v = jnp.broadcast_to(jnp.asarray(value, jnp.int32), (self.state.n,))
         ok = (v >= 0) & (v < self.q.shape[-1])
         return jnp.where(ok, _take(self.q, jnp.clip(v, 0, self.q.shape[-1] - 1)), NEG_INF)
 
 
+@checked_jax
 class Segment(Distribution):
     """The next segment of every row, ``[n, max_tokens]`` right-padded with ``<pad>`` (see the module docstring)."""
 
     arg_constraints: dict = {}
     support = constraints.independent(constraints.nonnegative_integer, 1)
     is_discrete = True
-
-    __ppl_thought_hot__ = ("sample_with_intermediates",)
 
     def __init__(self, state: LMState, stop_ids: ArrayLike, max_tokens: int,
                  until: Callable[[Any], Any] | None = None, validate_args: bool | None = None):
@@ -331,6 +335,7 @@ class Segment(Distribution):
         d = self.state.rule.is_final(s)
         return d if self.until is None else d | jnp.asarray(self.until(s), bool)
 
+    @per_token
     def sample_with_intermediates(self, key: Any, sample_shape: tuple[int, ...] = ()) -> tuple[jax.Array, list]:
         if sample_shape:
             raise ConfigError("Segment draws one segment per row (sample_shape must be ())")
@@ -359,9 +364,11 @@ class Segment(Distribution):
         self.origin._sampled = (z, st.cache, logp, cache, s)  # extend(z) takes the loop's final state
         return z, [lq]
 
+    @per_token
     def sample(self, key: Any, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         return self.sample_with_intermediates(key, sample_shape)[0]
 
+    @per_token
     def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
         """The masked log-probability of each row's segment (one teacher-forced pass from the current cache);
         ``-inf`` if it is incomplete, goes on after its end, or holds a forbidden token."""

@@ -36,8 +36,9 @@ from numpyro.distributions import Distribution
 from numpyro.primitives import _PYRO_STACK
 
 from ppl_thought.errors import NumericalError, ProgramError
-from ppl_thought.numpyro.boundary import ArrayLike, as_array, check_here, tracing
+from ppl_thought.numpyro.boundary import ArrayLike, as_array, checked_jax, tracing
 from ppl_thought.twists import current as current_twists
+from ppl_thought.validation import per_token
 
 __all__ = ["OUTPUT", "PARTICLES", "Program", "factor", "is_output", "is_program", "observe", "particles",
            "sample", "twist"]
@@ -47,11 +48,13 @@ PARTICLES = "particles"
 OUTPUT = "output"
 
 
+@checked_jax
 def sample(name: str, fn: Distribution, **kwargs: Any) -> Any:
     """A latent site: ``numpyro.sample(name, fn)`` (a guide proposes it; without one the program does)."""
     return numpyro.sample(name, fn, **kwargs)
 
 
+@checked_jax
 def observe(name: str, fn: Distribution, value: ArrayLike | None) -> Any:
     """Condition on data: ``numpyro.sample(name, fn, obs=value)`` (in every weight). ``value=None`` makes the site
     an *output*: drawn from ``fn``, left out of the weights, returned in ``Result.samples``. A value shared by
@@ -68,6 +71,7 @@ def observe(name: str, fn: Distribution, value: ArrayLike | None) -> Any:
     return numpyro.sample(name, fn, obs=v)
 
 
+@checked_jax
 def factor(name: str, log_factor: ArrayLike) -> None:
     """Multiply the program's density by exp(log_factor) ``[n]`` (``numpyro.factor``); ``-inf``: a hard
     constraint. Unlike :func:`twist` it changes the target. A log-factor of ``+inf`` or NaN has no probability
@@ -83,11 +87,13 @@ def factor(name: str, log_factor: ArrayLike) -> None:
     numpyro.factor(name, v)
 
 
+@checked_jax
 def is_output(site: dict[str, Any]) -> bool:
     return bool((site.get("infer") or {}).get(OUTPUT, False))
 
 
 # ---------------------------------------------------------------------------------------------- twists
+@checked_jax
 def twist(log_psi: ArrayLike) -> None:
     """Set the potential log psi_t ``[n]`` of the particles at this step: SMC multiplies the incremental weight
     by psi_t / psi_{t-1} and divides the last potential out when a particle finishes, so Z-hat stays unbiased
@@ -104,6 +110,7 @@ def twist(log_psi: ArrayLike) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- plates
+@checked_jax
 def particles() -> int:
     """The number of particles of the enclosing ``numpyro.plate("particles", n)``, else 1."""
     for frame in reversed(_PYRO_STACK):
@@ -113,6 +120,7 @@ def particles() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- program
+@checked_jax
 class Program:
     """Base class of JAX step-wise programs (see the module docstring).
 
@@ -123,9 +131,11 @@ class Program:
     max_plate_nesting: int = 0
     max_steps: int | None = None
 
+    @per_token
     def init(self, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         """Set up ``state`` before step 0 (may sample sites; default: nothing)."""
 
+    @per_token
     def step(self, state: dict[str, Any], t: Any, *args: Any, **kwargs: Any) -> Any:
         """Step ``t`` (a traced int32 scalar): NumPyro code for all particles; return None or a bool array [n]."""
         raise NotImplementedError(f"{type(self).__name__} must define step(self, state, t, *args, **kwargs)")
@@ -135,6 +145,7 @@ class Program:
         return {}
 
 
+@checked_jax
 def is_program(obj: Any) -> bool:
     """A ``ptn.Program`` or an object with ``init`` and ``step`` (duck typing, as on the torch side)."""
     return isinstance(obj, Program) or (callable(getattr(obj, "init", None)) and callable(getattr(obj, "step", None))
@@ -153,6 +164,3 @@ def as_done(done: Any, n: int) -> jax.Array | None:
         raise ProgramError(f"step returned finished flags of shape {tuple(d.shape)}; expected ({n},) exactly "
                            f"(one flag per particle; jnp.broadcast_to(flag, ({n},)) for one flag for all)")
     return d
-
-
-check_here(globals())  # the type layer (ppl_thought.numpyro.boundary): checked from Python, never while tracing

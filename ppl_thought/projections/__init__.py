@@ -36,6 +36,3 @@ __all__ = [
     "token_texts",
 ]
 
-from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
-
-check_exports(globals())

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ppl_thought.errors import DeviceMismatchError
+
 __all__ = ["as_framework_array", "framework_of", "host_array", "table_key"]
 
 
@@ -43,7 +45,7 @@ def table_key(like: Any) -> tuple[str, str] | None:
     """
     if isinstance(like, str):
         if "torch" not in sys.modules:
-            raise ValueError(f"device {like!r} names a torch device, but torch is not imported")
+            raise DeviceMismatchError(f"device {like!r} names a torch device, but torch is not imported")
         return ("torch", str(_torch_device(like)))
     fw = framework_of(like)
     if fw == "torch":

@@ -25,7 +25,7 @@ import numpy as np
 from ppl_thought import checks
 from ppl_thought.errors import ConfigError, TooLargeToEnumerateError
 from ppl_thought.projections.arrays import as_framework_array, table_key
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked, per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 DEAD = -1
@@ -39,6 +39,7 @@ def _dtype_kind(dtype) -> str:
         return "f"
 
 
+@checked
 @dataclass(frozen=True, eq=False)
 class Automaton:
     """A deterministic token automaton over the whole vocabulary (one column per token id).
@@ -106,6 +107,7 @@ class Automaton:
         return self.next_state >= 0
 
     # ------------------------------------------------------------------ batched stepping
+    @per_token
     def step(self, states: ArrayLike | int, tokens: ArrayLike | int):
         """States after reading ``tokens`` (same shape; numpy, torch or jax arrays). Numpy states (e.g.
         ``start_states(n)``) read with framework tokens come back in the tokens' framework and device."""
@@ -114,24 +116,28 @@ class Automaton:
             return self.device_table("table", states)[states, tokens]
         return self._table[np.asarray(states), np.asarray(tokens)]
 
+    @per_token
     def advance(self, states: ArrayLike | int, tokens: ArrayLike | int):
         """:meth:`step` on framework arrays, except that ``<pad>`` (id 0, never admissible) keeps the state:
         one gather steps a right-padded batch."""
         states = _like_tokens(states, tokens)
         return self.device_table("advance", states)[states, tokens]
 
+    @per_token
     def mask(self, states: ArrayLike | int):
         """bool ``[..., V]``: admissible next tokens for a batch of states (dead -> all False)."""
         if table_key(states) is not None:
             return self.device_table("table", states)[states] >= 0
         return self._table[np.asarray(states)] >= 0
 
+    @per_token
     def is_final(self, states: ArrayLike | int):
         if table_key(states) is not None:
             return (states >= 0) & self.device_table("final", states)[states]
         s = np.asarray(states)
         return (s >= 0) & self._host_table("final")[s]
 
+    @per_token
     def num_emitted(self, states: ArrayLike | int):
         """|Proj^{<w}| of the prefixes that led to ``states`` (dead -> -1)."""
         if table_key(states) is not None:
@@ -168,7 +174,7 @@ class Automaton:
         if what == "advance":
             src = self._table.copy()
             if (src[:-1, 0] >= 0).any():
-                raise ValueError("this automaton reads id 0 as a token: <pad> cannot keep the state")
+                raise ConfigError("this automaton reads id 0 as a token: <pad> cannot keep the state")
             src[:-1, 0] = np.arange(src.shape[0] - 1)  # <pad> keeps a live state; the dead row stays dead
             return src
         if what == "final":
@@ -177,7 +183,7 @@ class Automaton:
             return np.concatenate([self.emitted, [-1]])
         if what == "start":
             return np.array([self.start], dtype=np.int64)
-        raise ValueError(f"unknown automaton table {what!r}")
+        raise ConfigError(f"unknown automaton table {what!r}")
 
     # ------------------------------------------------------------------ single strings
     def run(self, z: ArrayLike) -> np.ndarray:
@@ -233,7 +239,7 @@ class Automaton:
     def count(self) -> int:
         """Number of accepted strings, by dynamic programming over the (acyclic) state graph."""
         if self.max_len is None:
-            raise ValueError(f"{self.name} accepts unboundedly long strings")
+            raise TooLargeToEnumerateError(f"{self.name} accepts unboundedly long strings")
         memo: dict[int, int] = {}
         order = self._topological_order()
         for s in reversed(order):
@@ -268,6 +274,7 @@ class Automaton:
         )
 
 
+@checked
 class AutomatonBuilder:
     """Helper to build tables state by state: ``b.add_state(final, emitted)``, ``b.edge(s, tokens, t)``."""
 

@@ -17,7 +17,7 @@ from ppl_thought import checks
 from ppl_thought.errors import MalformedSequenceError, NotInDomainError, NotInImageError
 from ppl_thought.projections.arrays import host_array
 from ppl_thought.projections.automaton import Automaton
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked
 from ppl_thought.vocab import Vocab
 
 
@@ -50,6 +50,7 @@ def as_id_array(seq, vocab: Vocab, what: str = "sequence", unpad: bool = False) 
     return a
 
 
+@checked
 class Projection(ABC):
     """Base class of projections (Section 2.6). Subclasses set ``is_disentangled`` (Def 3.5)."""
 

@@ -44,7 +44,7 @@ from ppl_thought.projections.dfa_build import (
     trim,
 )
 from ppl_thought.projections.regex import Intervals, char_set, parse
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked
 
 __all__ = ["CharDFA", "MAX_DFA_STATES", "MAX_NFA_STATES"]
 
@@ -62,6 +62,7 @@ def _merge_maps(a: CharDFA, b: CharDFA) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 # ---------------------------------------------------------------------------------------------- the automaton
+@checked
 @dataclass(frozen=True, eq=False)
 class CharDFA:
     """A deterministic automaton over characters (see the module docstring).
@@ -185,7 +186,7 @@ class CharDFA:
         """The strings that contain none of ``letters`` (with ``ignore_case``, neither their upper- nor
         their lower-case forms): one accepting state, the letters' class dead, every other character a
         self-loop."""
-        if not isinstance(letters, str) or not letters:
+        if not letters:
             raise ConfigError(f"lipogram needs a non-empty string of letters to exclude, got {letters!r}")
         chars = set(letters)
         if ignore_case:
@@ -205,10 +206,10 @@ class CharDFA:
         empty stack (so the empty string is accepted). Other characters are dead, or with
         ``ignore_other`` keep the state (brackets inside free text).
         """
-        if not isinstance(pairs, str) or len(pairs) < 2 or len(pairs) % 2 or len(set(pairs)) != len(pairs):
+        if len(pairs) < 2 or len(pairs) % 2 or len(set(pairs)) != len(pairs):
             raise ConfigError(f"dyck needs pairs as a string of 2k distinct characters (open, close, ...), "
                               f"got {pairs!r}")
-        if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 0:
+        if isinstance(depth, bool) or depth < 0:
             raise ConfigError(f"dyck needs a depth bound D >= 0, got {depth!r}")
         k = len(pairs) // 2
         stacks: list[tuple[int, ...]] = [()]

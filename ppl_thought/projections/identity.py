@@ -6,9 +6,11 @@ import numpy as np
 
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.phase_tables import PhaseMachine, phase_tables, set_edges
+from ppl_thought.validation import checked
 from ppl_thought.vocab import Vocab
 
 
+@checked
 class Identity(PhaseMachine, Projection):
     """Ex 2.1: Omega = Sigma and Proj = id.
 

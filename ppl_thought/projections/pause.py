@@ -8,9 +8,11 @@ from ppl_thought import checks
 from ppl_thought.errors import NotInDomainError
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.phase_tables import PhaseMachine, phase_tables, set_edges
+from ppl_thought.validation import checked
 from ppl_thought.vocab import Vocab
 
 
+@checked
 class PauseToThink(PhaseMachine, Projection):
     """Ex 2.3 with constant bounds c_t = c: Dom(Proj) = {(y^(t) x_t)_t : x_t in Sigma, y^(t) in T_c},
     T_c = {empty} U {<s> y </s> : y ordinary, 1 <= |y| <= c}, and Proj deletes the thoughts.

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ppl_thought import checks
+from ppl_thought.errors import ConfigError, UnsatisfiableConstraintError
 from ppl_thought.projections.automaton import DEAD, Automaton
 
 LevelTables = Callable[[int], tuple[np.ndarray, np.ndarray]]
@@ -57,9 +58,9 @@ def unroll(
     (length n), an emitting edge at level t is kept only if it emits ``x[t]``.
     """
     if n < 0:
-        raise ValueError(f"num_observed must be a non-negative integer, got {n}")
+        raise ConfigError(f"num_observed must be a non-negative integer, got {n}")
     if x is not None and len(x) != n:
-        raise ValueError(f"x has length {len(x)}, expected {n}")
+        raise ConfigError(f"x has length {len(x)}, expected {n}")
     if n == 0:
         return Automaton(np.full((1, _vocab_size(level_tables)), DEAD, dtype=np.int64),
                          np.array([True]), np.array([0]), 0, 0, name)
@@ -70,7 +71,7 @@ def unroll(
     for t in range(n):
         nxt, em = level_tables(t)
         if nxt.shape != (P, V) or em.shape != (P, V):
-            raise ValueError("every level table must have the same shape")
+            raise ConfigError("every level table must have the same shape")
         ok = nxt >= 0
         is_emit = em >= 0
         keep_emit = ok & is_emit & ((em == x[t]) if x is not None else True)
@@ -143,7 +144,7 @@ def trim(
                     stack.append(int(s))
         keep &= alive
         if not keep[start]:
-            raise ValueError("the automaton accepts no string")
+            raise UnsatisfiableConstraintError("the automaton accepts no string")
     new_id = np.full(S + 1, DEAD, dtype=np.int64)  # new_id[-1] = -1 maps the dead state
     new_id[np.nonzero(keep)[0]] = np.arange(int(keep.sum()))
     out = new_id[ns[keep]]

@@ -6,13 +6,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ppl_thought.errors import NotInDomainError, UnknownTokenError
+from ppl_thought.errors import ConfigError, NotInDomainError, UnknownTokenError, VocabularyError
 from ppl_thought.projections.automaton import DEAD
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.phase_tables import PhaseMachine, phase_tables
+from ppl_thought.validation import checked
 from ppl_thought.vocab import EOS, Vocab
 
 
+@checked
 class Product(PhaseMachine, Projection):
     """Ex 2.2: Omega = Sigma x Gamma and Proj: ((x_t, y_t))_t -> (x_t)_t.
 
@@ -33,7 +35,7 @@ class Product(PhaseMachine, Projection):
         _check_names(observable, hidden, sep)
         for a in observable:
             if a in vocab.specials and a != EOS:
-                raise ValueError(f"Product: observable token {a!r} is a special; use ordinary tokens "
+                raise VocabularyError(f"Product: observable token {a!r} is a special; use ordinary tokens "
                                  "or <eos>")
         self.observable: list[str] = observable
         self.hidden: list[str] = hidden
@@ -46,7 +48,7 @@ class Product(PhaseMachine, Projection):
             raise UnknownTokenError(f"Product: the vocabulary lacks a pair token ({e}); "
                                     "build it with Product.build(observable, hidden)") from None
         if np.isin(self._pairs, self._obs).any():
-            raise ValueError("Product: a pair token coincides with an observable token")
+            raise VocabularyError("Product: a pair token coincides with an observable token")
         V = len(vocab)
         self._to_obs = np.full(V, DEAD, dtype=np.int64)
         self._to_hidden = np.full(V, DEAD, dtype=np.int64)
@@ -125,14 +127,14 @@ class Product(PhaseMachine, Projection):
 
 def _check_names(observable: list[str], hidden: list[str], sep: str) -> None:
     if len(observable) < 2:
-        raise ValueError("Product needs at least two observable tokens (with one, Proj^{<w} of the empty "
+        raise ConfigError("Product needs at least two observable tokens (with one, Proj^{<w} of the empty "
                          "string would already be the whole infinite sequence)")
     if len(set(observable)) != len(observable):
-        raise ValueError(f"Product: observable tokens repeat: {observable}")
+        raise VocabularyError(f"Product: observable tokens repeat: {observable}")
     if not hidden or len(set(hidden)) != len(hidden):
-        raise ValueError(f"Product: hidden values must be non-empty and distinct, got {hidden}")
+        raise VocabularyError(f"Product: hidden values must be non-empty and distinct, got {hidden}")
     if not isinstance(sep, str) or not sep or any(c.isspace() for c in sep):
-        raise ValueError(f"Product: separator {sep!r} must be a non-empty string without whitespace")
+        raise VocabularyError(f"Product: separator {sep!r} must be a non-empty string without whitespace")
     for g in hidden:
         if not isinstance(g, str) or not g or any(c.isspace() for c in g):
-            raise ValueError(f"Product: hidden value {g!r} must be a non-empty string without whitespace")
+            raise VocabularyError(f"Product: hidden value {g!r} must be a non-empty string without whitespace")

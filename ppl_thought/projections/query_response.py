@@ -8,9 +8,11 @@ from ppl_thought import checks
 from ppl_thought.errors import NotInDomainError
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.phase_tables import PhaseMachine, phase_tables, set_edges
+from ppl_thought.validation import checked
 from ppl_thought.vocab import Vocab
 
 
+@checked
 class QueryResponse(PhaseMachine, Projection):
     """Section 5.1: observations alternate queries and responses, each ending in ``<eos>``,
     x = x_q^(1) x_r^(1) x_q^(2) ... with x_q, x_r in Sigma_box^* = {w <eos> : <eos> not in w};

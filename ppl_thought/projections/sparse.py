@@ -7,20 +7,22 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from ppl_thought import checks
-from ppl_thought.errors import NotInDomainError, NotRegularError
+from ppl_thought.errors import ConfigError, NotInDomainError, NotRegularError
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.projections.phase_tables import phase_tables, set_edges, unroll
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked
 from ppl_thought.vocab import Vocab
 
 
+@checked
 def exponential_schedule(t: int) -> bool:
     """Ex 2.4: a thought starts each block x^(1), x^(2), ... of lengths 2, 4, 8, ...,
     i.e. before the 0-based observable positions 0, 2, 6, 14, 30, ... (t + 2 a power of two)."""
     return t >= 0 and ((t + 2) & (t + 1)) == 0
 
 
+@checked
 class SparseThoughts(Projection):
     """Ex 2.4: Dom(Proj) = {(<s> y^(k) </s> x^(k))_k : y^(k) in ordinary^c}, Proj deletes thoughts.
 
@@ -58,7 +60,7 @@ class SparseThoughts(Projection):
         else:
             pos = frozenset(int(t) for t in positions)
             if any(t < 0 for t in pos):
-                raise ValueError(f"SparseThoughts: positions must be >= 0, got {sorted(pos)}")
+                raise ConfigError(f"SparseThoughts: positions must be >= 0, got {sorted(pos)}")
             self._finite = pos
             self._is_position = pos.__contains__
         # phases: E = 0 (entering a level), T_k = 1 + k (k thought tokens read), P = c + 2

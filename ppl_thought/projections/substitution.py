@@ -8,8 +8,10 @@ import numpy as np
 from ppl_thought.errors import NotDisentangledError
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.product import Product
+from ppl_thought.validation import checked
 
 
+@checked
 def emission_substitution(projection: Projection) -> np.ndarray:
     """int64 ``[V, V]``: ``sub[v, a]`` is the token that takes the segment slot of the emitting
     token v but emits the observable a (``-1`` if none); the map behind (3.29).

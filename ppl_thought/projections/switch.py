@@ -5,12 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from ppl_thought import checks
-from ppl_thought.errors import UnknownTokenError
+from ppl_thought.errors import ConfigError, UnknownTokenError
 from ppl_thought.projections.automaton import Automaton, AutomatonBuilder
 from ppl_thought.projections.base import Projection
+from ppl_thought.validation import checked
 from ppl_thought.vocab import Vocab
 
 
+@checked
 class FirstTokenSwitch(Projection):
     """Remark 2.8 over any Sigma: Omega = Sigma and, for a repeat token r,
     Proj(z) = r^w if z_1 = r, and Proj(z) = z_{>1} otherwise.
@@ -69,7 +71,7 @@ class FirstTokenSwitch(Projection):
             return b.build(s0, None)
         n = int(num_observed)
         if n < 0:
-            raise ValueError(f"num_observed must be a non-negative integer, got {n}")
+            raise ConfigError(f"num_observed must be a non-negative integer, got {n}")
         return self._chain(n, None, f"FirstTokenSwitch.domain({n})")
 
     def _lifting(self, x: np.ndarray) -> Automaton:

@@ -34,11 +34,13 @@ import numpy as np
 from ppl_thought.errors import ConfigError, UnsatisfiableConstraintError
 from ppl_thought.projections.automaton import DEAD, Automaton
 from ppl_thought.projections.char_dfa import CharDFA
+from ppl_thought.validation import checked
 from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
 
 __all__ = ["token_automaton", "token_texts"]
 
 
+@checked
 def token_texts(vocab: Vocab, *, keep_fragments: bool = False) -> list[str | None]:
     """The decoded text of each id of a vocabulary, for :func:`token_automaton`: ``None`` for the specials
     (``<pad>``, ``<eos>``, ...), ``vocab.decode([i])`` for the ordinary tokens (the token string for a
@@ -204,6 +206,7 @@ def _longest_path(edges: tuple[np.ndarray, np.ndarray], R: int) -> int | None:
     return height - 1
 
 
+@checked
 def token_automaton(dfa: CharDFA, token_text: Sequence[str | None], *, eos_id: int | None = EOS_ID,
                     allow: np.ndarray | Iterable[int] | None = None, max_len: int | None = None) -> Automaton:
     """Lift a character automaton to the token vocabulary (see the module docstring for the definition).
@@ -231,14 +234,11 @@ def token_automaton(dfa: CharDFA, token_text: Sequence[str | None], *, eos_id: i
         UnsatisfiableConstraintError: no token sequence over this vocabulary (within ``max_len``) spells
             an accepted string.
     """
-    if not isinstance(dfa, CharDFA):
-        raise ConfigError(f"token_automaton needs a CharDFA, got {type(dfa).__name__}")
-    if isinstance(token_text, str) or not isinstance(token_text, Sequence):
+    if isinstance(token_text, str):
         raise ConfigError("token_text must be a sequence with the decoded string (or None) of each token id")
     token_text = list(token_text)
     V = len(token_text)
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer))
-                               or eos_id < 0 or eos_id in (PAD_ID, BOS_ID)):
+    if eos_id is not None and (isinstance(eos_id, bool) or eos_id < 0 or eos_id in (PAD_ID, BOS_ID)):
         raise ConfigError(f"eos_id must be a token id other than <pad> / <bos>, or None; got {eos_id!r}")
     if V <= max(PAD_ID, BOS_ID, 0 if eos_id is None else eos_id):
         raise ConfigError(f"token_text has {V} entries: too few for the reserved ids (<pad>={PAD_ID}, "
@@ -251,8 +251,7 @@ def token_automaton(dfa: CharDFA, token_text: Sequence[str | None], *, eos_id: i
         if token_text[rid] is not None:
             raise ConfigError(f"token_text[{rid}] is {token_text[rid]!r} but id {rid} is {what}, which is never "
                               "generated: give None for special ids (token_texts(vocab) does)")
-    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))
-                                or max_len < 0):
+    if max_len is not None and (isinstance(max_len, bool) or max_len < 0):
         raise ConfigError(f"max_len must be a non-negative int or None, got {max_len!r}")
     ok = _allow_mask(allow, V) & np.fromiter((t is not None for t in token_text), dtype=bool, count=V)
     ok[[PAD_ID, BOS_ID]] = False

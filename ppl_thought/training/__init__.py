@@ -74,6 +74,3 @@ __all__ = [
     "VAETrainer",
 ]
 
-from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
-
-check_exports(globals())

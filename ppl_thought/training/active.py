@@ -49,7 +49,7 @@ from ppl_thought.distributions.lm_sequence import LMSequence, concat
 from ppl_thought.errors import ActiveLiftError
 from ppl_thought.training.objectives import ParticleObjective
 from ppl_thought.transforms.active import ActiveLift
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked
 from ppl_thought.vocab import END_THINK_ID, EOS_ID, PAD_ID
 
 __all__ = [
@@ -88,6 +88,7 @@ def _finite(r: torch.Tensor, what: str) -> torch.Tensor:
     return r
 
 
+@checked
 def score_function_surrogate(rewards: torch.Tensor, log_q_steps: torch.Tensor, baseline: bool = True,
                              weights: torch.Tensor | None = None) -> torch.Tensor:
     """A scalar whose gradient is the score-function estimator of grad_Q E_{Z ~ Q}[sum_{t=0}^T r_t(Z)].
@@ -108,6 +109,7 @@ def score_function_surrogate(rewards: torch.Tensor, log_q_steps: torch.Tensor, b
     return _average((g * log_q_steps).sum(-1).mean(-1), weights)
 
 
+@checked
 def active_terms(kind: str, log_q_steps: torch.Tensor, log_p_steps: torch.Tensor | None = None,
                  log_g: torch.Tensor | None = None, *, baseline: bool = True, weights: torch.Tensor | None = None,
                  fit_prior: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,6 +203,7 @@ class _ActiveObjective(ParticleObjective):
         return value, surr
 
 
+@checked
 class ActiveLifting(_ActiveObjective):
     """The min-max objective (6.4)-(6.7) for one observation x:
 
@@ -215,6 +218,7 @@ class ActiveLifting(_ActiveObjective):
     kind = "min_max"
 
 
+@checked
 class MinimumLengthCoding(_ActiveObjective):
     """The coding objective (6.10) with the decoder G playing P_*(x | z_<=t):
 
@@ -227,6 +231,7 @@ class MinimumLengthCoding(_ActiveObjective):
     kind = "coding"
 
 
+@checked
 class GeneratorLoss(_ActiveObjective):
     """The passive generator loss (6.15): min_G sum_{t=0}^T E_{Z ~ D(Q)(.|x)}[-log G^{<=t}(x | Z_<=t)]: Q is fixed
     (its samples detached), only G is trained; E KL(P_*^{<=t}(.|Z) || G^{<=t}(.|Z)) (6.14) up to a constant."""
@@ -237,6 +242,7 @@ class GeneratorLoss(_ActiveObjective):
         super().__init__(lift, num_particles, baseline=False, max_plate_nesting=max_plate_nesting)
 
 
+@checked
 class ActiveGenerative(_ActiveObjective):
     """The active objective (6.16): min_{Q, G} max_P sum_{t=0}^T E[log P^{<=t}(Z_<=t) - log Q^{<=t}(Z_<=t | x)
     - log G^{<=t}(x | Z_<=t)], equal to 2 sum_t C_t + const at the inner optimum (P = Q_*, G = P_*(.|z))."""
@@ -244,6 +250,7 @@ class ActiveGenerative(_ActiveObjective):
     kind = "active"
 
 
+@checked
 class ConditionalSamplerLoss(ParticleObjective):
     """The conditional sampler loss (6.19) for one complete x:
 
@@ -255,8 +262,6 @@ class ConditionalSamplerLoss(ParticleObjective):
     """
 
     def __init__(self, lift: ActiveLift, num_particles: int = 8):
-        if not isinstance(lift, ActiveLift):
-            raise ActiveLiftError(f"ConditionalSamplerLoss needs an ActiveLift, got {type(lift).__name__}")
         super().__init__(num_particles, 0)
         self.lift = lift
 
@@ -285,6 +290,7 @@ def _log_weights(lift: ActiveLift, z: torch.Tensor, x) -> tuple[torch.Tensor, to
     return lift.prior_log_probs(z), lift.sampler_log_probs(z, x), lift.generator_log_probs(x, z)
 
 
+@checked
 @torch.no_grad()
 def encode(lift: ActiveLift, x: ArrayLike, num_particles: int, incremental: bool = True) -> torch.Tensor:
     """Unconditional encoding along the time axis: ``[T + 1]`` log p_{t,n}, t = 0..T, estimates of
@@ -312,6 +318,7 @@ def encode(lift: ActiveLift, x: ArrayLike, num_particles: int, incremental: bool
     return torch.logsumexp(log_q, 0) - math.log(n)
 
 
+@checked
 @torch.no_grad()
 def conditional_encode(lift: ActiveLift, x_q: ArrayLike, x_r: ArrayLike, num_particles: int) -> torch.Tensor:
     """Conditional encoding (6.22): an estimate of log P_model(x_q x_r | [x_q]),
@@ -336,6 +343,7 @@ def conditional_encode(lift: ActiveLift, x_q: ArrayLike, x_r: ArrayLike, num_par
     return num - den
 
 
+@checked
 @torch.no_grad()
 def conditional_decode(lift: ActiveLift, x: ArrayLike, num_samples: int = 1, num_particles: int = 1,
                        resample: bool = True) -> torch.Tensor:

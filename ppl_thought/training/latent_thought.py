@@ -26,11 +26,13 @@ from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.inference.langevin import Langevin
 from ppl_thought.inference.result import Result
 from ppl_thought.models.latent_thought import LatentThought, frozen
+from ppl_thought.validation import checked, per_token
 
 __all__ = ["DualRateTrainer", "LangevinTrainer", "VAETrainer", "fast_lr_schedule", "langevin_evaluate",
            "langevin_latents", "langevin_posterior", "slow_lr_schedule"]
 
 
+@checked
 def fast_lr_schedule(progress: float, start: float = 0.3, end: float = 0.34) -> float:
     """The fast (local) learning rate of App. A.2: linear from 0.3 to 0.34 over training (progress in [0, 1],
     clamped). NaN or infinite arguments, or a negative rate: a :class:`~ppl_thought.errors.ConfigError`."""
@@ -39,6 +41,7 @@ def fast_lr_schedule(progress: float, start: float = 0.3, end: float = 0.34) -> 
     return start + (end - start) * progress
 
 
+@checked
 def slow_lr_schedule(step: int, total: int, lr: float = 4e-4, lr_min: float = 4e-5, warmup: int = 0) -> float:
     """The slow (decoder) learning rate of App. A.2: linear warmup, then cosine decay from lr to lr_min."""
     if warmup > 0 and step < warmup:
@@ -50,6 +53,7 @@ def slow_lr_schedule(step: int, total: int, lr: float = 4e-4, lr_min: float = 4e
 
 # -- Langevin (Eq. 4) --------------------------------------------------------------------------------
 
+@checked
 def langevin_posterior(ltm: LatentThought, tokens: torch.Tensor, mask: torch.Tensor | None = None, num_steps: int = 200,
                        warmup_steps: int = 100, num_chains: int = 2, step_size: float = 0.01,
                        adjust: bool = True, seed: int | None = None, progress: bool = False) -> Result:
@@ -69,6 +73,7 @@ def langevin_posterior(ltm: LatentThought, tokens: torch.Tensor, mask: torch.Ten
     with frozen(ltm.decoder):
         return engine.run(ltm.conditioned_model, None, tokens2, mask2)
 
+@checked
 def langevin_evaluate(ltm: LatentThought, tokens: torch.Tensor, mask: torch.Tensor | None = None, iw_samples: int = 256,
                       num_steps: int = 200, warmup_steps: int = 100, num_chains: int = 2,
                       step_size: float = 0.01, adjust: bool = True, seed: int | None = None,
@@ -100,6 +105,7 @@ def langevin_evaluate(ltm: LatentThought, tokens: torch.Tensor, mask: torch.Tens
             "per_sequence": bounds, "mean_accept_prob": sum(accept) / len(accept)}
 
 
+@checked
 class DualRateTrainer:
     """Dual-rate (fast-slow) learning of an LTM, Algorithm 1.
 
@@ -117,7 +123,7 @@ class DualRateTrainer:
                  warmup_steps: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0, num_samples: int = 1,
                  inner_schedule: str = "constant", progress: bool = True) -> None:
         if total_steps < 1 or inner_steps < 0:
-            raise ValueError(f"need total_steps >= 1 and inner_steps >= 0, got {total_steps}, {inner_steps}")
+            raise ConfigError(f"need total_steps >= 1 and inner_steps >= 0, got {total_steps}, {inner_steps}")
         self.ltm, self.total_steps, self.inner_steps = ltm, total_steps, inner_steps
         self.fast_lr, self.slow_lr, self.slow_lr_min, self.warmup_steps = fast_lr, slow_lr, slow_lr_min, warmup_steps
         self.grad_clip, self.num_samples, self.inner_schedule, self.progress = (grad_clip, num_samples,
@@ -140,6 +146,7 @@ class DualRateTrainer:
         guide = self.ltm.fit_local(tokens, mask, self.inner_steps, fast_lr, self.inner_schedule, self.num_samples)
         return guide.rsample(self.num_samples, detach=True), guide.kl_to_prior(detach=True)
 
+    @per_token
     def step(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
         """One iteration of Algorithm 1 (lines 3-15) on a mini-batch; returns its metrics."""
         ltm = self.ltm
@@ -193,6 +200,7 @@ class DualRateTrainer:
         return self.history
 
 
+@checked
 def langevin_latents(ltm: LatentThought, tokens: torch.Tensor, mask: torch.Tensor | None = None, num_steps: int = 8,
                      step_size: float = 0.03, z0: torch.Tensor | None = None,
                      generator: torch.Generator | None = None) -> torch.Tensor:
@@ -204,7 +212,7 @@ def langevin_latents(ltm: LatentThought, tokens: torch.Tensor, mask: torch.Tenso
     ``num_steps`` unadjusted steps (``num_steps = 0`` returns the start). Returns z ``[B, L, N_z, d]``, detached.
     """
     tokens2, mask2 = ltm.batch(tokens, mask)
-    if not isinstance(num_steps, int) or num_steps < 0:
+    if num_steps < 0:
         raise ConfigError(f"num_steps must be an int >= 0, got {num_steps!r}")
     if not step_size > 0:
         raise ConfigError(f"step_size must be > 0 (the Eq. 4 step s), got {step_size!r}")
@@ -225,6 +233,7 @@ def langevin_latents(ltm: LatentThought, tokens: torch.Tensor, mask: torch.Tenso
     return z.detach()
 
 
+@checked
 class LangevinTrainer(DualRateTrainer):
     """Maximum likelihood with Langevin posterior samples (latent-thought-models.txt Sec 2.2, Eq. 2-4): the
     Langevin baseline of the paper's ablation (Table 4), at the budget of :class:`DualRateTrainer`.
@@ -250,6 +259,7 @@ class LangevinTrainer(DualRateTrainer):
         return z[None], z.new_zeros(z.shape[0])
 
 
+@checked
 class VAETrainer(DualRateTrainer):
     """The amortised (VAE) baseline of latent-thought-models.txt Sec 2.2 and Table 4, at the budget of
     :class:`DualRateTrainer`: q_phi(z | x) = ``encoder(x)`` (:class:`ppl_thought.guides.AmortizedGaussianEncoder`)
@@ -266,6 +276,7 @@ class VAETrainer(DualRateTrainer):
     def trained_parameters(self) -> list[torch.nn.Parameter]:
         return list(self.ltm.decoder.parameters()) + list(self.encoder.parameters())
 
+    @per_token
     def step(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
         ltm = self.ltm
         tokens2, mask2 = ltm.batch(tokens, mask)

@@ -31,7 +31,14 @@ import torch
 from pyro.infer import ELBO
 
 from ppl_thought import checks
-from ppl_thought.errors import ArgumentTypeError, ConfigError, MalformedSequenceError, NumericalError
+from ppl_thought.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    MalformedSequenceError,
+    NumericalError,
+    ProgramError,
+    SiteMismatchError,
+)
 from ppl_thought.inference.particles import (
     PARTICLES,
     Particles,
@@ -40,7 +47,7 @@ from ppl_thought.inference.particles import (
     sample_particles,
 )
 from ppl_thought.lm.base import as_id_batch
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
 __all__ = [
@@ -86,6 +93,7 @@ def _finite_rewards(r: torch.Tensor, what: str) -> torch.Tensor:
     return r
 
 
+@checked
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages (5.18): A_i = (r_i - mean(r)) / (std(r) + eps), over the last dim.
 
@@ -110,7 +118,7 @@ def per_sample_grad_norms(log_p: torch.Tensor, params: list[torch.Tensor]) -> to
     params = [p for p in params if p.requires_grad]
     n = log_p.shape[0]
     if not params or not log_p.requires_grad:
-        raise ValueError("per-sample gradient norms need log p with a graph to parameters that require grad")
+        raise ConfigError("per-sample gradient norms need log p with a graph to parameters that require grad")
     eye = torch.eye(n, dtype=log_p.dtype, device=log_p.device)
     try:
         grads = torch.autograd.grad(log_p, params, grad_outputs=eye, is_grads_batched=True,
@@ -128,6 +136,7 @@ def per_sample_grad_norms(log_p: torch.Tensor, params: list[torch.Tensor]) -> to
 
 
 # ---------------------------------------------------------------------------------------- base
+@checked
 class ParticleObjective(ELBO):
     """Base of the objectives: vectorised particles plus a surrogate whose gradient is the estimator.
 
@@ -143,11 +152,11 @@ class ParticleObjective(ELBO):
     needs_grad_for_value = False
 
     def __init__(self, num_particles: int = 8, max_plate_nesting: int | None = None):
-        if not isinstance(num_particles, int) or num_particles < self.min_particles:
+        if num_particles < self.min_particles:
             raise ConfigError(f"{type(self).__name__} needs num_particles >= {self.min_particles} (an int), "
                              f"got {num_particles!r}")
         if max_plate_nesting is not None and max_plate_nesting < 0:
-            raise ValueError(f"max_plate_nesting must be >= 0, got {max_plate_nesting}")
+            raise ConfigError(f"max_plate_nesting must be >= 0, got {max_plate_nesting}")
         # Pyro's ELBO adds one to max_plate_nesting when it vectorises itself; we place the plate ourselves.
         self._given_nesting = max_plate_nesting is not None
         self._found_nesting: dict = {}
@@ -172,7 +181,7 @@ class ParticleObjective(ELBO):
         (:func:`~ppl_thought.inference.particles.sample_particles`, with the site check)."""
         n = int(num_particles or self.num_particles)
         if guide is None:
-            raise ValueError("the objectives need a guide that proposes the model's latent sites")
+            raise SiteMismatchError("the objectives need a guide that proposes the model's latent sites")
         depth = self.plate_nesting(model, guide, args, kwargs)
         return sample_particles(model, guide, n, *args, max_plate_nesting=depth, **kwargs)
 
@@ -228,6 +237,7 @@ class ParticleObjective(ELBO):
 
 
 # ---------------------------------------------------------------------------------------- latent P
+@checked
 class OneSampler(ParticleObjective):
     """The one-sampler loss (3.17) / (5.20) for the latent distribution P_f.
 
@@ -246,6 +256,7 @@ class OneSampler(ParticleObjective):
         return value, -_weighted(w, pt.log_p)
 
 
+@checked
 class TwoSampler(ParticleObjective):
     """The two-sampler loss (3.23) / (5.21): inference sampler Q (the SVI guide) in the denominator,
     train sampler Q^boxminus (``train_guide``) in the numerator.
@@ -259,8 +270,6 @@ class TwoSampler(ParticleObjective):
     """
 
     def __init__(self, train_guide: Callable, num_particles: int = 8, max_plate_nesting: int | None = None):
-        if not callable(train_guide):
-            raise TypeError(f"TwoSampler needs a callable train_guide (the sampler Q^boxminus), got {train_guide!r}")
         super().__init__(num_particles, max_plate_nesting)
         self.train_guide = train_guide
 
@@ -278,6 +287,7 @@ class TwoSampler(ParticleObjective):
         return -log_pn, -_weighted(coef, tr.log_p)
 
 
+@checked
 class SFT(ParticleObjective):
     """Supervised next-token loss: -(1/B) sum_b log p(z_b, x), teacher-forced (the SFT baseline, App. L).
 
@@ -305,17 +315,18 @@ class SFT(ParticleObjective):
             conditioned = poutine.condition(self._in_plate(model, seq.shape[0], depth), data={self.site: seq})
             tr = poutine.trace(conditioned).get_trace(*args, **kwargs)
             if self.site not in tr.nodes:
-                raise ValueError(f"the model has no site {self.site!r} to fit the sequences to")
+                raise SiteMismatchError(f"the model has no site {self.site!r} to fit the sequences to")
             tr.compute_log_prob()
             log_p = per_particle(tr, seq.shape[0])
             if not torch.isfinite(log_p).all():
                 bad = (~torch.isfinite(log_p)).nonzero().flatten()[:5].tolist()
-                raise ValueError(f"SFT sequences {bad} have probability 0 under the model (outside its support, "
+                raise ConfigError(f"SFT sequences {bad} have probability 0 under the model (outside its support, "
                                  "or inconsistent with the observation)")
         value = -log_p.detach().mean()
         return value, -log_p.mean()
 
 
+@checked
 class R1Zero(ParticleObjective):
     """R1-Zero with a prescribed response: (5.14) for P_f plus (5.15) for the identity sampler.
 
@@ -349,6 +360,7 @@ class R1Zero(ParticleObjective):
 
 
 # ---------------------------------------------------------------------------------------- samplers
+@checked
 class SamplerPolicyGradient(ParticleObjective):
     """The sampler loss (3.25) / (5.24): policy gradient of the reverse KL(Q(.|x) || Q_*(.|x)).
 
@@ -383,6 +395,7 @@ class SamplerPolicyGradient(ParticleObjective):
         return -r.mean(), -(a * pt.log_q).sum() / (pt.n - 1)
 
 
+@checked
 class Inquisitive(SamplerPolicyGradient):
     """The train sampler Q^boxminus trained towards the inquisitive sampler Q_• (3.22) by (3.25)
     with the reward (3.26): R•_i = log P_f(Z•_i) + log ||grad_theta log P_f(Z•_i)|| - log Q^boxminus(Z•_i | x).
@@ -404,7 +417,7 @@ class Inquisitive(SamplerPolicyGradient):
         with torch.enable_grad():
             pt = self.particles(model, guide, *args, **kwargs)
             if not pt.params:
-                raise ValueError("Inquisitive needs the model to register the parameters of P (pyro.module) "
+                raise ProgramError("Inquisitive needs the model to register the parameters of P (pyro.module) "
                                  "that are not the guide's: none found in the model trace")
             self._norms = per_sample_grad_norms(pt.log_p, pt.params)
         return self.from_particles(pt, *args, **kwargs)
@@ -413,6 +426,7 @@ class Inquisitive(SamplerPolicyGradient):
         return pt.log_w + torch.log(self._norms.clamp_min(self.norm_floor))
 
 
+@checked
 class SeparatePolicy(ParticleObjective):
     """Remark 3.10: a policy pi_theta (the model) trained on samples of a separate policy pi^boxminus
     (the guide), which is itself trained towards the variance-minimising pi_•.
@@ -435,8 +449,6 @@ class SeparatePolicy(ParticleObjective):
 
     def __init__(self, reward: Callable[..., torch.Tensor], num_particles: int = 8, site: str = "z",
                  train_sampler: bool = True, floor: float = 1e-12, max_plate_nesting: int | None = None):
-        if not callable(reward):
-            raise TypeError(f"SeparatePolicy needs a callable reward(z, *args), got {reward!r}")
         super().__init__(num_particles, max_plate_nesting)
         self.reward, self.site, self.train_sampler, self.floor = reward, site, train_sampler, floor
 
@@ -444,11 +456,11 @@ class SeparatePolicy(ParticleObjective):
         with torch.enable_grad():
             pt = self.particles(model, guide, *args, **kwargs)
             if self.site not in pt.values:
-                raise ValueError(f"the guide has no site {self.site!r} (sites: {sorted(pt.values)})")
+                raise SiteMismatchError(f"the guide has no site {self.site!r} (sites: {sorted(pt.values)})")
             r = _finite_rewards(torch.as_tensor(self.reward(pt.values[self.site], *args, **kwargs),
                                                 dtype=pt.log_p.dtype).detach(), "reward")
             if r.shape != (pt.n,):
-                raise ValueError(f"reward must return one value per particle, shape ({pt.n},), got {tuple(r.shape)}")
+                raise ProgramError(f"reward must return one value per particle, shape ({pt.n},), got {tuple(r.shape)}")
             ratio = _finite_rewards(pt.log_w, "log pi_theta / pi^boxminus").exp()
             a = r - r.mean()
             surr = -(a * ratio * pt.log_p).sum() / (pt.n - 1)
@@ -462,6 +474,7 @@ class SeparatePolicy(ParticleObjective):
         return value, surr
 
 
+@checked
 class GRPO(ParticleObjective):
     """R1-Zero with relaxed targets: the one-sampler loss (5.17) and GRPO's group advantages (5.18).
 
@@ -484,12 +497,10 @@ class GRPO(ParticleObjective):
 
     def __init__(self, reward: Callable[..., torch.Tensor], num_particles: int = 8, clip_eps: float | None = 0.2,
                  advantage: str = "group", eps: float = 1e-6, site: str = "z", max_plate_nesting: int | None = None):
-        if not callable(reward):
-            raise TypeError(f"GRPO needs a callable reward(z, *args), got {reward!r}")
         if advantage not in ("group", "ratio"):
-            raise ValueError(f"advantage must be 'group' (5.18) or 'ratio' (5.17), got {advantage!r}")
+            raise ConfigError(f"advantage must be 'group' (5.18) or 'ratio' (5.17), got {advantage!r}")
         if clip_eps is not None and not (0 < clip_eps < 1):
-            raise ValueError(f"clip_eps must lie in (0, 1) or be None, got {clip_eps}")
+            raise ConfigError(f"clip_eps must lie in (0, 1) or be None, got {clip_eps}")
         super().__init__(num_particles, max_plate_nesting)
         self.reward, self.clip_eps, self.advantage, self.eps, self.site = reward, clip_eps, advantage, eps, site
 
@@ -501,10 +512,10 @@ class GRPO(ParticleObjective):
 
     def from_particles(self, pt: Particles, *args, **kwargs):
         if self.site not in pt.values:
-            raise ValueError(f"the guide has no site {self.site!r} (sites: {sorted(pt.values)})")
+            raise SiteMismatchError(f"the guide has no site {self.site!r} (sites: {sorted(pt.values)})")
         r = torch.as_tensor(self.reward(pt.values[self.site], *args, **kwargs), dtype=pt.log_p.dtype).detach()
         if r.shape != (pt.n,):
-            raise ValueError(f"reward must return one value per particle, shape ({pt.n},), got {tuple(r.shape)}")
+            raise ProgramError(f"reward must return one value per particle, shape ({pt.n},), got {tuple(r.shape)}")
         _finite_rewards(r, "reward")
         a = self.advantages(r)
         log_rho = pt.log_p - pt.log_q.detach()
@@ -518,6 +529,7 @@ class GRPO(ParticleObjective):
 
 
 # ---------------------------------------------------------------------------------------- sums
+@checked
 class Sum(ParticleObjective):
     """A weighted sum of objectives trained together, e.g. ``Sum(OneSampler(n), SamplerPolicyGradient(n))``
     for P and Q at once (Section 3.4.3: "one only needs to sample X, Z once"). Terms that read the

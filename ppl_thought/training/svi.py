@@ -24,6 +24,7 @@ from ppl_thought.errors import ConfigError
 from ppl_thought.inference.particles import latent_sites, sample_particles
 from ppl_thought.inference.result import Result
 from ppl_thought.training.objectives import ParticleObjective
+from ppl_thought.validation import checked, per_token
 from ppl_thought.weights import log_mean_exp
 
 
@@ -57,6 +58,7 @@ def _warn_if_distributed() -> None:
                       "averages the gradients over the process group", stacklevel=3)
 
 
+@checked
 class SVI:
     """Stochastic variational inference / training with any ``pyro.infer.ELBO`` objective.
 
@@ -71,12 +73,8 @@ class SVI:
     """
 
     def __init__(self, objective: ELBO, optimizer: PyroOptim | dict):
-        if not isinstance(objective, ELBO):
-            raise TypeError(f"objective must be a pyro.infer.ELBO (e.g. pt.train.OneSampler), got {objective!r}")
         if isinstance(optimizer, dict):
             optimizer = pyro.optim.Adam(optimizer)
-        if not isinstance(optimizer, PyroOptim):
-            raise TypeError(f"optimizer must be a pyro.optim optimizer or a dict of Adam arguments, got {optimizer!r}")
         self.objective = objective
         self.optimizer = optimizer
         self._svi: dict[tuple[int, int], pyro.infer.SVI] = {}
@@ -88,6 +86,7 @@ class SVI:
             self._svi[key] = pyro.infer.SVI(model, guide, self.optimizer, loss=self.objective)
         return self._svi[key]
 
+    @per_token
     def step(self, model: Callable, guide: Callable | None, *args, **kwargs) -> float:
         """One optimisation step; returns the objective's loss estimate (``guide=None``: see :meth:`run`)."""
         guide = self.resolve_guide(model, guide, args, kwargs)
@@ -104,9 +103,6 @@ class SVI:
         sites and the fix (a guide for them) instead of a silent wrong objective. The model is traced once per
         model object to find its latent sites."""
         if guide is not None:
-            if not callable(guide):
-                raise ConfigError(f"guide must be a callable Pyro guide (or None for a model without latent sites), "
-                                  f"got {type(guide).__name__}")
             return guide
         known = self._latent_names.get(id(model))
         if known is None or known[0] is not model:
@@ -149,17 +145,15 @@ class SVI:
         p/q, importance sampling (3.2) with the fitted guide: ``samples``, ``log_weights``, ``log_marginal``,
         ``stats["log_p"]``, ``["log_q"]``, ``["log_likelihood"]``.
         """
-        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
+        if isinstance(num_steps, bool) or num_steps < 0:
             raise ConfigError(f"num_steps must be a non-negative int, got {num_steps!r}")
-        if num_samples is not None and (not isinstance(num_samples, int) or isinstance(num_samples, bool)
+        if num_samples is not None and (isinstance(num_samples, bool)
                                         or num_samples < 1):
             raise ConfigError(f"num_samples must be a positive int (guide samples after the last step), got "
                               f"{num_samples!r}")
-        if not isinstance(record_params, int) or record_params < 0:
+        if record_params < 0:
             raise ConfigError(f"record_params must be a non-negative int (max elements of a recorded parameter), "
                               f"got {record_params!r}")
-        if not callable(model):
-            raise ConfigError(f"model must be a callable Pyro model or pt.Program, got {type(model).__name__}")
         guide = self.resolve_guide(model, guide, data, kwargs)
         _warn_if_distributed()
         from tqdm.auto import tqdm

@@ -34,11 +34,13 @@ import torch
 import torch.distributed as dist
 from pyro.infer import ELBO
 
-from ppl_thought.errors import ConfigError
+from ppl_thought.errors import ArgumentTypeError, ConfigError
 from ppl_thought.training.checkpoints import FORMAT as FORMAT
 from ppl_thought.training.checkpoints import Checkpoints
+from ppl_thought.validation import checked, per_token
 
 
+@checked
 def clip_joint_(params: Iterable[torch.Tensor], max_norm: float | None) -> float:
     """Clip the gradients of ``params`` (all models together) to ``v / max(1, ||v|| / max_norm)`` (App. L).
 
@@ -51,7 +53,7 @@ def clip_joint_(params: Iterable[torch.Tensor], max_norm: float | None) -> float
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads]))
     if max_norm is not None and torch.isfinite(norm):
         if max_norm <= 0:
-            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+            raise ConfigError(f"max_norm must be > 0, got {max_norm}")
         scale = min(1.0, float(max_norm) / (float(norm) + 1e-12)) if float(norm) > max_norm else 1.0
         if scale < 1.0:
             for g in grads:
@@ -59,14 +61,15 @@ def clip_joint_(params: Iterable[torch.Tensor], max_norm: float | None) -> float
     return float(norm)
 
 
+@checked
 def cosine_lr(peak: float, step: int, total: int, warmup: float = 0.05, floor: float = 0.1) -> float:
     """The learning-rate schedule of App. L: linear warm-up from 0 to ``peak`` over the first
     ``warmup`` fraction of ``total`` steps, then a cosine decay to ``floor * peak`` at the last step.
     ``step`` counts from 0."""
     if total < 1 or not 0 <= step < total:
-        raise ValueError(f"step must lie in [0, total), got step={step}, total={total}")
+        raise ConfigError(f"step must lie in [0, total), got step={step}, total={total}")
     if not 0.0 <= warmup < 1.0 or not 0.0 <= floor <= 1.0:
-        raise ValueError(f"warmup must lie in [0, 1) and floor in [0, 1], got {warmup} and {floor}")
+        raise ConfigError(f"warmup must lie in [0, 1) and floor in [0, 1], got {warmup} and {floor}")
     w = int(warmup * total)
     if step < w:
         return peak * (step + 1) / w
@@ -100,6 +103,7 @@ def _shard(batch_size: int, rank: int, world_size: int) -> range:
     return range(rank * batch_size // world_size, (rank + 1) * batch_size // world_size)
 
 
+@checked
 class Trainer(Checkpoints):
     """Train ``model``/``guide`` with a particle objective, clipping the joint gradient of all modules.
 
@@ -169,20 +173,18 @@ class Trainer(Checkpoints):
                  optimizer: Callable[[list], torch.optim.Optimizer] | None = None, clip_norm: float | None = 1.0,
                  batch_size: int = 1, checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0,
                  progress: bool = True, seed: int | None = None, distributed: bool | None = None):
-        if not hasattr(objective, "loss_and_grads"):
-            raise TypeError(f"objective must be a pyro.infer.ELBO with loss_and_grads, got {objective!r}")
-        if not isinstance(modules, Mapping) or not modules:
+        if not modules:
             raise ConfigError("modules must be a non-empty dict name -> torch.nn.Module")
         for name, m in modules.items():
             if not isinstance(m, torch.nn.Module):
-                raise TypeError(f"modules[{name!r}] is not a torch.nn.Module: {m!r}")
+                raise ArgumentTypeError(f"modules[{name!r}] is not a torch.nn.Module: {m!r}")
         if clip_norm is not None and not clip_norm > 0:
             raise ConfigError(f"clip_norm must be > 0 or None, got {clip_norm}")
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        if isinstance(batch_size, bool) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
         if checkpoint_every and checkpoint_dir is None:
             raise ConfigError("checkpoint_every needs checkpoint_dir")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        if seed is not None and (isinstance(seed, bool) or seed < 0):
             raise ConfigError(f"seed must be None or a non-negative int, got {seed!r}")
         self.model, self.guide, self.objective = model, guide, objective
         self.modules = dict(modules)
@@ -192,7 +194,7 @@ class Trainer(Checkpoints):
         factory = optimizer if optimizer is not None else (lambda ps: torch.optim.Adam(ps, lr=1e-2))
         self.optimizer = factory(self.params)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer, got {self.optimizer!r}")
+            raise ArgumentTypeError(f"optimizer(params) must return a torch.optim.Optimizer, got {self.optimizer!r}")
         self.clip_norm, self.batch_size, self.seed = clip_norm, batch_size, seed
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every, self.progress = int(checkpoint_every), progress
@@ -314,6 +316,7 @@ class Trainer(Checkpoints):
             torch.manual_seed(item_seed(self.seed, self.step_count, index))
             return float(self.objective.loss_and_grads(self.model, self.guide, *args, **kwargs))
 
+    @per_token
     def step(self, batch: Sequence) -> dict[str, Any]:
         """One optimiser step on the global batch ``batch`` (a list of data items; the same list on every
         rank, each computing its slice): gradients averaged, joint clipping, update."""
@@ -368,7 +371,7 @@ class Trainer(Checkpoints):
         """
         if len(dataset) == 0:
             raise ConfigError("empty dataset")
-        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
+        if isinstance(num_steps, bool) or num_steps < 0:
             raise ConfigError(f"num_steps must be a non-negative int, got {num_steps!r}")
         from tqdm.auto import tqdm
 

@@ -20,6 +20,3 @@ __all__ = ["ActiveLift", "CostAware", "Forgetful", "ForgetfulLM", "Persistent", 
            "Transform", "Transformed", "TransformedFunction", "Ubiquitous", "compose", "enumerate_log_joint",
            "exact_log_prob", "forgetful_context", "latent_lengths", "rebuild", "score_continuation", "sequence_start"]
 
-from ppl_thought.validation import check_exports  # noqa: E402 -- the type layer on the names above
-
-check_exports(globals())

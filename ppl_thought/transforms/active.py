@@ -45,12 +45,13 @@ from ppl_thought.distributions.lm_state import masked_log_softmax
 from ppl_thought.errors import ActiveLiftError, MalformedSequenceError
 from ppl_thought.lm.base import as_id_batch, lm_device
 from ppl_thought.projections.automaton import AutomatonBuilder
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked
 from ppl_thought.vocab import BOS_ID, END_THINK_ID, EOS_ID, PAD_ID, THINK_ID, Vocab
 
 __all__ = ["ActiveLift", "score_continuation"]
 
 
+@checked
 def score_continuation(lm: torch.nn.Module, context: torch.Tensor, cont: torch.Tensor,
                        allowed: torch.Tensor) -> torch.Tensor:
     """Per-token log-probabilities ``[B, L]`` of the right-padded rows ``cont`` after the right-padded rows
@@ -88,6 +89,7 @@ def _alphabet_automaton(vocab_size: int, ids: torch.Tensor, name: str):
     return b.build()
 
 
+@checked
 class ActiveLift(Messenger):
     """Active lifting (Section 6): the sampler Q, the latent prior P and the generator G of one LM (6.6).
 
@@ -111,8 +113,6 @@ class ActiveLift(Messenger):
                  prior_lm: torch.nn.Module | None = None, generator_lm: torch.nn.Module | None = None,
                  site: str = "x", latent_site: str = "z"):
         super().__init__()
-        if not isinstance(vocab, Vocab):
-            raise ActiveLiftError(f"ActiveLift needs a pt.Vocab, got {type(vocab).__name__}")
         self.lm, self.vocab = lm, vocab
         self.prior_lm = prior_lm if prior_lm is not None else lm
         self.generator_lm = generator_lm if generator_lm is not None else lm

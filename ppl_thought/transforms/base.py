@@ -34,6 +34,7 @@ from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.errors import TransformError
 from ppl_thought.program import Program, is_program, run_whole
+from ppl_thought.validation import checked, per_token
 
 __all__ = ["Transform", "Transformed", "TransformedFunction", "compose", "rebuild", "sequence_start"]
 
@@ -49,6 +50,7 @@ def _start(dist: LMSequence, n: int, observed: torch.Tensor | None = None, rule:
 _start_effect = effectful(_start, type="sequence_start")
 
 
+@checked
 def sequence_start(name: str, dist: LMSequence, n: int, observed: torch.Tensor | None = None) -> LMState:
     """Start the step view of the sequence site ``name`` (the site ``pyro.sample(name, dist)`` of the
     whole view): an :class:`LMState` of ``n`` rows that the program then steps with
@@ -58,11 +60,10 @@ def sequence_start(name: str, dist: LMSequence, n: int, observed: torch.Tensor |
     before the state is built; ``observed`` is the site's observation (1-D ids), which a transform may
     read (:class:`~ppl_thought.transforms.ProjectionLift` builds the lifting of x from it).
     """
-    if not isinstance(dist, LMSequence):
-        raise TransformError(f"sequence_start needs an LMSequence, got {type(dist).__name__}")
     return _start_effect(dist, n, observed=observed, name=name)
 
 
+@checked
 def rebuild(dist: LMSequence, **changes: Any) -> LMSequence:
     """A copy of the sequence distribution with some of its arguments changed (``lm``, ``constraint``,
     ``max_len``, ``prompt``, ``lm_kwargs``, ``chunk``): what a transform does to a site."""
@@ -81,6 +82,7 @@ def rebuild(dist: LMSequence, **changes: Any) -> LMSequence:
 
 
 # ---------------------------------------------------------------------------------------------- transforms
+@checked
 class Transform(Messenger):
     """Base class of the model transforms: a Messenger that is also applied by calling it on a model.
 
@@ -108,9 +110,6 @@ class Transform(Messenger):
         (:class:`TransformedFunction`) for a plain Pyro function."""
         if is_program(model):
             return Transformed(model, self)
-        if not callable(model):
-            raise TransformError(f"{type(self).__name__} applies to a Pyro model (a function or a pt.Program), "
-                                 f"got {type(model).__name__}")
         return TransformedFunction(model, self)
 
     @property
@@ -179,6 +178,7 @@ class Transform(Messenger):
         return f"{type(self).__name__}()"
 
 
+@checked
 class Transformed(Program):
     """A ``pt.Program`` run under a transform: ``init``, ``step``, ``outputs`` and the whole-trace call of
     ``inner`` under ``transform`` (see the module docstring). Attributes not found here are looked up in
@@ -217,12 +217,14 @@ class Transformed(Program):
         with self.transform.run(), self.transform.bound(None):
             return self.inner(*args, **kwargs)
 
+    @per_token
     def init(self, state: dict, *args, **kwargs) -> None:
         if self.transform._runs == 0:
             self.transform._reset()
         with self.transform.bound(state):
             self.inner.init(state, *args, **kwargs)
 
+    @per_token
     def step(self, state: dict, t: int, *args, **kwargs):
         with self.transform.bound(state):
             out = self.inner.step(state, t, *args, **kwargs)
@@ -239,6 +241,7 @@ class Transformed(Program):
         return f"{self.transform!r}({self.inner!r})"
 
 
+@checked
 class TransformedFunction:
     """A plain Pyro function run under a transform (the whole view only: Importance, SVI, Predictive)."""
 
@@ -262,6 +265,7 @@ class TransformedFunction:
         return f"{self.transform!r}({getattr(self.fn, '__name__', self.fn)!r})"
 
 
+@checked
 def compose(*transforms: Transform) -> Callable:
     """``compose(A, B, C)(model) == A(B(C(model)))``: the last transform is applied first (innermost)."""
     for t in transforms:

@@ -28,6 +28,7 @@ from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import Segment
 from ppl_thought.errors import TransformError
 from ppl_thought.transforms.base import Transform
+from ppl_thought.validation import checked
 from ppl_thought.vocab import PAD_ID
 
 
@@ -43,6 +44,7 @@ class SupportsParticles(Protocol):
 __all__ = ["CostAware", "latent_lengths"]
 
 
+@checked
 def latent_lengths(trace: Trace, n: int) -> torch.Tensor:
     """|Z_i| ``[n]``: the tokens of every latent sequence site of a trace (the whole ``z`` or the segments
     ``z_t`` of a step-wise program), per particle."""
@@ -64,6 +66,7 @@ def latent_lengths(trace: Trace, n: int) -> torch.Tensor:
     return total
 
 
+@checked
 class CostAware(Transform):
     """The cost-aware objective (5.26)-(5.27) for a model: every SVI objective of :mod:`ppl_thought.inference`
     (``pyro.infer.ELBO`` subclasses) trains ``CostAware(weight)(model)`` on the loss of the module docstring
@@ -87,8 +90,6 @@ class CostAware(Transform):
         if not w >= 0 or w == float("inf"):
             raise TransformError(f"CostAware weight must be a finite number >= 0 (cost per latent token), "
                                  f"got {weight!r}")
-        if tau is not None and not callable(tau):
-            raise TransformError(f"tau must be a function of the latent lengths, got {type(tau).__name__}")
         self.weight = w
         self.entropy = float(entropy)
         self._tau = tau

@@ -23,12 +23,13 @@ from ppl_thought.program import Shared
 from ppl_thought.projections.automaton import Automaton, step_ends
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.transforms.base import Transform, rebuild
-from ppl_thought.validation import ArrayLike
+from ppl_thought.validation import ArrayLike, checked, per_token
 from ppl_thought.vocab import PAD_ID
 
 __all__ = ["ProjectionLift", "SegmentCheck", "enumerate_log_joint", "exact_log_prob"]
 
 
+@checked
 class SegmentCheck(TorchDistribution):
     """The observed site x_t of a lifted step: log 1{the latent segment z^(t) emits x_t}, 0 or -inf per row.
 
@@ -45,13 +46,16 @@ class SegmentCheck(TorchDistribution):
         self.log_factor = log_factor
         super().__init__(log_factor.shape, torch.Size([1]), validate_args=False)
 
+    @per_token
     def expand(self, batch_shape: Sequence[int], _instance: SegmentCheck | None = None):
         batch_shape = torch.Size(batch_shape)
         return self if batch_shape == self.batch_shape else SegmentCheck(self.log_factor.expand(batch_shape))
 
+    @per_token
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         return self.log_factor
 
+    @per_token
     def sample(self, sample_shape: Sequence[int] = ()):  # pragma: no cover - the site is always observed
         raise TransformError("a lifted observation site is observed; it has nothing to sample")
 
@@ -59,6 +63,7 @@ class SegmentCheck(TorchDistribution):
 _STEP = re.compile(r"^(.*)_(\d+)$")
 
 
+@checked
 class ProjectionLift(Transform):
     """Proj # P_f from a plain LM program: the sequence site ``site`` becomes a latent site ``latent`` drawn
     from its LM masked to Dom(Proj) (Def 2.8), and its observation becomes the projection of the latent.
@@ -87,8 +92,6 @@ class ProjectionLift(Transform):
     def __init__(self, projection: Projection, site: str = "x", latent: str = "z", chunk: int = 0):
         super().__init__()
         self.chunk = chunk_size(chunk)
-        if not isinstance(projection, Projection):
-            raise TransformError(f"ProjectionLift needs a Projection, got {type(projection).__name__}")
         if site == latent:
             raise TransformError(f"the latent site needs its own name (site and latent are both {site!r})")
         self.projection = projection
@@ -214,6 +217,7 @@ class ProjectionLift(Transform):
 
 
 # ---------------------------------------------------------------------------------------------- exact answers
+@checked
 def enumerate_log_joint(model: Callable[..., Any], x: ArrayLike, latent: str = "z",
                         limit: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
     """(support ``[K, L]``, log p(z, x) ``[K]``) over every z in the lifting of x, for any model with a
@@ -249,6 +253,7 @@ def enumerate_log_joint(model: Callable[..., Any], x: ArrayLike, latent: str = "
         return support, total
 
 
+@checked
 def exact_log_prob(model: Callable[..., Any], x: ArrayLike, latent: str = "z", limit: int = 20_000) -> torch.Tensor:
     """log p(x) = log sum_{z in lifting(x)} p(z, x) by enumeration (2.22) for a transformed model; ``-inf``
     outside the image of the projection."""

@@ -24,11 +24,13 @@ from ppl_thought.lm.base import LMCache
 from ppl_thought.projections.pause import PauseToThink
 from ppl_thought.transforms.base import Transform, rebuild
 from ppl_thought.transforms.projection_lift import ProjectionLift
+from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import END_THINK_ID, EXPLAIN_ID, PAD_ID, THINK_ID, Vocab
 
 __all__ = ["Forgetful", "ForgetfulLM", "Persistent", "Ubiquitous", "forgetful_context"]
 
 
+@checked
 def forgetful_context(tokens: torch.Tensor) -> torch.Tensor:
     """The context a forgetful latent reads after the last token of each row (Def 5.1): every thought block
     ``<s> ... </s>`` before the last ``<s>`` deleted, right-padded ``[n, L']``. For one row, the input that
@@ -64,6 +66,7 @@ def _keep(tokens: torch.Tensor) -> torch.Tensor:
     return keep & (tokens != PAD_ID)[:, None, :]
 
 
+@checked
 class ForgetfulLM(nn.Module):
     """An LM read through the forgetful context of Def 5.1: the logits after position m are the wrapped LM's
     logits after the tokens up to m with every thought before the last ``<s>`` (at or before m) deleted
@@ -85,6 +88,7 @@ class ForgetfulLM(nn.Module):
         if hasattr(lm, "max_len"):
             self.max_len = lm.max_len
 
+    @per_token
     def forward(self, tokens: torch.Tensor, cache: LMCache | None = None, **kwargs: Any):
         if cache is not None:
             raise TransformError("ForgetfulLM keeps no cache: feed the whole context (recompute mode)")
@@ -121,6 +125,7 @@ def _mark(msg, mode: str, site: str) -> None:
     msg["infer"][_MODE] = mode
 
 
+@checked
 class Forgetful(Transform):
     """Def 5.1 / (5.5): every sequence site's LM reads the forgetful context (:class:`ForgetfulLM`), so when a
     later segment is encoded the earlier thoughts are gone:
@@ -161,6 +166,7 @@ class Forgetful(Transform):
             msg["args"] = (rebuild(dist, lm=self.wrap(dist.lm)),) + tuple(msg["args"][1:])
 
 
+@checked
 class Persistent(Transform):
     """Section 5.6.1: thoughts stay in context, each one may act on everything after it (the default
     parametrisation of Def 2.8, made explicit). It changes no number; it refuses a site that a
@@ -182,6 +188,7 @@ class Persistent(Transform):
         _mark(msg, "persistent", msg["name"])
 
 
+@checked
 class Ubiquitous(ProjectionLift):
     """Section 5.6.1: thoughts may be inserted anywhere in the text, before any observable token (not only
     between a query and its response): the lifting of the pause-to-think projection (5.1) with thoughts of

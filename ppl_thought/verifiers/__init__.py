@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import importlib
 
-from ppl_thought.validation import check_exports
-
 _NAMES = {
     "ProcessVerifier": "process", "dyck": "process",
     "VerifiedLM": "program", "LocallyOptimalProposal": "program", "WeightedRejectionProposal": "program",
@@ -38,7 +36,6 @@ __all__ = sorted(_NAMES)
 def __getattr__(name: str):
     if name in _NAMES:
         globals()[name] = getattr(importlib.import_module(f"ppl_thought.verifiers.{_NAMES[name]}"), name)
-        check_exports(globals(), (name,))  # the type layer (ppl_thought.validation)
         return globals()[name]
     raise AttributeError(f"module 'ppl_thought.verifiers' has no attribute {name!r}")
 

@@ -38,6 +38,7 @@ from ppl_thought.inference.result import Result
 from ppl_thought.lm.base import lm_device
 from ppl_thought.lm.tabular import Tabular
 from ppl_thought.program import OneTokenStep, is_program
+from ppl_thought.validation import checked
 from ppl_thought.verifiers.process import ProcessVerifier
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
@@ -161,6 +162,7 @@ def _token_program(program: Any, guide: Any, args: tuple, kwargs: dict, horizon:
     return spec, guide, spec.prompt_ids(args, kwargs)
 
 
+@checked
 class TokenwiseBacktracking:
     """Algorithm 1 of the thesis: tokenwise rejection sampling with backtracking (quota ``Q``, stride ``B``).
 
@@ -270,6 +272,7 @@ class TokenwiseBacktracking:
         return Result(samples={self.site: rows.tokens.clone()}, stats=stats, engine="TokenwiseBacktracking")
 
 
+@checked
 class VGB:
     """Algorithm 2 of the thesis: value-guided sampling with stochastic backtracking (Section 3.3.1).
 
@@ -427,6 +430,7 @@ class VGB:
         return Result(samples={self.site: out}, stats=stats, engine="VGB")
 
 
+@checked
 class TabularValue:
     """The exact value function ``V*(y) = P_O(y o Y in A | y)`` of a Tabular LM under a length-N constraint.
 
@@ -443,9 +447,9 @@ class TabularValue:
     """
 
     def __init__(self, lm: Tabular, verifier: ProcessVerifier):
-        if not isinstance(lm, Tabular) or lm.order > 2:
+        if lm.order > 2:
             raise ConfigError("TabularValue needs a unigram or bigram Tabular LM (order 1 or 2)")
-        if not isinstance(verifier, ProcessVerifier) or verifier.length is None:
+        if verifier.length is None:
             raise ConfigError("TabularValue needs a ProcessVerifier with a length N")
         if verifier.automaton.vocab_size != lm.vocab_size:
             raise ConfigError("the verifier's automaton and the LM have different vocabularies")

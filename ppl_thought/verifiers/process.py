@@ -27,11 +27,13 @@ from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.projections.automaton import DEAD, Automaton
 from ppl_thought.projections.char_dfa import CharDFA
 from ppl_thought.projections.token_lift import token_automaton
+from ppl_thought.validation import checked
 from ppl_thought.vocab import PAD_ID, Vocab
 
 __all__ = ["dyck", "ProcessVerifier"]
 
 
+@checked
 def dyck(k: int, D: int, vocab: Vocab, brackets: Sequence[tuple[str, str]] | None = None) -> Automaton:
     """The automaton of the bounded-depth Dyck language Dyck_{k,D} of equation (2.37).
 
@@ -57,9 +59,9 @@ def dyck(k: int, D: int, vocab: Vocab, brackets: Sequence[tuple[str, str]] | Non
         ConfigError: ``k < 1``, ``D < 0``, the wrong number of brackets, or a token used twice.
         UnknownTokenError: a bracket that is not in ``vocab``.
     """
-    if not isinstance(k, (int, np.integer)) or k < 1:
+    if k < 1:
         raise ConfigError(f"dyck needs k >= 1 bracket types, got {k!r}")
-    if not isinstance(D, (int, np.integer)) or D < 0:
+    if D < 0:
         raise ConfigError(f"dyck needs a depth bound D >= 0, got {D!r}")
     if brackets is None:
         ordinary = vocab.ordinary_ids
@@ -102,6 +104,7 @@ def dyck(k: int, D: int, vocab: Vocab, brackets: Sequence[tuple[str, str]] | Non
     return Automaton(table, final, np.zeros(len(stacks), dtype=np.int64), 0, None, f"Dyck_{{{k},{D}}}")
 
 
+@checked
 class ProcessVerifier:
     """The perfect process verifier of Def 3.1.3 for the constraint set of an automaton.
 
@@ -117,9 +120,7 @@ class ProcessVerifier:
     """
 
     def __init__(self, automaton: Automaton, length: int | None = None):
-        if not isinstance(automaton, Automaton):
-            raise ConfigError(f"ProcessVerifier needs an Automaton, got {type(automaton).__name__}")
-        if length is not None and (not isinstance(length, (int, np.integer)) or length < 0):
+        if length is not None and (length < 0):
             raise ConfigError(f"length must be a non-negative integer or None, got {length!r}")
         if (automaton.next_state[:, PAD_ID] >= 0).any():
             raise ConfigError("the constraint automaton reads <pad> (id 0) as a token: padded prefixes are ambiguous")

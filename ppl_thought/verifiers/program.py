@@ -57,6 +57,7 @@ from ppl_thought.errors import (
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import OneTokenStep, Program, particles
 from ppl_thought.projections.automaton import DEAD, Automaton
+from ppl_thought.validation import checked, per_token
 from ppl_thought.verifiers.process import ProcessVerifier
 from ppl_thought.vocab import PAD_ID
 
@@ -68,6 +69,7 @@ _LOWEST = torch.finfo(torch.float32).min
 
 
 # ---------------------------------------------------------------------------------------------- pieces
+@checked
 class NextToken(TorchDistribution):
     """One token per row from log-probabilities ``[n, V]`` (-inf: impossible), as a Pyro distribution.
 
@@ -87,23 +89,27 @@ class NextToken(TorchDistribution):
         self.generator = generator
         super().__init__(batch_shape=log_probs.shape[:-1], event_shape=(), validate_args=False)
 
+    @per_token
     def expand(self, batch_shape: Sequence[int], _instance: NextToken | None = None):
         batch_shape = torch.Size(batch_shape)
         if batch_shape == self.batch_shape:
             return self
         return NextToken(self.log_probs.expand(batch_shape + self.log_probs.shape[-1:]), self.generator)
 
+    @per_token
     def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         if tuple(sample_shape):
             raise ProgramError("NextToken draws one token per particle row; sample_shape is not supported")
         lp = self.log_probs.reshape(-1, self.log_probs.shape[-1])
         return token_step(None, None, None, generator=self.generator, log_probs=lp).token.reshape(self.batch_shape)
 
+    @per_token
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         v = torch.as_tensor(value, device=self.log_probs.device).long()
         return self.log_probs.gather(-1, v.unsqueeze(-1)).squeeze(-1)
 
 
+@checked
 def verifier_factor(name: str, verifier: ProcessVerifier, states: torch.Tensor, length: int | torch.Tensor) -> None:
     """``pyro.factor(name, log V(s))``: the process verifier of Def 3.1.3 as a factor (0 or -inf, never NaN)
     on prefixes given by their automaton ``states [n]`` and ``length`` (their common length, or ``[n]``)."""
@@ -126,6 +132,7 @@ def _check_task(lm, verifier) -> int:
     return verifier.length
 
 
+@checked
 def length_automaton(verifier: ProcessVerifier) -> Automaton:
     """The constraint set A of a length-N process verifier (Def 3.1.3) as one token automaton: states (q, i) for the
     verifier's automaton state q after i tokens, kept where V = 1 (a string of A extends the prefix: ``reach[N - i,
@@ -236,6 +243,7 @@ class _VerifierSteps(Program):
 
 
 # ---------------------------------------------------------------------------------------------- any token program
+@checked
 class TokenSteps(Program):
     """The program a :class:`~ppl_thought.program.OneTokenStep` describes, drawing its tokens by one of the proposals
     of :class:`VerifiedLM` (what :class:`~ppl_thought.verifiers.VerifierSMC` runs on any token-level program).
@@ -269,6 +277,7 @@ class TokenSteps(Program):
     def device(self) -> torch.device:
         return lm_device(self.lm)
 
+    @per_token
     def init(self, state: dict, *args, **kwargs) -> None:
         n, dev, rule = particles(), self.device, self.spec.rule
         s = rule.start(n, dev)
@@ -287,6 +296,7 @@ class TokenSteps(Program):
         pad[0, PAD_ID] = 0.0
         return torch.where(done[:, None], pad, lp)
 
+    @per_token
     def step(self, state: dict, t: int, *args, **kwargs):
         x, s, done, spec = state["x"], state["q"], state["done"], self.spec
         name, ok = f"{self.site}_{t}", f"{self.site}_ok_{t}"
@@ -315,11 +325,13 @@ class TokenSteps(Program):
         return new_done.clone()
 
     # what _RejectionDraw reads
+    @per_token
     def log_next(self, state: dict) -> torch.Tensor:
         """log O(. | s) ``[n, V]``; ended rows: all on ``<pad>``."""
         x = state["x"]
         return self._inactive(self.free.log_probs(x.logits, x.s), state["done"])
 
+    @per_token
     def weighted_rejection(self, probs: torch.Tensor, q: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(first admitted token ``[n]``, proposals K ``[n]``) for the running rows (ended rows: ``<pad>``, K = 2),
         rounds over the rows with fewer than two admitted proposals, each proposal a token step of the rule."""
@@ -352,6 +364,7 @@ class TokenSteps(Program):
 
 
 # ---------------------------------------------------------------------------------------------- the program
+@checked
 class VerifiedLM(TokenSteps):
     """p(s) proportional to p_O(s) 1(s in A): an LM restricted to the constraint set of a process verifier
     (Def 3.1.2, Def 3.1.3, Section 3.1.1), one token per step (see the module docstring).
@@ -396,6 +409,7 @@ class VerifiedLM(TokenSteps):
         spec = OneTokenStep(lm, rule, self.length, (), prompt=lambda *a, **k: self.prompt)
         super().__init__(spec, prompt, site, generator, draw, max_tries)
 
+    @per_token
     def init(self, state: dict, *args, **kwargs) -> None:
         q = self.verifier.automaton.start_states(1, self.device)
         if not bool(self.verifier.from_states(q, 0)):  # one sync per run
@@ -411,6 +425,7 @@ class VerifiedLM(TokenSteps):
 
 
 # ---------------------------------------------------------------------------------------------- proposals
+@checked
 class LocallyOptimalProposal(_VerifierSteps):
     """The locally optimal proposal of :class:`VerifiedLM` (``proposal="masked"``): token i from
     q(t | s) = O(t | s) V(s o t) / Z_V(s), the law of tokenwise rejection (Def 3.1.5). The engine's weight
@@ -422,6 +437,7 @@ class LocallyOptimalProposal(_VerifierSteps):
         lq = self.log_next(state).masked_fill(~self.accepted(state, t), float("-inf"))
         return lq - torch.logsumexp(lq, -1, keepdim=True).clamp(min=_LOWEST)
 
+    @per_token
     def step(self, state: dict, t: int, *args, **kwargs):
         tok = pyro.sample(f"{self.site}_{t}", NextToken(self.local_log_probs(state, t), self.generator))
         return self.advance(state, t, tok)
@@ -462,6 +478,7 @@ class _RejectionDraw(NextToken):
         return super().log_prob(value) + self._drawn[1]
 
 
+@checked
 class WeightedRejectionProposal(_VerifierSteps):
     """Weighted rejection (AWRS style) as the proposal of :class:`VerifiedLM` (``proposal="rejection"``).
 
@@ -479,15 +496,17 @@ class WeightedRejectionProposal(_VerifierSteps):
     def __init__(self, lm: torch.nn.Module, verifier: ProcessVerifier, prompt: torch.Tensor | None = None,
                  site: str = "z", generator: torch.Generator | None = None, max_tries: int = 10_000):
         super().__init__(lm, verifier, prompt, site, generator)
-        if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 2:
+        if isinstance(max_tries, bool) or max_tries < 2:
             raise ConfigError(f"max_tries must be an integer >= 2 (two acceptances are needed), got {max_tries!r}")
         self.max_tries = max_tries
         self.calls = torch.zeros((), dtype=torch.long)
 
+    @per_token
     def init(self, state: dict, *args, **kwargs) -> None:
         super().init(state, *args, **kwargs)
         self.calls = torch.zeros((), dtype=torch.long, device=self.device)
 
+    @per_token
     def step(self, state: dict, t: int, *args, **kwargs):
         tok = pyro.sample(f"{self.site}_{t}", _RejectionDraw(self, state, t))
         return self.advance(state, t, tok)

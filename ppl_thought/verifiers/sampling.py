@@ -34,6 +34,7 @@ from ppl_thought.inference.result import Result
 from ppl_thought.inference.smc import SMC
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import OneTokenStep, is_program
+from ppl_thought.validation import checked
 from ppl_thought.verifiers.program import TokenSteps, VerifiedLM
 from ppl_thought.vocab import PAD_ID
 
@@ -111,6 +112,7 @@ class TokenRows:
             x.logits, x.cache, x.context = logits[:, -1], cache, context
 
 
+@checked
 class RejectionSampling:
     """Rejection sampling with an outcome verifier (Def 3.1.4).
 
@@ -190,6 +192,7 @@ class RejectionSampling:
         return Result(samples={self.site: torch.cat(kept)}, stats=stats, engine="RejectionSampling")
 
 
+@checked
 class TokenwiseRejection:
     """Tokenwise rejection sampling with a process verifier (Def 3.1.5).
 
@@ -263,6 +266,7 @@ class TokenwiseRejection:
         return Result(samples={self.site: rows.tokens}, stats=stats, engine="TokenwiseRejection")
 
 
+@checked
 class VerifierSMC:
     """Exact baselines for verifier-guided generation: ``pt.infer.SMC`` on a token-level program (its
     :class:`~ppl_thought.program.OneTokenStep`, e.g. :class:`~ppl_thought.verifiers.program.VerifiedLM`: the LM

@@ -16,18 +16,18 @@ import torch
 from ppl_thought.checks import integer as check_count
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.lm.base import lm_device
+from ppl_thought.validation import checked
 from ppl_thought.verifiers.process import ProcessVerifier
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
 __all__ = ["LinearProbeVerifier", "first_errors"]
 
 
+@checked
 def first_errors(verifier: ProcessVerifier, strings: torch.Tensor) -> torch.Tensor:
     """The rule-based error parser of Section 3.2.1.2: for each right-padded row ``[n, L]`` the index of its first
     token after which the prefix can no longer be completed in A (``V(s_{1:i+1}) = 0``, Def 3.1.3), or -1 when
     every prefix of the row is completable. Batched over rows, one automaton step per position."""
-    if not isinstance(verifier, ProcessVerifier):
-        raise ConfigError(f"first_errors needs a ProcessVerifier, got {type(verifier).__name__}")
     strings = torch.as_tensor(strings)
     if strings.ndim != 2:
         raise MalformedSequenceError(f"strings must be token ids [n, L], got shape {tuple(strings.shape)}")
@@ -68,6 +68,7 @@ def _norm_features(lm: torch.nn.Module, prefixes: torch.Tensor) -> torch.Tensor:
     return h[torch.arange(m, device=dev), lengths].float()
 
 
+@checked
 class LinearProbeVerifier:
     """Section 3.2.1.2's verifier V: one linear layer ``W [d, 2]`` (and a bias) on the LM's last-layer
     representation of the last position; ``V(s) = 1`` iff the "correct" logit wins.
@@ -77,7 +78,7 @@ class LinearProbeVerifier:
     """
 
     def __init__(self, lm: torch.nn.Module, layer: torch.nn.Linear):
-        if not isinstance(layer, torch.nn.Linear) or layer.out_features != 2:
+        if layer.out_features != 2:
             raise ConfigError(f"LinearProbeVerifier needs a torch.nn.Linear with 2 outputs, got {layer!r}")
         self.lm, self.layer = lm, layer
 

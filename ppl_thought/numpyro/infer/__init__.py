@@ -12,6 +12,3 @@ from ppl_thought.numpyro.infer.svi import ELBO
 __all__ = ["ELBO", "MALA", "SMC", "ULA", "Importance", "LangevinState", "Result", "effective_sample_size",
            "log_marginal_stderr", "log_mean_exp", "systematic_resample"]
 
-from ppl_thought.numpyro.boundary import check_here  # noqa: E402 -- the type layer on the names above
-
-check_here(globals())

@@ -26,6 +26,7 @@ from ppl_thought.errors import (
     SiteMismatchError,
     ZeroWeightsError,
 )
+from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, prng_key
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 from ppl_thought.numpyro.infer.steps import StepEngine, _read_only, as_programs, program_result
@@ -120,6 +121,7 @@ def not_in_image_result(message: str, n: int, engine: str, observed: dict) -> Re
 _COMPILED: dict = {}
 
 
+@checked_jax
 class Importance(StepEngine):
     """Vectorised importance sampling, estimator (3.2): ``Importance(n).run(model, guide, *args, rng_key=key)``.
 

@@ -38,7 +38,8 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.infer.util import initialize_model
 
 from ppl_thought.errors import ConfigError, DiscreteLatentError
-from ppl_thought.numpyro.boundary import refuse_nan
+from ppl_thought.numpyro.boundary import checked_jax, refuse_nan
+from ppl_thought.validation import per_token
 
 __all__ = ["LangevinState", "MALA", "ULA"]
 
@@ -60,6 +61,7 @@ class _LangevinFields(NamedTuple):
     rng_key: jax.Array
 
 
+@checked_jax
 class LangevinState(_LangevinFields):
     """The chain's state; ``MCMC(..., extra_fields=(...))`` records any of these fields.
 
@@ -83,6 +85,7 @@ class LangevinState(_LangevinFields):
         return super().__new__(cls, *fields)
 
 
+@checked_jax
 class MALA(MCMCKernel):
     """Metropolis-adjusted Langevin (``adjust=True``; :class:`ULA` is the unadjusted one).
 
@@ -141,6 +144,7 @@ class MALA(MCMCKernel):
             return self._potential_fn_gen(*model_args, **model_kwargs)
         return self._potential_fn
 
+    @per_token
     def init(self, rng_key: Any, num_warmup: Any, init_params: Any, model_args: Any,
              model_kwargs: Any) -> LangevinState:
         """The initial state; ``rng_key`` of shape ``[chains, 2]`` (``chain_method="vectorized"``) gives
@@ -232,6 +236,7 @@ class MALA(MCMCKernel):
         log_ratio = jnp.where(finite & ~jnp.isnan(log_ratio), log_ratio, -jnp.inf)
         return z_new, pe_new, grad_new, log_ratio, finite
 
+    @per_token
     def sample(self, state: LangevinState, model_args: Any, model_kwargs: Any) -> LangevinState:
         """One ULA or MALA transition (pure, jitted by ``MCMC``); adapts s during warmup. A stacked state
         (``chain_method="vectorized"``: every field has the chains on axis 0) moves every chain at once."""
@@ -267,6 +272,7 @@ class MALA(MCMCKernel):
         return LangevinState(i, z, pe, grad, step_size, accept_prob, mean_accept, diverging, adapt_state, rng_key)
 
 
+@checked_jax
 class ULA(MALA):
     """The unadjusted Langevin algorithm: every finite proposal is taken (biased for s > 0)."""
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppl_thought.errors import DiagnosticError
-from ppl_thought.numpyro.boundary import Array, Key
+from ppl_thought.numpyro.boundary import Array, Key, checked_jax
 
 __all__ = ["check_log_weights", "effective_sample_size", "log_mean_exp", "prng_key", "systematic_resample"]
 
@@ -28,6 +28,7 @@ def _axis(log_w: Array, axis: int, what: str) -> None:
                               f"{log_w.dtype} {tuple(log_w.shape)}")
 
 
+@checked_jax
 def log_mean_exp(log_w: Array, axis: int = -1) -> jax.Array:
     """log (1/n) sum_i exp(log_w_i), estimator (3.2); -inf (never NaN) when every weight is zero. Concrete log
     weights holding NaN or +inf raise :class:`~ppl_thought.errors.DiagnosticError`."""
@@ -52,6 +53,7 @@ def check_log_weights(log_w: Array, what: str) -> None:
                               "of them would be NaN")
 
 
+@checked_jax
 def effective_sample_size(log_w: Array, axis: int = -1, *, check: bool = True) -> jax.Array:
     """Importance ESS (sum w)^2 / sum w^2 from log weights; 0 when every weight is zero. Concrete log weights
     with NaN or +inf raise :class:`~ppl_thought.errors.DiagnosticError` (``check=False`` skips it)."""
@@ -63,6 +65,7 @@ def effective_sample_size(log_w: Array, axis: int = -1, *, check: bool = True) -
     return jnp.where(jnp.isneginf(a), 0.0, jnp.exp(2 * a - jnp.where(jnp.isneginf(a), 0.0, b)))
 
 
+@checked_jax
 def systematic_resample(key: Key, log_w: Array, size: int | None = None) -> jax.Array:
     """Ancestor indices ``[size]`` (default n) by systematic resampling of log weights ``[n]``
     (E[#offspring_i] = size W_i; indices in particle order; the CDF's last entry set to 1)."""

@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from ppl_thought.errors import DiagnosticError
-from ppl_thought.numpyro.boundary import Array
+from ppl_thought.numpyro.boundary import Array, checked_jax
 from ppl_thought.numpyro.infer.resampling import check_log_weights, effective_sample_size
 
 
+@checked_jax
 def log_marginal_stderr(log_w: Array) -> jax.Array:
     """Delta-method standard error of log p_n, sd(w) / (sqrt(n) mean(w)) ((3.4): var(p_n) = var(w) / n): with
     normalised weights W_i, se = sqrt(sum_i (n W_i - 1)^2 / ((n - 1) n)). Equal weights give exactly 0 (with a
@@ -33,6 +34,7 @@ def log_marginal_stderr(log_w: Array) -> jax.Array:
     return jnp.where(zero, jnp.inf, se)
 
 
+@checked_jax
 @dataclass
 class Result:
     """Weighted particles: ``samples`` (site -> ``[num_particles, ...]``), ``log_weights [n]``, ``log_marginal``

@@ -24,12 +24,14 @@ import jax
 
 from ppl_thought.checks import fraction, integer
 from ppl_thought.errors import NotInImageError
+from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.infer.importance import not_in_image_result
 from ppl_thought.numpyro.infer.resampling import prng_key, systematic_resample
 from ppl_thought.numpyro.infer.result import Result
 from ppl_thought.numpyro.infer.steps import StepEngine, as_programs, program_result
 
 
+@checked_jax
 class SMC(StepEngine):
     """SMC over the steps of any :class:`~ppl_thought.numpyro.program.Program` (the generic engine core,
     :mod:`ppl_thought.numpyro.infer.steps`); a model that is not a program runs as ``model.as_program(*args)``

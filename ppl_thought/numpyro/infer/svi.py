@@ -16,20 +16,23 @@ from numpyro.handlers import replay, seed, substitute, trace
 from numpyro.infer.elbo import ELBO as _NumPyroELBO
 
 from ppl_thought.checks import integer
+from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.infer.importance import site_log_prob
+from ppl_thought.validation import per_token
 
 
+@checked_jax
 class ELBO(_NumPyroELBO):
     """``numpyro.infer.SVI(model, guide, optim, ptn.infer.ELBO(num_particles))``: minimises -ELBO with the
     score-function gradient (the sequence sites are discrete, so NumPyro's reparametrised Trace_ELBO does not
     apply). ``loss`` returns the estimate of -ELBO; its gradient is the estimator's."""
 
     can_infer_discrete = True
-    __ppl_thought_hot__ = ("particles", "loss_with_mutable_state", "loss")  # inside SVI's jitted update
 
     def __init__(self, num_particles: int = 8):
         super().__init__(num_particles=integer("num_particles", num_particles, minimum=1))
 
+    @per_token
     def particles(self, rng_key: Any, param_map: Any, model: Any, guide: Any, *args: Any,
                   **kwargs: Any) -> tuple[jax.Array, jax.Array]:
         """``(log P(z, x), log Q(z | x))`` for ``num_particles`` draws of the guide, vmapped."""
@@ -45,6 +48,7 @@ class ELBO(_NumPyroELBO):
 
         return jax.vmap(one)(jax.random.split(rng_key, self.num_particles))
 
+    @per_token
     def loss_with_mutable_state(self, rng_key: Any, param_map: Any, model: Any, guide: Any, *args: Any,
                                 **kwargs: Any) -> dict[str, Any]:
         log_p, log_q = self.particles(rng_key, param_map, model, guide, *args, **kwargs)

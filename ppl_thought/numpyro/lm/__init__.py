@@ -7,6 +7,3 @@ from ppl_thought.numpyro.lm.transformer import Transformer
 
 __all__ = ["LM", "Tabular", "Transformer", "reorder"]
 
-from ppl_thought.numpyro.boundary import check_here  # noqa: E402 -- the type layer on the names above
-
-check_here(globals())

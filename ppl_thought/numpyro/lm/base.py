@@ -16,21 +16,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppl_thought.errors import MalformedSequenceError
+from ppl_thought.numpyro.boundary import checked_jax
+from ppl_thought.validation import per_token
 
 
+@checked_jax
 class LM:
     """A JAX language model: parameters plus pure, jit-able functions. Caches are pytrees whose every
     leaf has the batch (particles) on axis 0, so resampling is `reorder(cache, index)`."""
 
-    __ppl_thought_hot__ = ("apply", "init_cache")  # run inside the engines' compiled loops: never wrapped
-
     vocab_size: int
     params: Any  # pytree of jnp arrays (float32 by default)
 
+    @per_token
     def init_cache(self, batch: int, max_len: int) -> Any:
         """An empty cache for `batch` rows and at most `max_len` tokens per row (static shapes)."""
         raise NotImplementedError
 
+    @per_token
     def apply(self, params: Any, cache: Any, tokens: Any, valid: Any = None,
               latents: Any = None) -> tuple[jax.Array, Any]:
         """Feed tokens int32[B, T]; return (log_probs float32[B, T, V], new_cache): log_probs[:, t] is the
@@ -41,6 +44,7 @@ class LM:
         raise NotImplementedError
 
 
+@checked_jax
 def reorder(cache: Any, index: jax.Array | np.ndarray) -> Any:
     """Row ``i`` of the result is row ``index[i]`` of ``cache`` (SMC resampling; works under ``jit``): every leaf
     of ``cache`` an array with the rows on axis 0, ``index`` integer ``[m]``."""

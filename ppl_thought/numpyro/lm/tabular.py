@@ -11,11 +11,13 @@ import numpy as np
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError
-from ppl_thought.numpyro.boundary import ArrayLike, as_numpy
+from ppl_thought.numpyro.boundary import ArrayLike, as_numpy, checked_jax
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.validation import per_token
 from ppl_thought.vocab import BOS_ID
 
 
+@checked_jax
 class Tabular(LM):
     """n-gram LM: ``logits[c_1, ..., c_{n-1}, next]``; order 2 is a bigram ``logits[prev, next]``.
 
@@ -56,10 +58,12 @@ class Tabular(LM):
             raise ConfigError(f"Tabular logits must have shape [V] * order, got {a.shape}")
         return cls(a.ndim, a.shape[0], a)
 
+    @per_token
     def init_cache(self, batch: int, max_len: int = 0) -> dict:
         """``<bos>``-filled contexts for ``batch`` rows (an n-gram needs no room for ``max_len`` tokens)."""
         return {"context": jnp.full((int(batch), self.order - 1), BOS_ID, dtype=jnp.int32)}
 
+    @per_token
     def apply(self, params: Any, cache: Any, tokens: Any, valid: Any = None,
               latents: Any = None) -> tuple[jax.Array, Any]:
         """``tokens int32 [B, T]`` -> ``(log_probs [B, T, V], cache)``; an invalid token leaves its row's

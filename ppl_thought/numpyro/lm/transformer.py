@@ -54,7 +54,9 @@ from ppl_thought.checkpoint import (
     transformer_sizes,
 )
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
+from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.validation import per_token
 from ppl_thought.vocab import Vocab
 
 #: matmul precision of every projection and attention product (see the module docstring)
@@ -180,6 +182,7 @@ def init_params(key: jax.Array, config: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 
+@checked_jax
 class Transformer(LM):
     """Causal decoder LM: RoPE, pre-norm RMSNorm, SwiGLU, tied embeddings, optional window and latents.
 
@@ -224,6 +227,7 @@ class Transformer(LM):
 
     # -- cache ----------------------------------------------------------------------------------------
 
+    @per_token
     def init_cache(self, batch: int, max_len: int | None = None) -> dict:
         """An empty cache of ``batch`` rows with ``max_len`` slots each (default: the model's ``max_len``).
 
@@ -241,6 +245,7 @@ class Transformer(LM):
 
     # -- forward --------------------------------------------------------------------------------------
 
+    @per_token
     def apply(self, params: dict, cache: dict, tokens: jax.Array, valid: jax.Array | None = None,
               latents: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Next-token log-probs ``float32 [B, T, vocab_size]`` after each of ``tokens int [B, T]``, and the cache.
@@ -308,6 +313,7 @@ class Transformer(LM):
         log_probs = jnp.where(overflow[:, None, None], jnp.nan, log_probs)
         return log_probs, {"keys": tuple(keys), "values": tuple(values), "positions": new_positions}
 
+    @per_token
     def step(self, params: dict, cache: dict, tokens: jax.Array, valid: jax.Array | None = None,
              latents: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """One incremental step: ``tokens [B]`` (``valid [B]`` optional) -> ``(log_probs [B, V], cache)``."""

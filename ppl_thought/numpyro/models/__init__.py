@@ -7,6 +7,3 @@ from ppl_thought.numpyro.models.slow_thinking import EnumeratedPosterior, SlowTh
 
 __all__ = ["HMM", "HMMProgram", "EnumeratedPosterior", "LatentThought", "SlowThinking"]
 
-from ppl_thought.numpyro.boundary import check_here  # noqa: E402 -- the type layer on the names above
-
-check_here(globals())

@@ -21,8 +21,9 @@ import numpyro.distributions as dist
 
 from ppl_thought.checks import generation_length, integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
-from ppl_thought.numpyro.boundary import ArrayLike, Key, as_numpy
+from ppl_thought.numpyro.boundary import ArrayLike, Key, as_numpy, checked_jax
 from ppl_thought.numpyro.program import Program, observe, particles, sample
+from ppl_thought.validation import per_token
 from ppl_thought.vocab import BOS_ID
 
 __all__ = ["HMM", "HMMGuide", "HMMGuideProgram", "HMMProgram"]
@@ -49,6 +50,7 @@ def _log(p: np.ndarray) -> np.ndarray:
         return np.log(p)
 
 
+@checked_jax
 class HMM:
     """A hidden Markov model ``(A, B, lam)`` (Def 2.2): ``A [|Omega|, |Omega|]``, ``B [|Omega|, |Sigma|]``,
     ``lam [|Omega|]``. Computations in float32 (JAX's default), in log space where it matters.
@@ -101,6 +103,7 @@ class HMM:
         out = _forward(self.A, self.B, self.lam, xb)
         return out[0] if single else out
 
+    @per_token
     def log_prob(self, x: ArrayLike) -> jax.Array:
         """log P_{A,B,lam}(x_1 .. x_T) (Def 2.2) by the forward algorithm (3.1); 0 for T = 0, -inf if impossible."""
         xb, single = self._check_x(x)
@@ -134,6 +137,7 @@ class HMM:
         out = out + self.log_A[zb[:, :-1], zb[:, 1:]].sum(-1)
         return out[0] if single else out
 
+    @per_token
     def sample(self, key: Key | int, num_sequences: int, length: int) -> tuple[jax.Array, jax.Array]:
         """``(hidden, observed)``, int32 ``[num_sequences, length]`` (Def 2.2); one ``lax.scan`` over time.
         ``key``: a PRNG key or an int seed (as the engines' ``rng_key``)."""
@@ -269,6 +273,7 @@ def _done(t, T: int, n: int) -> jax.Array:
     return jnp.broadcast_to(t >= T - 1, (n,))
 
 
+@checked_jax
 class HMMProgram(Program):
     """Def 2.2 as a step-wise ``ptn.Program`` (torch twin: ``pt.models.HMM``'s ``init`` / ``step``): step t samples
     ``"z" ~ Categorical(lam)`` (t = 0) or ``Categorical(A[z_{t-1}])`` and ``"x" ~ Categorical(B[z_t])``, observed
@@ -283,9 +288,11 @@ class HMMProgram(Program):
         self.hmm, self.T = hmm, int(T)
         self.max_steps = max(1, self.T)
 
+    @per_token
     def init(self, state: dict, x: ArrayLike | None = None) -> None:
         state["z"] = jnp.zeros(particles(), jnp.int32)
 
+    @per_token
     def step(self, state: dict, t: Any, x: ArrayLike | None = None) -> jax.Array:
         n = particles()
         if self.T == 0:
@@ -300,6 +307,7 @@ class HMMProgram(Program):
         return f"HMMProgram(T={self.T})"
 
 
+@checked_jax
 class HMMGuide:
     """Step-wise guides for :class:`HMM` (torch twin: ``pt.guides.HMMGuide``): proposals of the hidden states
     given the observations, sampling exactly the model's latent sites.
@@ -315,8 +323,6 @@ class HMMGuide:
     """
 
     def __init__(self, hmm: HMM, backward: bool):
-        if not isinstance(hmm, HMM):
-            raise ConfigError(f"HMMGuide needs a ptn.models.HMM, got {type(hmm).__name__}")
         self.hmm, self.backward = hmm, bool(backward)
 
     @classmethod
@@ -364,6 +370,7 @@ class HMMGuide:
         return z
 
 
+@checked_jax
 class HMMGuideProgram(Program):
     """An :class:`HMMGuide` as a step-wise ``ptn.Program`` (torch twin: ``HMMGuide.init`` / ``step``): ``init`` puts
     the per-step scores of x (``log B[:, x_t]``, plus the backward messages for the posterior) in the state (``[n, T,
@@ -374,6 +381,7 @@ class HMMGuideProgram(Program):
         self.guide, self.T = guide, int(T)
         self.max_steps = max(1, self.T)
 
+    @per_token
     def init(self, state: dict, x: ArrayLike | None = None) -> None:
         if x is None:
             raise ConfigError(f"{self.guide!r} proposes hidden states given the observations: run it with x")
@@ -383,6 +391,7 @@ class HMMGuideProgram(Program):
             score = self.guide.scores(x)
             state["score"] = jnp.broadcast_to(score, (n,) + score.shape)
 
+    @per_token
     def step(self, state: dict, t: Any, x: ArrayLike | None = None) -> jax.Array:
         n = particles()
         if self.T == 0:

@@ -24,12 +24,13 @@ import numpyro.distributions as dist
 
 from ppl_thought.checks import integer, optional_integer
 from ppl_thought.errors import MalformedSequenceError
-from ppl_thought.numpyro.boundary import Array, as_array
+from ppl_thought.numpyro.boundary import Array, as_array, checked_jax
 from ppl_thought.numpyro.lm.transformer import Transformer
 
 __all__ = ["LatentThought"]
 
 
+@checked_jax
 class LatentThought:
     """A Latent Thought Model: z ~ N(0, I) per sequence, x | z by a cross-attending decoder (Sec 2.1).
 

@@ -19,7 +19,7 @@ import numpy as np
 import numpyro
 
 from ppl_thought.errors import ConfigError, NotInImageError, TooLargeToEnumerateError
-from ppl_thought.numpyro.boundary import ArrayLike
+from ppl_thought.numpyro.boundary import ArrayLike, checked_jax
 from ppl_thought.numpyro.distributions import NEG_INF, LMSequence, ProjectionDelta, TokenRule, tables
 from ppl_thought.numpyro.lm.base import LM
 from ppl_thought.numpyro.lm_state import LMState
@@ -39,6 +39,7 @@ def pad_sequences(seqs: Sequence[Any], length: int | None = None) -> np.ndarray:
     return out
 
 
+@checked_jax
 @dataclass
 class EnumeratedPosterior:
     """Q_*(z | x) of (2.24) on the enumerated lifting: ``support [K, L]``, ``log_probs [K]`` (log-sum-exp 0),
@@ -50,6 +51,7 @@ class EnumeratedPosterior:
     log_joint: jax.Array
 
 
+@checked_jax
 class SlowThinking:
     """The NumPyro model of Proj # P_f with latent site ``"z"`` and observed site ``"x"``.
 
