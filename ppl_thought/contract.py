@@ -34,11 +34,14 @@ def as_done(done, n: int, device=None, who: str = "", where: str = "") -> torch.
     if done is None:
         return None
     at = _at(who, where)
-    try:
-        d = torch.as_tensor(done, device=device)
-    except (TypeError, ValueError, RuntimeError):
-        raise ProgramError(f"{at}step must return None or a bool tensor [num_particles={n}], got "
-                           f"{type(done).__name__} {done!r}"[:300]) from None
+    if isinstance(done, torch.Tensor):  # a tensor on another device: torch's own error (a device bug, not a shape)
+        d = done.to(device) if device is not None else done
+    else:
+        try:
+            d = torch.as_tensor(done, device=device)
+        except (TypeError, ValueError, RuntimeError):
+            raise ProgramError(f"{at}step must return None or a bool tensor [num_particles={n}], got "
+                               f"{type(done).__name__} {done!r}"[:300]) from None
     if d.dtype != torch.bool:
         raise ProgramError(f"{at}step must return None or a bool tensor [num_particles={n}], got dtype {d.dtype}")
     if d.ndim == 0:

@@ -367,7 +367,7 @@ class OneTokenStep:
         key = f"_stops_{device}"
         t = self.__dict__.get(key)
         if t is None:
-            t = torch.as_tensor(self.stop_ids, dtype=torch.long).to(device)
+            t = torch.tensor(self.stop_ids, dtype=torch.long, device=device)
             object.__setattr__(self, key, t)
         return t
 

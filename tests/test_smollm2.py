@@ -171,7 +171,7 @@ def test_chat_prompts_do_not_double_bos(smollm2):
     with pytest.raises(MalformedSequenceError, match="lm.chat"):
         lm(torch.tensor([doubled]))
     # greedy through the library is the model's own greedy on its template; on the doubled prompt it differs
-    ours = pt.infer.decoding.greedy(lm, ids, max_new_tokens=8)
+    ours = pt.infer.greedy(lm, ids, max_new_tokens=8)
     ours_hf = hf_ids(lm, ours.tokens[0].tolist())
 
     def hf_greedy(context: list[int]) -> list[int]:

@@ -34,6 +34,11 @@ from ppl_thought.projections.base import Projection
 from ppl_thought.validation import per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
 
+#: the public names (``token_step`` / ``TokenStep``, the backend's one token step, are internal: every sampler and
+#: scorer here steps through them)
+__all__ = ["NEG_INF", "LMSequence", "ProjectionDelta", "Tables", "TokenRule", "check_ids", "const", "decode", "encode",
+           "masked_log_softmax", "pad_to", "sample_token", "score", "tables", "teacher_forced", "tree_where"]
+
 NEG_INF = -jnp.inf
 
 

@@ -149,8 +149,8 @@ class RejectionSampling:
         n, rule = self.num_samples, spec.rule
         kept: list[torch.Tensor] = []
         per_sample: list[torch.Tensor] = []  # (strings, tokens) generated up to and including each accepted one
-        since_last = torch.zeros(2, dtype=torch.long)  # strings and tokens generated after the last accepted one
-        total = torch.zeros(2, dtype=torch.long)
+        since_last = torch.zeros(2, dtype=torch.long, device="cpu")  # strings and tokens after the last accepted one
+        total = torch.zeros(2, dtype=torch.long, device="cpu")
         have = 0
         for _ in range(self.max_rounds):
             rows = TokenRows(spec, self.batch_size, prompt)
@@ -167,7 +167,7 @@ class RejectionSampling:
             cost = torch.stack([torch.ones_like(rows.lengths), rows.lengths], 1).cumsum(0).cpu()  # [B, 2]
             if idx.numel():
                 at = cost[idx.cpu()]
-                gap = torch.diff(at, dim=0, prepend=torch.zeros(1, 2, dtype=torch.long))
+                gap = torch.diff(at, dim=0, prepend=torch.zeros(1, 2, dtype=torch.long, device=at.device))
                 gap[0] += since_last
                 per_sample.append(gap)
                 kept.append(rows.tokens[idx])
