@@ -22,7 +22,6 @@ jax.config.update("jax_enable_x64", False)
 import jax.numpy as jnp  # noqa: E402
 
 import ppl_thought.numpyro as ptn  # noqa: E402
-from ppl_thought.checkpoint import TRANSFORMER_ARGS, transformer_shapes  # noqa: E402
 from ppl_thought.errors import (  # noqa: E402
     CheckpointError,
     MalformedSequenceError,
@@ -31,6 +30,7 @@ from ppl_thought.errors import (  # noqa: E402
 )
 from ppl_thought.lm.transformer import Transformer as TorchTransformer  # noqa: E402
 from ppl_thought.numpyro.lm import reorder  # noqa: E402
+from ppl_thought.transformer_checkpoint import TRANSFORMER_ARGS, transformer_shapes  # noqa: E402
 
 V, D, L, H, NZ = 11, 16, 2, 2, 3
 ATOL = 1e-5
@@ -240,7 +240,7 @@ def test_jax_checkpoint_loads_in_torch_and_back(tmp_path):
 
 
 def test_shared_description_matches_the_torch_model():
-    """checkpoint.TRANSFORMER_ARGS / transformer_shapes are the torch constructor and state dict."""
+    """transformer_checkpoint.TRANSFORMER_ARGS / transformer_shapes are the torch constructor and state dict."""
     params = inspect.signature(TorchTransformer.__init__).parameters
     assert {k: v.default for k, v in params.items() if k != "self" and k != "vocab_size"} == \
         {k: v for k, v in TRANSFORMER_ARGS.items() if k != "vocab_size"}

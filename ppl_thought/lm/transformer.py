@@ -39,11 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppl_thought import checks
-from ppl_thought.checkpoint import check_finite, check_float_dtypes, check_transformer_config, saved_transformer_vocab
+from ppl_thought.checkpoint import check_finite, check_float_dtypes
 from ppl_thought.errors import CheckpointError, ConfigError, MalformedSequenceError, VocabularyError
 from ppl_thought.io import load_checkpoint_raw, nonfinite_names, save_checkpoint
 from ppl_thought.lm.base import check_token_ids, describe, one_token
 from ppl_thought.lm.kv_cache import KVCache, check_positions, ragged_rows
+from ppl_thought.transformer_checkpoint import check_transformer_config, saved_transformer_vocab
 from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import Vocab
 
@@ -400,7 +401,7 @@ class Transformer(nn.Module):
         weights other than the LM head of a ``tie_embeddings`` model, weights stored as another type than a
         float, and weights holding NaN or inf (unless ``allow_nonfinite=True``, for debugging) raise
         :class:`~ppl_thought.errors.CheckpointError` naming it, checked before the model is built
-        (:func:`ppl_thought.checkpoint.check_transformer_config`).
+        (:func:`ppl_thought.transformer_checkpoint.check_transformer_config`).
         """
 
         state, raw = load_checkpoint_raw(path, device=device)

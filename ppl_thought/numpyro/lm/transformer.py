@@ -46,16 +46,18 @@ import numpy as np
 from ppl_thought.checkpoint import (
     check_finite,
     check_float_dtypes,
-    check_transformer_config,
     load_numpy_raw,
     save_numpy,
-    saved_transformer_vocab,
-    transformer_shapes,
-    transformer_sizes,
 )
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
 from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.transformer_checkpoint import (
+    check_transformer_config,
+    saved_transformer_vocab,
+    transformer_shapes,
+    transformer_sizes,
+)
 from ppl_thought.validation import per_token
 from ppl_thought.vocab import Vocab
 
@@ -121,7 +123,8 @@ _BLOCK_TENSORS = {"attn_norm": "attn_norm.weight", "qkv": "attn.qkv.weight", "ou
 
 
 def params_from_state(state: dict[str, np.ndarray], config: dict) -> dict:
-    """The parameter pytree of a torch state dict (names of :func:`ppl_thought.checkpoint.transformer_shapes`)."""
+    """The parameter pytree of a torch state dict (the names of
+    :func:`ppl_thought.transformer_checkpoint.transformer_shapes`)."""
     def get(name: str) -> jax.Array:
         a = np.asarray(state[name], dtype=np.float32)
         return jnp.asarray(a.T if a.ndim == 2 and not name.endswith("embed.weight") else a)
@@ -386,7 +389,7 @@ class Transformer(LM):
         """Read a checkpoint written by ``pt.lm.Transformer.save`` (or :meth:`save`), without torch.
 
         The same checks and errors as the torch loader (:func:`ppl_thought.checkpoint.read_checkpoint`,
-        :func:`ppl_thought.checkpoint.check_transformer_config`): a missing folder raises
+        :func:`ppl_thought.transformer_checkpoint.check_transformer_config`): a missing folder raises
         :class:`~ppl_thought.errors.MissingCheckpointError`; a config that does not describe the tensors, a
         tensors file that fails its SHA-256, aliases other than the tied LM head, weights that are not
         floats, or NaN / inf weights (unless ``allow_nonfinite=True``, for debugging) a
