@@ -234,22 +234,13 @@ def arg_versions(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor, int
             except RuntimeError:  # an inference-mode tensor keeps no version counter (and cannot be written)
                 pass
 
-    for i, a in enumerate(args):
-        add(f"argument {i}", a)
-        if isinstance(a, tuple | list):
-            for j, w in enumerate(a):
-                add(f"argument {i}[{j}]", w)
-        elif isinstance(a, dict):
-            for k, w in a.items():
-                add(f"argument {i}[{k!r}]", w)
-    for name, a in kwargs.items():
-        add(f"argument {name}=", a)
-        if isinstance(a, tuple | list):
-            for j, w in enumerate(a):
-                add(f"argument {name}[{j}]", w)
-        elif isinstance(a, dict):
-            for k, w in a.items():
-                add(f"argument {name}[{k!r}]", w)
+    named = [(f"argument {i}", f"argument {i}", a) for i, a in enumerate(args)]
+    named += [(f"argument {name}=", f"argument {name}", a) for name, a in kwargs.items()]
+    for label, inner, a in named:  # the argument, and tensors one level inside a tuple, list or dict
+        add(label, a)
+        items = enumerate(a) if isinstance(a, tuple | list) else a.items() if isinstance(a, dict) else ()
+        for k, w in items:
+            add(f"{inner}[{k!r}]" if isinstance(a, dict) else f"{inner}[{k}]", w)
     return out
 
 
