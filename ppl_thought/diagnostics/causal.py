@@ -29,8 +29,7 @@ import torch
 
 from ppl_thought.diagnostics.plots import plot_causal_gap
 from ppl_thought.errors import ConfigError, DiagnosticError, ZeroWeightsError
-from ppl_thought.inference.importance import lifted_prefix_length
-from ppl_thought.models.slow_thinking import SlowThinking
+from ppl_thought.models.slow_thinking import SlowThinking, lifted_prefix_length
 from ppl_thought.validation import ArrayLike, checked
 
 
