@@ -3,7 +3,8 @@
 The ground truth is a brute-force search that uses only ``_project_one`` (the prefix projection
 Proj^{<w} of Def 2.6, written as a direct scan in each class) and the definition of the lifting
 (Prop 2.3): z is in the lifting of x iff x is a prefix of Proj^{<w}(z) and of no Proj^{<w}(z')
-for a proper prefix z' of z. The automata are checked against it.
+for a proper prefix z' of z. The automata are checked against it, and ``_project_one`` itself is checked
+against an independent reference written from the paper's definitions as regular expressions (end of the file).
 """
 
 from __future__ import annotations
@@ -541,3 +542,126 @@ def test_automaton_tables_of_text_floats_or_0d_get_a_config_error_naming_the_fie
         Automaton(np.array([[-1, 0]]), np.array([True, False]), np.array([0]))
     with pytest.raises(ConfigError, match="start"):
         Automaton(np.array([[-1, 0]]), np.array([True]), np.array([0]), start=2)
+
+
+# --------------------------------------------------------------------------- an independent reference
+# The brute force above trusts ``_project_one``. Here each projection's prefix map Proj^{<w} and its domain of
+# prefixes are written a second time from the paper's definitions, as regular expressions over a one-character-
+# per-token spelling of z (Ex 2.1 identity, Ex 2.2 product, Ex 2.3 pause-to-think with thoughts of ordinary
+# tokens, Section 5.1's query-response format, Ex 2.4 sparse thoughts at chosen positions, Remark 2.8's switch),
+# and compared with ``_project_one`` on every z of length <= 5 over the tokens that matter (plus one foreign token).
+# Thoughts are written ``[`` ... ``]``; ``o`` stands for an observable token, ``y`` for a thought token.
+
+import re  # noqa: E402
+
+_SPELL = {"a": "a", "b": "b", "<eos>": "e", "<s>": "[", "</s>": "]", "<explain>": "x"}
+
+
+def _spell(vocab: Vocab, z: tuple[int, ...]) -> str:
+    return "".join(_SPELL[vocab.token(t)] for t in z)
+
+
+def _strip_thoughts(s: str) -> str:
+    """Proj^{<w} of a thought format: every complete or still open thought deleted (Ex 2.3, 2.4, Section 5.1)."""
+    return re.sub(r"\[[^\]]*\]?", "", s)
+
+
+def _pause_prefix(c: int) -> re.Pattern:
+    """Prefixes of Dom(Proj) of Ex 2.3: (T? o)* followed by a proper prefix of T o, T = <s> y{1..c} </s>."""
+    o, y = "[abe]", "[ab]"
+    return re.compile(rf"(?:(?:\[{y}{{1,{c}}}\])?{o})*(?:\[{y}{{0,{c}}}|\[{y}{{1,{c}}}\])?")
+
+
+def _query_response_prefix(c: int) -> re.Pattern:
+    """Prefixes of the query-response format (Section 5.1): (query <eos> <s> y{0..c} </s> response <eos>)*."""
+    q, t = "[ab]*e", rf"\[[ab]{{0,{c}}}\]"
+    partial = rf"(?:[ab]*|{q}|{q}\[[ab]{{0,{c}}}|{q}{t}[ab]*)"
+    return re.compile(rf"(?:{q}{t}[ab]*e)*{partial}")
+
+
+def _sparse_prefix(c: int, is_position, n: int) -> re.Pattern:
+    """Prefixes of Ex 2.4's domain with a thought of exactly c tokens before each observable position t with
+    is_position(t), for up to n observables."""
+    seg = [(rf"\[[ab]{{{c}}}\]" if is_position(t) else "") + "[abe]" for t in range(n + 1)]
+    partials = []
+    for k in range(n + 1):
+        head = "".join(seg[:k])
+        if is_position(k):
+            partials += [head + rf"\[[ab]{{0,{c}}}", head + rf"\[[ab]{{{c}}}\]"]
+        partials.append(head)
+    return re.compile("(?:" + "|".join(partials) + ")")
+
+
+def _reference(name: str, vocab: Vocab, z: tuple[int, ...]) -> str | None:
+    """Proj^{<w}(z) spelled as a string, or None when z is no prefix of the domain."""
+    s = _spell(vocab, z)
+    if name == "identity":
+        return s if re.fullmatch("[abe]*", s) else None
+    if name.startswith("switch"):
+        r = "a" if name == "switch" else "e"
+        if not re.fullmatch("[abe]*", s):
+            return None
+        return "" if not s else (r * 8 if s[0] == r else s[1:])
+    if name.startswith("pause"):
+        pattern = _pause_prefix(int(name[-1]))
+    elif name.startswith("qr"):
+        pattern = _query_response_prefix(int(name[-1]))
+    elif name.startswith("sparse"):
+        p = PROJECTIONS[name]
+        pattern = _sparse_prefix(p.thought_len, p.is_position, len(s))
+    else:
+        raise AssertionError(name)
+    return _strip_thoughts(s) if pattern.fullmatch(s) else None
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "product"])
+def test_project_one_matches_an_independent_reference(name):
+    p = PROJECTIONS[name]
+    tokens = [p.vocab.id(t) for t in ("a", "b", "<eos>", "<s>", "</s>", "<explain>")]
+    checked = inside = 0
+    for length in range(6):
+        for z in itertools.product(tokens, repeat=length):
+            want = _reference(name, p.vocab, z)
+            try:
+                got = _spell(p.vocab, proj_of(p, z))
+            except NotInDomainError:
+                got = None
+            assert got == want, f"{name}: z = {_spell(p.vocab, z)!r}: _project_one {got!r}, reference {want!r}"
+            checked += 1
+            inside += want is not None
+    assert inside > 20 and checked - inside > 20  # both sides of the domain were exercised
+
+
+def test_product_projection_matches_its_definition():
+    """Ex 2.2: Proj((x_t, y_t))_t = (x_t)_t, read from the pair tokens' own names ``"{a}|{g}"``."""
+    p = PROJECTIONS["product"]
+    pairs = [i for i in range(len(p.vocab)) if "|" in p.vocab.token(i)]
+    others = [i for i in range(len(p.vocab)) if "|" not in p.vocab.token(i)]
+    assert len(pairs) == 3 * 2
+    for length in range(5):
+        for z in itertools.product(pairs + others[:2], repeat=length):
+            names = [p.vocab.token(t) for t in z]
+            if all("|" in s for s in names):
+                want = tuple(p.vocab.id(s.split("|")[0]) for s in names)
+                assert proj_of(p, z) == want
+            else:
+                with pytest.raises(NotInDomainError):
+                    proj_of(p, z)
+
+
+def test_the_reference_catches_a_wrong_projection(monkeypatch):
+    """A PauseToThink that also admits empty thoughts ``<s></s>`` (a plausible slip) disagrees with the reference."""
+    p = PROJECTIONS["pause2"]
+    right = type(p)._project_one
+
+    def lax(self, z):
+        z = np.asarray(z)
+        keep = np.ones(len(z), dtype=bool)
+        for i in range(len(z) - 1):
+            if z[i] == S_ and z[i + 1] == ES:
+                keep[i] = keep[i + 1] = False
+        return right(self, z[keep]) if not keep.all() else right(self, z)
+
+    monkeypatch.setattr(type(p), "_project_one", lax)
+    z = (A, S_, ES, B)
+    assert _reference("pause2", p.vocab, z) is None and proj_of(p, z) == (A, B)
