@@ -16,7 +16,7 @@ The JAX side (``ppl_thought.numpyro``) uses ``@checked(skip_while=tracing)``, sp
 out of compiled code).
 
 ``PPL_THOUGHT_TYPECHECK=0`` in the environment turns the layer off (set before ``import ppl_thought``), for
-benchmarking what it costs (``benchmarks/engines.py --typecheck-ab``).
+benchmarking what it costs (``benchmarks/engine_core_ab.py --typecheck-ab``).
 
 Numbers: a hint ``int`` also admits NumPy integers, ``float`` admits ``int`` and NumPy floating scalars (the
 numeric tower of PEP 484), so ``SMC(np.int64(64))`` still works; ``Sequence[int]`` / ``Iterable[int]`` (and
