@@ -140,6 +140,15 @@ class Program:
         """Step ``t`` (a traced int32 scalar): NumPyro code for all particles; return None or a bool array [n]."""
         raise NotImplementedError(f"{type(self).__name__} must define step(self, state, t, *args, **kwargs)")
 
+    @per_token
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        """The program as one whole-trace NumPyro model with one particle (``init`` and ``max_steps`` steps; step
+        t's sites are ``f"{name}_{t}"`` when ``max_steps > 1``): what ``numpyro.infer.SVI`` traces and what
+        ``ptn.infer.MALA`` / ``ULA`` take the potential from (ppl_thought/numpyro/infer/objectives.py)."""
+        from ppl_thought.numpyro.infer.objectives import run_whole_trace
+
+        run_whole_trace(self, args, kwargs)
+
     def outputs(self, state: dict[str, Any], *args: Any, **kwargs: Any) -> dict:
         """Extra values for ``Result.samples`` read from the final state (default: none)."""
         return {}
