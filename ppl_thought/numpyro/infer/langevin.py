@@ -39,7 +39,7 @@ from numpyro.infer.util import initialize_model
 
 from ppl_thought.errors import ConfigError, DiscreteLatentError, ProgramError
 from ppl_thought.numpyro.boundary import checked_jax, refuse_nan
-from ppl_thought.numpyro.program import Program, is_output, is_program
+from ppl_thought.numpyro.program import Program, is_output, is_program, run_whole_trace
 from ppl_thought.validation import per_token
 
 __all__ = ["LangevinState", "MALA", "ULA"]
@@ -122,8 +122,6 @@ class MALA(MCMCKernel):
             program = model  # a duck-typed program (init / step, not callable): its whole trace
 
             def model(*args, **kwargs):
-                from ppl_thought.numpyro.infer.objectives import run_whole_trace
-
                 run_whole_trace(program, args, kwargs)
         self._model, self._potential_fn = model, potential_fn
         self._step_size, self.adapt_step_size, self.target_accept = float(step_size), adapt_step_size, target_accept

@@ -16,9 +16,9 @@ runner (:func:`ppl_thought.numpyro.infer.steps._run_step`: guide step, model ste
 contract checked while tracing), the step loop unrolled so that reverse-mode differentiation runs through it; a
 finished particle's later steps add nothing. A whole-trace model runs one particle per ``vmap`` lane.
 
-``ptn.Program.__call__`` (:func:`run_whole_trace`) is the program as one whole-trace NumPyro model with one particle
-(step t's sites renamed ``f"{name}_{t}"`` when ``max_steps > 1``), which is what ``SVI.init`` traces for the
-parameters and what ``ptn.infer.MALA`` / ``ULA`` take the potential from.
+``ptn.Program.__call__`` (:func:`ppl_thought.numpyro.program.run_whole_trace`) is the program as one whole-trace
+NumPyro model with one particle (step t's sites renamed ``f"{name}_{t}"`` when ``max_steps > 1``), which is what
+``SVI.init`` traces for the parameters and what ``ptn.infer.MALA`` / ``ULA`` take the potential from.
 
 Log-weights may be -inf (a proposal outside the model's support): weights are then 0, never NaN. Compiled code cannot
 raise, so a policy gradient with a non-finite reward (and no ``invalid_reward=``) reports loss ``+inf`` with a zero
@@ -32,10 +32,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpyro
 from numpyro.handlers import replay, seed, substitute, trace
 from numpyro.infer.elbo import ELBO as _NumPyroELBO
-from numpyro.primitives import Messenger
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, ProgramError, SiteMismatchError
@@ -51,11 +49,11 @@ from ppl_thought.numpyro.infer.steps import (
     _site_log_prob,
     as_programs,
 )
-from ppl_thought.numpyro.program import PARTICLES, as_done, is_output, is_program
+from ppl_thought.numpyro.program import is_output, is_program
 from ppl_thought.validation import per_token
 
 __all__ = ["GRPO", "OneSampler", "ParticleLoss", "R1Zero", "SamplerPolicyGradient", "TwoSampler",
-           "program_particles", "run_whole_trace"]
+           "program_particles"]
 
 
 # ---------------------------------------------------------------------------------------------- programs
@@ -65,46 +63,6 @@ def _max_steps(program: Any) -> int:
         raise ProgramError(f"{type(program).__name__}.max_steps = {T!r}: a program run as one trace (SVI, MALA) "
                            "unrolls max_steps steps; set the class attribute max_steps to an integer >= 1")
     return T
-
-
-class _StepNames(Messenger):
-    """Renames every site ``name`` of step t to ``f"{name}_{t}"`` (a whole trace has unique site names)."""
-
-    def __init__(self, t: int):
-        self.t = t
-        super().__init__()
-
-    def process_message(self, msg):
-        if msg.get("type") in ("sample", "deterministic") and msg.get("name") is not None:
-            msg["name"] = f"{msg['name']}_{self.t}"
-
-
-def run_whole_trace(program: Any, args: tuple = (), kwargs: dict | None = None) -> None:
-    """Run ``program`` as one whole-trace NumPyro model with one particle: ``init``, then its ``max_steps`` steps
-    (t a concrete int32), inside ``numpyro.plate("particles", 1)``. Sites keep their names when ``max_steps == 1``,
-    step t's are ``f"{name}_{t}"`` otherwise; after the step that finishes the particle, later steps' sites are
-    masked (``numpyro.handlers.mask``: they add nothing to the log joint)."""
-    kwargs = kwargs or {}
-    T = _max_steps(program)
-    depth = int(getattr(program, "max_plate_nesting", 0) or 0)
-    state: dict = {}
-    with numpyro.plate(PARTICLES, 1, dim=-(depth + 1)):
-        program.init(state, *args, **kwargs)
-        _check_state(state, 1, type(program).__name__)
-        finished = jnp.zeros(1, bool)
-        for t in range(T):
-            new = jax.tree.map(lambda a: a, state)
-            alive = (~finished).reshape((1,) + (1,) * depth)
-            with numpyro.handlers.mask(mask=alive):
-                if T > 1:
-                    with _StepNames(t):
-                        done = program.step(new, jnp.int32(t), *args, **kwargs)
-                else:
-                    done = program.step(new, jnp.int32(t), *args, **kwargs)
-            _same_structure(state, new, type(program).__name__, f"step {t}")
-            state = _freeze(finished, state, new)
-            d = as_done(done, 1)
-            finished = finished if d is None else finished | d
 
 
 def _sum_sites(tr: dict, n: int, depth: int, keep: Callable[[dict], bool]) -> jax.Array:
