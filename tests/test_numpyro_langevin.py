@@ -22,7 +22,7 @@ import numpyro.distributions as dist  # noqa: E402
 from numpyro.infer import MCMC  # noqa: E402
 
 import ppl_thought.numpyro as ptn  # noqa: E402
-from ppl_thought.errors import DiscreteLatentError  # noqa: E402
+from ppl_thought.errors import DiscreteLatentError, ProgramError  # noqa: E402
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=FutureWarning, module="arviz")
@@ -125,6 +125,61 @@ def test_discrete_latents_are_refused():
 
     with pytest.raises(DiscreteLatentError, match="k"):
         MCMC(ptn.infer.MALA(model), num_warmup=1, num_samples=1, progress_bar=False).run(jax.random.PRNGKey(0))
+
+
+class GaussianProgram(ptn.Program):
+    """The conjugate Gaussian as a user's program: z ~ N(MU0, S0) in init, one observation y_t ~ N(z, SY) per
+    step (max_steps = 3: the whole trace names them y_0, y_1, y_2)."""
+
+    max_steps = 3
+
+    def init(self, state, y):
+        n = ptn.particles()
+        prior = dist.MultivariateNormal(jnp.asarray(MU0, jnp.float32), scale_tril=jnp.asarray(L0, jnp.float32))
+        state["z"] = ptn.sample("z", prior.expand((n,)))
+
+    def step(self, state, t, y):
+        ptn.observe("y", dist.MultivariateNormal(state["z"], scale_tril=jnp.asarray(LY, jnp.float32)), y[t])
+        return jnp.broadcast_to(t == self.max_steps - 1, (ptn.particles(),))
+
+
+def test_mala_on_a_program_recovers_the_posterior_and_ula_with_a_large_step_fails_the_same_bounds():
+    """MALA(program): the potential is -log joint of the program's whole trace (init and every step); on the
+    conjugate Gaussian its means and variances are within K_SE MCSE of the closed form, where ULA with a large
+    fixed step fails the variance bound (the same bounds have power on a program too)."""
+    mean, cov, precision = gaussian_posterior(Y)
+    tr = numpyro.handlers.trace(numpyro.handlers.seed(GaussianProgram(), 0)).get_trace(jnp.asarray(Y, jnp.float32))
+    assert [k for k, s in tr.items() if s["type"] == "sample"] == ["z", "y_0", "y_1", "y_2"]
+    mala = run(ptn.infer.MALA(GaussianProgram()), seed=0, num_warmup=300, num_samples=1000)
+    z = np.asarray(mala.get_samples(group_by_chain=True)["z"]).reshape(4, 1000, 2)  # one particle: [.., 1, 2]
+    assert mcse_checks(z, mean, np.diag(cov)) == (True, True)
+    step = 0.8 / np.linalg.eigvalsh(precision).max()
+    ula = run(ptn.infer.ULA(GaussianProgram(), step_size=step, adapt_step_size=False), seed=1, num_warmup=100,
+              num_samples=600)
+    z_ula = np.asarray(ula.get_samples(group_by_chain=True)["z"]).reshape(4, 600, 2)
+    assert mcse_checks(z_ula, mean, np.diag(cov))[1] is False
+
+
+def test_programs_with_discrete_latents_or_outputs_are_refused_naming_the_site():
+    class Coin(ptn.Program):
+        max_steps = 1
+
+        def step(self, state, t):
+            ptn.sample("coin", dist.Bernoulli(jnp.full((ptn.particles(),), 0.3)))
+            return jnp.ones(ptn.particles(), bool)
+
+    class Drawn(ptn.Program):
+        max_steps = 1
+
+        def step(self, state, t):
+            mu = ptn.sample("mu", dist.Normal(jnp.zeros(ptn.particles()), 1.0))
+            ptn.observe("next", dist.Normal(mu, 1.0), None)
+            return jnp.ones(ptn.particles(), bool)
+
+    with pytest.raises(DiscreteLatentError, match="coin"):
+        MCMC(ptn.infer.MALA(Coin()), num_warmup=1, num_samples=1, progress_bar=False).run(jax.random.PRNGKey(0))
+    with pytest.raises(ProgramError, match="next"):
+        MCMC(ptn.infer.ULA(Drawn()), num_warmup=1, num_samples=1, progress_bar=False).run(jax.random.PRNGKey(0))
 
 
 # ---------------------------------------------------------------------------------------------------------

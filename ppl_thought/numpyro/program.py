@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpyro
 from numpyro.distributions import Distribution
-from numpyro.primitives import _PYRO_STACK
+from numpyro.primitives import _PYRO_STACK, Messenger
 
 from ppl_thought.errors import NumericalError, ProgramError
 from ppl_thought.numpyro.boundary import ArrayLike, as_array, checked_jax, tracing
@@ -41,7 +41,7 @@ from ppl_thought.twists import current as current_twists
 from ppl_thought.validation import per_token
 
 __all__ = ["OUTPUT", "PARTICLES", "Program", "factor", "is_output", "is_program", "observe", "particles",
-           "sample", "twist"]
+           "run_whole_trace", "sample", "twist"]
 
 PARTICLES = "particles"
 #: the ``infer`` key that marks an output site (``observe(name, fn, None)``): drawn by the program, out of weights
@@ -140,6 +140,13 @@ class Program:
         """Step ``t`` (a traced int32 scalar): NumPyro code for all particles; return None or a bool array [n]."""
         raise NotImplementedError(f"{type(self).__name__} must define step(self, state, t, *args, **kwargs)")
 
+    @per_token
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        """The program as one whole-trace NumPyro model with one particle (``init`` and ``max_steps`` steps; step
+        t's sites are ``f"{name}_{t}"`` when ``max_steps > 1``): what ``numpyro.infer.SVI`` traces and what
+        ``ptn.infer.MALA`` / ``ULA`` take the potential from (run_whole_trace)."""
+        run_whole_trace(self, args, kwargs)
+
     def outputs(self, state: dict[str, Any], *args: Any, **kwargs: Any) -> dict:
         """Extra values for ``Result.samples`` read from the final state (default: none)."""
         return {}
@@ -164,3 +171,47 @@ def as_done(done: Any, n: int) -> jax.Array | None:
         raise ProgramError(f"step returned finished flags of shape {tuple(d.shape)}; expected ({n},) exactly "
                            f"(one flag per particle; jnp.broadcast_to(flag, ({n},)) for one flag for all)")
     return d
+
+
+class _StepNames(Messenger):
+    """Renames every site ``name`` of step t to ``f"{name}_{t}"`` (a whole trace has unique site names)."""
+
+    def __init__(self, t: int):
+        self.t = t
+        super().__init__()
+
+    def process_message(self, msg):
+        if msg.get("type") in ("sample", "deterministic") and msg.get("name") is not None:
+            msg["name"] = f"{msg['name']}_{self.t}"
+
+
+@checked_jax
+def run_whole_trace(program: Any, args: tuple = (), kwargs: dict | None = None) -> None:
+    """Run ``program`` as one whole-trace NumPyro model with one particle (``Program.__call__``; what
+    ``numpyro.infer.SVI`` traces for parameters and ``ptn.infer.MALA`` / ``ULA`` take the potential from):
+    ``init``, then ``max_steps`` steps (t a concrete int32) inside ``numpyro.plate("particles", 1)``. Sites keep
+    their names when ``max_steps == 1``; step t's are ``f"{name}_{t}"`` otherwise. After the step that finishes the
+    particle, later steps' sites are masked (``numpyro.handlers.mask``: they add nothing to the log joint) and the
+    state keeps its rows."""
+    kwargs = kwargs or {}
+    T = getattr(program, "max_steps", None)
+    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+        raise ProgramError(f"{type(program).__name__}.max_steps = {T!r}: a program run as one trace (SVI, MALA) "
+                           "unrolls max_steps steps; set the class attribute max_steps to an integer >= 1")
+    depth = int(getattr(program, "max_plate_nesting", 0) or 0)
+    state: dict = {}
+    with numpyro.plate(PARTICLES, 1, dim=-(depth + 1)):
+        program.init(state, *args, **kwargs)
+        finished = jnp.zeros(1, bool)
+        for t in range(T):
+            new = jax.tree.map(lambda a: a, state)
+            with numpyro.handlers.mask(mask=(~finished).reshape((1,) + (1,) * depth)):
+                if T > 1:
+                    with _StepNames(t):
+                        done = program.step(new, jnp.int32(t), *args, **kwargs)
+                else:
+                    done = program.step(new, jnp.int32(t), *args, **kwargs)
+            state = jax.tree.map(lambda old, nw, f=finished: jnp.where(f.reshape((1,) * jnp.ndim(nw)), old, nw)
+                                 if jnp.ndim(nw) else nw, state, new)
+            d = as_done(done, 1)
+            finished = finished if d is None else finished | d

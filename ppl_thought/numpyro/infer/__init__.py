@@ -12,3 +12,6 @@ from ppl_thought.numpyro.infer.svi import ELBO
 __all__ = ["ELBO", "MALA", "SMC", "ULA", "Importance", "LangevinState", "Result", "effective_sample_size",
            "log_marginal_stderr", "log_mean_exp", "systematic_resample"]
 
+from ppl_thought.numpyro.infer.objectives import GRPO, OneSampler, R1Zero, SamplerPolicyGradient, TwoSampler
+
+__all__ += ["GRPO", "OneSampler", "R1Zero", "SamplerPolicyGradient", "TwoSampler"]

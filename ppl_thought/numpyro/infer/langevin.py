@@ -37,8 +37,9 @@ from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.mcmc import MCMCKernel
 from numpyro.infer.util import initialize_model
 
-from ppl_thought.errors import ConfigError, DiscreteLatentError
+from ppl_thought.errors import ConfigError, DiscreteLatentError, ProgramError
 from ppl_thought.numpyro.boundary import checked_jax, refuse_nan
+from ppl_thought.numpyro.program import Program, is_output, is_program, run_whole_trace
 from ppl_thought.validation import per_token
 
 __all__ = ["LangevinState", "MALA", "ULA"]
@@ -90,7 +91,9 @@ class MALA(MCMCKernel):
     """Metropolis-adjusted Langevin (``adjust=True``; :class:`ULA` is the unadjusted one).
 
     Args:
-        model: a NumPyro model with continuous latent sites, or None with ``potential_fn``.
+        model: a NumPyro model with continuous latent sites, a ``ptn.Program`` with continuous latent sites (its
+            whole trace with one particle, ``Program.__call__``: U = -log joint of init and every step), or None
+            with ``potential_fn``.
         potential_fn: U(z) on unconstrained values (then ``init_params`` must be given to ``MCMC.run``).
         step_size: initial s (> 0).
         adapt_step_size: find s and adapt it by dual averaging during warmup.
@@ -103,7 +106,8 @@ class MALA(MCMCKernel):
     adjust = True
     sample_field = "z"
 
-    def __init__(self, model: Callable | None = None, potential_fn: Callable | None = None, step_size: float = 0.1,
+    def __init__(self, model: Callable | Program | None = None, potential_fn: Callable | None = None,
+                 step_size: float = 0.1,
                  adapt_step_size: bool = True, target_accept: float | None = None,
                  init_strategy: Callable = init_to_uniform):
         if target_accept is None:
@@ -114,6 +118,11 @@ class MALA(MCMCKernel):
             raise ConfigError(f"{type(self).__name__}: step_size must be > 0, got {step_size}")
         if not 0.0 < target_accept < 1.0:
             raise ConfigError(f"{type(self).__name__}: target_accept must be in (0, 1), got {target_accept}")
+        if model is not None and is_program(model) and not isinstance(model, Program):
+            program = model  # a duck-typed program (init / step, not callable): its whole trace
+
+            def model(*args, **kwargs):
+                run_whole_trace(program, args, kwargs)
         self._model, self._potential_fn = model, potential_fn
         self._step_size, self.adapt_step_size, self.target_accept = float(step_size), adapt_step_size, target_accept
         self._init_strategy = init_strategy
@@ -183,6 +192,11 @@ class MALA(MCMCKernel):
         ask for funsor to enumerate them)."""
         trace = numpyro.handlers.trace(numpyro.handlers.seed(self._model, key)).get_trace(*model_args,
                                                                                            **model_kwargs)
+        outputs = [name for name, site in trace.items() if site["type"] == "sample" and is_output(site)]
+        if outputs:
+            raise ProgramError(f"{type(self).__name__} samples the posterior of latent sites; sites {outputs} "
+                               "are outputs (observe(name, fn, None)), which are not in the target: observe them "
+                               "with a value or draw them afterwards (numpyro.infer.Predictive)")
         discrete = [name for name, site in trace.items() if site["type"] == "sample" and not site["is_observed"]
                     and site["fn"].support.is_discrete]
         if discrete:
