@@ -280,6 +280,65 @@ def test_static_smc_runs_a_user_program_through_the_protocol_method_bitwise_as_t
     assert len(set(s.log_weights.tolist())) > 4
 
 
+class WrongWeights(SMC):
+    """SMC with a wrong weight rule injected into the one loop (log W += 2 log w_t: the target p^2) and a record of
+    which policy ran each step: if the static backend had a loop of its own, it would not see the change."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.policies = []
+
+    def _weigh(self, st, out):
+        self.policies.append(st.sync)
+        lw, finished, psi = super()._weigh(st, out)
+        return 2 * lw - st.lw, finished, psi
+
+
+@pytest.mark.parametrize("user", [False, True])
+def test_static_and_generic_backends_run_the_same_loop(user):
+    """The weight rule lives in the one loop (SMC._weigh, called by SMC._step): injected wrong, it changes both
+    backends' weights the same way (bitwise equal to each other, twice the right log weights), and each backend ran
+    it once per step, the generic kernel under the host policy, the static kernel under the device policy."""
+    lm = model()
+    program = AtMostOneE(lm, 5) if user else pt.models.Constrained(lm, no_e(), 5)
+    prompt = torch.tensor(VOCAB.encode(["a", "b"]))
+    right_g, right_s = _both(program, prompt, 16, ess_threshold=0.0)
+    _assert_same(right_g, right_s)
+    wrong = {}
+    for backend in ("generic", "static"):
+        engine = WrongWeights(16, ess_threshold=0.0, backend=backend)
+        pyro.set_rng_seed(3)
+        wrong[backend] = engine.run(program, None, prompt)
+        assert engine.policies == [backend == "generic"] * right_g.stats["steps"]
+    _assert_same(wrong["generic"], wrong["static"])
+    for k in right_g.samples:  # the same draws (the weights do not steer anything without resampling)
+        assert torch.equal(wrong["static"].samples[k], right_s.samples[k])
+    torch.testing.assert_close(wrong["static"].log_weights, 2 * right_s.log_weights)
+    assert not torch.allclose(wrong["static"].log_weights, right_s.log_weights)
+
+
+def test_static_runners_are_kept_per_program_particle_count_and_prompt_length():
+    """The static kernel (its buffers, loop state, graph) is reused by the next run of the same program and prompt
+    length, made anew for another program or prompt length; an entry holds its program (its id is not reused while
+    the entry lives), and reusing it gives the same run as a fresh engine."""
+    lm = model()
+    a, b = pt.models.Constrained(lm, no_e(), 3), pt.models.Constrained(lm, no_e(), 3)
+    engine = SMC(8, ess_threshold=0.5, backend="static")
+    p2, p3 = torch.tensor(VOCAB.encode(["a", "b"])), torch.tensor(VOCAB.encode(["a", "b", "a"]))
+    runs = []
+    for program, prompt in ((a, p2), (a, p2), (b, p2), (a, p3)):
+        torch.manual_seed(5)
+        runs.append(engine.run(program, None, prompt))
+    runners = engine._static_runners
+    assert len(runners) == 3
+    assert all(entry[0] is entry[1].model for entry in runners.values())
+    assert {id(entry[0]) for entry in runners.values()} == {id(a), id(b)}
+    torch.manual_seed(5)
+    fresh = SMC(8, ess_threshold=0.5, backend="static").run(a, None, p2)
+    for res in runs[:3]:  # a reused runner (and b's own) give exactly a fresh engine's run
+        _assert_same(fresh, res)
+
+
 def test_static_smc_asks_the_protocol_method_not_the_attributes():
     """A program with lm / rule / max_tokens / stop_ids / log_mass attributes but no one_token_step() (the base
     class's returns None), and an object that is not a Program at all, are refused naming the method."""

@@ -1,39 +1,40 @@
-"""SMC whose per-token work is one fixed step on a static KV cache, captured as a CUDA graph on a GPU
-(``pt.infer.SMC(n, backend="static")``; docs/gpu.md).
+"""The static step kernel of SMC: programs whose step is one token of one LM, run on a static KV cache with every
+decision on the device, the loop's step captured as a CUDA graph on a GPU (``pt.infer.SMC(n, backend="static")``;
+docs/gpu.md).
 
-The generic engine runs a program's step through Pyro (a trace per step) and reads a few numbers back
-to the host at every step (resampling decision, NaN and zero-weight checks, whether everyone has
-finished). On a GPU at small models that sets the pace, not the arithmetic. Programs whose step is one
-token of one LM under a token automaton need none of that; they say so with
-:meth:`Program.one_token_step() <ppl_thought.program.Program.one_token_step>`, which returns the step's
+There is one SMC loop (:meth:`SMC._run <ppl_thought.inference.smc.SMC._run>`: weights, ESS, resampling decision,
+resampling, records; (2.22): Z-hat = prod_t (1/n) sum_i W_{t-1}^i w_t^i, the weights of a resampled step set to
+their mean, finished particles frozen). The generic kernel produces a step through Pyro (a trace per step) and the
+loop reads a few numbers back to the host at every step; on a GPU at small models that sets the pace, not the
+arithmetic. Programs whose step is one token of one LM under a token automaton need none of that; they say so
+with :meth:`Program.one_token_step() <ppl_thought.program.Program.one_token_step>`, which returns the step's
 parts (:class:`~ppl_thought.program.OneTokenStep`: lm, rule, max_tokens, stop_ids, log_mass;
-:class:`~ppl_thought.models.Constrained` is one; no isinstance test of a model class). A step is
+:class:`~ppl_thought.models.Constrained` is one; no isinstance test of a model class). This module derives the
+step from it (:class:`StaticRunner`, the kernel):
 
     logits -> log Z_t = spec.log_mass(logits, s, done)         (the step's weight, e.g. Constrained's)
            -> token_step (distributions/token_rule.py): token ~ masked softmax (Def 2.8), inverse CDF
               with one uniform per row, automaton state, done flags; length
            -> LM step on the static cache (lm/static_cache.py) -> next logits
-           -> log W += log Z_t; ESS; resampling decided on the device:
-              idx = where(ESS < threshold * n and not all done, ancestors, identity); every buffer
-              (KV cache, logits, states, tokens, weights) gathered by idx in place
 
-with the same arithmetic as the generic engine, SMC with adaptive resampling ((2.22): Z-hat =
-prod_t (1/n) sum_i W_{t-1}^i w_t^i, the weights of a resampled step set to their mean). The
-automaton tables are moved to the device once (``TokenRule``'s per-device tables). Nothing is read back
-to the host until the last step: the per-step ESS, resampling flags, ancestors and error flags (no
-admissible token, NaN weights, all weights zero) are written into device buffers and read once at
-the end, when the errors are raised. The price of deciding on the device is that the gather runs at
-every step (with the identity index when nobody resamples) and that the resampling uniform is drawn
-at every step (unless ``ess_threshold=0``).
+and the loop, under the kernel's device policy (``sync = False``), adds log Z_t to log W, computes the ESS and
+decides resampling on the device: idx = where(ESS < threshold * n and not all done, ancestors, identity); the
+kernel then gathers every buffer (KV cache, logits, states, tokens) by idx in place. The automaton tables are
+moved to the device once (``TokenRule``'s per-device tables). Nothing is read back to the host until the last
+step: the per-step ESS, resampling flags, ancestors and error flags (no admissible token, NaN weights, all
+weights zero) are written into the loop's device buffers (:class:`~ppl_thought.inference.smc_loop.LoopState`)
+and read once at the end, when the errors are raised. The price of deciding on the device is that the gather
+runs at every step (with the identity index when nobody resamples) and that the resampling uniform is drawn at
+every step (unless ``ess_threshold=0``).
 
-On CUDA (``graphs=None`` or ``True``) the step is captured once in a ``torch.cuda.CUDAGraph`` (the
-static cache then attends over its whole buffer) and replayed ``max_tokens`` times; the captured
-runner is kept on the engine and reused by later runs with the same program, particle count and
-prompt length. On CPU the same step runs eagerly (attention over the slots written so far), and the
-run gives bitwise the particles, weights and log Z-hat of the generic engine while no resampling
-happens (the same uniforms from the default generator, the same arithmetic); with resampling the
-random streams differ (the generic engine draws the resampling uniform only when it resamples) and
-the two agree in distribution (tests/test_static_decode.py).
+On CUDA (``graphs=None`` or ``True``) the loop's whole step (this kernel's step and the loop's arithmetic) is
+captured once in a ``torch.cuda.CUDAGraph`` (the static cache then attends over its whole buffer) and replayed
+``max_tokens`` times; the runner, its loop state and its graph are kept on the engine and reused by later runs
+with the same program, particle count and prompt length. On CPU the same step runs eagerly (attention over the
+slots written so far), and the run gives bitwise the particles, weights and log Z-hat of the generic kernel while
+no resampling happens (the same uniforms from the default generator, the same loop); with resampling the random
+streams differ (the generic kernel draws the resampling uniform only when it resamples) and the two agree in
+distribution (tests/test_static_decode.py).
 """
 
 from __future__ import annotations
@@ -44,15 +45,13 @@ from typing import Any
 import torch
 
 from ppl_thought.distributions.token_rule import token_step
-from ppl_thought.errors import ConfigError, NumericalError, UnsatisfiableConstraintError, ZeroWeightsError
-from ppl_thought.inference.importance import log_marginal_stderr
-from ppl_thought.inference.resampling import effective_sample_size, resample_groups
-from ppl_thought.inference.result import Result, log_mean_exp
+from ppl_thought.errors import ConfigError, UnsatisfiableConstraintError
+from ppl_thought.inference.smc_loop import Proposal
 from ppl_thought.lm.base import lm_device
 from ppl_thought.lm.static_cache import bos_context, static_decoder
 from ppl_thought.program import OneTokenStep, Program
 
-__all__ = ["StaticRunner", "run_static", "check_static_program"]
+__all__ = ["StaticRunner", "static_kernel", "check_static_program"]
 
 #: resampling schemes the static path runs on the device (residual resampling has data-dependent shapes)
 STATIC_RESAMPLING = ("systematic", "stratified", "multinomial")
@@ -74,15 +73,21 @@ def check_static_program(model: Any) -> OneTokenStep:
 
 
 class StaticRunner:
-    """The buffers and the one-token step of a static SMC run of ``n`` particles of ``model`` (whose step is
-    ``spec``, :meth:`~ppl_thought.program.Program.one_token_step`) after a prompt of ``prompt_len`` tokens (see the
-    module docstring). ``run(prompt)`` returns the host-side results."""
+    """The static kernel of :meth:`SMC._run <ppl_thought.inference.smc.SMC._run>` (the one SMC loop): the buffers and
+    the one-token step of ``n`` particles of ``model`` (whose step is ``spec``,
+    :meth:`~ppl_thought.program.Program.one_token_step`) after a prompt of ``prompt_len`` tokens (see the module
+    docstring). It produces a step (:meth:`propose`), reorders its buffers (:meth:`reorder`) and captures the loop's
+    step as a CUDA graph (:meth:`compile`); the weights, ESS, resampling and records are the loop's (device policy,
+    ``sync = False``: its :class:`~ppl_thought.inference.smc.LoopState` is ``self.loop``, kept with the graph)."""
+
+    sync = False
 
     def __init__(self, model, n: int, prompt_len: int, ess_threshold: float, resampling: str,
                  generator: torch.Generator | None, graphs: bool | None, spec: OneTokenStep | None = None):
         if resampling not in STATIC_RESAMPLING:
             raise ConfigError(f"SMC(backend='static') resamples with one of {STATIC_RESAMPLING}, not {resampling!r}")
         self.model, self.n, self.prompt_len = model, int(n), int(prompt_len)
+        self.name = type(model).__name__
         self.spec = spec = check_static_program(model) if spec is None else spec
         lm, rule = spec.lm, spec.rule
         dev = lm_device(lm)
@@ -95,147 +100,131 @@ class StaticRunner:
             raise ConfigError(f"the resampling generator is on {generator.device}, the model on {dev}: pass a "
                               "generator on the model's device")
         self.graphs = bool(graphs)
-        self.threshold, self.resampling, self.generator = float(ess_threshold), resampling, generator
+        self.generator = generator
         T = self.T = int(spec.max_tokens)
         self.V = V = int(lm.vocab_size)
         # slots: <bos> + prompt, then one token fed per step (the last one's logits are never read)
         self.decoder = static_decoder(lm, self.n, self.prompt_len + 1 + T)
         self.rule = rule
-        self.ar = torch.arange(self.n, device=dev)
-        # the state of the run (written in place by the step)
+        # the kernel's state (written in place)
         self.s0 = rule.start(self.n, dev)
         self.logits = torch.zeros(self.n, V, device=dev)
         self.s = self.s0.clone()
         self.lengths = torch.zeros(self.n, dtype=torch.long, device=dev)
         self.done = torch.zeros(self.n, dtype=torch.bool, device=dev)
-        self.finished = torch.zeros(self.n, dtype=torch.bool, device=dev)
-        self.lw = torch.zeros(self.n, device=dev)
         self.tokens = torch.zeros(self.n, T, dtype=torch.long, device=dev)
-        self.t = torch.zeros(1, dtype=torch.long, device=dev)
-        # per-step records, read once at the end
-        self.ess = torch.zeros(T, device=dev)
-        self.resampled = torch.zeros(T, dtype=torch.bool, device=dev)
-        self.ancestry = torch.zeros(T, self.n, dtype=torch.long, device=dev)
-        self.flags = torch.zeros(T, 4, dtype=torch.bool, device=dev)  # dead row, NaN weight, all zero, all done
+        self.new: tuple = ()  # the step's new values, written by reorder
         self.graph = None
+        self.loop = None  # the loop's state (LoopState, device policy), made by SMC._run on the first run
+        self.ctx: torch.Tensor | None = None
+        self.args: tuple = ()
+        self.kwargs: dict = {}
 
     # -- the step -------------------------------------------------------------------------------------
-    def step(self) -> None:
-        """One token for every particle; every buffer updated in place (no host sync)."""
-        rule, n, T = self.rule, self.n, self.T
+    def propose(self, st) -> Any:
+        """One token for every particle (no host sync): the step's weight ``log_mass`` and finished flags for the loop;
+        the new token, logits, automaton states, lengths and end flags kept for :meth:`reorder`."""
         logits, s, done = self.logits, self.s, self.done
         active = ~done
         log_z = self.spec.mass(logits, s, done)  # the step's weight (default: the mass factor log Z_t)
         lengths = self.lengths + active.long()
-        step = token_step(rule, logits, s, active, ends=partial(self._ends, lengths=lengths), done=done)  # Def 2.8
-        tok, s_new, dead, done_new = step.token, step.state, step.dead, step.done  # <pad> for ended rows
-        new_logits = self.decoder.step(tok)
-        finished = self.finished | done_new | (self.t == T - 1)
-        lw = self.lw + torch.where(self.finished, torch.zeros_like(log_z), log_z)
-        ess = effective_sample_size(lw, check=False)  # no host sync in a captured step
-        all_done = finished.all()
-        t1 = self.t
-        if self.threshold > 0:
-            need = (ess < self.threshold * n) & ~all_done  # decided on the device
-            idx, lw = resample_groups(lw, need.reshape(1), 1, self.resampling, self.generator, inverse_cdf=True)
-            self.decoder.reorder(idx)
-        else:
-            need = torch.zeros((), dtype=torch.bool, device=self.device)
-            idx = self.ar
-        self.tokens.index_copy_(1, t1, tok[:, None])
+        step = token_step(self.rule, logits, s, active, ends=partial(self._ends, lengths=lengths), done=done)  # Def 2.8
+        tok = step.token  # <pad> for ended rows
+        self.tokens.index_copy_(1, st.t, tok[:, None])
+        self.new = (self.decoder.step(tok), step.state, lengths, step.done)
+        return Proposal(log_z, step.done | (st.t == self.T - 1), flag=step.dead.any())
+
+    def reorder(self, idx: torch.Tensor | None) -> None:
+        """Write the step's new values into the buffers, gathered by the ancestors ``idx`` (None: the loop never
+        resamples, ``ess_threshold=0``); the static KV cache reordered in place."""
+        new_logits, s_new, lengths, done_new = self.new
+        self.new = ()
+        if idx is None:
+            pairs = ((self.logits, new_logits), (self.s, s_new), (self.lengths, lengths), (self.done, done_new))
+            for buf, v in pairs:
+                buf.copy_(v)
+            return
+        self.decoder.reorder(idx)
         self.tokens.copy_(self.tokens.index_select(0, idx))
-        self.logits.copy_(new_logits.index_select(0, idx))
-        self.s.copy_(s_new.index_select(0, idx))
-        self.lengths.copy_(lengths.index_select(0, idx))
-        self.done.copy_(done_new.index_select(0, idx))
-        self.finished.copy_(finished.index_select(0, idx))
-        self.lw.copy_(lw)
-        self.ess.index_copy_(0, t1, ess.reshape(1))
-        self.resampled.index_copy_(0, t1, need.reshape(1))
-        self.ancestry.index_copy_(0, t1, idx[None])
-        flags = torch.stack([dead.any(), torch.isnan(lw).any(), torch.isneginf(lw).all(), all_done])
-        self.flags.index_copy_(0, t1, flags[None])
-        self.t.add_(1)
+        for buf, v in ((self.logits, new_logits), (self.s, s_new), (self.lengths, lengths), (self.done, done_new)):
+            buf.copy_(v.index_select(0, idx))
 
     def _ends(self, tok: torch.Tensor, s_new: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Where a particle's sequence ends after ``tok``: the program's own :meth:`OneTokenStep.ends` (a final state,
         a stop id, ``max_tokens`` tokens)."""
         return self.spec.ends(tok, s_new, lengths)[1]
 
+    def flag_error(self, t: int) -> Exception:
+        return UnsatisfiableConstraintError(f"rows have no admissible token of positive probability at step {t} of "
+                                            f"{self.name}: the LM gives probability 0 to every token the constraint "
+                                            "allows")
+
     # -- running --------------------------------------------------------------------------------------
+    def bind(self, prompt: torch.Tensor | None, args: tuple, kwargs: dict) -> StaticRunner:
+        """Set the prompt (and the run's arguments, for ``Result.observed``) of the next run."""
+        ctx = bos_context(prompt, self.device)
+        if ctx.shape[0] != self.prompt_len + 1:
+            raise ConfigError(f"this runner was built for prompts of {self.prompt_len} tokens, got {ctx.shape[0] - 1}")
+        self.ctx, self.args, self.kwargs = ctx, args, kwargs
+        return self
+
+    def bound(self) -> int:
+        return self.T
+
+    def start(self) -> None:
+        self._reset(self.ctx)
+
     def _reset(self, ctx: torch.Tensor) -> None:
-        """Encode the prompt into the static cache and set every buffer to the start of a run, in place."""
+        """Encode the prompt into the static cache and set every buffer (the kernel's and the loop's) to the start of
+        a run, in place."""
         self.logits.copy_(self.decoder.start(ctx))
         self.s.copy_(self.s0)
         self.lengths.zero_()
         self.done.copy_(self.rule.is_final(self.s0) | (self.T == 0))
-        self.finished.zero_()
-        self.lw.zero_()
         self.tokens.zero_()
-        self.t.zero_()
-        for buf in (self.ess, self.resampled, self.ancestry, self.flags):
-            buf.zero_()
+        if self.loop is not None:
+            self.loop.reset()
 
-    def _capture(self, ctx: torch.Tensor) -> None:
-        """Warm up on a side stream and capture :meth:`step` in a CUDA graph (on buffers reset afterwards)."""
+    def compile(self, body):
+        """The loop's step as run: ``body`` eagerly, or (``graphs``) the replay of its CUDA graph, captured once
+        (:meth:`_capture`) and reused by later runs with the same program, particle count and prompt length."""
+        if not self.graphs:
+            return body
+        if self.graph is None:
+            self._capture(body, self.ctx)
+        return self.graph.replay
+
+    def _capture(self, body, ctx: torch.Tensor) -> None:
+        """Warm up on a side stream and capture the loop's step ``body`` in a CUDA graph (on buffers reset
+        afterwards)."""
         self.decoder.full = True
         self._reset(ctx)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.step()
+                body()
         torch.cuda.current_stream().wait_stream(side)
         self._reset(ctx)
         graph = torch.cuda.CUDAGraph()
         if self.generator is not None and hasattr(graph, "register_generator_state"):
             graph.register_generator_state(self.generator)
         with torch.cuda.graph(graph):
-            self.step()
+            body()
         self.graph = graph
 
-    def run(self, prompt: torch.Tensor | None) -> dict:
-        """One SMC run from ``prompt``; host-side results (one sync, at the end)."""
-        ctx = bos_context(prompt, self.device)
-        if ctx.shape[0] != self.prompt_len + 1:
-            raise ConfigError(f"this runner was built for prompts of {self.prompt_len} tokens, got {ctx.shape[0] - 1}")
-        if self.graphs and self.graph is None:
-            self._capture(ctx)
-        self._reset(ctx)
-        if self.graphs:
-            for _ in range(self.T):
-                self.graph.replay()
-        else:
-            for _ in range(self.T):
-                self.step()
-                if self.device.type == "cpu" and bool(self.flags[int(self.t) - 1, 3]):  # free on the host
-                    break
-        return self._collect()
+    def samples(self, steps: int) -> dict:
+        tokens = self.tokens[:, :steps].clone()
+        return {f"x_{t}": tokens[:, t] for t in range(steps)}
 
-    def _collect(self) -> dict:
-        flags = self.flags.cpu()
-        done_at = flags[:, 3].nonzero()
-        steps = int(done_at[0]) + 1 if len(done_at) else self.T
-        name = type(self.model).__name__
-        for t in range(steps):
-            dead, nan, zero = (bool(x) for x in flags[t, :3])
-            if dead:
-                raise UnsatisfiableConstraintError(f"rows have no admissible token of positive probability at step {t} "
-                                                   f"of {name}: the LM gives probability 0 to every token the "
-                                                   "constraint allows")
-            if nan:
-                raise NumericalError(f"NaN weights after step {t} of {name} (a log-probability is NaN or +inf)")
-            if zero:
-                raise ZeroWeightsError(f"SMC: all {self.n} particle weights are zero (log weight -inf) after step {t} "
-                                       f"of {name}: the proposal only produced values the model gives probability 0")
-        return {"tokens": self.tokens[:, :steps].clone(), "log_weights": self.lw.clone(), "steps": steps,
-                "ess": self.ess[:steps].tolist(), "resampled": [bool(r) for r in self.resampled[:steps].tolist()],
-                "ancestry": self.ancestry[:steps].clone()}
+    def stats(self, steps: int) -> dict:
+        return {"token_steps": steps, "particle_steps": steps * self.n, "mode": "static", "graphs": self.graphs}
 
 
-def run_static(smc, model, guide, args: tuple, kwargs: dict):
-    """``SMC.run`` with ``backend="static"``: a :class:`~ppl_thought.inference.result.Result` like the generic
-    engine's (sites ``x_t``, final log weights, log Z-hat, ancestry, per-step ESS and resampling flags)."""
+def static_kernel(smc, model, guide, args: tuple, kwargs: dict) -> StaticRunner:
+    """The static kernel of ``smc.run(model, guide, *args, **kwargs)`` with ``backend="static"``: checked, kept on the
+    engine per (program, particle count, prompt length) (the program by identity: the entry holds it, so its id
+    cannot be reused while the entry lives) and bound to the run's prompt."""
 
     if guide is not None:
         raise ConfigError("SMC(backend='static') proposes from the program itself (guide=None)")
@@ -247,22 +236,11 @@ def run_static(smc, model, guide, args: tuple, kwargs: dict):
                           "give OneTokenStep(prompt=...) to read it from the run's arguments)")
     prompt = spec.prompt_ids(args, kwargs)
     plen = 0 if prompt is None else int(torch.as_tensor(prompt).reshape(-1).shape[0])
-    key = (id(model), plen)
+    key = (id(model), smc.num_particles, plen)
     runners = smc.__dict__.setdefault("_static_runners", {})
     entry = runners.get(key)
     if entry is None or entry[0] is not model:
         entry = (model, StaticRunner(model, smc.num_particles, plen, smc.ess_threshold, smc.resampling,
                                      smc.generator, smc.graphs, spec))
         runners[key] = entry
-    runner = entry[1]
-    with torch.no_grad():
-        out = runner.run(prompt)
-    lw, steps = out["log_weights"], out["steps"]
-    samples = {f"x_{t}": out["tokens"][:, t] for t in range(steps)}
-    any_resampled = any(out["resampled"])
-    return Result(samples=samples, log_weights=lw, log_marginal=log_mean_exp(lw),
-                  log_marginal_stderr=log_marginal_stderr(lw) if not any_resampled else None,
-                  ancestry=out["ancestry"], observed={"args": args, "kwargs": kwargs}, engine="SMC",
-                  stats={"ess": out["ess"], "resampled": out["resampled"], "steps": steps, "token_steps": steps,
-                         "particle_steps": steps * smc.num_particles, "mode": "static", "groups": 1,
-                         "graphs": runner.graphs})
+    return entry[1].bind(prompt, args, kwargs)
