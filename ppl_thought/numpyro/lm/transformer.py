@@ -52,6 +52,7 @@ from ppl_thought.checkpoint import (
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
 from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.schemas import TRANSFORMER
 from ppl_thought.transformer_checkpoint import (
     check_transformer_config,
     saved_transformer_vocab,
@@ -403,7 +404,7 @@ class Transformer(LM):
 
     def save(self, path: str | Path, extra: dict | None = None, vocab: Vocab | None = None) -> Path:
         """Write the checkpoint ``pt.lm.Transformer.load`` reads (the same files the torch side writes)."""
-        config = {"class": "Transformer", **self.config()}
+        config = {"class": "Transformer", "format": TRANSFORMER.version, **self.config()}
         if vocab is not None:
             if len(vocab) != self.vocab_size:
                 raise VocabularyError(f"the vocabulary has {len(vocab)} ids, the model {self.vocab_size}")
