@@ -52,6 +52,7 @@ from ppl_thought.checkpoint import (
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
 from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.resources import check_transformer
 from ppl_thought.schemas import TRANSFORMER
 from ppl_thought.transformer_checkpoint import (
     check_transformer_config,
@@ -204,6 +205,7 @@ class Transformer(LM):
                                    d_ff=d_ff, max_len=max_len, window=window, cross_attention=cross_attention,
                                    d_latent=d_latent, rope_base=rope_base, dropout=dropout,
                                    tie_embeddings=tie_embeddings))
+        check_transformer("ptn.lm.Transformer", c)  # up front: never the allocator's error (resources.py)
         self._config = c
         self.vocab_size, self.d_model, self.n_layers, self.n_heads = vocab_size, d_model, n_layers, n_heads
         self.d_ff, self.max_len, self.window, self.rope_base = c["d_ff"], max_len, window, c["rope_base"]
