@@ -153,7 +153,8 @@ class SchemaError(CheckpointError):
     the file, the key and what was expected."""
 
 
-class ResourceError(PPLThoughtError, MemoryError):
+class ResourceError(ConfigError, MemoryError):
     """A call whose arguments need more memory than the machine has (:mod:`ppl_thought.resources`), refused
-    before anything is allocated. The message names the argument, the estimate, the limit and the override
+    before anything is allocated (a :class:`ConfigError`: the arguments are what to change; a ``MemoryError``:
+    what it prevents). The message names the argument, the estimate, the limit and the override
     (``max_bytes=`` or the ``PPL_THOUGHT_MAX_BYTES`` environment variable)."""

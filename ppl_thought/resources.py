@@ -5,13 +5,15 @@ Engines, language models, projections and automata call :func:`check_bytes` wher
 engine's constructor, a model's constructor, an automaton's build: never per token), with an estimate from the
 helpers below. An estimate above the limit raises :class:`~ppl_thought.errors.ResourceError` naming the argument,
 the estimate and the limit, before anything is allocated. The estimates are lower bounds of what the call
-allocates (the buffers it cannot do without), so a refused call could not have run.
+allocates (the buffers it cannot do without), so a refused call could not have run; the layered token
+automaton's is the bound of its table (states that can reach acceptance, times the layers they can occupy).
 
 The limit is the memory available to this process: ``MemAvailable`` of ``/proc/meminfo`` (or ``psutil``'s
-``virtual_memory().available`` where that file is missing); for a CUDA device, the device's free memory as torch
-reports it (only when torch is already imported: this module imports no framework). The environment variable
-``PPL_THOUGHT_MAX_BYTES`` overrides it: a number of bytes (``"8e9"``, ``"8000000000"``) is the limit in place of
-the machine's, ``"unlimited"`` turns the checks off.
+``virtual_memory().available``, or the OS's free pages, where that file is missing); for a CUDA device, the
+device's free memory as torch reports it (only when torch is already imported: this module imports no
+framework). The environment variable ``PPL_THOUGHT_MAX_BYTES`` overrides it: a number of bytes (``"8e9"``,
+``"8000000000"``) is the limit in place of the machine's, ``"unlimited"`` turns the checks off.
+:func:`ppl_thought.checks.allocation` (a tensor's bytes, at an engine's run) reads the same limit.
 
 Base layer: numpy-free, no torch, no jax.
 """
@@ -69,9 +71,14 @@ def available_bytes(device: object = None) -> float:
         pass
     try:
         import psutil
-    except ImportError:
+
+        return float(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - psutil missing or unsupported here: the OS's count of free pages
+        pass
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES")) * float(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
         return math.inf
-    return float(psutil.virtual_memory().available)
 
 
 def _human(n: float) -> str:
@@ -84,17 +91,17 @@ def _human(n: float) -> str:
     return f"{n:.1f} EiB"  # pragma: no cover
 
 
-def check_bytes(estimate: float, who: str, argument: str, device: object = None) -> None:
+def check_bytes(estimate: float, who: str, argument: str, device: object = None, fix: str | None = None) -> None:
     """Refuse (:class:`ResourceError`) a call of ``who`` whose ``estimate`` (bytes) exceeds what is available on
     ``device`` (:func:`available_bytes`), naming ``argument`` (e.g. ``"num_particles=1099511627776"``), the
-    estimate, the limit and the override."""
+    estimate, the limit and the override; ``fix`` says what to change (default: a smaller ``argument``)."""
     limit = available_bytes(device)
     if estimate > limit:
+        where = f" ({ENV})" if os.environ.get(ENV) is not None else "" if device is None else f" on {device}"
         raise ResourceError(
             f"{who}: {argument} needs at least {_human(estimate)} of memory, more than the {_human(limit)} "
-            f"available{'' if os.environ.get(ENV) is None else f' ({ENV})'}; refused before allocating. Use a "
-            f"smaller {argument.split('=')[0]}, or set the environment variable {ENV} to a number of bytes (or "
-            "'unlimited') if you know the call fits")
+            f"available{where}; refused before allocating. Use {fix or 'a smaller ' + argument.split('=')[0]}, or "
+            f"set the environment variable {ENV} to a number of bytes (or 'unlimited') if you know the call fits")
 
 
 # -------------------------------------------------------------------------------------------- estimates

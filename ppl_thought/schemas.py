@@ -196,9 +196,13 @@ RESULT_FIELDS = ("samples", "log_weights", "log_marginal", "log_marginal_stderr"
 INFERENCE_DATA_VERSION_KEY = "ppl_thought_format"
 INFERENCE_DATA = Schema("InferenceData attributes", version="ppl_thought.inference_data/1",
                         version_key=INFERENCE_DATA_VERSION_KEY, legacy=True, fields={})
-#: the groups ``to_inference_data`` writes (a netcdf holding others was not written by it)
-INFERENCE_DATA_GROUPS = frozenset({"posterior", "particles", "sample_stats", "predictions", "observed_data",
-                                   "log_likelihood", "constant_data", "prior", "posterior_predictive"})
+#: the groups ``to_inference_data`` writes (a netcdf of ours holding others was not written by it)
+INFERENCE_DATA_GROUPS = frozenset({"posterior", "posterior_text", "particles", "particles_text", "sample_stats",
+                                   "predictions", "predictions_text", "observed_data", "log_likelihood"})
+#: the variables a group of ours must hold, with their leading dimensions
+INFERENCE_DATA_VARIABLES = {"particles": {"log_weight": ("chain", "draw")}}
 
-__all__ = ["CHECKPOINT", "CHECKPOINT_TENSORS", "INFERENCE_DATA", "INFERENCE_DATA_GROUPS", "RESULT", "RESULT_FIELDS",
-           "TRAINER_CONFIG", "TRAINER_EXTRA", "TRANSFORMER", "VOCAB", "Field", "Schema", "check"]
+
+__all__ = ["CHECKPOINT", "CHECKPOINT_TENSORS", "INFERENCE_DATA", "INFERENCE_DATA_GROUPS", "INFERENCE_DATA_VARIABLES",
+           "RESULT", "RESULT_FIELDS", "TRAINER_CONFIG", "TRAINER_EXTRA", "TRANSFORMER", "VOCAB", "Field", "Schema",
+           "check"]

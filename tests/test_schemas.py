@@ -231,3 +231,48 @@ def test_trainer_checkpoint_keys(tmp_path):
         with pytest.raises(SchemaError, match=message):
             _trainer(1).load(path)
     _trainer(1).load(src.save(tmp_path / "ok"))  # the writer's own file loads
+
+
+# ------------------------------------------------------------------------------------------- InferenceData
+def test_inference_data_written_here_is_checked_on_loading(tmp_path):
+    """A netcdf of to_inference_data carries its format version; one of another version, with a group it never
+    writes, or without particles.log_weight is refused naming the file and the key; one written before the
+    version attribute, and inference data of other libraries, load."""
+    from ppl_thought.arviz_compat import from_dict, group_dataset, group_names, make_inference_data
+    from ppl_thought.diagnostics import load_inference_data, to_inference_data
+
+    res = pt.infer.Result(samples={"z": torch.tensor([0.0, 1.0, 1.0])}, log_weights=torch.tensor([0.0, -1.0, -2.0]),
+                          log_marginal=torch.tensor(-0.5), engine="Importance")
+    idata = to_inference_data(res)
+    groups = {n: group_dataset(idata, n) for n in group_names(idata)}
+    assert groups["particles"].attrs["ppl_thought_format"] == schemas.INFERENCE_DATA.version
+    path = tmp_path / "ok.nc"
+    idata.to_netcdf(str(path))
+    back = load_inference_data(path)
+    np.testing.assert_array_equal(group_dataset(back, "particles")["log_weight"].values, [[0.0, -1.0, -2.0]])
+
+    def written(name, change):
+        gs = {n: d.copy(deep=True) for n, d in groups.items()}
+        change(gs)
+        p = tmp_path / f"{name}.nc"
+        make_inference_data(gs).to_netcdf(str(p))
+        return p
+
+    legacy = written("legacy", lambda gs: [d.attrs.pop("ppl_thought_format") for d in gs.values()])
+    load_inference_data(legacy)
+    cases = {"ppl_thought_format='ppl_thought.inference_data/2'":
+             lambda gs: gs["particles"].attrs.update(ppl_thought_format="ppl_thought.inference_data/2"),
+             r"groups \['warmup'\] are not groups to_inference_data writes":
+             lambda gs: gs.update(warmup=gs["posterior"].copy()),
+             "group particles lacks the variable 'log_weight'":
+             lambda gs: gs.update(particles=gs["particles"].drop_vars("log_weight")),
+             "particles.log_weight is int64": lambda gs: gs["particles"].__setitem__(
+                 "log_weight", gs["particles"]["log_weight"].astype(np.int64))}
+    for i, (message, change) in enumerate(cases.items()):
+        p = written(str(i), change)
+        with pytest.raises(SchemaError, match=message) as info:
+            load_inference_data(p)
+        assert str(p) in str(info.value)
+    foreign = tmp_path / "foreign.nc"
+    from_dict({"posterior": {"mu": np.zeros((2, 5))}}).to_netcdf(str(foreign))
+    assert "posterior" in group_names(load_inference_data(foreign))

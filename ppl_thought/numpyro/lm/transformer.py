@@ -52,7 +52,7 @@ from ppl_thought.checkpoint import (
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
 from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.lm.base import LM
-from ppl_thought.resources import check_transformer
+from ppl_thought.resources import check_bytes, check_transformer, kv_cache_bytes
 from ppl_thought.schemas import TRANSFORMER
 from ppl_thought.transformer_checkpoint import (
     check_transformer_config,
@@ -242,6 +242,9 @@ class Transformer(LM):
         if batch < 1 or not 1 <= S <= self.max_len:
             raise MalformedSequenceError(f"init_cache needs batch >= 1 and 1 <= max_len <= {self.max_len} "
                                          f"(the model's RoPE tables), got batch={batch}, max_len={max_len}")
+        check_bytes(kv_cache_bytes(self.n_layers, batch, self.n_heads, S, self.head_dim), "init_cache",
+                    f"batch={batch} (x max_len={S})")  # once per cache, before allocating (resources.py)
+
         def zeros() -> jax.Array:  # a buffer per leaf: a jitted step may donate (update in place) each one
             return jnp.zeros((batch, self.n_heads, S, self.head_dim), jnp.float32)
 
