@@ -276,3 +276,16 @@ def test_inference_data_written_here_is_checked_on_loading(tmp_path):
     foreign = tmp_path / "foreign.nc"
     from_dict({"posterior": {"mu": np.zeros((2, 5))}}).to_netcdf(str(foreign))
     assert "posterior" in group_names(load_inference_data(foreign))
+
+
+def test_a_saved_result_vocabulary_follows_its_schema(tmp_path):
+    from ppl_thought.inference.result import saved_vocab
+
+    vocab = pt.Vocab(["a", "b"])
+    path = pt.infer.save_result(tmp_path / "r", _result(), vocab=vocab)
+    assert saved_vocab(path).to_dict() == vocab.to_dict()
+    edit_config(path, lambda h: h["config"]["vocab"].update(extra=1))
+    with pytest.raises(SchemaError, match=r"saved vocabulary has keys \['extra'\]"):
+        saved_vocab(path)
+    with pytest.raises(SchemaError, match=r"saved vocabulary has keys \['extra'\]"):
+        pt.infer.load_result(path)

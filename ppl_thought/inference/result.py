@@ -301,9 +301,9 @@ def saved_vocab(path: str | Path):
     if not isinstance(d, dict):
         return None
     try:
-        return Vocab.from_dict(d)
+        return Vocab.from_dict(schemas.check(schemas.VOCAB, d, path))
     except (PPLThoughtError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: the saved vocabulary cannot be built ({e})") from None
+        raise SchemaError(f"{path}: the saved vocabulary cannot be built ({e})") from None
 
 
 def is_saved_result(path: str | Path) -> bool:
