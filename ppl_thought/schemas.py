@@ -55,6 +55,7 @@ class Schema:
     version_key: str | None = None
     legacy: bool = False
     allowed: str = ""  # how the keys are named in an "unknown keys" message (e.g. "Transformer arguments")
+    prefix: str = ""  # how the keys are named in messages, for an object nested in another (e.g. "tensors.")
     notes: dict = field(default_factory=dict)
 
 
@@ -86,10 +87,10 @@ def check(schema: Schema, obj: Any, file: Any) -> dict:
     if unknown:
         raise SchemaError(f"{file}: the {schema.title} has keys {unknown[:8]} that are not "
                           f"{schema.allowed or 'keys of this format'} (expected only {sorted(schema.fields)})")
-    missing = [k for k, f in schema.fields.items() if f.required and k not in obj]
+    missing = [schema.prefix + k for k, f in schema.fields.items() if f.required and k not in obj]
     if missing:
-        raise SchemaError(f"{file}: the {schema.title} lacks the required key(s) {missing} (no default is filled "
-                          "in: a file without them was not written by this library's writer)")
+        raise SchemaError(f"{file}: the {schema.title} lacks {', '.join(missing)} (required: no default is filled "
+                          "in, a file without it was not written by this library's writer)")
     for key, f in schema.fields.items():
         if key not in obj:
             continue
@@ -98,7 +99,8 @@ def check(schema: Schema, obj: Any, file: Any) -> dict:
         if problem is None and f.rule is not None:
             problem = f.rule(value)
         if problem is not None:
-            raise SchemaError(f"{file}: the {schema.title}'s {key}={_short(value)} is not {f.expected or problem}")
+            raise SchemaError(f"{file}: the {schema.title}'s {schema.prefix}{key}={_short(value)} is not "
+                              f"{f.expected or problem}")
     return obj
 
 
@@ -147,7 +149,7 @@ ANY_JSON = (dict, list, str, int, float, bool, type(None))
 CHECKPOINT = Schema("checkpoint config.json", version="ppl_thought.checkpoint/1", version_key="format", fields={
     "config": Field(ANY_JSON), "extra": Field(DICT), "tensors": Field(DICT)})
 #: the "tensors" entry of a checkpoint's config.json
-CHECKPOINT_TENSORS = Schema("checkpoint config.json's tensors entry", fields={
+CHECKPOINT_TENSORS = Schema("checkpoint config.json's tensors entry", prefix="tensors.", fields={
     "file": Field(STR), "sha256": Field(STR, rule=hex_digest, expected="a SHA-256 hex digest (64 hex digits)")})
 
 #: a vocabulary saved with a model or a result (``Vocab.to_dict``); versioned by its container
