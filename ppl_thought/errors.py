@@ -145,3 +145,16 @@ class ArgumentTypeError(ConfigError, TypeError):
 class ResultTypeError(PPLThoughtError, TypeError):
     """A public function returned a value outside its declared type: a defect of the library (please report it),
     raised by the type layer of :mod:`ppl_thought.validation` instead of handing the value on."""
+
+
+class SchemaError(CheckpointError):
+    """A file whose content does not follow its format's schema (:mod:`ppl_thought.schemas`): another format
+    version, a missing required key, a key the format does not have, a value of another type. The message names
+    the file, the key and what was expected."""
+
+
+class ResourceError(ConfigError, MemoryError):
+    """A call whose arguments need more memory than the machine has (:mod:`ppl_thought.resources`), refused
+    before anything is allocated (a :class:`ConfigError`: the arguments are what to change; a ``MemoryError``:
+    what it prevents). The message names the argument, the estimate, the limit and the override
+    (``max_bytes=`` or the ``PPL_THOUGHT_MAX_BYTES`` environment variable)."""

@@ -34,6 +34,7 @@ from ppl_thought.errors import (
 from ppl_thought.inference.particles import check_compatible, infinite_sites, sample_particles
 from ppl_thought.inference.result import Result, pareto_k
 from ppl_thought.models.slow_thinking import lifted_prefix_length as lifted_prefix_length
+from ppl_thought.resources import check_particles
 from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb, checked, per_token
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
@@ -148,6 +149,7 @@ class Importance:
     def __init__(self, num_particles: int, log_normal_correction: bool = False, fast: bool = True,
                  max_plate_nesting: int | None = None):
         self.num_particles = integer("num_particles", num_particles)
+        check_particles("Importance", self.num_particles)  # up front: never the allocator's error
         self.log_normal_correction = bool(log_normal_correction)
         self.fast = bool(fast)
         self.max_plate_nesting = max_plate_nesting

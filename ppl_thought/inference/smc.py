@@ -54,6 +54,7 @@ from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.importance import log_marginal_stderr, not_in_image_result
 from ppl_thought.inference.particles import (
     check_compatible,
+    check_particle_memory,
     check_steps,
     engine_device,
     infinite_sites,
@@ -146,6 +147,7 @@ class SMC:
         if graphs and backend != "static":
             raise ConfigError("graphs=True needs backend='static' (the captured step is the static path's)")
         self.backend, self.graphs = backend, graphs
+        check_particle_memory("SMC", self.num_particles, self.groups)  # up front: never the allocator's error
 
     def run(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> Result:  # require_program checks it
         """Run SMC over the steps of ``model``; see the class docstring."""

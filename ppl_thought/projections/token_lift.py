@@ -34,6 +34,7 @@ import numpy as np
 from ppl_thought.errors import ConfigError, UnsatisfiableConstraintError
 from ppl_thought.projections.automaton import DEAD, Automaton
 from ppl_thought.projections.char_dfa import CharDFA
+from ppl_thought.resources import automaton_bytes, check_bytes
 from ppl_thought.validation import checked
 from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
 
@@ -287,7 +288,24 @@ def token_automaton(dfa: CharDFA, token_text: Sequence[str | None], *, eos_id: i
             f"spells a string of {dfa.name}" + ("" if eos_id is None else " followed by <eos>"))
     if max_len is None:
         return _unbounded(T, edges, accepting, dist, eos_id, name)
+    check_bytes(_layered_bytes(T, edges, dist, int(max_len)), "token_automaton", f"max_len={max_len}")
     return _layered(T, edges, accepting, dist, eos_id, int(max_len), name)
+
+
+def _layered_bytes(T, edges, dist, M: int) -> float:
+    """The bytes of :func:`_layered`'s table, bounded before building it: each of the K rows that can reach
+    acceptance (reachable through such rows) is a state of at most ``min(M, longest path) + 1`` layers."""
+    R, V = T.shape
+    src, dst = edges
+    good = np.isfinite(dist)
+    inner = good[src] & good[dst]
+    keep = np.nonzero(_reachable((src[inner], dst[inner]), R))[0]
+    new_id = np.full(R, DEAD, dtype=np.int64)
+    new_id[keep] = np.arange(len(keep))
+    s2, d2 = new_id[src[inner]], new_id[dst[inner]]
+    kept = (s2 >= 0) & (d2 >= 0)
+    longest = _longest_path((s2[kept], d2[kept]), len(keep))
+    return automaton_bytes(len(keep) * (min(M, M if longest is None else longest) + 1) + 1, V)
 
 
 def _unbounded(T, edges, accepting, dist, eos_id, name) -> Automaton:

@@ -31,6 +31,7 @@ from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 from ppl_thought.numpyro.infer.steps import StepEngine, _read_only, as_programs, program_result
 from ppl_thought.numpyro.program import is_program
+from ppl_thought.resources import check_particles
 
 
 def site_log_prob(site: dict) -> jax.Array:
@@ -143,6 +144,7 @@ class Importance(StepEngine):
     def __init__(self, num_particles: int, max_steps: int = 64):
         self.num_particles = integer("num_particles", num_particles)
         self.max_steps = integer("max_steps", max_steps)
+        check_particles("ptn.infer.Importance", self.num_particles)  # before jit: never the allocator's error
 
     def compiled(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> Any:
         """The jitted ``keys [n, 2] -> (log w, log p, log q, values)`` for these arguments (cached)."""

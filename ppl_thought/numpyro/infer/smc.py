@@ -29,6 +29,7 @@ from ppl_thought.numpyro.infer.importance import not_in_image_result
 from ppl_thought.numpyro.infer.resampling import prng_key, systematic_resample
 from ppl_thought.numpyro.infer.result import Result
 from ppl_thought.numpyro.infer.steps import StepEngine, as_programs, program_result
+from ppl_thought.resources import check_particles
 
 
 @checked_jax
@@ -68,6 +69,7 @@ class SMC(StepEngine):
         self.ess_threshold = fraction("ess_threshold", ess_threshold)
         self.groups = integer("groups", groups)
         self.max_steps = integer("max_steps", max_steps)
+        check_particles("ptn.infer.SMC", self.num_particles, self.groups)  # before jit: never an OverflowError
 
     def run(self, model: Any, guide: Any, *args: Any, rng_key: jax.Array | int | None = None,
             static: tuple = ()) -> Result:
