@@ -439,7 +439,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = run(args.quick, args.seeds, args.device, args.dtype, steps=args.steps, held_out=args.held_out)
-    report(out)
-    if args.json:
+    if args.json:  # first: the numbers are kept whatever the printing does
         atomic_write_json(args.json, out)
+    report(out)
     return out
