@@ -70,14 +70,17 @@ def lora(lm: HuggingFace, r: int = 8, alpha: float = 16.0, target_modules: Seque
         raise ConfigError("target_modules is empty: name the linear layers to adapt (e.g. ('q_proj', 'v_proj'))")
     if lora_parameters(lm):
         raise ConfigError("this model has LoRA adapters already: pt.lm.load_lora(lm, path) replaces their values")
-    names = {n.rsplit(".", 1)[-1] for n, m in lm.model.named_modules()
-             if n and isinstance(getattr(m, "weight", None), torch.Tensor) and not any(True for _ in m.children())}
+    leaves = {n: m for n, m in lm.model.named_modules()
+              if n and isinstance(getattr(m, "weight", None), torch.Tensor) and not any(True for _ in m.children())}
+    names = {n.rsplit(".", 1)[-1] for n in leaves}
     missing = sorted(set(targets) - names)
     if missing:
         raise ConfigError(f"target_modules {missing} name no layer of {type(lm.model).__name__} "
                           f"(its layers with weights: {sorted(names)})")
+    # GPT-2's Conv1D stores its weight transposed (fan_in_fan_out)
+    conv1d = any(type(m).__name__ == "Conv1D" for n, m in leaves.items() if n.rsplit(".", 1)[-1] in targets)
     config = peft.LoraConfig(r=int(r), lora_alpha=float(alpha), target_modules=targets, lora_dropout=float(dropout),
-                             bias="none")
+                             bias="none", fan_in_fan_out=conv1d)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft.inject_adapter_in_model(config, lm.model)
