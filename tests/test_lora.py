@@ -30,31 +30,36 @@ def _answer_model(lm, prompt: torch.Tensor, answer: torch.Tensor):
     """log P(answer | prompt) as a program without latent sites (maximum likelihood under SVI, guide=None)."""
 
     def model():
-        state = LMState.start(lm, 1, prompt=prompt)
-        pyro.sample("answer", state.segment(max_tokens=answer.shape[-1]), obs=answer[None])
+        state = LMState.start(lm, pt.particles(), prompt=prompt)
+        pyro.sample("answer", state.segment(max_tokens=answer.shape[-1]), obs=answer.expand(state.n, -1))
 
     return model
 
 
-def _two_svi_steps(lm, objective=None):
-    """Two SVI steps of (3.17) on the thought model (thought latent, answer observed; the explanatory sampler as
-    the guide): returns the param store's names."""
+def _two_svi_steps(lm, latent: bool):
+    """Two SVI steps of (3.17) (``OneSampler(2)``): with ``latent`` on the thought model (thought latent, answer
+    observed; the explanatory sampler as the guide), else on log P(answer | question) (no latent site, guide=None:
+    maximum likelihood). Returns the param store's names."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     prompts = SumPrompts(lm)
     p = sum_problems(1, seed=3)[0]
-    model = ThoughtThenAnswer(lm, prompts, 3)
-    guide = ExplanatorySampler(lm, prompts, 3, prompts.explanatory_prompt(p.question, p.answer))
-    svi = pt.train.SVI(objective or pt.train.OneSampler(2), {"lr": 1e-2})
+    svi = pt.train.SVI(pt.train.OneSampler(2), {"lr": 1e-2})
+    if latent:
+        model = ThoughtThenAnswer(lm, prompts, 3)
+        guide = ExplanatorySampler(lm, prompts, 3, prompts.explanatory_prompt(p.question, p.answer))
+        args = (prompts.model_prompt(p.question), prompts.answer(p.answer))
+    else:
+        model, guide, args = _answer_model(lm, prompts.direct_prompt(p.question), prompts.answer(p.answer)), None, ()
     for _ in range(2):
-        svi.step(model, guide, prompts.model_prompt(p.question), prompts.answer(p.answer))
+        svi.step(model, guide, *args)
     return list(pyro.get_param_store().keys())
 
 
-def _check_only_adapters_change(lm):
+def _check_only_adapters_change(lm, latent: bool = True):
     base = _base_weights(lm)
     adapters = {n: p.detach().clone() for n, p in pt.lm.lora_parameters(lm).items()}
-    names = _two_svi_steps(lm)
+    names = _two_svi_steps(lm, latent)
     assert names and all("lora_" in n for n in names), names
     assert len(names) == len(adapters)
     for n, p in lm.model.named_parameters():
@@ -166,7 +171,7 @@ def smollm2_lora(smollm2):
 
 def test_smollm2_two_svi_steps_change_only_the_adapters(smollm2_lora, smollm2, tmp_path):
     lm = smollm2_lora
-    _check_only_adapters_change(lm)
+    _check_only_adapters_change(lm, latent=False)
     fresh = copy.deepcopy(smollm2)
     _check_round_trip(lm, fresh, tmp_path)
     _check_loss_falls(lm)
