@@ -175,3 +175,25 @@ def test_smollm2_two_svi_steps_change_only_the_adapters(smollm2_lora, smollm2, t
     fresh = copy.deepcopy(smollm2)
     _check_round_trip(lm, fresh, tmp_path)
     _check_loss_falls(lm)
+
+
+def test_trainer_trains_and_checkpoints_the_adapters_only(tmp_path):
+    base_lm = byte_level(0)
+    lm = pt.lm.lora(base_lm, r=2, target_modules=("c_attn",))
+    base = _base_weights(lm)
+    prompts = SumPrompts(lm)
+    p = sum_problems(1, seed=3)[0]
+    model = ThoughtThenAnswer(lm, prompts, 3)
+    guide = ExplanatorySampler(lm, prompts, 3, prompts.explanatory_prompt(p.question, p.answer))
+    adapters = pt.lm.lora_adapters(lm)
+    start = {k: v.detach().clone() for k, v in adapters.items()}
+    trainer = pt.train.Trainer(model, guide, pt.train.OneSampler(2), {"adapters": adapters}, progress=False, seed=0,
+                               checkpoint_dir=tmp_path, checkpoint_every=2)
+    trainer.fit([(prompts.model_prompt(p.question), prompts.answer(p.answer))], num_steps=2)
+    assert all(torch.equal(q, base[n]) for n, q in lm.model.named_parameters() if "lora_" not in n)
+    assert any(not torch.equal(v, start[k]) for k, v in adapters.items())
+    state, _, _ = pt.io.load_checkpoint(trainer.checkpoints_written[-1])
+    module_keys = {k for k in state if k.startswith("adapters") or ":" in k}
+    assert module_keys and all("lora_" in k for k in module_keys)
+    assert sum(v.numel() for v in state.values() if v.dtype.is_floating_point) < 10 * sum(
+        v.numel() for v in adapters.values()) + 10_000  # adapters (and optimizer moments), not the base

@@ -31,7 +31,7 @@ from ppl_thought.io import load_checkpoint, save_checkpoint
 from ppl_thought.lm.huggingface import HuggingFace
 from ppl_thought.validation import checked
 
-__all__ = ["load_lora", "lora", "lora_parameters", "reset_lora", "save_lora"]
+__all__ = ["load_lora", "lora", "lora_adapters", "lora_parameters", "reset_lora", "save_lora"]
 
 #: the attention projections of Llama-style models (SmolLM2, Qwen, Llama); GPT-2 calls its one ``c_attn``
 DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -160,3 +160,14 @@ def reset_lora(lm: HuggingFace, seed: int = 0) -> HuggingFace:
             else:
                 p.zero_()
     return lm
+
+
+@checked
+def lora_adapters(lm: HuggingFace) -> torch.nn.ParameterDict:
+    """The adapters of ``lm`` as a module of their own (the same tensors; names with ``:`` for ``.``), for
+    ``pt.train.Trainer(..., modules={"adapters": pt.lm.lora_adapters(lm)})``: the Trainer then optimises,
+    all-reduces and checkpoints the adapters only, not the frozen base (135M weights for SmolLM2)."""
+    params = lora_parameters(lm)
+    if not params:
+        raise ConfigError("this model has no LoRA adapters: pt.lm.lora(lm, r=...) adds them")
+    return torch.nn.ParameterDict({n.replace(".", ":"): p for n, p in params.items()})
