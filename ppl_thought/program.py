@@ -55,8 +55,10 @@ from ppl_thought.contract import (  # noqa: F401 -- the contract's names, re-exp
     snapshot_state,
     step_bound,
 )
+from ppl_thought.distributions.token_rule import log_mass_ratio
 from ppl_thought.errors import PPLThoughtError, ProgramError
 from ppl_thought.lm.base import lm_device
+from ppl_thought.projections.token_lift import check_tokenizer
 from ppl_thought.twists import current as current_twists
 from ppl_thought.validation import not_checked
 
@@ -339,6 +341,7 @@ class OneTokenStep:
         if not isinstance(spec, OneTokenStep):
             raise ConfigError(f"{name}.one_token_step() must return a ppl_thought.program.OneTokenStep or None, got "
                               f"{type(spec).__name__}")
+        check_tokenizer(getattr(spec.rule, "constraint", None), spec.lm, f"{engine} on {name}")
         return spec
 
     def prompt_ids(self, args: tuple, kwargs: dict) -> Any:
@@ -357,9 +360,7 @@ class OneTokenStep:
         if free is None:
             free = type(self.rule)(None, self.rule.vocab_size)
             object.__setattr__(self, "_free", free)
-        admitted = self.rule.masked_law(logits, s).log_norm  # kept: the draw from the same law reads it again
-        total = free.log_normaliser(logits, s)
-        log_z = torch.where(torch.isneginf(total), total, admitted - total)
+        log_z = log_mass_ratio(self.rule, free, logits, s)  # exact for huge logits; kept for the draw
         return torch.where(done, torch.zeros_like(log_z), log_z)
 
     def stop_tensor(self, device: Any) -> torch.Tensor:

@@ -32,7 +32,15 @@ from ppl_thought.contract import (
     step_bound,
 )
 from ppl_thought.distributions.lm_state import LMState
-from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ProgramError, ZeroWeightsError
+from ppl_thought.errors import (
+    ConfigError,
+    NotInImageError,
+    NumericalError,
+    ProgramError,
+    ZeroWeightsError,
+    describe_proposal,
+    zero_weights_message,
+)
 from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.importance import log_marginal_stderr, not_in_image_result
 from ppl_thought.inference.particles import (
@@ -222,7 +230,7 @@ class SMC:
                                      f"is NaN or +inf{where} (e.g. pyro.factor(name, +inf))")
             out.traces = ()  # checked: the step's traces (and the caches their sites hold) go before resampling
             if any(zero):
-                raise ZeroWeightsError(self._zero_message(zero, t, name))
+                raise ZeroWeightsError(self._zero_message(zero, t, name, guide))
             need = [not all_done and e < self.ess_threshold * n for e in ess_g]
             if any(need):
                 idx, lw = self._resample(lw, need, dev)
@@ -259,16 +267,14 @@ class SMC:
         wrong move fails)."""
         return resample_groups(lw, need, self.groups, self.resampling, self.generator)
 
-    def _zero_message(self, zero: list, t: int, name: str) -> str:
-        n = self.num_particles
+    def _zero_message(self, zero: list, t: int, name: str, guide: Any = None) -> str:
+        n, where, q = self.num_particles, f"after step {t} of {name}", describe_proposal(guide)
         if self.groups == 1:
-            return (f"SMC: all {n} particle weights are zero (log weight -inf) after step {t} of {name}: the "
-                    "proposal only produced values the model (or a twist) gives probability 0")
+            return zero_weights_message("SMC", n, q, where=where)
         bad = [g for g, z in enumerate(zero) if z]
-        return (f"SMC: all {n} particle weights of group {bad[0]} (rows {bad[0] * n}..{bad[0] * n + n - 1}"
-                + (f"; also groups {bad[1:]}" if len(bad) > 1 else "") + f") of {self.groups} are zero (log "
-                f"weight -inf) after step {t} of {name}: the proposal only produced values the model (or a twist) "
-                "gives probability 0 for that group's data")
+        return zero_weights_message("SMC", n, q, where=where, group=f"of group {bad[0]} (rows {bad[0] * n}.."
+                                    f"{bad[0] * n + n - 1}" + (f"; also groups {bad[1:]}" if len(bad) > 1 else "")
+                                    + f") of {self.groups} ")
 
     @staticmethod
     def _check(sm: dict, sg: dict, N: int, versions: list, name: str, gname: str, where: str) -> None:

@@ -44,7 +44,14 @@ from typing import Any
 import torch
 
 from ppl_thought.distributions.token_rule import token_step
-from ppl_thought.errors import ConfigError, NumericalError, UnsatisfiableConstraintError, ZeroWeightsError
+from ppl_thought.errors import (
+    ConfigError,
+    NumericalError,
+    UnsatisfiableConstraintError,
+    ZeroWeightsError,
+    describe_proposal,
+    zero_weights_message,
+)
 from ppl_thought.inference.importance import log_marginal_stderr
 from ppl_thought.inference.resampling import effective_sample_size, resample_groups
 from ppl_thought.inference.result import Result, log_mean_exp
@@ -226,8 +233,8 @@ class StaticRunner:
             if nan:
                 raise NumericalError(f"NaN weights after step {t} of {name} (a log-probability is NaN or +inf)")
             if zero:
-                raise ZeroWeightsError(f"SMC: all {self.n} particle weights are zero (log weight -inf) after step {t} "
-                                       f"of {name}: the proposal only produced values the model gives probability 0")
+                raise ZeroWeightsError(zero_weights_message("SMC", self.n, describe_proposal(None),
+                                                            where=f"after step {t} of {name}"))
         return {"tokens": self.tokens[:, :steps].clone(), "log_weights": self.lw.clone(), "steps": steps,
                 "ess": self.ess[:steps].tolist(), "resampled": [bool(r) for r in self.resampled[:steps].tolist()],
                 "ancestry": self.ancestry[:steps].clone()}
