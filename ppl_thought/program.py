@@ -56,6 +56,7 @@ from ppl_thought.contract import (  # noqa: F401 -- the contract's names, re-exp
     step_bound,
 )
 from ppl_thought.distributions.token_rule import log_mass_ratio
+from ppl_thought.distributions.unclamped import unclamped
 from ppl_thought.errors import PPLThoughtError, ProgramError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.projections.token_lift import check_tokenizer
@@ -113,8 +114,12 @@ def sample(name: str, fn, **kwargs) -> torch.Tensor:
     ``pt.sample``, :func:`observe`, :func:`factor` and :func:`twist` are the four verbs of a program; they are
     Pyro's primitives under the names of the theory, so Pyro code and Pyro handlers keep working on them.
     ``name`` must be a str and ``fn`` a distribution (:class:`~ppl_thought.errors.ProgramError` otherwise).
+    A ``Categorical`` / ``OneHotCategorical`` / ``Bernoulli`` built with ``probs=`` is scored exactly (torch clamps
+    its probabilities at float32 eps), other clamping ``probs=`` sites are flagged once with a warning
+    (:mod:`ppl_thought.distributions.unclamped`).
     """
     _check_site("sample", name, fn)
+    fn = unclamped(fn, name)  # probs= scored exactly, not at torch's clamp (distributions/unclamped.py)
     try:
         return pyro.sample(name, fn, **kwargs)
     except ValueError as e:
@@ -133,6 +138,7 @@ def observe(name: str, fn, value) -> torch.Tensor:
     generates it: ``pt.observe(f"x_{t}", d, x[t] if t < len(x) else None)``.
     """
     _check_site("observe", name, fn)
+    fn = unclamped(fn, name)  # probs= scored exactly, not at torch's clamp (distributions/unclamped.py)
     if value is None:
         try:
             return pyro.sample(name, fn, infer={OUTPUT: True})

@@ -205,7 +205,7 @@ def _check_function(func: Callable, skip_while: Callable[[], bool] | None) -> Ca
                 for i, name in at:
                     v = args[i] if i < len(args) else kwargs.get(name)
                     if v.__class__ in _FLOATS and v != v:
-                        raise _nan_error(func, args, kwargs)
+                        raise _nan_error(func, args, kwargs, at)
                 return typed(*args, **kwargs)
         return check
 
@@ -331,20 +331,12 @@ def _float_parameters(func: Callable) -> tuple[tuple[int, str], ...]:
                  if p.kind in kinds and name in hints and _admits_float(hints[name]))
 
 
-def _nan_error(func: Callable, args: tuple, kwargs: dict) -> ArgumentTypeError:
-    """The error of a NaN given where a hint says ``float``: the arguments that hold a NaN, by name."""
-    try:
-        bound = inspect.signature(func).bind(*args, **kwargs).arguments
-    except TypeError:
-        bound = {}
+def _nan_error(func: Callable, args: tuple, kwargs: dict, at: tuple) -> ArgumentTypeError:
+    """The error of a NaN given where a hint says ``float``: the parameters (of ``at``) that hold a NaN, by name."""
+    def is_nan(v: Any) -> bool:
+        return v.__class__ in _FLOATS and v != v
 
-    def has_nan(v: Any) -> bool:
-        try:
-            return bool(np.isnan(np.asarray(v, dtype=float)).any())
-        except (TypeError, ValueError):
-            return False
-
-    names = [k for k, v in bound.items() if has_nan(v)] or ["an argument"]
+    names = [name for i, name in at if is_nan(args[i] if i < len(args) else kwargs.get(name))]
     return ArgumentTypeError(f"{_qualname(func)}(): {', '.join(names)} is NaN, where a number is due (a float "
                              "argument must be a number, finite or +-inf; NaN usually comes from a failed computation "
                              "upstream, e.g. 0/0 or a NaN log-probability): pass a number")

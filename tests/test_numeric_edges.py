@@ -155,3 +155,96 @@ def test_fragment_texts_and_sizes_keep_their_checks():
     assert auto.tokenizer in vocab_fingerprints(v)
     check_tokenizer(auto, _lm_with_vocab(v), "here")  # passes
     check_tokenizer(auto, object(), "here")  # an LM without a vocabulary: nothing to compare
+
+
+# ---------------------------------------------------------------------------------------------- (d) clamping sites
+TINY = 1.29e-12  # below float32 eps (1.19e-7): torch's probs= clamps it to eps
+A = torch.tensor([[0.9, 0.1], [0.3, 0.7]])  # transitions
+B = torch.tensor([[0.6, 0.4 - TINY, TINY], [0.2, 0.8 - TINY, TINY]])  # emissions: symbol 2 is (almost) impossible
+X = torch.tensor([0, 1, 2, 1, 1, 2, 0, 0, 2, 1])  # three emissions of probability 1.29e-12 each
+
+
+def hmm(sample, observe):
+    """NumPyro's HMM example written literally with torch's Categorical(probs=...)."""
+    import pyro.distributions as dist
+
+    def model(x):
+        z = sample("z_0", dist.Categorical(probs=torch.tensor([0.5, 0.5])))
+        for t in range(len(x)):
+            if t:
+                z = sample(f"z_{t}", dist.Categorical(probs=A[z]))
+            observe(f"x_{t}", dist.Categorical(probs=B[z]), x[t])
+
+    return model
+
+
+def exact_hmm_log_marginal(x) -> float:
+    """The forward algorithm in float64 (3.1): log p(x) exactly."""
+    a, b = A.double(), B.double()
+    alpha = torch.tensor([0.5, 0.5], dtype=torch.float64) * b[:, x[0]]
+    for t in range(1, len(x)):
+        alpha = (alpha @ a) * b[:, x[t]]
+    return float(alpha.sum().log())
+
+
+def test_a_probs_site_is_scored_exactly_by_the_verbs():
+    import pyro
+    import pyro.distributions as dist
+
+    import ppl_thought as pt
+    from ppl_thought.distributions.unclamped import unclamped
+
+    d = dist.Categorical(probs=torch.tensor([1 - TINY, TINY, 0.0]))
+    assert float(d.log_prob(torch.tensor(1))) == pytest.approx(-15.94, abs=0.01)  # torch's clamp: the old answer
+    assert float(d.log_prob(torch.tensor(2))) == pytest.approx(-15.94, abs=0.01)  # p = 0 scored as eps
+    exact = unclamped(d, "x")
+    assert float(exact.log_prob(torch.tensor(1))) == pytest.approx(math.log(TINY), rel=1e-6)  # -27.38
+    assert torch.isneginf(exact.log_prob(torch.tensor(2)))
+    assert isinstance(exact, dist.Categorical) and torch.equal(exact.probs, d.probs)  # the same law
+    bern = unclamped(dist.Bernoulli(probs=torch.tensor([TINY, 1.0])), "b")
+    assert torch.allclose(bern.log_prob(torch.tensor([1.0, 1.0])), torch.tensor([math.log(TINY), 0.0]))
+    assert torch.isneginf(bern.log_prob(torch.tensor([1.0, 0.0]))[1])
+    ind = unclamped(dist.Categorical(probs=torch.tensor([[1 - TINY, TINY]])).to_event(1), "i")
+    assert float(ind.log_prob(torch.tensor([1]))) == pytest.approx(math.log(TINY), rel=1e-6)
+    logits_site = dist.Categorical(logits=torch.tensor([0.0, 1.0]))
+    assert unclamped(logits_site, "l") is logits_site  # nothing to fix: the same object
+
+    def model():
+        pt.observe("y", dist.Categorical(probs=torch.tensor([1 - TINY, TINY])), torch.tensor(1))
+
+    tr = pyro.poutine.trace(model).get_trace()
+    assert float(tr.log_prob_sum()) == pytest.approx(math.log(TINY), rel=1e-6)
+
+
+def test_a_clamping_site_without_an_exact_form_is_flagged_once_by_name():
+    import warnings
+
+    import pyro.distributions as dist
+
+    from ppl_thought.distributions.unclamped import unclamped
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            unclamped(dist.Binomial(4, probs=torch.tensor(TINY)), "counts_site")
+    msgs = [str(m.message) for m in w if "counts_site" in str(m.message)]
+    assert len(msgs) == 1 and "logits=" in msgs[0]
+
+
+def test_the_hmm_of_the_issue_gets_its_exact_log_marginal():
+    """Bootstrap Importance on the literal HMM: plain pyro.sample sites are clamped (three emissions scored -15.94
+    instead of -27.38: log Z-hat too high by about 34 nats); the library's verbs score them exactly."""
+    import pyro
+
+    import ppl_thought as pt
+
+    exact = exact_hmm_log_marginal(X)
+    assert 3 * math.log(TINY) - 15 < exact < 3 * math.log(TINY)  # the three tiny emissions dominate it
+    torch.manual_seed(0)
+    old = pt.infer.Importance(4000, fast=False, max_plate_nesting=0).run(
+        hmm(pyro.sample, lambda n, d, v: pyro.sample(n, d, obs=v)), None, X)
+    torch.manual_seed(0)
+    new = pt.infer.Importance(4000, fast=False, max_plate_nesting=0).run(hmm(pt.sample, pt.observe), None, X)
+    gap = 3 * (math.log(torch.finfo(torch.float32).eps) - math.log(TINY))  # 34.3 nats
+    assert float(old.log_marginal) == pytest.approx(exact + gap, abs=0.5)  # the silent old answer
+    assert float(new.log_marginal) == pytest.approx(exact, abs=max(0.1, 4 * float(new.log_marginal_stderr)))
