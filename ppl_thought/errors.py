@@ -170,7 +170,8 @@ def describe_proposal(guide: object) -> str:
 
 def zero_weights_message(engine: str, n: int, proposal: str = "the proposal", *, where: str = "",
                          sites: tuple | list = (), group: str = "") -> str:
-    """The one message of every :class:`ZeroWeightsError` (docs/architecture.md, "Zero weights"), on both backends.
+    """The one message of every :class:`ZeroWeightsError` on both backends (docs/architecture.md, "Rules that keep it
+    right").
 
     The rule it explains: data of probability 0 exactly (x outside the image of Proj, Def 2.6: its lifting is
     empty) is not an error, the engines return log Z-hat = -inf with a warning; a run whose n weights
@@ -186,6 +187,7 @@ def zero_weights_message(engine: str, n: int, proposal: str = "the proposal", *,
                "otherwise the posterior is too far from the prior for n particles: pass a guide supported on it, "
                "or use more particles")
     else:
-        fix = (f"{proposal} proposed only values the model gives probability 0 (a support mismatch): make it "
-               "propose values of positive probability under the model (the lifting of x), or use more particles")
+        fix = (f"{proposal} proposed only values the model (or a twist) gives probability 0 (a support mismatch): "
+               "make it propose values of positive probability under the model (the lifting of x), or use more "
+               "particles")
     return (f"{engine}: all {n} particle weights {group}are zero (every log weight is -inf){at}{named}: {fix}")

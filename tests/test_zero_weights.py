@@ -1,4 +1,4 @@
-"""The one zero-weight rule (docs/architecture.md, "Zero weights"), every engine on both backends:
+"""The one zero-weight rule (docs/architecture.md, "Rules that keep it right"), every engine on both backends:
 (a) an observation outside the image of Proj gives log Z-hat = -inf exactly, with a warning, guided or bootstrap;
 (b) a guide that proposes only values of probability 0 raises ZeroWeightsError naming that guide;
 (c) bootstrap (no guide) on data the prior never produces raises ZeroWeightsError naming the model's prior,

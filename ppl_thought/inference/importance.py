@@ -153,7 +153,7 @@ class Importance:
     leading), ``stats`` with ``ess`` and ``khat`` (PSIS Pareto k). When x is outside the image
     of Proj (the lifting is empty) the result has ``log_marginal = -inf`` and a message (with a
     warning), guided or bootstrap; when x is in the image but every weight is zero, :class:`ZeroWeightsError`
-    naming the guide, or the model's prior when there is none (docs/architecture.md, "Zero weights").
+    naming the guide, or the model's prior when there is none (docs/architecture.md, "Rules that keep it right").
     """
 
     def __init__(self, num_particles: int, log_normal_correction: bool = False, fast: bool = True,
