@@ -55,8 +55,6 @@ from ppl_thought.contract import (  # noqa: F401 -- the contract's names, re-exp
     snapshot_state,
     step_bound,
 )
-from ppl_thought.distributions.token_rule import log_mass_ratio
-from ppl_thought.distributions.unclamped import unclamped
 from ppl_thought.errors import PPLThoughtError, ProgramError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.projections.token_lift import check_tokenizer
@@ -533,3 +531,9 @@ def pyro_module(name: str, module: torch.nn.Module) -> None:
     for key, p in module.named_parameters():
         if p.requires_grad:
             pyro.param(param_with_module_name(name, key), p)
+
+
+# imported last: ppl_thought.distributions imports this module (its registry reads pyro_module), so these names are
+# bound once everything above exists, whichever of the two modules is imported first
+from ppl_thought.distributions.token_rule import log_mass_ratio  # noqa: E402
+from ppl_thought.distributions.unclamped import unclamped  # noqa: E402
