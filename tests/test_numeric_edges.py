@@ -125,6 +125,9 @@ def test_an_automaton_from_another_tokenizers_texts_is_refused_where_it_meets_th
     with pytest.raises(TokenizerMismatchError, match="another tokenizer") as e:
         pt.models.Constrained(lm, foreign, 6)
     assert isinstance(e.value, ConfigError) and "token_texts(lm.vocab)" in str(e.value)
+    with pytest.raises(TokenizerMismatchError, match="LMSequence"):
+        pt.dist.LMSequence(lm, constraint=foreign, max_len=6)
+    assert pt.dist.LMSequence(lm, constraint=own, max_len=6).constraint is own
     model = pt.models.Constrained(lm, own, 6)  # built for this vocabulary: accepted
     assert OneTokenStep.of(model, "greedy").rule.constraint is own
     # the silent old answer: without the check the foreign automaton lets the LM write "e" (its id is "a" in `other`)
