@@ -25,6 +25,8 @@ from ppl_thought.errors import (
     ProgramError,
     SiteMismatchError,
     ZeroWeightsError,
+    describe_proposal,
+    zero_weights_message,
 )
 from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, prng_key
@@ -93,9 +95,10 @@ def infinite_sites(model, guide, args: tuple, kwargs: dict, key: jax.Array) -> l
             if s["type"] == "sample" and bool(jnp.isposinf(site_log_prob(s)))]
 
 
-def summarise(log_w: jax.Array, what: str, sites=None) -> dict[str, Any]:
+def summarise(log_w: jax.Array, what: str, sites=None, proposal: str = "the proposal") -> dict[str, Any]:
     """log Z-hat (3.2), its delta-method SE, ESS; NumericalError on NaN or +inf (naming the sites of +inf
-    log-probability when ``sites(i)`` can find them for particle i), ZeroWeightsError if every weight is 0."""
+    log-probability when ``sites(i)`` can find them for particle i), ZeroWeightsError naming ``proposal`` if every
+    weight is 0 (errors.zero_weights_message, the one rule of both backends)."""
     if bool(jnp.isnan(log_w).any()):
         raise NumericalError(f"{what}: NaN log weights (a model or guide log-probability is NaN)")
     if bool(jnp.isposinf(log_w).any()):
@@ -105,8 +108,7 @@ def summarise(log_w: jax.Array, what: str, sites=None) -> dict[str, Any]:
         raise NumericalError(f"{what}: a log-probability of +inf{where} (e.g. numpyro.factor(name, +inf)): the "
                              "weights would be +inf, log Z-hat inf and the ESS NaN")
     if bool(jnp.isneginf(log_w).all()):
-        raise ZeroWeightsError(f"{what}: all {log_w.shape[-1]} importance weights are zero: the guide proposed no "
-                               "latent value the model can produce (support mismatch)")
+        raise ZeroWeightsError(zero_weights_message(what, log_w.shape[-1], proposal))
     return {"log_marginal": log_mean_exp(log_w), "log_marginal_stderr": log_marginal_stderr(log_w),
             "ess": effective_sample_size(log_w)}
 
@@ -170,6 +172,7 @@ class Importance(StepEngine):
                 raise ConfigError(f"Importance.run on a ptn.Program takes positional arguments only, got "
                                   f"{sorted(kwargs)}")
             out = self._program_run(model, guide, args, prng_key(rng_key), static if args else (), 0.0, "Importance")
+            out["proposal"] = describe_proposal(guide)  # named by a ZeroWeightsError (the one rule, errors.py)
             return program_result(out, "Importance", args, observed)
         n = self.num_particles
         observed = {"args": args, "kwargs": kwargs}
@@ -183,7 +186,8 @@ class Importance(StepEngine):
             return not_in_image_result(f"log p(x) = -inf: {e}", n, "Importance", observed)
         args_c, kwargs_c = tuple(_concrete(a) for a in args), {k: _concrete(v) for k, v in kwargs.items()}
         stats = summarise(log_w, "Importance", lambda i: infinite_sites(model, guide, args_c, kwargs_c,
-                                                                        jax.random.split(key, n)[i]))
+                                                                        jax.random.split(key, n)[i]),
+                          describe_proposal(guide))
         return Result(samples=dict(values), log_weights=log_w, log_marginal=stats.pop("log_marginal"),
                       log_marginal_stderr=stats.pop("log_marginal_stderr"),
                       stats={**stats, "log_p": log_p, "log_q": log_q}, observed=observed, engine="Importance")

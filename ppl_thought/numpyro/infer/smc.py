@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from ppl_thought.checks import fraction, integer
-from ppl_thought.errors import NotInImageError
+from ppl_thought.errors import NotInImageError, describe_proposal
 from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.infer.importance import not_in_image_result
 from ppl_thought.numpyro.infer.resampling import prng_key, systematic_resample
@@ -81,6 +81,7 @@ class SMC(StepEngine):
         except NotInImageError as e:  # as_program says the arguments have probability 0
             return not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles, "SMC", {"args": args})
         out = self._program_run(model, guide, run_args, key, static if run_args else (), self.ess_threshold, "SMC")
+        out["proposal"] = describe_proposal(guide)  # named by a ZeroWeightsError (the one rule, errors.py)
         return program_result(out, "SMC", run_args, observed)
 
 

@@ -39,6 +39,7 @@ from ppl_thought.errors import (
     ProgramError,
     SiteMismatchError,
     ZeroWeightsError,
+    zero_weights_message,
 )
 from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, systematic_resample
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
@@ -501,9 +502,8 @@ def program_result(out: dict, engine: str, args: tuple, observed: dict | None = 
                              "numpyro.factor(name, +inf) or ptn.factor(name, +inf) in a step): log Z-hat would be "
                              "inf and the ESS NaN; a log-potential must be finite or -inf")
     if bool(jnp.isneginf(lw).all(-1).any()):
-        raise ZeroWeightsError(f"{engine}: all {lw.shape[-1]} particle weights " + ("of a group " if grouped else "") +
-                               "are zero (log weight -inf): the proposal only produced values the model gives "
-                               "probability 0")
+        raise ZeroWeightsError(zero_weights_message(engine, lw.shape[-1], out.get("proposal", "the proposal"),
+                                                    group="of a group " if grouped else ""))
     resampled = bool(out["resampled"].any())
     stats: dict[str, Any] = {"ess": out["ess"], "resampled": out["resampled"], "steps": int(jnp.max(out["steps"]))}
     logz = out["log_marginal"]
