@@ -386,11 +386,11 @@ def test_a_fresh_importance_object_reuses_the_compiled_whole_trace_run():
     prior = ptn.lm.Tabular(2, len(vocab), np.random.default_rng(0).normal(size=(len(vocab),) * 2))
     model = ptn.models.SlowThinking(prior, proj)
     x = np.array(vocab.encode("A"))
-    first = ptn.infer.Importance(16).compiled(model, None, x)
-    assert ptn.infer.Importance(16).compiled(model, None, x) is first
-    size = len(importance._COMPILED)
+    ptn.infer.Importance(16).run(model, None, x)
+    size, before = len(importance._COMPILED), ptn.compile_stats()["count"]
     res = ptn.infer.Importance(16).run(model, None, x, rng_key=jax.random.PRNGKey(1))
     assert len(importance._COMPILED) == size and np.isfinite(float(res.log_marginal))
+    assert ptn.compile_stats()["count"] == before
 
 
 def test_a_transformer_program_under_importance_against_enumeration():

@@ -26,7 +26,7 @@ from ppl_thought.checks import fraction, integer
 from ppl_thought.errors import NotInImageError
 from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.infer.importance import not_in_image_result
-from ppl_thought.numpyro.infer.resampling import prng_key, systematic_resample
+from ppl_thought.numpyro.infer.resampling import prng_key
 from ppl_thought.numpyro.infer.result import Result
 from ppl_thought.numpyro.infer.steps import StepEngine, as_programs, program_result
 
@@ -82,4 +82,4 @@ class SMC(StepEngine):
         return program_result(out, "SMC", run_args, observed)
 
 
-__all__ = ["SMC", "systematic_resample"]
+__all__ = ["SMC"]
