@@ -51,8 +51,10 @@ class SMC(StepEngine):
     with the same steps and latent sites, or ``None``: the bootstrap): ``samples`` (a step site ``[n, steps, ...]``,
     an init site ``[n, ...]``, plus ``program.outputs(state)``), final ``log_weights``, ``log_marginal``,
     ``ancestry [steps, n]``, ``stats["ess"]`` / ``["resampled"]`` per step, ``stats["steps"]``. Arguments are
-    traced (new data of the same shapes reuses the compiled run); ``static`` lists the indices of arguments
-    that must be concrete (their values key the compiled run).
+    traced (new data of the same shapes reuses the compiled run; a Python scalar is the array it becomes);
+    ``static`` lists the indices of arguments that must be concrete (their values key the compiled run). A new
+    program instance of the same class and configuration reuses the compiled run too, whatever its JAX arrays
+    hold (docs/numpyro.md, "Compilation"; ``ptn.compile_stats()``).
 
     ``run(model, guide, *args, ...)`` for an object that is not a program but implements the protocol method
     ``as_program(*args) -> ptn.Program`` (``ptn.models.SlowThinking``, the samplers of
