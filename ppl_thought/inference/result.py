@@ -13,7 +13,7 @@ import torch
 
 from ppl_thought import checks, schemas
 from ppl_thought.checkpoint import parse_json
-from ppl_thought.errors import CheckpointError, DiagnosticError, PPLThoughtError, SchemaError
+from ppl_thought.errors import CheckpointError, DiagnosticError, PPLThoughtError, ProgramError, SchemaError
 from ppl_thought.io import CONFIG_FILE, load_checkpoint, save_checkpoint
 from ppl_thought.validation import ArrayLike, checked
 from ppl_thought.vocab import Vocab
@@ -344,3 +344,51 @@ def load_result(path: str | Path):
     _check_roles(path, fields)
     engine = config.get("engine", "")
     return Result(engine=engine if isinstance(engine, str) else str(engine), **fields)
+
+
+# ---------------------------------------------------------------------------------------------- site names
+def record_sites(values: dict, seen: dict, new: dict, step: int | None) -> None:
+    """Record the site values ``{name: (value, particle dim)}`` of a program's init (``step=None``) or step
+    ``step`` for ``Result.samples`` (torch engines; docs/architecture.md, "Site names: one rule for both
+    backends"). A name sampled at one step is kept as it is (``f"z_{t}"``, one name per step); a name sampled
+    again at the next step (``"z"`` at every step, as a JAX program must write it) is recorded once more, and
+    :func:`stacked_samples` stacks it over steps. Refused with a :class:`ProgramError`: a site of init sampled
+    again in a step, and a name that skips steps and comes back (its values would not line up with steps).
+    ``values`` maps a name to its list of ``(value, dim)`` (resampling re-indexes every entry); ``seen`` to the
+    first and last step it was sampled at."""
+    for k, vd in new.items():
+        prev = seen.get(k)
+        if prev is None:
+            seen[k] = (step, step)
+            values[k] = [vd]
+            continue
+        first, last = prev
+        if last is None or step is None:
+            raise ProgramError(f"site {k!r} is sampled in init and again in step {step}: a site of init has a name "
+                               "of its own (site names differ between init and the steps)")
+        if step != last + 1:
+            raise ProgramError(f"site {k!r} is sampled in steps {first}..{last} and again in step {step}, not in the "
+                               f"steps between: a site named once across steps (the rule of both backends, "
+                               f"samples[{k!r}] [n, steps, ...]) is sampled at every step from its first; name a site "
+                               f"that only some steps sample once per step, f'{k}_{{t}}'")
+        seen[k] = (first, step)
+        values[k].append(vd)
+
+
+def stacked_samples(values: dict) -> dict[str, torch.Tensor]:
+    """``Result.samples`` from :func:`record_sites`: particles leading; a site sampled at one step as it is,
+    ``[n, ...]``; a site named the same at several steps stacked over them on dim 1, ``[n, steps, ...]`` (the
+    layout of the JAX engines, whose step sites always have it)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, entries in values.items():
+        vs = [v.movedim(d, 0) if d is not None else v for v, d in entries]
+        if len(vs) == 1:
+            out[k] = vs[0]
+            continue
+        shapes = sorted({tuple(v.shape) for v in vs})
+        if len(shapes) > 1:
+            raise ProgramError(f"site {k!r} is named the same at {len(vs)} steps with values of shapes {shapes}: a "
+                               "site stacked over steps keeps one shape (pad it to a fixed length, or name it once "
+                               f"per step, f'{k}_{{t}}')")
+        out[k] = torch.stack(vs, 1)
+    return out

@@ -13,6 +13,7 @@ numpy automaton tables)::
     ptn.infer                    # Importance (3.2), SMC, ELBO (for numpyro.infer.SVI), Result, ULA / MALA kernels
     ptn.handlers                 # ProjectionLift: a plain LM program -> Proj # P_f
     ptn.to_inference_data        # ArviZ InferenceData with the weights kept as on the torch side
+    ptn.compile_stats()          # every compile of an engine run so far, and why (docs/numpyro.md, "Compilation")
 
 Subpackages are imported on first use.
 """
@@ -39,6 +40,7 @@ _ATTRIBUTES = {
     "particles": "ppl_thought.numpyro.program",
     "to_inference_data": "ppl_thought.numpyro.inference_data",
     "ProjectionLift": "ppl_thought.numpyro.handlers",
+    "compile_stats": "ppl_thought.numpyro.infer.compiled",
 }
 
 __all__ = [*_SUBMODULES, *_ATTRIBUTES]

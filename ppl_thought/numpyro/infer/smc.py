@@ -26,7 +26,7 @@ from ppl_thought.checks import fraction, integer
 from ppl_thought.errors import NotInImageError, describe_proposal
 from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.infer.importance import not_in_image_result
-from ppl_thought.numpyro.infer.resampling import prng_key, systematic_resample
+from ppl_thought.numpyro.infer.resampling import prng_key
 from ppl_thought.numpyro.infer.result import Result
 from ppl_thought.numpyro.infer.steps import StepEngine, as_programs, program_result
 from ppl_thought.resources import check_particles
@@ -52,8 +52,10 @@ class SMC(StepEngine):
     with the same steps and latent sites, or ``None``: the bootstrap): ``samples`` (a step site ``[n, steps, ...]``,
     an init site ``[n, ...]``, plus ``program.outputs(state)``), final ``log_weights``, ``log_marginal``,
     ``ancestry [steps, n]``, ``stats["ess"]`` / ``["resampled"]`` per step, ``stats["steps"]``. Arguments are
-    traced (new data of the same shapes reuses the compiled run); ``static`` lists the indices of arguments
-    that must be concrete (their values key the compiled run).
+    traced (new data of the same shapes reuses the compiled run; a Python scalar is the array it becomes);
+    ``static`` lists the indices of arguments that must be concrete (their values key the compiled run). A new
+    program instance of the same class and configuration reuses the compiled run too, whatever its JAX arrays
+    hold (docs/numpyro.md, "Compilation"; ``ptn.compile_stats()``).
 
     ``run(model, guide, *args, ...)`` for an object that is not a program but implements the protocol method
     ``as_program(*args) -> ptn.Program`` (``ptn.models.SlowThinking``, the samplers of
@@ -85,4 +87,4 @@ class SMC(StepEngine):
         return program_result(out, "SMC", run_args, observed)
 
 
-__all__ = ["SMC", "systematic_resample"]
+__all__ = ["SMC"]
