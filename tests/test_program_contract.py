@@ -343,3 +343,37 @@ def test_writing_into_an_argument_refused(engine):
     x = X.clone()
     ENGINES[engine]().run(Coins(), None, x)
     assert torch.equal(x, X)
+
+
+# ---------------------------------------------------------------------------------------------- site names
+class CoinsOneName(pt.Program):
+    """Coins written with the one naming rule of both backends: ``"z"`` and ``"x"`` at every step (as a JAX program
+    must name them), docs/architecture.md, "Site names"."""
+
+    def step(self, state, t, x):
+        n = pt.particles()
+        z = pt.sample("z", dist.Bernoulli(torch.full((n,), P[t])))
+        pt.observe("x", dist.Bernoulli(0.1 + 0.7 * z), x[t])
+        return torch.full((n,), t == len(P) - 1)
+
+
+def test_one_name_at_every_step_is_stacked_and_weighs_like_per_step_names(engine="SMC"):
+    """The same program with ``"z"`` at every step and with ``f"z_{t}"``: the same particles and weights under one
+    seed (so the same exact log Z), and ``samples["z"]`` is the per-step sites stacked, ``[n, steps]`` (resampling
+    re-indexes every step's entry: the rows stay whole particles)."""
+    torch.manual_seed(0)
+    per_step = ENGINES[engine]().run(Coins(), None, X)
+    torch.manual_seed(0)
+    one_name = ENGINES[engine]().run(CoinsOneName(), None, X)
+    assert torch.equal(one_name.log_weights, per_step.log_weights)
+    assert one_name.samples["z"].shape == (2000, 2)
+    assert torch.equal(one_name.samples["z"], torch.stack([per_step.samples["z_0"], per_step.samples["z_1"]], 1))
+    assert abs(float(one_name.log_marginal) - exact_log_z()) < 0.05
+
+
+def test_a_whole_trace_engine_names_the_fix_for_one_name_at_every_step():
+    """Importance runs a program as one Pyro trace: ``"z"`` at every step collides there; the error says so, names
+    the two ways out, and does not print Pyro's trace-shape table."""
+    with pytest.raises(ProgramError, match="one Pyro trace") as e:
+        Importance(16).run(CoinsOneName(), None, X)
+    assert "f'z_{t}'" in str(e.value) and "pt.infer.SMC" in str(e.value) and "Trace Shapes" not in str(e.value)

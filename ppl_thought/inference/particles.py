@@ -497,8 +497,13 @@ def _duplicate_site_error(e: RuntimeError, who: str = "", where: str = "") -> Ex
     at = " ".join(p for p in (who, where) if p)
     at = f"{at}: " if at else ""
     if "Multiple" in msg and "sites named" in msg:
-        return ProgramError(f"{at}{msg}. Site names must be unique per step of a program: name them by the step, "
-                            "e.g. pyro.sample(f'z_{t}', ...)")
+        first = msg.split("\n")[0]  # Pyro's message without its trace-shape table
+        if where:
+            return ProgramError(f"{at}{first}. Site names must be unique within a step of a program")
+        return ProgramError(f"{at}{first}. This engine runs a program as one Pyro trace (all its steps), so a site "
+                            "named once across steps (\"z\" at every step, the rule SMC and the JAX engines accept; "
+                            "docs/architecture.md, \"Site names\") collides with itself: name it per step, "
+                            "pyro.sample(f'z_{t}', ...), or run pt.infer.SMC")
     m = _REPLAY_OBSERVED.search(msg)
     if m is not None:
         return ProgramError(f"{at}the guide observes site {m.group(1)!r} (obs=...), which the model samples as a "

@@ -71,7 +71,7 @@ from ppl_thought.inference.particles import (
     run_step,
 )
 from ppl_thought.inference.resampling import RESAMPLING, check_scheme, resample, resample_groups
-from ppl_thought.inference.result import Result
+from ppl_thought.inference.result import Result, record_sites, stacked_samples
 from ppl_thought.inference.smc_loop import LoopState, Proposal
 from ppl_thought.inference.static_smc import static_kernel
 from ppl_thought.program import reorder_state
@@ -335,15 +335,6 @@ class SMC:
         check_state(sg, N, gname, where)
         check_args(versions, name, where)
 
-    @staticmethod
-    def _record(values: dict, seen: dict, new: dict, where: str) -> None:
-        for k, vd in new.items():
-            if k in seen:
-                raise ProgramError(f"site {k!r} is sampled in {seen[k]} and again in {where}: site names must be "
-                                   "unique across the steps of a program, e.g. pyro.sample(f'z_{t}', ...)")
-            seen[k] = where
-            values[k] = [vd]
-
 
 class GenericKernel:
     """The step kernel of SMC for any program (``backend="generic"``): the guide's step (or the model's own sample
@@ -390,7 +381,7 @@ class GenericKernel:
         self.device = dev
         self.loop = LoopState(self.N, self.G, dev, sync=True)
         self.loop.lw = lw.to(dev)
-        SMC._record(self.values, self.seen, out.values, "init")
+        record_sites(self.values, self.seen, out.values, None)
         self.token_steps = out.token_steps
 
     def bound(self) -> int:
@@ -408,7 +399,7 @@ class GenericKernel:
         if before is not None:
             freeze_finished(before[0], sm, st.finished)
             freeze_finished(before[1], sg, st.finished)
-        SMC._record(self.values, self.seen, out.values, f"step {t}")
+        record_sites(self.values, self.seen, out.values, t)
         self.token_steps += out.token_steps
         done = as_done(out.done, self.N, st.device, self.name, where)
         return Proposal(out.log_w.to(st.device), done, out.log_psi, traces=out.traces)
@@ -425,7 +416,7 @@ class GenericKernel:
                     entries[j] = (v.index_select(d, idx.to(v.device)), d)
 
     def samples(self, steps: int) -> dict:
-        samples = {k: (v.movedim(d, 0) if d is not None else v) for k, [(v, d)] in self.values.items()}
+        samples = stacked_samples(self.values)  # one site per step, or one name stacked over steps [n, steps, ...]
         samples.update(self.model.outputs(self.sm, *self.args, **self.kwargs))
         return samples
 
