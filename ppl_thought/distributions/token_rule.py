@@ -432,10 +432,10 @@ class TokenStep(NamedTuple):
             lp = self.log_q.gather(-1, self.token[:, None]).squeeze(-1)
         elif self.log_norm is not None:
             lp = upcast(self.logits.gather(-1, self.token[:, None]).squeeze(-1)) - self.log_norm
-            lp = lp.masked_fill_(self.dead, float("-inf"))
+            lp = lp.masked_fill_(self.dead, float("-inf"))  # (dead rows are active)
         else:
             return None
-        return lp if self.active is None else lp.masked_fill_(~self.active, 0.0)
+        return lp if self.active is None else torch.where(self.active, lp, 0.0)
 
     @property
     def draw_dtype(self) -> torch.dtype:
@@ -447,7 +447,7 @@ class TokenStep(NamedTuple):
         """The active rows whose segment goes on after this token (None without ``ends``)."""
         if self.segment_end is None:
             return None
-        return ~self.segment_end if self.active is None else self.active & ~self.segment_end
+        return ~self.segment_end if self.active is None else self.active > self.segment_end  # (bools: a & ~b)
 
 
 def _pad_row(V: int, device) -> torch.Tensor:
