@@ -429,7 +429,9 @@ class Segment(TorchDistribution):
                 at += len(c)
         if loop.ragged_cols:  # runs of different lengths left <pad> inside rows: pack each row's tokens to the left
             value = trim_padding(left_pack(value))
-        post = {"cache": loop.cache, "context": loop.context,
+        # the room hint of this loop ends with it (rows that waited took slots but no tokens: later resamplings and
+        # segments size their buffers afresh)
+        post = {"cache": with_room(loop.cache, None), "context": loop.context,
                 "tokens": append_rows(snap["tokens"], snap["lengths"], value)}
         if loop.rows is None:
             post.update(logits=loop.logits, s=loop.s, lengths=loop.lengths, done=loop.done, _step_lp=loop.lp)
