@@ -2,7 +2,7 @@
 SlowThinking (Tabular and Transformer priors) and on a user-written ``pt.Program`` with the same
 Transformer prior, particles and steps (generic must not mean slow).
 
-    python benchmarks/engines.py [--quick] [--json FILE]
+    python benchmarks/engines.py [--quick] [--json FILE] [--only {importance,sampling,smc}]
 
 Figures are ratios measured in one run (docs/architecture.md). One torch thread.
 """
@@ -87,7 +87,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", choices=("importance", "sampling", "smc"), default=None,
+                    help="run one workload only (e.g. sampling: LMSequence sampling vs the bare forward loop)")
     args = ap.parse_args()
+    run = (lambda name: args.only in (None, name))
     torch.set_num_threads(1)
     torch.manual_seed(0)
     vocab = Vocab(["a", "b", "c", "d"])
@@ -102,58 +105,61 @@ def main() -> None:
     reps = 1 if args.quick else 3
     out: dict = {"num_particles": n, "x_len": len(x)}
 
-    with torch.no_grad():
-        t_ours = timed(lambda: Importance(n).run(model, guide, x), reps)
-        t_ours_traced = timed(lambda: Importance(n, fast=False).run(model, guide, x), reps)
-        t_pyro = timed(lambda: pyro.infer.Importance(model, guide, num_samples=n).run(x), 1)
-    out.update(importance_s=t_ours, importance_traced_s=t_ours_traced, pyro_importance_s=t_pyro,
-               is_speedup_vs_pyro_importance=t_pyro / t_ours,
-               is_traced_speedup_vs_pyro_importance=t_pyro / t_ours_traced)
+    if run("importance"):
+        with torch.no_grad():
+            t_ours = timed(lambda: Importance(n).run(model, guide, x), reps)
+            t_ours_traced = timed(lambda: Importance(n, fast=False).run(model, guide, x), reps)
+            t_pyro = timed(lambda: pyro.infer.Importance(model, guide, num_samples=n).run(x), 1)
+        out.update(importance_s=t_ours, importance_traced_s=t_ours_traced, pyro_importance_s=t_pyro,
+                   is_speedup_vs_pyro_importance=t_pyro / t_ours,
+                   is_traced_speedup_vs_pyro_importance=t_pyro / t_ours_traced)
 
     # sampling vs a bare incremental forward loop (same batch, same number of steps)
-    B, steps = 256, 16
-    dist = LMSequence(prior, constraint=proj.domain(steps // 2), max_len=steps)
+    if run("sampling"):
+        B, steps = 256, 16
+        dist = LMSequence(prior, constraint=proj.domain(steps // 2), max_len=steps)
 
-    def sample():
-        z, _ = dist.sample_with_log_prob((B,))
-        return z
+        def sample():
+            z, _ = dist.sample_with_log_prob((B,))
+            return z
 
-    with torch.no_grad():
-        z = sample()
-        ntok = int((z != 0).sum())
-        t_sample = timed(sample, 5 * reps)
-        L = z.shape[1]
+        with torch.no_grad():
+            z = sample()
+            ntok = int((z != 0).sum())
+            t_sample = timed(sample, 5 * reps)
+            L = z.shape[1]
 
-        def bare():
-            logits, cache = prior(torch.ones(B, 1, dtype=torch.long))
-            for i in range(L):
-                logits, cache = prior(z[:, i : i + 1].clamp(min=2), cache=cache)
+            def bare():
+                logits, cache = prior(torch.ones(B, 1, dtype=torch.long))
+                for i in range(L):
+                    logits, cache = prior(z[:, i : i + 1].clamp(min=2), cache=cache)
 
-        t_bare = timed(bare, 5 * reps)
-    out.update(sampling_tokens_per_s=ntok / t_sample, forward_tokens_per_s=B * L / t_bare,
-               sampling_fraction_of_forward=(ntok / t_sample) / (B * L / t_bare))
+            t_bare = timed(bare, 5 * reps)
+        out.update(sampling_tokens_per_s=ntok / t_sample, forward_tokens_per_s=B * L / t_bare,
+                   sampling_fraction_of_forward=(ntok / t_sample) / (B * L / t_bare))
 
     # SMC throughput (particle-steps = particles x lockstep token steps). The three runs are timed in
     # interleaved rounds (best of each), so the program / SlowThinking ratio is measured under the same load.
-    tab = Tabular(2, V, torch.randn(V, V), trainable=False)
-    tmodel = SlowThinking(tab, proj)
-    tguide = CausalSampler(Tabular(2, V, torch.randn(V, V), trainable=False), tmodel)
-    user = UserPauseProgram(prior, proj)  # same Transformer prior, proposal, particles and steps
-    configs = {"tabular": (tmodel, tguide, x), "transformer": (model, guide, x),
-               "program_transformer": (user, guide, model.x_ids(x))}
-    results, best = {}, dict.fromkeys(configs, float("inf"))
-    for rnd in range(1 + 10 * reps):  # round 0 warms up
-        for name, (m, g, obs) in configs.items():
-            t0 = time.perf_counter()
-            results[name] = SMC(n).run(m, g, obs)
-            if rnd:
-                best[name] = min(best[name], time.perf_counter() - t0)
-    for name in configs:
-        out[f"smc_{name}_particle_steps_per_s"] = results[name].stats["particle_steps"] / best[name]
-        if name != "program_transformer":
-            out[f"smc_{name}_mode"] = results[name].stats["mode"]
-    out["smc_program_vs_slow_thinking_transformer"] = (out["smc_program_transformer_particle_steps_per_s"]
-                                                       / out["smc_transformer_particle_steps_per_s"])
+    if run("smc"):
+        tab = Tabular(2, V, torch.randn(V, V), trainable=False)
+        tmodel = SlowThinking(tab, proj)
+        tguide = CausalSampler(Tabular(2, V, torch.randn(V, V), trainable=False), tmodel)
+        user = UserPauseProgram(prior, proj)  # same Transformer prior, proposal, particles and steps
+        configs = {"tabular": (tmodel, tguide, x), "transformer": (model, guide, x),
+                   "program_transformer": (user, guide, model.x_ids(x))}
+        results, best = {}, dict.fromkeys(configs, float("inf"))
+        for rnd in range(1 + 10 * reps):  # round 0 warms up
+            for name, (m, g, obs) in configs.items():
+                t0 = time.perf_counter()
+                results[name] = SMC(n).run(m, g, obs)
+                if rnd:
+                    best[name] = min(best[name], time.perf_counter() - t0)
+        for name in configs:
+            out[f"smc_{name}_particle_steps_per_s"] = results[name].stats["particle_steps"] / best[name]
+            if name != "program_transformer":
+                out[f"smc_{name}_mode"] = results[name].stats["mode"]
+        out["smc_program_vs_slow_thinking_transformer"] = (out["smc_program_transformer_particle_steps_per_s"]
+                                                           / out["smc_transformer_particle_steps_per_s"])
     print(json.dumps(out, indent=2))
     if args.json:
         with open(args.json, "w") as f:

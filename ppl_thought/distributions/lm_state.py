@@ -41,7 +41,7 @@ from ppl_thought.distributions.token_rule import (
     upcast,
 )
 from ppl_thought.errors import ConfigError, MalformedSequenceError
-from ppl_thought.lm.base import LMCache, ids_checked, lm_device, match_rows
+from ppl_thought.lm.base import LMCache, ids_checked, lm_device, match_rows, with_room
 from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
@@ -148,8 +148,9 @@ class LMState:
         if prompt.ndim <= 1:
             ctx = torch.cat([torch.tensor([BOS_ID], device=device), prompt])[None]
             logits, cache = lm(ctx, **match_rows(lm_kwargs or {}, 1))
-            if valid_mode:
-                return cls(lm, rule, max_len, stop_ids, lm_kwargs, logits[:, -1].expand(n, -1), cache.expand(n), s0)
+            if valid_mode:  # the n rows' cache, with room for the max_len tokens to come (a hint: KVCache.with_room)
+                cache = with_room(cache, max_len).expand(n)
+                return cls(lm, rule, max_len, stop_ids, lm_kwargs, logits[:, -1].expand(n, -1), cache, s0)
             return cls(lm, rule, max_len, stop_ids, lm_kwargs, logits[:, -1].expand(n, -1), None, s0,
                        ctx.expand(n, -1))
         rows = prompt.reshape(-1, prompt.shape[-1])

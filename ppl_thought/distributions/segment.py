@@ -27,7 +27,7 @@ from ppl_thought.distributions.token_rule import (  # sample_categorical: re-exp
     trim_padding,
 )
 from ppl_thought.errors import MalformedSequenceError, UnsatisfiableConstraintError
-from ppl_thought.lm.base import match_rows
+from ppl_thought.lm.base import match_rows, with_room
 from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
@@ -76,6 +76,7 @@ class _Flags(NamedTuple):
     any_need: bool
     any_still: bool
     n_done: int
+    n_need: int
     all_valid: bool
     all_need: bool
     R: int  # the longest forced run after this step's tokens (0: none, or no chunks)
@@ -168,7 +169,7 @@ class Segment(TorchDistribution):
         seq = seq_state if len_bound is not None and len_bound < base.max_len else seq_state | (lengths >= base.max_len)
         if self._base_stops:
             seq = seq | torch.isin(tok, base.stop_ids)
-        seg = seq | seg_state
+        seg = seq if seq is seg_state else seq | seg_state
         if self._own_stops:
             seg = seg | torch.isin(tok, self.stop_ids)
         if self.max_tokens is not None:
@@ -250,11 +251,14 @@ class Segment(TorchDistribution):
         """The sampling loop's state at the start of the segment: every row live, the snapshot's quantities."""
         base, snap = self.base, self.snap
         n, dev = base.n, base.device
-        return _Loop(rows=None, logits=snap["logits"], cache=snap["cache"], context=snap["context"], s=snap["s"],
+        # host bounds on the lengths (one sync per segment): the loop feeds at most max_len - shortest positions,
+        # the room its cache's gathers need (a hint, KVCache.with_room)
+        shortest, longest = torch.stack(torch.aminmax(snap["lengths"])).tolist()
+        return _Loop(rows=None, logits=snap["logits"], cache=with_room(snap["cache"], base.max_len - shortest),
+                     context=snap["context"], s=snap["s"],
                      lengths=snap["lengths"], done=snap["done"], count=torch.zeros(n, dtype=torch.long, device=dev),
                      lp=torch.zeros(n, device=dev), active=active, until=self._until(),
-                     kw=match_rows(base.lm_kwargs, n),
-                     len_bound=int(snap["lengths"].max()),  # host bound on the lengths (one sync per segment)
+                     kw=match_rows(base.lm_kwargs, n), len_bound=longest,
                      chunk_dead=torch.zeros((), dtype=torch.bool, device=dev))
 
     def _draw(self, loop: _Loop, generator) -> TokenStep:
@@ -271,7 +275,7 @@ class Segment(TorchDistribution):
         loop.lp = loop.lp + step.log_prob
         loop.tok, loop.s, loop.lengths, loop.count, loop.done, loop.still = (
             step.token, step.state, lengths, count, step.done, step.going)
-        loop.need = loop.active & ~loop.done  # rows whose logits after this token will be read
+        loop.need = loop.active > loop.done  # rows whose logits after this token will be read (bools: a & ~b)
         loop.cols.append(step.token)
         return step
 
@@ -280,10 +284,11 @@ class Segment(TorchDistribution):
         ended their sequence, whether every row is fed as it is; with chunks (end of 5.6.2) the length ``r`` of
         each row's forced run after its token (``loop.r``), the longest ``R`` and whether the runs are aligned."""
         base = self.base
-        active, done, still, need = loop.active, loop.done, loop.still, loop.need
-        fed = active | done if valid_mode else need
-        # per-row flags counted in one reduction: any <=> count > 0, all <=> count == rows
-        flags = [torch.stack([step.dead, need, still, done, fed]).sum(1)]
+        done, still, need = loop.done, loop.still, loop.need
+        # per-row flags counted in one reduction: any <=> count > 0, all <=> count == rows. The rows fed as they are
+        # (valid mode: active or done; else: need) are counted from these: need and done are disjoint, and
+        # active | done = need | done
+        flags = [torch.stack([step.dead, need, still, done]).sum(1)]
         if runs is not None:
             # the forced run after this token, for the rows whose segment goes on: it never ends the
             # segment nor the sequence (the tables stop before that), nor reaches max_len / max_tokens
@@ -297,8 +302,9 @@ class Segment(TorchDistribution):
             flags.append(torch.stack([r_max, ((r == r_max) | done).all().long(), ((r == r_max) | ~still).all().long()]))
         host = (torch.cat(flags) if runs is not None else flags[0]).tolist()  # the one host sync of the step
         m = done.shape[0]
-        R, aligned, aligned_still = host[5:] if runs is not None else (0, True, True)
-        return _Flags(host[0] > 0, host[1] > 0, host[2] > 0, host[3], host[4] == m, host[1] == m, R,
+        R, aligned, aligned_still = host[4:] if runs is not None else (0, True, True)
+        fed = host[1] + host[3] if valid_mode else host[1]
+        return _Flags(host[0] > 0, host[1] > 0, host[2] > 0, host[3], host[1], fed == m, host[1] == m, R,
                       bool(aligned), bool(aligned_still))
 
     def _drop_ended(self, loop: _Loop, flags: _Flags) -> _Flags:
@@ -323,8 +329,10 @@ class Segment(TorchDistribution):
             loop.context = context[:, : int((context != PAD_ID).sum(-1).max())]
         loop.kw = {k: (v[keep] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == m else v)
                    for k, v in loop.kw.items()}
-        # no row left has ended its sequence
-        return flags._replace(all_valid=bool(loop.active.all()), all_need=bool(loop.need.all()))
+        # no row left has ended its sequence: the rows kept are fed as they are iff each is active (need, as none
+        # is done), counted before the drop (no host sync)
+        every = flags.n_need == m - flags.n_done
+        return flags._replace(all_valid=every, all_need=every)
 
     def _write_back(self, loop: _Loop) -> None:
         """Write the live rows' results (logits, rule state, lengths, done, log-probability) into ``loop.full``,
@@ -376,7 +384,7 @@ class Segment(TorchDistribution):
             # the next logits of the rows that go on (also the post-state, for rows whose segment ended)
             ragged = getattr(loop.cache, "ragged", False)
             if valid_mode:
-                feed = torch.where(active, tok, torch.full_like(tok, BOS_ID))
+                feed = torch.where(active, tok, BOS_ID)
                 if flags.all_valid and not ragged and aligned:
                     valid = None  # rows in lockstep: the dense path; ended rows' dummies are never read
                 else:  # rows at their own positions: an ended row is fed nothing (no position past its end)
@@ -421,7 +429,9 @@ class Segment(TorchDistribution):
                 at += len(c)
         if loop.ragged_cols:  # runs of different lengths left <pad> inside rows: pack each row's tokens to the left
             value = trim_padding(left_pack(value))
-        post = {"cache": loop.cache, "context": loop.context,
+        # the room hint of this loop ends with it (rows that waited took slots but no tokens: later resamplings and
+        # segments size their buffers afresh)
+        post = {"cache": with_room(loop.cache, None), "context": loop.context,
                 "tokens": append_rows(snap["tokens"], snap["lengths"], value)}
         if loop.rows is None:
             post.update(logits=loop.logits, s=loop.s, lengths=loop.lengths, done=loop.done, _step_lp=loop.lp)

@@ -464,10 +464,10 @@ class TokenStep(NamedTuple):
         elif self.log_norm is not None:
             lp = upcast(self.logits.gather(-1, self.token[:, None]).squeeze(-1))
             lp = lp - self.log_norm if self.shift is None else (lp - self.shift) - self.log_sum
-            lp = lp.masked_fill_(self.dead, float("-inf"))
+            lp = lp.masked_fill_(self.dead, float("-inf"))  # (dead rows are active)
         else:
             return None
-        return lp if self.active is None else lp.masked_fill_(~self.active, 0.0)
+        return lp if self.active is None else torch.where(self.active, lp, 0.0)
 
     @property
     def draw_dtype(self) -> torch.dtype:
@@ -479,7 +479,7 @@ class TokenStep(NamedTuple):
         """The active rows whose segment goes on after this token (None without ``ends``)."""
         if self.segment_end is None:
             return None
-        return ~self.segment_end if self.active is None else self.active & ~self.segment_end
+        return ~self.segment_end if self.active is None else self.active > self.segment_end  # (bools: a & ~b)
 
 
 def _pad_row(V: int, device) -> torch.Tensor:

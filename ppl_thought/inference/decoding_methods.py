@@ -110,7 +110,7 @@ def _algorithm2_step(run: _ProgramRun, n: int, fixed: dict):
     values [U, ...])`` (the values of a finished entry are zeros).
     """
     data = {k: v.expand(n, *v.shape[1:]) for k, v in fixed.items()}
-    p = run.run(n, data)
+    p = run.run(n, data, guide=run.grown_guide([v[0] for v in fixed.values()]))  # Z^(t) ~ Q(. | X^(t))
     trace = p.model_trace
     lw = run.weights(p)
     want = {k: torch.ones(n, dtype=torch.bool, device=v.device) for k, v in fixed.items()}

@@ -153,12 +153,24 @@ class _ProgramRun:
         self.dim = -(self.depth + 1)
         self.device = engine_device(program, guide, args, kwargs)
 
-    def run(self, R: int, data: dict | None = None, guide: bool = True):
-        """Particles of R rows; ``data`` ``{site: [R, ...]}`` fixes sites (outputs become observations)."""
+    def run(self, R: int, data: dict | None = None, guide=True):
+        """Particles of R rows; ``data`` ``{site: [R, ...]}`` fixes sites (outputs become observations). ``guide``:
+        True (the run's guide), False (none: the program proposes), or another guide (Algorithm 2's guide of the
+        grown prompt, :meth:`grown_guide`)."""
         model = _Conditioned(self.program, data, self.dim) if data else self.program
+        g = self.guide if guide is True else (guide or None)
         with torch.no_grad(), poutine.block():
-            return sample_particles(model, self.guide if guide else None, R, *self.args,
+            return sample_particles(model, g, R, *self.args,
                                     max_plate_nesting=self.depth, partial_guide=True, **self.kwargs)
+
+    def grown_guide(self, decoded: list):
+        """The guide of the prompt grown by the ``decoded`` outputs (Algorithm 2's Z^(t) ~ Q(. | X^(t))): the
+        program's protocol method ``grown_prompt_guide(guide, decoded, *args, **kwargs)`` (docs/programs.md) when it
+        offers one and it gives a guide, else True (the run's guide, proposing the prompt's latents from the
+        program's arguments alone)."""
+        grow = getattr(self.program, "grown_prompt_guide", None)
+        g = grow(self.guide, decoded, *self.args, **self.kwargs) if callable(grow) and self.guide is not None else None
+        return True if g is None else g
 
     def weights(self, p) -> torch.Tensor:
         """log w = log p - log q per particle: the weights of (3.2), (3.14) and Algorithm 2 (:func:`_log_weights`)."""

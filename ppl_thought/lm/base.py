@@ -8,7 +8,9 @@ The caller writes ``<bos>`` explicitly at the start of a sequence. Logits may be
 
 A cache has ``length`` (positions consumed), ``batch_size``, ``reorder(index)`` (gather rows
 along the batch dimension; resampling in SMC) and ``expand(n)`` (repeat each row n times; one
-prompt encoded once and shared by n particles).
+prompt encoded once and shared by n particles). It may also take ``with_room(room)``, a hint of how many
+positions are still to come that sizes its buffers (:class:`~ppl_thought.lm.kv_cache.KVCache`; see
+:func:`with_room`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ def step(lm: torch.nn.Module, tokens: torch.Tensor, cache: LMCache | None = None
     """One incremental step: ``tokens [B]`` -> ``(logits [B, V], cache)``."""
     logits, cache = lm(tokens[:, None], cache=cache, **kwargs)
     return logits[:, -1], cache
+
+
+def with_room(cache: Any, room: int | None) -> Any:
+    """``cache.with_room(room)`` for a cache that takes the hint (the positions still to come, which size the
+    buffers of its gathers: :meth:`~ppl_thought.lm.kv_cache.KVCache.with_room`), any other cache (or None) as it
+    is. Samplers that know how far they go (``max_len``) say it here; values never depend on it."""
+    take = getattr(cache, "with_room", None)
+    return take(room) if take is not None else cache
 
 
 def lm_device(lm: torch.nn.Module) -> torch.device:

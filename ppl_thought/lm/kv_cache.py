@@ -12,6 +12,12 @@ place (at least doubling capacity, with room for 64 more positions, when full; a
 more; a window cache compacts to its last k-1 entries when full). With gradients enabled it is purely
 functional (``torch.cat``), so autograd never sees an in-place write.
 
+The owner of a cache may say how many positions are still to come (:meth:`KVCache.with_room`: a sampler knows its
+``max_len``): buffers are then (re)allocated with that much room (when below 64) instead of 64. A gather writes every
+row's block of a fresh buffer, ``[B, H, capacity, Dh]``, so with small heads every page of it is faulted in: a
+buffer sized to what is used is that much less memory to fault in per resampling (``benchmarks/engines.py``).
+A wrong hint costs speed, never correctness: past it, appends grow the buffers as without one.
+
 Ragged rows (SMC particles waiting at a segment boundary): after a ``valid`` mask with a False entry the cache
 keeps a per-row key-validity mask and per-row positions; :func:`ragged_rows` computes positions and the
 attention mask of new tokens, :func:`check_positions` the position limit.
@@ -125,6 +131,7 @@ class KVCache:
         self._latents_version = None
         self.key_valid: torch.Tensor | None = None  # [B, T_cached] bool, None while all valid
         self.positions: torch.Tensor | None = None  # [B] long, None while every row is at ``length``
+        self.room: int | None = None  # positions still to come (a hint, see with_room); None: unknown
 
     @per_token
     def latent_projections(self, latents: torch.Tensor) -> list | None:
@@ -143,6 +150,28 @@ class KVCache:
     def with_rows(self, key_valid: torch.Tensor | None, positions: torch.Tensor | None) -> KVCache:
         self.key_valid, self.positions = key_valid, positions
         return self
+
+    @per_token
+    def with_room(self, room: int | None) -> KVCache:
+        """This cache (the same entries, a new object: the given one is left as it is) with a hint of how many
+        positions will still be appended to its rows (``None``: unknown). A hint below 64 sizes its gathers
+        (:meth:`reorder`, :meth:`expand`) and reallocations: room for that many appends instead of 64. Caches
+        appended from it carry the rest of the hint. Only allocation sizes depend on it: past the hint, appends
+        grow the buffers as without one."""
+        out = KVCache(self._storage, self._start, self._end, self.length, self.window)
+        out._cross, out._latents, out._latents_version = self._cross, self._latents, self._latents_version
+        out.key_valid, out.positions = self.key_valid, self.positions
+        out.room = None if room is None else max(operator.index(room), 0)
+        return out
+
+    def _room_after(self, n: int) -> int | None:
+        """The hint of a successor that appends ``n`` positions."""
+        return None if self.room is None else max(self.room - n, 0)
+
+    def _small_room(self, room: int | None) -> bool:
+        """Whether a hint of ``room`` positions to come sizes a (re)allocated buffer: a hint below :data:`_ROOM`
+        (a larger one, or none, gives the default growth), never for a window cache (it compacts when full)."""
+        return room is not None and 0 < room < _ROOM and self.window is None
 
     @classmethod
     @per_token
@@ -201,8 +230,12 @@ class KVCache:
         old = self._storage
         n = self.num_cached
         # keep the room left for appends, and make some where there is none (a prompt's cache expanded to
-        # n particles): memory that is never written costs nothing on CPU, a reallocation copies everything
-        capacity = max(old.capacity - self._start, n + (_ROOM if self.window is None else 0))
+        # n particles): a reallocation copies everything. With a hint, exactly the room it asks for: the gather
+        # writes into every row's block of the new buffer, so each of its pages is faulted in (small heads)
+        if self._small_room(self.room):
+            capacity = n + self.room
+        else:
+            capacity = max(old.capacity - self._start, n + (_ROOM if self.window is None else 0))
         keys, values = [], []
         for buffers, out in ((old.keys, keys), (old.values, values)):
             for buf in buffers:
@@ -215,6 +248,7 @@ class KVCache:
         # The cached latent projections belong to the old rows: drop them; the caller passes the
         # reordered latents next time.
         out = KVCache(_Storage(keys, values, n), 0, n, self.length, self.window)
+        out.room = self.room
         if self.ragged:
             out.with_rows(self.key_valid.index_select(0, index), self.positions.index_select(0, index))
         return out
@@ -231,15 +265,23 @@ class KVCache:
             keys = [None] * self.num_layers if fresh else list(self.keys)
             values = [None] * self.num_layers if fresh else list(self.values)
             new = KVCache(_Storage(keys, values, None), 0, kept + n, self.length, self.window)
+            new.room = self._room_after(n)
             return new.with_rows(self.key_valid, self.positions)
         if old.filled == self._end and self._end + n <= old.capacity and writable(old.keys[0]):
             old.filled = self._end + n  # in place: this cache is the only one that reaches the frontier
             new = KVCache(old, self._start, self._end + n, self.length, self.window)
+            new.room = self._room_after(n)
             return new.with_rows(self.key_valid, self.positions)
         # Reallocate (full, branched from, or built with gradients): copy the kept entries to the front
         # of a buffer with room to grow. A window cache keeps <= window-1 entries, so this compacts it.
-        room = _ROOM if self.window is None else 0  # a window cache stays within 2 (window - 1) + n
-        capacity = min(max(2 * (kept + n), kept + n + room), max(capacity_limit, kept + n))
+        # Room: what the hint has left after these n (at most _ROOM), else _ROOM and at least doubling;
+        # a window cache stays within 2 (window - 1) + n
+        after = self._room_after(n)
+        if self._small_room(after):
+            capacity = min(kept + n + after, max(capacity_limit, kept + n))
+        else:
+            room = _ROOM if self.window is None else 0
+            capacity = min(max(2 * (kept + n), kept + n + room), max(capacity_limit, kept + n))
         keys, values = [], []
         for buffers, out in ((old.keys, keys), (old.values, values)):
             for buf in buffers:
@@ -247,6 +289,7 @@ class KVCache:
                 new[:, :, :kept] = buf[:, :, self._start:self._end]
                 out.append(new)
         new = KVCache(_Storage(keys, values, kept + n), 0, kept + n, self.length, self.window)
+        new.room = after
         return new.with_rows(self.key_valid, self.positions)
 
     @per_token

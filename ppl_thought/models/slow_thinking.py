@@ -28,12 +28,13 @@ import torch
 
 from ppl_thought import checks
 from ppl_thought.distributions.lm_sequence import LMSequence
-from ppl_thought.distributions.lm_state import LMState, TokenRule
+from ppl_thought.distributions.lm_state import LMState, TokenRule, left_pack
 from ppl_thought.distributions.projected import ProjectionDelta
 from ppl_thought.errors import (
     ArgumentTypeError,
     ConfigError,
     MalformedSequenceError,
+    NotDisentangledError,
     NotInImageError,
     SiteMismatchError,
     TooLargeToEnumerateError,
@@ -43,6 +44,7 @@ from ppl_thought.models.plain import PlainLM
 from ppl_thought.program import Program, observe, particles
 from ppl_thought.program import sample as pt_sample
 from ppl_thought.projections.base import Projection, as_id_array
+from ppl_thought.projections.substitution import emission_substitution
 from ppl_thought.transforms.base import Transformed
 from ppl_thought.transforms.projection_lift import ProjectionLift
 from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb, checked, per_token
@@ -358,13 +360,42 @@ class Continuation(Program):
                              torch.full_like(stopped, j, dtype=torch.long))
         seg = pt_sample(f"s_{t + 1}", lm.segment(until_emitted=target))
         lm.extend(seg)
-        y = observable_at(m, lm.tokens, j - 1)
+        y = next_observable(m, lm, seg, j)
         V = int(m.prior.vocab_size)
         delta = torch.full((lm.n, V), -math.inf, device=lm.device).scatter_(1, y[:, None], 0.0)
         y = observe(f"y_{t + 1}", pdist.Categorical(logits=delta), None)
         if self.stop_at_eos:
             state["stopped"] = stopped = stopped | (y == m.vocab.eos_id)
         return stopped | torch.tensor(t + 1 >= self.max_new_tokens, device=stopped.device)
+
+    def grown_prompt_guide(self, guide, decoded: list, x: ArrayLike):
+        """Protocol method (Algorithm 2 of App. G, docs/programs.md): a guide for this program conditioned on the
+        ``decoded`` outputs y_1 .. y_t that proposes Z^(t) ~ Q(. | X^(t)) from the grown prompt X^(t) = x y_1 .. y_t,
+        instead of Z0 ~ Q(. | x) followed by the prior's segments (which match the decoded outputs only by chance,
+        so that most particles get weight 0). One draw of ``guide.sample_with_log_prob(X^(t), n)`` (the lifting of
+        X^(t), Prop 2.3) is split at the points where |x|, |x| + 1, ... observables are determined (Def 2.5, the
+        domain automaton's counts, one pass over the positions for all rows) into the sites ``"z"`` and ``"s_1"`` ..
+        ``"s_t"``; ``"z"`` carries log Q(Z^(t) | X^(t)), the segments are deltas, so that log p - log q is the weight
+        P(Z^(t)) 1{Proj(Z^(t)) = X^(t)} / Q(Z^(t) | X^(t)) of Algorithm 2. ``None`` (the engine's plain guide) when
+        nothing was decoded or the guide has no ``sample_with_log_prob``."""
+        draw = getattr(guide, "sample_with_log_prob", None)
+        if not decoded or not callable(draw):
+            return None
+        m = self.model
+        xt = m.x_ids(x)
+        X = torch.cat([xt, torch.as_tensor([int(v) for v in decoded], dtype=torch.long, device=xt.device)])
+        N, t = int(xt.shape[0]), len(decoded)
+        dom = m.projection.domain(N + self.max_new_tokens)
+
+        def grown(*args, **kwargs):
+            n = particles()
+            Z, lq = draw(X, n)
+            Z = torch.as_tensor(Z, device=self.device).long()
+            for name, value in zip(["z"] + [f"s_{k}" for k in range(1, t + 1)], split_segments(dom, Z, N, t)):
+                pt_sample(name, pdist.Delta(value, log_density=lq.to(value.device) if name == "z" else 0.0,
+                                            event_dim=1))
+
+        return grown
 
     def output_values(self, x: ArrayLike) -> torch.Tensor:
         """Protocol method: the values an output site takes, Sigma in ``projection.observable_ids`` order."""
@@ -396,6 +427,75 @@ def start_lifted_state(model: SlowThinking, n: int, total: int) -> LMState:
     dom = model.projection.domain(int(total))
     return LMState.start(model.prior, n, rule=TokenRule(dom, model.prior.vocab_size),
                          max_len=dom.max_len if dom.max_len is not None else 1 << 30)
+
+
+def split_segments(dom, Z: torch.Tensor, N: int, t: int) -> list[torch.Tensor]:
+    """Right-padded rows ``Z [n, L]`` of Dom(Proj) cut where N, N + 1, ..., N + t - 1 observables are determined
+    (Def 2.5: a segment ends at the token that determines one more observable; counts of the automaton ``dom``):
+    the prefix until N observables, then t segments of one more observable each (``[n, L_k]`` right-padded, at least
+    one column). Tokens after the (N + t)-th observable join the last segment. Vectorised over rows (one pass over
+    the positions)."""
+    n, L = Z.shape
+    step, emitted = dom.device_table("advance", Z), dom.device_table("emitted", Z)
+    s = dom.start_states(n, Z.device)
+    before = torch.empty_like(Z)
+    for i in range(L):  # observables determined before each token
+        before[:, i] = emitted[s]
+        s = step[s, Z[:, i]]
+    which = (before - N + 1).clamp_(0, t)  # 0: the prefix; k: segment k
+    out = []
+    for k in range(t + 1):
+        part = left_pack(torch.where(which == k, Z, PAD_ID))
+        width = max(int((part != PAD_ID).sum(-1).max()) if n else 0, 1)
+        out.append(part[:, :width])
+    return out
+
+
+def next_observable(model: SlowThinking, lm: LMState, seg: torch.Tensor, j: int) -> torch.Tensor:
+    """``[n]``: observable j - 1 (0-based) of Proj(z) per row after the segment ``seg`` that ends where j
+    observables are determined (Def 2.5), ``<pad>`` where a row has fewer: one batched lookup. For a disentangled
+    projection (Def 3.5) the token that ends the segment emits the observable (:func:`emitting_observables`); rows
+    whose state has j observables but whose segment does not end in an emitting token (not the case for the
+    projections of the library) and projections that are not disentangled take the host projection
+    (:func:`observable_at`)."""
+    table = emitting_observables(model.projection, lm.device)
+    if table is None:
+        return observable_at(model, lm.tokens, j - 1)
+    seg = seg if seg.ndim == 2 else seg[:, None]
+    width = (seg != PAD_ID).sum(-1)
+    last = seg.gather(1, (width - 1).clamp(min=0)[:, None]).squeeze(1)
+    y = table[last]
+    has = lm.rule.num_emitted(lm.s) >= j
+    fits = (width > 0) & (y >= 0)
+    if bool((has & ~fits).any()):  # one host sync per output
+        return observable_at(model, lm.tokens, j - 1)
+    return torch.where(has, y, PAD_ID)
+
+
+_EMITTING: dict = {}
+
+
+def emitting_observables(projection: Projection, device) -> torch.Tensor | None:
+    """``[V]`` long: the observable an emitting token determines (-1 for the others), from the emission map of (3.29)
+    (:func:`~ppl_thought.projections.substitution.emission_substitution`: ``sub[v, a] = v`` where v emits a), cached
+    per projection and device; None for a projection that is not disentangled (Def 3.5)."""
+    key = (id(projection), str(device))
+    hit = _EMITTING.get(key)
+    if hit is not None and hit[0] is projection:
+        return hit[1]
+    if not getattr(projection, "is_disentangled", False):
+        return None
+    try:
+        sub = emission_substitution(projection)
+    except NotDisentangledError:
+        return None
+    V = sub.shape[0]
+    own = sub == np.arange(V)[:, None]
+    table = torch.as_tensor(np.where(own.any(1), own.argmax(1), -1), dtype=torch.long, device=device)
+    if len(_EMITTING) > 64:
+        _EMITTING.clear()
+    _EMITTING[key] = (projection, table)
+    return table
 
 
 def observable_at(model: SlowThinking, z: torch.Tensor, i: int) -> torch.Tensor:
