@@ -220,3 +220,23 @@ def test_ubiquitous_refuses_a_missing_site_and_a_site_that_is_not_a_sequence():
         trace(seed(T.Ubiquitous(VOCAB, 2, site="nope")(jax_plain(jl)), 0)).get_trace(x)
     with pytest.raises(TransformError, match=r"site 'x': it is a Normal"):
         trace(seed(T.Ubiquitous(VOCAB, 2)(normal_model), 0)).get_trace()
+
+
+# ---------------------------------------------------------------------------------------------- engines
+def test_importance_on_a_forgetful_lifting_has_torch_log_weights():
+    """ptn.infer.Importance runs Forgetful()(ProjectionLift(proj)(model)) compiled; every particle's log p(z, x) is
+    the torch forgetful model's for the same z (its enumerated log joint), and log w = log p - log q."""
+    tl, jl = tabular_pair(5, order=4)
+    _, jq = tabular_pair(6, order=2, scale=0.5)
+    proj = pt.projections.QueryResponse(VOCAB, max_thought_len=1)
+    x = VOCAB.encode("a <eos> b <eos> a <eos> b")
+    support, lp = ptt.enumerate_log_joint(ptt.Forgetful()(ptt.ProjectionLift(proj)(torch_plain(tl))),
+                                          torch.tensor(x))
+    table = {tuple(int(t) for t in row if t != 0): float(v) for row, v in zip(support, lp)}
+    model = T.Forgetful()(T.ProjectionLift(proj)(jax_plain(jl)))
+    res = ptn.infer.Importance(16).run(model, ptn.guides.Causal(jq, proj), np.asarray(x), rng_key=jax.random.PRNGKey(0))
+    z = np.asarray(res.samples["z"])
+    log_p, log_q = np.asarray(res.stats["log_p"]), np.asarray(res.stats["log_q"])
+    for i in range(len(z)):
+        assert abs(log_p[i] - table[tuple(int(t) for t in z[i] if t != 0)]) < 1e-5
+    np.testing.assert_allclose(np.asarray(res.log_weights), log_p - log_q, atol=1e-5)
