@@ -240,3 +240,61 @@ def test_importance_on_a_forgetful_lifting_has_torch_log_weights():
     for i in range(len(z)):
         assert abs(log_p[i] - table[tuple(int(t) for t in z[i] if t != 0)]) < 1e-5
     np.testing.assert_allclose(np.asarray(res.log_weights), log_p - log_q, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- ActiveLift
+def test_active_lift_log_probs_equal_torch_and_importance_weights_are_p_g_over_q(tmp_path):
+    """Section 6 on the same weights: the JAX lifted model's log P(z) and log G(x | z) (6.13) and the guide's
+    log Q(z | x) (6.1) equal the torch ActiveLift's prefix quantities at t = T for every z in Omega^T, and
+    Importance's log weights are log P + log G - log Q of its particles; the refusals name the site."""
+    from ppl_thought.errors import ActiveLiftError
+
+    vocab = Vocab(["0", "1", "a", "b"])
+    torch.manual_seed(0)
+    tlm = pt.lm.Transformer(len(vocab), d_model=8, n_layers=1, n_heads=2, max_len=16)
+    with torch.no_grad():
+        for p in tlm.parameters():
+            p.normal_(0.0, 0.6)
+    jlm = ptn.lm.Transformer.load(tlm.save(tmp_path / "lm"))
+    tlift = ptt.ActiveLift(tlm, vocab, 2, ["0", "1"], max_x_len=3)
+    jlift = T.ActiveLift(jlm, vocab, 2, ["0", "1"], max_x_len=3)
+    x = np.array([vocab.id("a"), vocab.id("<eos>")])
+    zs = np.array([[vocab.id(a), vocab.id(b)] for a in "01" for b in "01"])
+
+    def program(x=None):
+        numpyro.sample("x", ptn.dist.LMSequence(jlm, max_len=3), obs=x)
+
+    lifted = jlift(program)
+
+    @jax.jit
+    def parts(z):
+        tr = trace(substitute(seed(lifted, 0), data={"z": z})).get_trace(x)
+        gq = trace(substitute(seed(jlift.guide, 0), data={"z": z})).get_trace(x)
+        return (tr["z"]["fn"].log_prob(z), tr["x"]["fn"].log_prob(tr["x"]["value"]), gq["z"]["fn"].log_prob(z))
+
+    zt = torch.tensor(zs)
+    with torch.no_grad():
+        ref = (tlift.prior_log_probs(zt).sum(-1), tlift.generator_log_probs(torch.tensor(x), zt)[:, -1],
+               tlift.sampler_log_probs(zt, torch.tensor(x)).sum(-1))
+    table = {}
+    for i, z in enumerate(zs):
+        got = parts(jnp.asarray(z))
+        for g, r in zip(got, ref):
+            assert abs(float(g) - float(r[i])) < 1e-5
+        table[tuple(z)] = float(got[0] + got[1] - got[2])
+    res = ptn.infer.Importance(8).run(lifted, jlift.guide, x, rng_key=jax.random.PRNGKey(0))
+    for z, lw in zip(np.asarray(res.samples["z"]), np.asarray(res.log_weights)):
+        assert abs(lw - table[tuple(z)]) < 1e-5
+
+    gen = trace(seed(jlift.model, 1)).get_trace(None)  # generation: x ~ G(. | z), z ~ P
+    xg = np.asarray(gen["x"]["value"])
+    assert set(xg[xg != 0].tolist()) <= set(vocab.observable_ids.tolist())
+    assert np.isfinite(float(gen["x"]["fn"].log_prob(gen["x"]["value"])))
+
+    def other_site(x=None):
+        numpyro.sample("y", ptn.dist.LMSequence(jlm, max_len=3), obs=x)
+
+    with pytest.raises(ActiveLiftError, match=r"site 'x'.*sequence sites: 'y'"):
+        trace(seed(jlift(other_site), 0)).get_trace(x)
+    with pytest.raises(ActiveLiftError, match=r"site 'x': it is a Normal"):
+        trace(seed(jlift(normal_model), 0)).get_trace()

@@ -9,6 +9,8 @@ constructor arguments and numbers:
   (the site's LM is read through :class:`ForgetfulLM`);
 - :class:`Persistent` / :class:`Ubiquitous` (5.6.1): thoughts stay in context / may stand anywhere in the text;
 - :class:`CostAware` ((5.26)-(5.27), 5.6.3): records the latent lengths |Z| and holds the estimators of 5.6.3;
+- :class:`ActiveLift` (Section 6, ppl_thought/numpyro/active.py): a learned sampler Q, latent prior P and
+  generator G in one LM in place of a fixed projection (the model X ~ G(. | Z), Z ~ P of (6.13));
 - :func:`compose`: ``compose(A, B, C)(model) == A(B(C(model)))``.
 
 Apply one as on the torch side, ``Forgetful()(ProjectionLift(proj)(model))``, or as NumPyro handlers are applied,
@@ -39,8 +41,8 @@ from ppl_thought.projections.pause import PauseToThink
 from ppl_thought.validation import per_token
 from ppl_thought.vocab import END_THINK_ID, EXPLAIN_ID, PAD_ID, THINK_ID, Vocab
 
-__all__ = ["CostAware", "Forgetful", "ForgetfulLM", "Persistent", "ProjectionLift", "Transform", "Ubiquitous",
-           "compose", "forgetful_keep", "latent_lengths"]
+__all__ = ["ActiveLift", "CostAware", "Forgetful", "ForgetfulLM", "GeneratorSequence", "Persistent", "ProjectionLift",
+           "Transform", "Ubiquitous", "compose", "forgetful_keep", "latent_lengths"]
 
 _MODE = "thinking"
 
@@ -395,3 +397,6 @@ class CostAware(Transform):
 
     def __repr__(self) -> str:
         return f"CostAware(weight={self.weight})"
+
+
+from ppl_thought.numpyro.active import ActiveLift, GeneratorSequence  # noqa: E402  (active.py builds on _RunCheck)
