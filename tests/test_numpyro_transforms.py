@@ -282,6 +282,12 @@ def test_active_lift_log_probs_equal_torch_and_importance_weights_are_p_g_over_q
         for g, r in zip(got, ref):
             assert abs(float(g) - float(r[i])) < 1e-5
         table[tuple(z)] = float(got[0] + got[1] - got[2])
+    np.testing.assert_allclose(np.asarray(jlift.generator_log_probs(x, zs)),
+                               tlift.generator_log_probs(torch.tensor(x), zt).detach().numpy(), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jlift.sampler_log_probs(zs, x)),
+                               tlift.sampler_log_probs(zt, torch.tensor(x)).detach().numpy(), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jlift.prior_log_probs(zs)), tlift.prior_log_probs(zt).detach().numpy(),
+                               atol=1e-5)
     res = ptn.infer.Importance(8).run(lifted, jlift.guide, x, rng_key=jax.random.PRNGKey(0))
     for z, lw in zip(np.asarray(res.samples["z"]), np.asarray(res.log_weights)):
         assert abs(lw - table[tuple(z)]) < 1e-5

@@ -13,7 +13,7 @@ numpy automaton tables)::
     ptn.infer                    # Importance (3.2), SMC, ELBO (for numpyro.infer.SVI), Result, ULA / MALA kernels
     ptn.handlers                 # ProjectionLift: a plain LM program -> Proj # P_f
     ptn.transforms               # pt.transforms as NumPyro handlers: ProjectionLift, Forgetful, Persistent,
-                                 # Ubiquitous, CostAware, compose
+                                 # Ubiquitous, CostAware, ActiveLift, compose
     ptn.to_inference_data        # ArviZ InferenceData with the weights kept as on the torch side
 
 Subpackages are imported on first use.

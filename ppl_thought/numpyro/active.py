@@ -57,13 +57,14 @@ class GeneratorSequence(Distribution):
         super().__init__(tuple(self.z.shape[:-1]), (self.max_len,), validate_args=validate_args)
 
     def _context(self) -> jax.Array:
-        zf = self.z.reshape((-1, self.z.shape[-1]))
+        zf = self.z.reshape((int(np.prod(self.z.shape[:-1])), self.z.shape[-1]))  # (-1, 0) is ambiguous for t = 0
         n = zf.shape[0]
         return jnp.concatenate([jnp.full((n, 1), BOS_ID, jnp.int32), zf, jnp.full((n, 1), END_THINK_ID, jnp.int32)], 1)
 
     @per_token
-    def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
-        """log G(x | z) (6.13): the masked step log-probabilities of x summed; ``-inf`` if x is incomplete."""
+    def step_log_probs(self, value: Any) -> tuple[jax.Array, jax.Array]:
+        """Per-token masked log-probabilities of x ``[n, L]`` (0 on padding) and completeness ``[n]`` (rows of the
+        flattened batch): one teacher-forced pass over ``<bos> z </s> x``."""
         ctx = self._context()
         n, c = ctx.shape
         x = jnp.broadcast_to(jnp.asarray(value, jnp.int32), self.batch_shape + (jnp.shape(value)[-1],))
@@ -72,7 +73,12 @@ class GeneratorSequence(Distribution):
         L = x.shape[1]
         inputs = jnp.concatenate([ctx, x[:, : max(L - 1, 0)]], 1)
         logp, _ = self.lm.apply(self.params, self.lm.init_cache(n, inputs.shape[1]), inputs)
-        steps, complete = score(self.rule, logp[:, c - 1:], x, self.max_len, np.array([EOS_ID]))
+        return score(self.rule, logp[:, c - 1:], x, self.max_len, np.array([EOS_ID]))
+
+    @per_token
+    def log_prob(self, value: Any, intermediates: Any = None) -> jax.Array:
+        """log G(x | z) (6.13): the masked step log-probabilities of x summed; ``-inf`` if x is incomplete."""
+        steps, complete = self.step_log_probs(value)
         return jnp.where(complete, steps.sum(-1), NEG_INF).reshape(self.batch_shape)
 
     @per_token
@@ -170,6 +176,33 @@ class ActiveLift(_RunCheck, Messenger):
         """The lifted model (6.13) on its own: Z ~ P, X ~ G(. | Z) observed at ``x`` (None: generated)."""
         z = numpyro.sample(self.latent_site, self.prior())
         return numpyro.sample(self.site, self.generator(z), obs=None if x is None else self._x(x))
+
+    # ------------------------------------------------------------------ prefix quantities (one pass each)
+    def _z(self, z: Any) -> jax.Array:
+        z = jnp.asarray(z, jnp.int32)
+        z = z[None] if z.ndim == 1 else z
+        if z.ndim != 2 or z.shape[-1] != self.latent_len:
+            raise MalformedSequenceError(f"z must be [B, T] with T = latent_len = {self.latent_len}, got shape "
+                                         f"{tuple(z.shape)}")
+        return z
+
+    def sampler_log_probs(self, z: ArrayLike, x: ArrayLike) -> jax.Array:
+        """``[B, T]``: log Q(z_t | x, z_<t) of (6.1), one teacher-forced pass over ``<bos> x <s> z``."""
+        return self.sampler(x).step_log_probs(self._z(z))[0]
+
+    def prior_log_probs(self, z: ArrayLike) -> jax.Array:
+        """``[B, T]``: log P(z_t | z_<t), one pass over ``<bos> <s> z``."""
+        return self.prior().step_log_probs(self._z(z))[0]
+
+    def generator_log_probs(self, x: ArrayLike, z: ArrayLike) -> jax.Array:
+        """``[B, T + 1]``: log G^{<=t}(x | z_<=t) for t = 0..T (column t reads the first t latent tokens): the
+        teacher-forced sum of log G over the tokens of x, log G([x] | z_<=t) of (6.21)."""
+        zi, xa = self._z(z), self._x(x)
+        if len(xa) > self.max_x_len:
+            raise MalformedSequenceError(f"x is longer than max_x_len = {self.max_x_len}")
+        cols = [GeneratorSequence(self.generator_lm, zi[:, :t], self._sigma_rule, self.max_x_len)
+                .step_log_probs(xa)[0].sum(-1) for t in range(self.latent_len + 1)]  # T + 1 prefixes, not particles
+        return jnp.stack(cols, 1)
 
     def process_message(self, msg: dict) -> None:
         if msg["type"] != "sample":
