@@ -25,7 +25,7 @@ from ppl_thought.errors import ActiveLiftError, MalformedSequenceError
 from ppl_thought.numpyro.boundary import ArrayLike, Key, as_numpy, checked_jax
 from ppl_thought.numpyro.distributions import NEG_INF, LMSequence, TokenRule, score, token_step
 from ppl_thought.numpyro.lm.base import LM
-from ppl_thought.numpyro.transforms import _RunCheck
+from ppl_thought.numpyro.transforms.base import _RunCheck
 from ppl_thought.projections.automaton import AutomatonBuilder
 from ppl_thought.validation import per_token
 from ppl_thought.vocab import BOS_ID, END_THINK_ID, EOS_ID, PAD_ID, THINK_ID, Vocab
