@@ -3,6 +3,7 @@
     python benchmarks/robustness.py [--quick] [--json FILE] [--property-examples N]
     python benchmarks/robustness.py --public [--public-examples N] --json benchmarks/results/robustness_public.json
     python benchmarks/robustness.py --public --only pt. --json /tmp/torch_side.json   (one side only)
+    python benchmarks/robustness.py --edges N [--json FILE]   (only the generated edge families of issue 41)
 
 Each case feeds one bad input to one public entry point and classifies the answer:
 
@@ -293,7 +294,25 @@ def main() -> None:
     ap.add_argument("--only", action="append", default=[], metavar="PREFIX",
                     help="with --public: only the callables whose name starts with PREFIX (repeatable; 'pt.' is the "
                          "torch side, 'ptn' the JAX side); the JSON then records the prefixes")
+    ap.add_argument("--edges", type=int, default=None, metavar="N",
+                    help="only the generated edge families of issue 41 (benchmarks/robustness_edges.py), N cases each")
     args = ap.parse_args()
+    if args.edges is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from robustness_edges import edge_rows
+
+        fams = edge_rows(args.edges)
+        summary = {fam: dict(sorted(Counter(a for _, a, _ in rows).items())) for fam, rows in fams.items()}
+        for fam, rows in fams.items():
+            print(f"{fam:18s} {summary[fam]}")
+            for inp, a, msg in rows:
+                if a not in ("clear", "ok", "skipped"):
+                    print(f"    {a:8s} {inp}: {msg}")
+        if args.json:
+            pt.io.atomic_write_json(args.json, {"command": f"python benchmarks/robustness.py --edges {args.edges}",
+                                                "families": summary,
+                                                "cases": {f: [list(r) for r in rows] for f, rows in fams.items()}})
+        return
     if args.public:
         only = tuple(args.only)
         sweep = public_sweep(args.public_examples, only)

@@ -53,9 +53,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ppl_thought.errors import CheckpointError, MissingCheckpointError
+from ppl_thought import schemas
+from ppl_thought.errors import CheckpointError, MissingCheckpointError, SchemaError
 
-FORMAT = "ppl_thought.checkpoint/1"
+FORMAT = schemas.CHECKPOINT.version  # "ppl_thought.checkpoint/1"
 TENSORS_STEM = "model"  # tensors files: model.<sha256[:16]>.safetensors (older checkpoints: model.safetensors)
 SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+\.safetensors")
 CONFIG_FILE = "config.json"
@@ -324,17 +325,10 @@ def read_header(path: str | Path) -> dict:
                               "reading it") from None
     header = parse_json(text, str(cfg))
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise CheckpointError(f"{cfg} is not a {FORMAT} checkpoint")
-    missing = [k for k in ("config", "extra", "tensors") if k not in header]
-    tensors = header.get("tensors")
-    if not missing and isinstance(tensors, dict):
-        missing = [f"tensors.{k}" for k in ("file", "sha256") if not isinstance(tensors.get(k), str)]
-    elif not missing:
-        missing = ["tensors"]
-    if missing:
-        raise CheckpointError(f"{cfg} lacks {', '.join(missing)}")
-    if not isinstance(header["extra"], dict):
-        raise CheckpointError(f"{cfg}: extra must be a JSON object, got {type(header['extra']).__name__}")
+        raise SchemaError(f"{cfg} is not a {FORMAT} checkpoint (its format is "
+                          f"{header.get('format') if isinstance(header, dict) else None!r})")
+    schemas.check(schemas.CHECKPOINT, header, cfg)  # every key, its type; nothing filled in
+    tensors = schemas.check(schemas.CHECKPOINT_TENSORS, header["tensors"], cfg)
     name = tensors["file"]
     if not SAFE_NAME.fullmatch(name) or name in (".", ".."):
         raise CheckpointError(f"{cfg} names the tensors file {name!r}: it must be a plain file name in the "

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import sys
 
 import numpy as np
 
@@ -157,16 +156,12 @@ def instance(name: str, value, cls: type | tuple[type, ...], expects: str) -> No
 
 
 def available_memory() -> int | None:
-    """Bytes of memory the machine can still give (psutil's ``available``, else ``os.sysconf``), or None."""
-    try:
-        import psutil
-        return int(psutil.virtual_memory().available)
-    except Exception:  # noqa: BLE001 - psutil missing or unsupported here: fall back to sysconf
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
+    """Bytes of memory the machine can still give (:func:`ppl_thought.resources.available_bytes`: the one home
+    of the limit, ``PPL_THOUGHT_MAX_BYTES`` included), or None where it cannot be measured."""
+    from ppl_thought.resources import available_bytes
+
+    free = available_bytes()
+    return None if free == float("inf") else int(free)
 
 
 #: allocations below this many bytes are never refused by :func:`allocation`
@@ -175,24 +170,15 @@ SMALL_ALLOCATION = 1 << 28
 
 def allocation(what: str, nbytes: int, device=None) -> None:
     """Refuse, before allocating, a tensor of ``nbytes`` that is larger than the memory the device has free
-    (host memory for the CPU, ``torch.cuda.mem_get_info`` for a GPU): a :class:`ConfigError` naming the sizes,
-    instead of a hang, a swap storm or a raw allocator error. Sizes under 256 MiB are not checked (asking the OS
-    for its free memory costs a file read; an engine calls this once per run)."""
+    (host memory for the CPU, ``torch.cuda.mem_get_info`` for a GPU; :func:`ppl_thought.resources.check_bytes`):
+    a :class:`~ppl_thought.errors.ResourceError` (a ``ConfigError``) naming the sizes, instead of a hang, a swap
+    storm or a raw allocator error. Sizes under 256 MiB are not checked (asking the OS for its free memory costs
+    a file read; an engine calls this once per run)."""
     if nbytes < SMALL_ALLOCATION:
         return
-    free = None
-    dev = None if device is None else str(device)
-    if dev is not None and dev.startswith("cuda"):
-        torch = sys.modules.get("torch")  # a CUDA device means torch is loaded; this base module does not import it
-        try:
-            free = int(torch.cuda.mem_get_info(torch.device(dev))[0])
-        except (RuntimeError, AssertionError, ValueError, AttributeError):
-            free = None
-    else:
-        free = available_memory()
-    if free is not None and nbytes > free:
-        raise ConfigError(f"{what} would allocate {nbytes / 2**30:.3g} GiB but {free / 2**30:.3g} GiB are free on "
-                          f"{dev or 'the host'}: use fewer particles or shorter sequences")
+    from ppl_thought.resources import check_bytes
+
+    check_bytes(nbytes, what, "this allocation", device, fix="fewer particles or shorter sequences")
 
 
 def lm(name: str, value) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ppl_thought.errors import ConfigError
 from ppl_thought.validation import checked
 
 
@@ -22,6 +23,8 @@ def bounded_num_draws(ess: float) -> int:
     ess = float(ess)
     if not ess >= 1.0:
         return 0
+    if math.isinf(ess):  # (NaN is refused by the type layer)
+        raise ConfigError("bounded_num_draws: ess = inf; an effective sample size is at most the number of particles")
 
     def size(m: int) -> float:
         return m * max(1.0, math.log10(m))

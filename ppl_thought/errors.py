@@ -145,3 +145,62 @@ class ArgumentTypeError(ConfigError, TypeError):
 class ResultTypeError(PPLThoughtError, TypeError):
     """A public function returned a value outside its declared type: a defect of the library (please report it),
     raised by the type layer of :mod:`ppl_thought.validation` instead of handing the value on."""
+
+
+class SchemaError(CheckpointError):
+    """A file whose content does not follow its format's schema (:mod:`ppl_thought.schemas`): another format
+    version, a missing required key, a key the format does not have, a value of another type. The message names
+    the file, the key and what was expected."""
+
+
+class ResourceError(ConfigError, MemoryError):
+    """A call whose arguments need more memory than the machine has (:mod:`ppl_thought.resources`), refused
+    before anything is allocated (a :class:`ConfigError`: the arguments are what to change; a ``MemoryError``:
+    what it prevents). The message names the argument, the estimate, the limit and the override (the
+    ``PPL_THOUGHT_MAX_BYTES`` environment variable)."""
+
+
+class TokenizerMismatchError(ConfigError):
+    """A token automaton built from the token texts of another tokenizer than the LM's vocabulary (same size,
+    other strings): it would admit tokens by their texts in the other tokenizer, and the LM would write strings
+    outside the constraint. Rebuild it with ``token_automaton(dfa, token_texts(lm.vocab))``."""
+
+
+# ---------------------------------------------------------------------------------------------- zero weights
+def describe_proposal(guide: object) -> str:
+    """What proposed the particles of a run, for a :class:`ZeroWeightsError` message: ``"the guide <name>"``, or
+    the model's own prior when ``guide`` is ``None`` (bootstrap), never "the guide" when there is none."""
+    if guide is None:
+        return "the model's own prior (no guide: bootstrap)"
+    if isinstance(guide, str):  # already described (e.g. "the LM proposal")
+        return guide
+    inner = getattr(getattr(guide, "make", None), "__self__", None)  # SMC's SequenceGuide(sampler.dist): the sampler
+    guide = guide if inner is None else inner
+    name = guide.__name__ if isinstance(guide, type) or callable(guide) and hasattr(guide, "__code__") \
+        else type(guide).__name__
+    return f"the guide {name}"
+
+
+def zero_weights_message(engine: str, n: int, proposal: str = "the proposal", *, where: str = "",
+                         sites: tuple | list = (), group: str = "") -> str:
+    """The one message of every :class:`ZeroWeightsError` on both backends (docs/architecture.md, "Rules that keep it
+    right").
+
+    The rule it explains: data of probability 0 exactly (x outside the image of Proj, Def 2.6: its lifting is
+    empty) is not an error, the engines return log Z-hat = -inf with a warning; a run whose n weights
+    w_i = p / q of (3.2) are *all* zero otherwise has nothing to return (no particle to weigh, resample or
+    decode), and raises with this message. ``proposal`` names what drew the particles
+    (:func:`describe_proposal`), ``where`` the step (``"after step 3 of Foo"``), ``sites`` the sites whose
+    log-probability is -inf in every particle, ``group`` the group of a grouped run (``"of group 2 "``)."""
+    at = f" {where}" if where else ""
+    named = f"; site(s) {', '.join(str(s) for s in sites)} score -inf in every particle" if sites else ""
+    if proposal.startswith("the model's own prior"):
+        fix = (f"{proposal} proposed every particle, and under each latent value it drew the data have "
+               "probability 0. If the data are impossible under the model, log p(x) = -inf is the answer; "
+               "otherwise the posterior is too far from the prior for n particles: pass a guide supported on it, "
+               "or use more particles")
+    else:
+        fix = (f"{proposal} proposed only values the model (or a twist) gives probability 0 (a support mismatch): "
+               "make it propose values of positive probability under the model (the lifting of x), or use more "
+               "particles")
+    return (f"{engine}: all {n} particle weights {group}are zero (every log weight is -inf){at}{named}: {fix}")

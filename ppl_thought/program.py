@@ -57,6 +57,7 @@ from ppl_thought.contract import (  # noqa: F401 -- the contract's names, re-exp
 )
 from ppl_thought.errors import PPLThoughtError, ProgramError
 from ppl_thought.lm.base import lm_device
+from ppl_thought.projections.token_lift import check_tokenizer
 from ppl_thought.twists import current as current_twists
 from ppl_thought.validation import not_checked
 
@@ -111,8 +112,12 @@ def sample(name: str, fn, **kwargs) -> torch.Tensor:
     ``pt.sample``, :func:`observe`, :func:`factor` and :func:`twist` are the four verbs of a program; they are
     Pyro's primitives under the names of the theory, so Pyro code and Pyro handlers keep working on them.
     ``name`` must be a str and ``fn`` a distribution (:class:`~ppl_thought.errors.ProgramError` otherwise).
+    A ``Categorical`` / ``OneHotCategorical`` / ``Bernoulli`` built with ``probs=`` is scored exactly (torch clamps
+    its probabilities at float32 eps), other clamping ``probs=`` sites are flagged once with a warning
+    (:mod:`ppl_thought.distributions.unclamped`).
     """
     _check_site("sample", name, fn)
+    fn = unclamped(fn, name)  # probs= scored exactly, not at torch's clamp (distributions/unclamped.py)
     try:
         return pyro.sample(name, fn, **kwargs)
     except ValueError as e:
@@ -131,6 +136,7 @@ def observe(name: str, fn, value) -> torch.Tensor:
     generates it: ``pt.observe(f"x_{t}", d, x[t] if t < len(x) else None)``.
     """
     _check_site("observe", name, fn)
+    fn = unclamped(fn, name)  # probs= scored exactly, not at torch's clamp (distributions/unclamped.py)
     if value is None:
         try:
             return pyro.sample(name, fn, infer={OUTPUT: True})
@@ -339,6 +345,7 @@ class OneTokenStep:
         if not isinstance(spec, OneTokenStep):
             raise ConfigError(f"{name}.one_token_step() must return a ppl_thought.program.OneTokenStep or None, got "
                               f"{type(spec).__name__}")
+        check_tokenizer(getattr(spec.rule, "constraint", None), spec.lm, f"{engine} on {name}")
         return spec
 
     def prompt_ids(self, args: tuple, kwargs: dict) -> Any:
@@ -357,9 +364,7 @@ class OneTokenStep:
         if free is None:
             free = type(self.rule)(None, self.rule.vocab_size)
             object.__setattr__(self, "_free", free)
-        admitted = self.rule.masked_law(logits, s).log_norm  # kept: the draw from the same law reads it again
-        total = free.log_normaliser(logits, s)
-        log_z = torch.where(torch.isneginf(total), total, admitted - total)
+        log_z = log_mass_ratio(self.rule, free, logits, s)  # exact for huge logits; kept for the draw
         return torch.where(done, torch.zeros_like(log_z), log_z)
 
     def stop_tensor(self, device: Any) -> torch.Tensor:
@@ -526,3 +531,9 @@ def pyro_module(name: str, module: torch.nn.Module) -> None:
     for key, p in module.named_parameters():
         if p.requires_grad:
             pyro.param(param_with_module_name(name, key), p)
+
+
+# imported last: ppl_thought.distributions imports this module (its registry reads pyro_module), so these names are
+# bound once everything above exists, whichever of the two modules is imported first
+from ppl_thought.distributions.token_rule import log_mass_ratio  # noqa: E402
+from ppl_thought.distributions.unclamped import unclamped  # noqa: E402

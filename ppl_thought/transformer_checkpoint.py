@@ -9,8 +9,9 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
+from ppl_thought import schemas
 from ppl_thought.checkpoint import read_checkpoint
-from ppl_thought.errors import CheckpointError, ConfigError
+from ppl_thought.errors import CheckpointError, ConfigError, SchemaError
 
 # -------------------------------------------------------------------------- Transformer checkpoints
 
@@ -81,16 +82,21 @@ def check_transformer_config(path, config, saved: Mapping[str, tuple[int, ...]],
                              aliases: Mapping[str, str] | None = None) -> dict:
     """The constructor arguments of a Transformer checkpoint, checked against the saved tensor shapes.
 
-    A config that does not describe the saved tensors (keys that are no constructor argument, sizes that
-    are not positive integers, another depth, width or tensor shape than saved, a saved vocabulary of
-    another size than ``vocab_size``) raises :class:`~ppl_thought.errors.CheckpointError` naming it, before
-    anything is allocated. ``aliases`` (the tensors file's ``{alias: stored name}``) must be exactly the tied
-    LM head of a ``tie_embeddings`` model and nothing for an untied one. Shared by the torch and the JAX
-    loader: the same checkpoint is accepted or refused, with the same message, by both.
+    The config is first checked against :data:`ppl_thought.schemas.TRANSFORMER` (its format version; every
+    constructor argument present, typed and in range: a config without ``n_heads`` or ``rope_base`` is refused,
+    never built with the constructor's default). A config that does not describe the saved tensors (keys that
+    are no constructor argument, sizes that are not positive integers, another depth, width or tensor shape
+    than saved, a saved vocabulary of another size than ``vocab_size``) raises
+    :class:`~ppl_thought.errors.CheckpointError` naming it, before anything is allocated. ``aliases`` (the
+    tensors file's ``{alias: stored name}``) must be exactly the tied LM head of a ``tie_embeddings`` model and
+    nothing for an untied one. Shared by the torch and the JAX loader: the same checkpoint is accepted or
+    refused, with the same message, by both.
     """
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: the config of a Transformer checkpoint is a JSON object, got {config!r}")
+    schemas.check(schemas.TRANSFORMER, config, path)  # version, every argument present and typed: no defaults
     config = dict(config)
+    config.pop(schemas.TRANSFORMER.version_key, None)
     vocab = config.pop("vocab", None)
     if vocab is not None:
         _check_saved_vocab(path, vocab, config.get("vocab_size"))
@@ -140,13 +146,10 @@ def _check_saved_vocab(path, vocab, vocab_size) -> None:
     from ppl_thought.vocab import Vocab
 
     try:
-        if not isinstance(vocab, dict) or set(vocab) != {"tokens", "specials"}:
-            raise TypeError("a JSON object with exactly the keys 'tokens' and 'specials'")
-        if not all(isinstance(v, list) and all(isinstance(t, str) for t in v) for v in vocab.values()):
-            raise TypeError("tokens and specials must be lists of strings")
+        schemas.check(schemas.VOCAB, vocab, path)
         size = len(Vocab.from_dict(vocab))
     except (TypeError, ValueError, PPLThoughtError) as e:
-        raise CheckpointError(f"{path}: the saved vocabulary cannot be read: {e}"[:300]) from None
+        raise SchemaError(f"{path}: the saved vocabulary cannot be read: {e}"[:300]) from None
     if size != vocab_size:
         raise CheckpointError(f"{path}: the saved vocabulary has {size} ids, the config's vocab_size is "
                               f"{vocab_size}: refused (token ids would be read as other tokens)")

@@ -20,7 +20,11 @@ benchmarking what it costs (``benchmarks/engine_core_ab.py --typecheck-ab``).
 
 Numbers: a hint ``int`` also admits NumPy integers, ``float`` admits ``int`` and NumPy floating scalars (the
 numeric tower of PEP 484), so ``SMC(np.int64(64))`` still works; ``Sequence[int]`` / ``Iterable[int]`` (and
-``float``) admit any framework's array.
+``float``) admit any framework's array. A ``float`` argument is never NaN: a NaN (Python or NumPy float) given
+to a parameter hinted ``float`` (alone, in a union or ``Optional``) is an :class:`ArgumentTypeError` (a
+``ConfigError``) naming the parameter, before the body runs, where it used to flow on (``bounded_num_draws(nan)``
+returned 0). A parameter that admits NaN says so with the hint :class:`FloatOrNaN`. (+-inf stay admitted:
+log-probabilities may be -inf; return values are not scanned.)
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import types
 import typing
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -40,8 +45,8 @@ from beartype.roar import BeartypeDecorHintPep585DeprecationWarning, BeartypeExc
 
 from ppl_thought.errors import ArgumentTypeError, PPLThoughtError, ResultTypeError
 
-__all__ = ["ENABLED", "CONF", "ArrayLike", "SupportsArray", "SupportsLogProb", "SupportsSampleWithLogProb",
-           "checked", "per_token", "not_checked", "resolve_all", "UNCHECKED"]
+__all__ = ["ENABLED", "CONF", "ArrayLike", "FloatOrNaN", "SupportsArray", "SupportsLogProb",
+           "SupportsSampleWithLogProb", "checked", "per_token", "not_checked", "resolve_all", "UNCHECKED"]
 
 
 
@@ -85,6 +90,13 @@ class SupportsLogProb(metaclass=_Duck):
     """A sampler scored on given latents: ``log_prob(z, x) -> log Q(z | x)`` (the exact divergences of Table 3.1)."""
 
     _methods = ("log_prob",)
+
+
+class FloatOrNaN(metaclass=_Duck):
+    """The hint of a number argument that may be NaN on purpose (a plain ``float`` hint refuses NaN): anything
+    with ``__float__``."""
+
+    _methods, _on_type = ("__float__",), True
 
 
 ENABLED: bool = os.environ.get("PPL_THOUGHT_TYPECHECK", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -184,6 +196,17 @@ def _check_function(func: Callable, skip_while: Callable[[], bool] | None) -> Ca
                 check = beartype(func, conf=CONF)
         except BeartypeException as e:
             UNCHECKED[_qualname(func)] = f"{type(e).__name__}: {e}".splitlines()[0]
+            return check
+        at = _float_parameters(func)
+        if at:  # a NaN where the hint says float: refused before the body runs (one comparison per such argument)
+            typed = check
+
+            def check(*args: Any, **kwargs: Any) -> Any:
+                for i, name in at:
+                    v = args[i] if i < len(args) else kwargs.get(name)
+                    if v.__class__ in _FLOATS and v != v:
+                        raise _nan_error(func, args, kwargs, at)
+                return typed(*args, **kwargs)
         return check
 
     def first_call(*args: Any, **kwargs: Any) -> Any:
@@ -278,6 +301,45 @@ def _refuse_unreadable(func: Callable, error: BaseException, args: tuple, kwargs
         raise ArgumentTypeError(f"{_qualname(func)}() got {', '.join(odd)}, which its type hints cannot read "
                                 f"({type(error).__name__}: {error}): expected the declared types "
                                 f"{_hints(func)}"[:600]) from None
+
+
+_FLOATS = frozenset((float, np.float16, np.float32, np.float64, np.longdouble))
+
+
+def _admits_float(hint: Any) -> bool:
+    """Whether a hint is ``float`` itself or a union / ``Annotated`` / ``Optional`` with ``float`` as a member
+    (not the items of a container: a sequence is read as an array)."""
+    if hint is float:
+        return True
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is types.UnionType or origin is typing.Annotated:
+        members = typing.get_args(hint)[:1] if origin is typing.Annotated else typing.get_args(hint)
+        return any(_admits_float(h) for h in members)
+    return False
+
+
+def _float_parameters(func: Callable) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the parameters of ``func`` hinted ``float`` (keyword-only: no position)."""
+    try:
+        hints, params = typing.get_type_hints(func, include_extras=True), inspect.signature(func).parameters
+    except Exception:  # noqa: BLE001 -- unresolvable: nothing to scan (the layer already records why)
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+             inspect.Parameter.KEYWORD_ONLY)
+    return tuple((i if p.kind is not inspect.Parameter.KEYWORD_ONLY else 1 << 30, name)
+                 for i, (name, p) in enumerate(params.items())
+                 if p.kind in kinds and name in hints and _admits_float(hints[name]))
+
+
+def _nan_error(func: Callable, args: tuple, kwargs: dict, at: tuple) -> ArgumentTypeError:
+    """The error of a NaN given where a hint says ``float``: the parameters (of ``at``) that hold a NaN, by name."""
+    def is_nan(v: Any) -> bool:
+        return v.__class__ in _FLOATS and v != v
+
+    names = [name for i, name in at if is_nan(args[i] if i < len(args) else kwargs.get(name))]
+    return ArgumentTypeError(f"{_qualname(func)}(): {', '.join(names)} is NaN, where a number is due (a float "
+                             "argument must be a number, finite or +-inf; NaN usually comes from a failed computation "
+                             "upstream, e.g. 0/0 or a NaN log-probability): pass a number")
 
 
 def _hints(func: Callable) -> str:

@@ -223,10 +223,7 @@ NOT_ENGINES = {
     "pt.verifiers.verifier_factor": "a program verb (the verifier's factor)",
     "ptn.infer.Result": "the result type of every engine",
     "ptn.infer.LangevinState": "the state type of MALA / ULA",
-    "ptn.infer.effective_sample_size": "a statistic of weights",
     "ptn.infer.log_marginal_stderr": "a statistic of weights",
-    "ptn.infer.log_mean_exp": "a statistic of weights",
-    "ptn.infer.systematic_resample": "the resampler (an engine's part)",
 }
 
 

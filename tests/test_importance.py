@@ -259,7 +259,7 @@ def test_all_zero_weights_raise():
     logits[:, VOCAB.id("b")] = float("-inf")  # the prior never emits "b"
     model = SlowThinking(Tabular(2, V, logits, trainable=False), PauseToThink(VOCAB, 1))
     assert torch.isneginf(model.exact_log_prob("ab"))
-    with pytest.raises(ZeroWeightsError, match="all 32 importance weights are zero"):
+    with pytest.raises(ZeroWeightsError, match="all 32 particle weights are zero"):
         Importance(32).run(model, LiftingSampler(tabular(V, 1), model), "ab")
 
 

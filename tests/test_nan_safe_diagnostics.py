@@ -28,8 +28,8 @@ import numpyro  # noqa: E402
 import numpyro.distributions as nd  # noqa: E402
 
 import ppl_thought.numpyro as ptn  # noqa: E402
-from ppl_thought.numpyro.infer import effective_sample_size as jax_ess  # noqa: E402
 from ppl_thought.numpyro.infer import log_marginal_stderr as jax_stderr  # noqa: E402
+from ppl_thought.numpyro.infer.resampling import effective_sample_size as jax_ess  # noqa: E402
 from ppl_thought.numpyro.inference_data import to_inference_data as jax_to_inference_data  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")

@@ -33,7 +33,9 @@ from ppl_thought.errors import (  # noqa: E402
     MalformedSequenceError,
     NumericalError,
 )
+from ppl_thought.numpyro import distributions as pnd  # noqa: E402
 from ppl_thought.numpyro.boundary import tracing  # noqa: E402
+from ppl_thought.numpyro.infer import resampling  # noqa: E402
 from ppl_thought.projections import PauseToThink  # noqa: E402
 from ppl_thought.validation import ENABLED, checked, resolve_all  # noqa: E402
 from ppl_thought.vocab import Vocab  # noqa: E402
@@ -233,7 +235,7 @@ NONE_WHERE_A_MODEL_OR_LM_GOES = {
     "NextToken(None)": lambda p: ptn.dist.NextToken(None),
     "Segment(None, [], 2)": lambda p: ptn.dist.Segment(None, [], 2),
     "SamplerProgram(None, x)": lambda p: ptn.guides.SamplerProgram(None, [2]),
-    "Tables(None)": lambda p: ptn.dist.Tables(None),
+    "Tables(None)": lambda p: pnd.Tables(None),
     "tables(lambda)": lambda p: ptn.dist.tables(lambda: None),
     "TokenRule(None, None)": lambda p: ptn.dist.TokenRule(None, None),
     "ProjectionDelta(None, z, 1)": lambda p: ptn.dist.ProjectionDelta(None, [[2]], 1),
@@ -241,9 +243,9 @@ NONE_WHERE_A_MODEL_OR_LM_GOES = {
     "lifting_state(None, s)": lambda p: ptn.guides.lifting_state(None, 0),
     "Transformer(None)": lambda p: ptn.lm.Transformer(None),
     "decode(dict as the LM)": lambda p: ptn.dist.decode(jax.random.PRNGKey(0), {}, None, None, 1, [], 2, []),
-    "encode(None)": lambda p: ptn.dist.encode(None, None, [], 1, 1),
+    "encode(None)": lambda p: pnd.encode(None, None, [], 1, 1),
     "teacher_forced(None)": lambda p: ptn.dist.teacher_forced(None, None, [], jnp.zeros((1, 2), jnp.int32)),
-    "score(None as the rule)": lambda p: ptn.dist.score(None, jnp.zeros((1, 2, 4)), jnp.zeros((1, 2), jnp.int32),
+    "score(None as the rule)": lambda p: pnd.score(None, jnp.zeros((1, 2, 4)), jnp.zeros((1, 2), jnp.int32),
                                                          2, []),
 }
 
@@ -258,29 +260,29 @@ def test_none_where_a_model_or_lm_goes_is_a_type_error_naming_it(case):
 
 
 ARRAYS = {  # a wrong array argument: before, JAX's TypeError or an AttributeError from inside
-    "const(None)": (lambda: ptn.dist.const(None), ArgumentTypeError),
-    "const(mixed list)": (lambda: ptn.dist.const([1.5, "a"]), ArgumentTypeError),
+    "const(None)": (lambda: pnd.const(None), ArgumentTypeError),
+    "const(mixed list)": (lambda: pnd.const([1.5, "a"]), ArgumentTypeError),
     "masked_log_softmax(None, None)": (lambda: ptn.dist.masked_log_softmax(None, None), ArgumentTypeError),
     "masked_log_softmax(list, int)": (lambda: ptn.dist.masked_log_softmax([0.0], -1), ArgumentTypeError),
     "pad_to(None, 3)": (lambda: ptn.dist.pad_to(None, 3), ArgumentTypeError),
     "pad_to(z, -1)": (lambda: ptn.dist.pad_to(jnp.zeros((1, 2), jnp.int32), -1), ConfigError),
-    "tree_where(float, ...)": (lambda: ptn.dist.tree_where(math.inf, 1.5, 0), ArgumentTypeError),
-    "tree_where(two trees)": (lambda: ptn.dist.tree_where(np.array([True]), [1.5, "a"], "x"), MalformedSequenceError),
-    "sample_token(None, ...)": (lambda: ptn.dist.sample_token(None, None, None), ArgumentTypeError),
+    "tree_where(float, ...)": (lambda: pnd.tree_where(math.inf, 1.5, 0), ArgumentTypeError),
+    "tree_where(two trees)": (lambda: pnd.tree_where(np.array([True]), [1.5, "a"], "x"), MalformedSequenceError),
+    "sample_token(None, ...)": (lambda: pnd.sample_token(None, None, None), ArgumentTypeError),
     "check_ids(ids, object())": (lambda: ptn.dist.check_ids([1], object(), 3), ArgumentTypeError),
     "check_ids(text)": (lambda: ptn.dist.check_ids("ab", 4, 3), ArgumentTypeError),
     "TableDistribution(None, None)": (lambda: ptn.guides.TableDistribution(None, None), ArgumentTypeError),
     "TableDistribution(NaN log-probs)": (lambda: ptn.guides.TableDistribution(np.array([[2]]), np.array([np.nan])),
                                          MalformedSequenceError),
-    "log_mean_exp(None)": (lambda: ptn.infer.log_mean_exp(None), ArgumentTypeError),
-    "log_mean_exp(empty)": (lambda: ptn.infer.log_mean_exp(np.zeros(0)), DiagnosticError),
-    "effective_sample_size(axis=inf)": (lambda: ptn.infer.effective_sample_size(np.zeros(3), axis=math.inf),
+    "log_mean_exp(None)": (lambda: resampling.log_mean_exp(None), ArgumentTypeError),
+    "log_mean_exp(empty)": (lambda: resampling.log_mean_exp(np.zeros(0)), DiagnosticError),
+    "effective_sample_size(axis=inf)": (lambda: resampling.effective_sample_size(np.zeros(3), axis=math.inf),
                                         ArgumentTypeError),
     "log_marginal_stderr('x')": (lambda: ptn.infer.log_marginal_stderr("x"), ArgumentTypeError),
     "log_marginal_stderr(NaN)": (lambda: ptn.infer.log_marginal_stderr(np.array([0.0, np.nan])), DiagnosticError),
-    "systematic_resample(key, None)": (lambda: ptn.infer.systematic_resample(jax.random.PRNGKey(0), None),
+    "systematic_resample(key, None)": (lambda: resampling.systematic_resample(jax.random.PRNGKey(0), None),
                                        ArgumentTypeError),
-    "systematic_resample(size=-1)": (lambda: ptn.infer.systematic_resample(jax.random.PRNGKey(0), np.zeros(3), -1),
+    "systematic_resample(size=-1)": (lambda: resampling.systematic_resample(jax.random.PRNGKey(0), np.zeros(3), -1),
                                      DiagnosticError),
     "reorder(-1, True)": (lambda: ptn.lm.reorder(-1, True), ArgumentTypeError),
     "reorder(a string cache)": (lambda: ptn.lm.reorder("x", np.array([0])), MalformedSequenceError),
@@ -299,11 +301,11 @@ def test_valid_arrays_of_numpy_jax_and_lists_still_pass():
     """The array hints admit JAX arrays, NumPy arrays and Python lists (where ``jnp.asarray`` reads them)."""
     for lw in ([0.0, -1.0, -2.0], np.array([0.0, -1.0, -2.0]), jnp.array([0.0, -1.0, -2.0])):
         expected = math.log(np.mean(np.exp([0.0, -1.0, -2.0])))
-        assert abs(float(ptn.infer.log_mean_exp(np.asarray(lw))) - expected) < 1e-6
+        assert abs(float(resampling.log_mean_exp(np.asarray(lw))) - expected) < 1e-6
     assert ptn.dist.check_ids([[2, 3, 0]], 4, 3).tolist() == [[2, 3, 0]]
-    assert ptn.dist.const([1, 2]).tolist() == [1, 2]
+    assert pnd.const([1, 2]).tolist() == [1, 2]
     assert ptn.dist.pad_to(jnp.asarray([[2, 3]], jnp.int32), 4).tolist() == [[2, 3, 0, 0]]
-    idx = ptn.infer.systematic_resample(jax.random.PRNGKey(0), np.log(np.array([0.5, 0.5, 1e-30])))
+    idx = resampling.systematic_resample(jax.random.PRNGKey(0), np.log(np.array([0.5, 0.5, 1e-30])))
     assert set(np.asarray(idx).tolist()) <= {0, 1}
 
 

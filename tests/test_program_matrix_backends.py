@@ -99,3 +99,28 @@ def test_matrix_on_both_backends_against_the_same_exact_answers(request, tmp_pat
             # the zero-variance proposal: Z-hat = Z exactly on the JAX side too (the HMM's step-wise posterior
             # only for whole traces: its per-step weights vary until the last step, as on the torch side)
             assert torch.allclose(log_z, torch.full_like(log_z, exact[model_kind]), atol=1e-4), key
+
+
+def test_one_site_naming_rule_the_torch_helpers_stack_a_name_sampled_at_every_step():
+    """docs/architecture.md, "Site names": ``"z"`` at every step (the JAX rule) is ``samples["z"] [n, steps]`` on
+    the torch side too (ppl_thought/inference/result.py's helpers, for SMC to call); ``z_{t}`` stays per step;
+    a name of init sampled in a step, a name that skips a step, or one whose shape changes is an error."""
+    from ppl_thought.errors import ProgramError
+    from ppl_thought.inference.result import record_sites, stacked_samples
+
+    values, seen = {}, {}
+    record_sites(values, seen, {"c": (torch.tensor([7, 8]), 0)}, None)
+    for t in range(3):
+        record_sites(values, seen, {"z": (torch.tensor([t, 10 + t]), 0), f"w_{t}": (torch.tensor([[t, -t]]), 1)}, t)
+    samples = stacked_samples(values)
+    assert samples["z"].tolist() == [[0, 1, 2], [10, 11, 12]] and samples["c"].tolist() == [7, 8]
+    assert samples["w_1"].tolist() == [[1], [-1]]  # particle dim 1 moved to the front, one step: as it is
+    with pytest.raises(ProgramError, match="init and again"):
+        record_sites(values, seen, {"c": (torch.tensor([1, 2]), 0)}, 3)
+    with pytest.raises(ProgramError, match="not in the steps between"):
+        record_sites(values, seen, {"z": (torch.tensor([1, 2]), 0)}, 4)
+    v2, s2 = {}, {}
+    record_sites(v2, s2, {"seg": (torch.zeros(2, 3), 0)}, 0)
+    record_sites(v2, s2, {"seg": (torch.zeros(2, 4), 0)}, 1)
+    with pytest.raises(ProgramError, match="one shape"):
+        stacked_samples(v2)

@@ -395,7 +395,8 @@ def _bad_value(key):
 
 
 _transformer_inputs = st.one_of(
-    st.tuples(st.just("drop"), st.sampled_from(_INT_KEYS[:1]), st.none()),  # the others have defaults
+    # every argument is required (ppl_thought/schemas.py): a dropped one is refused, never defaulted
+    st.tuples(st.just("drop"), st.sampled_from(_INT_KEYS + ("rope_base", "d_ff", "tie_embeddings")), st.none()),
     st.sampled_from(_INT_KEYS).flatmap(lambda k: st.tuples(st.just("set"), st.just(k), _bad_value(k))),
     st.tuples(st.just("set"), st.just("class"), st.sampled_from(["GPT", 3, None])),
     st.tuples(st.just("set"), st.just("n_heads"), st.just(3)),  # d_model 8 is not a multiple of 3

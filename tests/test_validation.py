@@ -345,8 +345,6 @@ def test_a_hint_naming_what_is_defined_later_is_read_at_the_first_call():
 BARE_RAISES_ALLOWED = {
     ("ppl_thought/demo.py", "json_default"): "json.dumps's default= hook must raise TypeError for a value it cannot "
                                              "encode (json's protocol, not a user's error)",
-    ("ppl_thought/transformer_checkpoint.py", "_check_saved_vocab"): "caught three lines below and re-raised as "
-                                                                     "CheckpointError naming the file",
 }
 
 

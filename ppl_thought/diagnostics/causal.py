@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ppl_thought.diagnostics.plots import plot_causal_gap
-from ppl_thought.errors import ConfigError, DiagnosticError, ZeroWeightsError
+from ppl_thought.errors import ConfigError, DiagnosticError, ZeroWeightsError, zero_weights_message
 from ppl_thought.models.slow_thinking import SlowThinking, lifted_prefix_length
 from ppl_thought.validation import ArrayLike, checked
 
@@ -61,8 +61,9 @@ def causal_gap(log_q: torch.Tensor, log_prior_thought: torch.Tensor, log_respons
     log_pt = torch.where(torch.isneginf(lpy) | torch.isneginf(lpr), torch.full_like(lq, -torch.inf), lpy + lpr - lq)
     dead = torch.isneginf(log_pt).all(-1)
     if dead.any():
-        raise ZeroWeightsError(f"causal_gap: every weight p~_i of (7.3) is zero in batch element(s) "
-                              f"{dead.nonzero().flatten().tolist()}: P(Y_i X_r | X) = 0 for all sampled thoughts")
+        raise ZeroWeightsError(zero_weights_message("causal_gap (7.3)", lq.shape[-1], "the thought sampler Q",
+                                                    group=f"of batch element(s) {dead.nonzero().flatten().tolist()} ",
+                                                    where="(P(Y_i X_r | X) = 0 for every sampled thought Y_i)"))
     p = torch.softmax(log_pt, -1)
     r = lq - lpy
     per_b = torch.where(p > 0, r * p, torch.zeros_like(r)).sum(-1)

@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppl_thought import checks
-from ppl_thought.arviz_compat import import_arviz, load_netcdf, make_inference_data
+from ppl_thought import checks, schemas
+from ppl_thought.arviz_compat import group_dataset, group_names, import_arviz, load_netcdf, make_inference_data
 from ppl_thought.draws import bounded_num_draws
-from ppl_thought.errors import DiagnosticError, UnsupportedResultError
+from ppl_thought.errors import DiagnosticError, SchemaError, UnsupportedResultError
 from ppl_thought.inference.decoding import Decoded
 from ppl_thought.inference.resampling import resample
 from ppl_thought.inference.result import Result, pareto_k, psis
@@ -179,7 +179,7 @@ class _Groups:
     def __init__(self) -> None:
         self.data: dict[str, dict[str, Any]] = {}
         self.coords: dict[str, dict[str, Any]] = {}
-        self.attrs: dict[str, Any] = {"inference_library": "ppl_thought"}
+        self.attrs: dict[str, Any] = dict(_OURS)
 
     def add(self, group: str, variables: Mapping[str, Any]) -> None:
         if variables:
@@ -192,7 +192,7 @@ class _Groups:
         groups = {}
         for name, variables in self.data.items():
             ds = xr.Dataset(variables, coords=self.coords.get(name))
-            ds.attrs.update(attrs if name in attr_groups else {"inference_library": "ppl_thought"})
+            ds.attrs.update(attrs if name in attr_groups else _OURS)
             groups[name] = ds
         return make_inference_data(groups)  # InferenceData (ArviZ 0.x) or xarray.DataTree (1.x)
 
@@ -481,7 +481,44 @@ def load_inference_data(path: str | Path) -> Any:
     if not p.is_file():
         raise DiagnosticError(f"load_inference_data: no file at {str(p)!r} (path must name a netcdf file written by "
                               "to_inference_data(...).to_netcdf)")
-    return load_netcdf(str(p))
+    return _check_schema(p, load_netcdf(str(p)))
+
+
+#: the attributes every group ``to_inference_data`` writes carries: who wrote it, and the format's version
+_OURS = {"inference_library": "ppl_thought",
+         schemas.INFERENCE_DATA_VERSION_KEY: schemas.INFERENCE_DATA.version}
+
+
+def _check_schema(path: Path, idata: Any) -> Any:
+    """A netcdf written by ``to_inference_data`` (its groups say ``inference_library="ppl_thought"``) checked
+    against :data:`ppl_thought.schemas.INFERENCE_DATA`: the format version (files without it predate it: version
+    1), only the groups it writes, the variables they must hold (``particles.log_weight`` over chain x draw, a
+    float). A :class:`~ppl_thought.errors.SchemaError` names the file, the group and the key. Inference data of
+    other libraries is returned as read."""
+    names = group_names(idata)
+    ours = [n for n in names if group_dataset(idata, n).attrs.get("inference_library") == "ppl_thought"]
+    if not ours:
+        return idata
+    unknown = sorted(set(names) - schemas.INFERENCE_DATA_GROUPS)
+    if unknown:
+        raise SchemaError(f"{path}: groups {unknown[:5]} are not groups to_inference_data writes (expected among "
+                          f"{sorted(schemas.INFERENCE_DATA_GROUPS)})")
+    key = schemas.INFERENCE_DATA_VERSION_KEY
+    for name in ours:
+        attrs = group_dataset(idata, name).attrs
+        schemas.check(schemas.INFERENCE_DATA, {key: attrs[key]} if key in attrs else {}, f"{path} (group {name})")
+    for name, variables in schemas.INFERENCE_DATA_VARIABLES.items():
+        if name not in names:
+            continue
+        ds = group_dataset(idata, name)
+        for var, dims in variables.items():
+            if var not in ds.data_vars:
+                raise SchemaError(f"{path}: group {name} lacks the variable {var!r} (to_inference_data writes it)")
+            v = ds[var]
+            if tuple(v.dims[:len(dims)]) != dims or v.dtype.kind != "f":
+                raise SchemaError(f"{path}: {name}.{var} is {v.dtype} over {tuple(v.dims)}, expected floats over "
+                                  f"{dims}")
+    return idata
 
 
 __all__ = ["MCMC_ENGINES", "PSIS_THRESHOLD", "bounded_num_draws", "import_arviz", "load_inference_data",

@@ -26,6 +26,7 @@ from ppl_thought.distributions.registry import register_lm
 from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
 from ppl_thought.lm.base import lm_device, match_rows
 from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections.token_lift import check_tokenizer
 from ppl_thought.validation import ArrayLike, checked, per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
 
@@ -135,6 +136,7 @@ class LMSequence(TorchDistribution):
             raise ConfigError(
                 f"constraint automaton has {constraint.vocab_size} token columns, LM has {self.vocab_size}"
             )
+        check_tokenizer(constraint, lm, "LMSequence")  # an automaton lifted from another tokenizer's texts: refused
         self.constraint = constraint
         self.stop_ids = self._stop_ids(stop)
         if max_len is None:

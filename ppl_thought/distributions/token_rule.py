@@ -25,7 +25,8 @@ from ppl_thought.projections.automaton import Automaton
 from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
-__all__ = ["MaskedLaw", "TokenRule", "TokenStep", "chunk_size", "generated_tokens", "left_pack", "masked_log_softmax",
+__all__ = ["MaskedLaw", "TokenRule", "TokenStep", "chunk_size", "generated_tokens", "left_pack", "log_mass_ratio",
+           "masked_log_softmax",
            "nucleus", "per_row", "sample_categorical", "skip_draws", "supports_valid", "token_step", "trim_padding",
            "upcast"]
 
@@ -86,6 +87,22 @@ class MaskedLaw(NamedTuple):
     weights: torch.Tensor
     #: ``[n]`` log sum over the admitted tokens of exp(logit): the masked softmax's log normaliser (-inf: none)
     log_norm: torch.Tensor
+    #: ``[n]`` the shift of ``weights`` (the largest admitted logit; 0 where it is not finite) and ``[n]`` log sum of
+    #: ``weights``: log_norm = shift + log_sum, kept apart so that a token's log-probability
+    #: (logit - shift) - log_sum stays exact where log_norm cannot (tied logits of 1e30: log_norm = 1e30 in float32)
+    shift: torch.Tensor | None = None
+    log_sum: torch.Tensor | None = None
+
+
+def log_mass_ratio(rule: TokenRule, free: TokenRule, logits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """log Z_t ``[n]`` = log Z_rule(s) - log Z_free(s): the log of the LM's mass on the tokens ``rule`` admits in
+    states ``s`` over its mass on those ``free`` admits (Def 2.8's normalisers; the factor of Section 3.3), taken as
+    (shift_rule - shift_free) + (log_sum_rule - log_sum_free) so that it stays exact for huge logits (two tied
+    logits of 1e30, one admitted: -log 2, not 0); -inf (never NaN) where ``free`` admits no token."""
+    sa, la = rule.log_normaliser_parts(logits, s)  # the rule's law first: its draw reads it again (kept)
+    sf, lf = free.log_normaliser_parts(logits, s)
+    log_z = (sa - sf) + (la - lf)
+    return torch.where(torch.isneginf(lf), lf, log_z)
 
 
 def _law_key(logits: torch.Tensor, s: torch.Tensor) -> tuple | None:
@@ -154,8 +171,10 @@ class TokenRule:
         admissible token is all -inf (never NaN)."""
         bias = self._table("bias", s.device)
         x = logits.float() + (bias if self.constraint is None else bias[s])
-        # (faster than log_softmax for small vocabularies on CPU); an all -inf row has normaliser -inf:
-        # clamped to the lowest float it leaves the row -inf instead of NaN
+        # (faster than log_softmax for small vocabularies on CPU); the largest logit subtracted first, so that the
+        # normaliser of huge tied logits keeps its log 2 (1e30 + log 2 is 1e30 in float32; not finite: shift by 0);
+        # an all -inf row has normaliser -inf: clamped to the lowest float it leaves the row -inf instead of NaN
+        x = x - x.amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)
         return x - torch.logsumexp(x, -1, keepdim=True).clamp(min=_LOWEST)
 
     def masked_law(self, logits: torch.Tensor, s: torch.Tensor, *, take: bool = False) -> MaskedLaw:
@@ -184,14 +203,21 @@ class TokenRule:
         """``[n]`` log Z(s), the log normaliser of :meth:`masked_law` (the kept law's when it is there). Without a
         constraint the admitted tokens are every id but ``<pad>`` (0) and ``<bos>`` (1), a slice of the logits: the
         sum is taken in a scratch buffer the rule keeps, and no weights are kept."""
+        shift, log_sum = self.log_normaliser_parts(logits, s)
+        return shift + log_sum
+
+    def log_normaliser_parts(self, logits: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(shift [n], log_sum [n])`` with log Z(s) = shift + log_sum (:meth:`log_normaliser`): the largest admitted
+        logit (0 where not finite) and the log sum of exp(logit - shift), apart, for differences of normalisers
+        that stay exact with huge logits (:func:`log_mass_ratio`)."""
         kept = self._kept_law(_law_key(logits, s))
+        if kept is None and (self.constraint is not None or logits.requires_grad and torch.is_grad_enabled()):
+            kept = self.masked_law(logits, s)
         if kept is not None:
-            return kept.log_norm
-        if self.constraint is not None or logits.requires_grad and torch.is_grad_enabled():
-            return self.masked_law(logits, s).log_norm
+            return kept.shift, kept.log_sum
         x = upcast(logits)[..., BOS_ID + 1:]  # every generated token (PAD_ID, BOS_ID = 0, 1)
         m = x.amax(-1, keepdim=True).nan_to_num_(0.0, 0.0, 0.0)  # not finite: shift by 0
-        return m.squeeze(-1) + torch.sub(x, m, out=self._buffer("scratch", x)).exp_().sum(-1).log()
+        return m.squeeze(-1), torch.sub(x, m, out=self._buffer("scratch", x)).exp_().sum(-1).log()
 
     def _compute_law(self, logits: torch.Tensor, s: torch.Tensor) -> MaskedLaw:
         x = upcast(logits)
@@ -200,8 +226,10 @@ class TokenRule:
         w = self._buffer("law", x)  # masked logits, then their weights, in place
         torch.where(allowed, x, self._table("-inf", x.device, x.dtype), out=w)
         m = w.amax(-1, keepdim=True)
-        w.sub_(m.nan_to_num(0.0, 0.0, 0.0)).exp_()  # a dead row (m = -inf) all 0; not finite m: shift by 0
-        return MaskedLaw(w, m.squeeze(-1) + w.sum(-1).log())
+        shift = m.nan_to_num(0.0, 0.0, 0.0)
+        w.sub_(shift).exp_()  # a dead row (m = -inf) all 0; not finite m: shift by 0
+        shift, log_sum = shift.squeeze(-1), w.sum(-1).log()
+        return MaskedLaw(w, shift + log_sum, shift, log_sum)
 
     def _buffer(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """A contiguous ``[n, V]`` buffer shaped like ``x`` (the weights of :meth:`masked_law`, the scratch of
@@ -423,6 +451,9 @@ class TokenStep(NamedTuple):
     #: draw's log-probability logit(token) - log Z (Def 2.8)
     logits: torch.Tensor | None = None
     log_norm: torch.Tensor | None = None
+    #: the law's shift and log sum (:class:`MaskedLaw`), whence logit(token) - log Z exactly: (logit - shift) - log_sum
+    shift: torch.Tensor | None = None
+    log_sum: torch.Tensor | None = None
 
     @property
     def log_prob(self) -> torch.Tensor | None:
@@ -431,7 +462,8 @@ class TokenStep(NamedTuple):
         if self.log_q is not None:
             lp = self.log_q.gather(-1, self.token[:, None]).squeeze(-1)
         elif self.log_norm is not None:
-            lp = upcast(self.logits.gather(-1, self.token[:, None]).squeeze(-1)) - self.log_norm
+            lp = upcast(self.logits.gather(-1, self.token[:, None]).squeeze(-1))
+            lp = lp - self.log_norm if self.shift is None else (lp - self.shift) - self.log_sum
             lp = lp.masked_fill_(self.dead, float("-inf"))
         else:
             return None
@@ -487,7 +519,7 @@ def token_step(rule: TokenRule | None, logits: torch.Tensor | None, state: torch
 
     Random stream: exactly one uniform per row, in the row order, from ``generator``.
     """
-    log_norm = None
+    log_norm = law = None
     if probs is None and log_probs is None and _reads_law(rule, logits):
         law = rule.masked_law(logits, state, take=True)  # Def 2.8's weights, ours to change in place
         log_norm, V = law.log_norm, law.weights.shape[-1]
@@ -521,7 +553,7 @@ def token_step(rule: TokenRule | None, logits: torch.Tensor | None, state: torch
         ended = seq_end if active is None else active & seq_end
         new_done = ended if done is None else done | ended
     return TokenStep(tok, new_state, dead, new_done, seg_end, log_probs, active,
-                     logits if log_norm is not None else None, log_norm)
+                     logits if log_norm is not None else None, log_norm, *((law.shift, law.log_sum) if law else ()))
 
 
 def _reads_law(rule: TokenRule | None, logits: torch.Tensor | None) -> bool:

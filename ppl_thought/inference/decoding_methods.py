@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ppl_thought.errors import ConfigError, ZeroWeightsError
+from ppl_thought.errors import ConfigError, ZeroWeightsError, describe_proposal, zero_weights_message
 from ppl_thought.inference.decoding_program import (
     _FIXED_OUTPUT,
     _active,
@@ -37,8 +37,8 @@ def _program_resample(run: _ProgramRun, n: int, S: int, generator) -> tuple[_Dra
     p = run.run(n * S)
     lw = run.weights(p).reshape(S, n)
     if bool(torch.isneginf(lw).all(-1).any()):
-        raise ZeroWeightsError(f"resampling decoding: all {n} weights p/q of a particle set are zero (the proposal "
-                               "only produced latents under which the program gives the prompt probability 0)")
+        raise ZeroWeightsError(zero_weights_message("resampling decoding (3.14)", n, describe_proposal(run.guide),
+                                                    group="of a particle set ", where="given the prompt"))
     idx = ancestors(lw.double(), "multinomial", generator, size=1).squeeze(-1)  # one of n per sample, propto p/q
     idx = torch.arange(S, device=idx.device) * n + idx
     return _Draws.of(p.model_trace, n * S).select(idx), lw
@@ -120,8 +120,9 @@ def _algorithm2_step(run: _ProgramRun, n: int, fixed: dict):
     if not nxt:
         return None
     if bool(torch.isneginf(lw).all()):
-        raise ZeroWeightsError(f"Algorithm 2: all {n} weights p/q are zero given the prompt and the "
-                               f"{len(fixed)} output(s) decoded so far")
+        raise ZeroWeightsError(zero_weights_message("Algorithm 2", n, describe_proposal(run.guide),
+                                                    where=f"given the prompt and the {len(fixed)} output(s) decoded "
+                                                          "so far"))
     name = nxt[0]
     w = torch.softmax(lw.double(), 0)
     m = torch.ceil(n * w**2 / (w**2).sum()).long().clamp(min=1)

@@ -30,10 +30,13 @@ from ppl_thought.errors import (
     NumericalError,
     SiteMismatchError,
     ZeroWeightsError,
+    describe_proposal,
+    zero_weights_message,
 )
 from ppl_thought.inference.particles import check_compatible, infinite_sites, sample_particles
 from ppl_thought.inference.result import Result, pareto_k
 from ppl_thought.models.slow_thinking import lifted_prefix_length as lifted_prefix_length
+from ppl_thought.resources import check_particles
 from ppl_thought.validation import ArrayLike, SupportsSampleWithLogProb, checked, per_token
 from ppl_thought.weights import effective_sample_size, log_mean_exp
 
@@ -79,10 +82,11 @@ def log_normal_estimate(log_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return est.float(), se.float()
 
 
-def _summarise(log_w: torch.Tensor, log_normal: bool, what: str, traces=()) -> dict[str, Any]:
+def _summarise(log_w: torch.Tensor, log_normal: bool, what: str, traces=(),
+               proposal: str = "the proposal") -> dict[str, Any]:
     """log Z-hat (3.2), its stderr, ESS and k-hat of a run's weights, checked once (one host sync): NaN or +inf
     weights raise :class:`NumericalError` (naming the sites of +inf log-probability found in ``traces``),
-    all-zero weights :class:`ZeroWeightsError`."""
+    all-zero weights :class:`ZeroWeightsError` naming ``proposal`` and the sites of -inf log-probability."""
     nan, posinf = torch.stack([torch.isnan(log_w).any(), torch.isposinf(log_w).any()]).tolist()
     if nan or posinf:
         named = infinite_sites(*traces)
@@ -92,11 +96,7 @@ def _summarise(log_w: torch.Tensor, log_normal: bool, what: str, traces=()) -> d
                              "the ESS would be NaN or inf")
     lse = torch.logsumexp(log_w, -1)
     if torch.isneginf(lse):
-        raise ZeroWeightsError(
-            f"{what}: all {log_w.shape[-1]} importance weights are zero (every log weight is -inf): the guide "
-            "proposed no latent value the model can produce (support mismatch), so the estimate of p(x) is 0. "
-            "Check that the guide is supported on the lifting of x, or use more particles"
-        )
+        raise ZeroWeightsError(zero_weights_message(what, log_w.shape[-1], proposal, sites=_dead_sites(traces)))
     out: dict[str, Any] = {
         "log_marginal": log_mean_exp(log_w),
         "log_marginal_stderr": log_marginal_stderr(log_w),
@@ -107,6 +107,17 @@ def _summarise(log_w: torch.Tensor, log_normal: bool, what: str, traces=()) -> d
         est, se = log_normal_estimate(log_w)
         out["log_marginal_iid"], out["log_marginal_stderr_iid"] = out["log_marginal"], out["log_marginal_stderr"]
         out["log_marginal"], out["log_marginal_stderr"] = est, se
+    return out
+
+
+def _dead_sites(traces) -> list[str]:
+    """The sample sites whose log-probability is -inf in every particle (the error path of a run only)."""
+    out = []
+    for who, tr in zip(("model", "guide"), traces):
+        for name, site in ([] if tr is None else tr.nodes.items()):
+            lp = site.get("log_prob") if site["type"] == "sample" else None
+            if isinstance(lp, torch.Tensor) and lp.numel() and bool(torch.isneginf(lp).all()):
+                out.append(f"{name!r} ({who})")
     return out
 
 
@@ -142,12 +153,14 @@ class Importance:
     ``log_marginal_stderr`` (delta method), ``samples`` (the guide's latent sites, particles
     leading), ``stats`` with ``ess`` and ``khat`` (PSIS Pareto k). When x is outside the image
     of Proj (the lifting is empty) the result has ``log_marginal = -inf`` and a message (with a
-    warning); when x is in the image but every weight is zero, :class:`ZeroWeightsError`.
+    warning), guided or bootstrap; when x is in the image but every weight is zero, :class:`ZeroWeightsError`
+    naming the guide, or the model's prior when there is none (docs/architecture.md, "Rules that keep it right").
     """
 
     def __init__(self, num_particles: int, log_normal_correction: bool = False, fast: bool = True,
                  max_plate_nesting: int | None = None):
         self.num_particles = integer("num_particles", num_particles)
+        check_particles("Importance", self.num_particles)  # up front: never the allocator's error
         self.log_normal_correction = bool(log_normal_correction)
         self.fast = bool(fast)
         self.max_plate_nesting = max_plate_nesting
@@ -169,7 +182,7 @@ class Importance:
         except NotInImageError as e:
             return not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles, "Importance", observed)
         traces = extra.pop("traces", ())
-        stats = _summarise(log_w, self.log_normal_correction, "Importance", traces)
+        stats = _summarise(log_w, self.log_normal_correction, "Importance", traces, describe_proposal(guide))
         stats.update(extra)
         return Result(
             samples=samples, log_weights=log_w, log_marginal=stats.pop("log_marginal"),
@@ -220,8 +233,9 @@ class Importance:
             samples, log_w_xy, log_w_x = weights(sampler, x, y, n, shared)
         except NotInImageError as e:
             return not_in_image_result(f"log p(y | x) = -inf: {e}", n, "Importance.conditional", {"x": x, "y": y})
-        lp_xy = _summarise(log_w_xy, False, "Importance.conditional (xy)")["log_marginal"]
-        lp_x = _summarise(log_w_x, False, "Importance.conditional (x)")["log_marginal"]
+        q = describe_proposal(sampler)
+        lp_xy = _summarise(log_w_xy, False, "Importance.conditional (xy)", proposal=q)["log_marginal"]
+        lp_x = _summarise(log_w_x, False, "Importance.conditional (x)", proposal=q)["log_marginal"]
         est = lp_xy - lp_x
         return Result(samples=samples, log_weights=log_w_xy, log_marginal=est,
                       log_marginal_stderr=None,

@@ -41,6 +41,7 @@ from ppl_thought.errors import ChunkMismatchError, ConfigError, DeviceMismatchEr
 from ppl_thought.inference.resampling import log_ratio
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import is_output, is_program
+from ppl_thought.resources import check_particles
 from ppl_thought.twists import collect_twists
 
 __all__ = [
@@ -221,6 +222,15 @@ def token_space_size(program) -> int | None:
         if isinstance(size, int) and not isinstance(size, bool):
             return size
     return None
+
+
+def check_particle_memory(who: str, num_particles: int, groups: int = 1, program=None, device=None) -> None:
+    """Refuse, before anything is allocated, an engine whose particles cannot fit in memory
+    (:func:`ppl_thought.resources.check_particles`, a :class:`~ppl_thought.errors.ResourceError`): called by the
+    SMC constructor (no program yet) and callable at a run's start with the program, whose token vocabulary
+    (:func:`token_space_size`) then counts too (one row of next-token log-probabilities per particle)."""
+    vocab = None if program is None else token_space_size(program)
+    check_particles(who, num_particles, groups, vocab, device)
 
 
 def projection_definition(proj) -> dict:

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppl_thought import checks
+from ppl_thought import checks, schemas
 from ppl_thought.checkpoint import parse_json
-from ppl_thought.errors import CheckpointError, DiagnosticError, PPLThoughtError
+from ppl_thought.errors import CheckpointError, DiagnosticError, PPLThoughtError, ProgramError, SchemaError
 from ppl_thought.io import CONFIG_FILE, load_checkpoint, save_checkpoint
 from ppl_thought.validation import ArrayLike, checked
 from ppl_thought.vocab import Vocab
@@ -179,7 +179,7 @@ def _result_summary(self) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- saving
-RESULT_FORMAT = "ppl_thought.result/1"
+RESULT_FORMAT = schemas.RESULT.version  # "ppl_thought.result/1"
 
 
 def _key_part(k: str) -> str:
@@ -220,28 +220,55 @@ class _Damaged(Exception):
     """A saved tree that does not decode (turned into a CheckpointError naming the folder)."""
 
 
-def _decode_tree(obj, tensors: Mapping[str, torch.Tensor]):
+def _decode_tree(obj, tensors: Mapping[str, torch.Tensor], key: str, used: set[str]):
+    """The value a tree encodes (inverse of :func:`_encode_tree`): a tensor is found only under the name of its
+    own place in the tree (``key``: its role, e.g. ``result/samples/z``), so that a tree pointing a sample at the
+    log-weight tensor is refused; ``used`` collects the names read."""
     if isinstance(obj, list):
-        return [_decode_tree(v, tensors) for v in obj]
+        return [_decode_tree(v, tensors, f"{key}/{i}", used) for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         if set(obj) == {"__tensor__"}:
             name = obj["__tensor__"]
             if not isinstance(name, str) or name not in tensors:
                 raise _Damaged(f"the tree names the tensor {name!r}, which the tensors file does not hold")
+            if name != key:
+                raise _Damaged(f"the tree's {key} points at the tensor {name!r}, which belongs elsewhere (a value "
+                               f"is stored under the name of its place in the tree: expected {key!r})")
+            used.add(name)
             return tensors[name]
         if set(obj) == {"__tuple__"} and isinstance(obj["__tuple__"], list):
-            return tuple(_decode_tree(v, tensors) for v in obj["__tuple__"])
+            return tuple(_decode_tree(v, tensors, f"{key}/{i}", used) for i, v in enumerate(obj["__tuple__"]))
         if set(obj) == {"__dict__"} and isinstance(obj["__dict__"], list):
             pairs = obj["__dict__"]
             if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
                 raise _Damaged("a dict of the tree is not a list of [key, value] pairs")
             if len({p[0] for p in pairs}) != len(pairs):
                 raise _Damaged("a dict of the tree holds one key twice")
-            return {k: _decode_tree(v, tensors) for k, v in pairs}
+            return {k: _decode_tree(v, tensors, f"{key}/{_key_part(k)}", used) for k, v in pairs}
         if set(obj) == {"__repr__"} and isinstance(obj["__repr__"], str):
             return obj["__repr__"]
         raise _Damaged(f"the tree holds an object of unknown kind (keys {sorted(obj)[:5]})")
     return obj
+
+
+def _check_roles(path, fields: dict) -> None:
+    """A saved Result's fields against their roles (:data:`ppl_thought.schemas.RESULT_FIELDS`): dicts where dicts
+    belong, log weights a float tensor, the log marginal one number per group of weights."""
+    for name in ("samples", "stats", "observed"):
+        if not isinstance(fields[name], dict):
+            raise SchemaError(f"{path}: damaged saved Result: {name} is a {type(fields[name]).__name__}, not a dict")
+    for name in ("log_weights", "log_marginal", "log_marginal_stderr", "ancestry"):
+        if fields[name] is not None and (isinstance(fields[name], bool)
+                                         or not isinstance(fields[name], torch.Tensor | int | float)):
+            raise SchemaError(f"{path}: damaged saved Result: {name} is a {type(fields[name]).__name__}, "
+                              "not a tensor")
+    lw, lz = fields["log_weights"], fields["log_marginal"]
+    if isinstance(lw, torch.Tensor) and (not lw.is_floating_point() or lw.ndim == 0):
+        raise SchemaError(f"{path}: damaged saved Result: log_weights is a {lw.dtype} tensor of shape "
+                          f"{tuple(lw.shape)}, expected float log weights [..., particles]")
+    if isinstance(lw, torch.Tensor) and isinstance(lz, torch.Tensor) and lz.numel() != lw.shape[:-1].numel():
+        raise SchemaError(f"{path}: damaged saved Result: log_marginal has shape {tuple(lz.shape)}, expected one "
+                          f"value per group of log_weights {tuple(lw.shape)} ({lw.shape[:-1].numel()})")
 
 
 @checked
@@ -274,9 +301,9 @@ def saved_vocab(path: str | Path):
     if not isinstance(d, dict):
         return None
     try:
-        return Vocab.from_dict(d)
+        return Vocab.from_dict(schemas.check(schemas.VOCAB, d, path))
     except (PPLThoughtError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: the saved vocabulary cannot be built ({e})") from None
+        raise SchemaError(f"{path}: the saved vocabulary cannot be built ({e})") from None
 
 
 def is_saved_result(path: str | Path) -> bool:
@@ -296,24 +323,72 @@ def is_saved_result(path: str | Path) -> bool:
 def load_result(path: str | Path):
     """Read a :class:`Result` written by :func:`save_result`."""
     state, config, _ = load_checkpoint(path)
-    if not isinstance(config, dict) or config.get("kind") != RESULT_FORMAT:
-        raise CheckpointError(f"{path} holds a checkpoint, not a saved Result ({RESULT_FORMAT})")
+    if not isinstance(config, dict):
+        raise SchemaError(f"{path} holds a checkpoint, not a saved Result ({RESULT_FORMAT})")
+    schemas.check(schemas.RESULT, config, path)  # every key and its type; the vocabulary's own schema too
+    if "vocab" in config:
+        schemas.check(schemas.VOCAB, config["vocab"], path)
+    used: set[str] = set()
     try:
-        fields = _decode_tree(config.get("tree"), state)
+        fields = _decode_tree(config.get("tree"), state, "result", used)
     except _Damaged as e:
-        raise CheckpointError(f"{path}: damaged saved Result: {e}") from None
-    names = ("samples", "log_weights", "log_marginal", "log_marginal_stderr", "ancestry", "stats", "observed")
+        raise SchemaError(f"{path}: damaged saved Result: {e}") from None
+    names = schemas.RESULT_FIELDS
     if not isinstance(fields, dict) or set(fields) != set(names):
         got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
-        raise CheckpointError(f"{path}: damaged saved Result: its tree holds {got}, not the fields {list(names)}")
-    for name in ("samples", "stats", "observed"):
-        if not isinstance(fields[name], dict):
-            raise CheckpointError(f"{path}: damaged saved Result: {name} is a {type(fields[name]).__name__}, "
-                                  "not a dict")
-    for name in ("log_weights", "log_marginal", "log_marginal_stderr", "ancestry"):
-        if fields[name] is not None and (isinstance(fields[name], bool)
-                                         or not isinstance(fields[name], torch.Tensor | int | float)):
-            raise CheckpointError(f"{path}: damaged saved Result: {name} is a {type(fields[name]).__name__}, "
-                                  "not a tensor")
+        raise SchemaError(f"{path}: damaged saved Result: its tree holds {got}, not the fields {list(names)}")
+    unread = sorted(set(state) - used)
+    if unread:
+        raise SchemaError(f"{path}: damaged saved Result: the tensors file holds {unread[:5]}, which its tree "
+                          "does not name")
+    _check_roles(path, fields)
     engine = config.get("engine", "")
     return Result(engine=engine if isinstance(engine, str) else str(engine), **fields)
+
+
+# ---------------------------------------------------------------------------------------------- site names
+def record_sites(values: dict, seen: dict, new: dict, step: int | None) -> None:
+    """Record the site values ``{name: (value, particle dim)}`` of a program's init (``step=None``) or step
+    ``step`` for ``Result.samples`` (torch engines; docs/architecture.md, "Site names: one rule for both
+    backends"). A name sampled at one step is kept as it is (``f"z_{t}"``, one name per step); a name sampled
+    again at the next step (``"z"`` at every step, as a JAX program must write it) is recorded once more, and
+    :func:`stacked_samples` stacks it over steps. Refused with a :class:`ProgramError`: a site of init sampled
+    again in a step, and a name that skips steps and comes back (its values would not line up with steps).
+    ``values`` maps a name to its list of ``(value, dim)`` (resampling re-indexes every entry); ``seen`` to the
+    first and last step it was sampled at."""
+    for k, vd in new.items():
+        prev = seen.get(k)
+        if prev is None:
+            seen[k] = (step, step)
+            values[k] = [vd]
+            continue
+        first, last = prev
+        if last is None or step is None:
+            raise ProgramError(f"site {k!r} is sampled in init and again in step {step}: a site of init has a name "
+                               "of its own (site names differ between init and the steps)")
+        if step != last + 1:
+            raise ProgramError(f"site {k!r} is sampled in steps {first}..{last} and again in step {step}, not in the "
+                               f"steps between: a site named once across steps (the rule of both backends, "
+                               f"samples[{k!r}] [n, steps, ...]) is sampled at every step from its first; name a site "
+                               f"that only some steps sample once per step, f'{k}_{{t}}'")
+        seen[k] = (first, step)
+        values[k].append(vd)
+
+
+def stacked_samples(values: dict) -> dict[str, torch.Tensor]:
+    """``Result.samples`` from :func:`record_sites`: particles leading; a site sampled at one step as it is,
+    ``[n, ...]``; a site named the same at several steps stacked over them on dim 1, ``[n, steps, ...]`` (the
+    layout of the JAX engines, whose step sites always have it)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, entries in values.items():
+        vs = [v.movedim(d, 0) if d is not None else v for v, d in entries]
+        if len(vs) == 1:
+            out[k] = vs[0]
+            continue
+        shapes = sorted({tuple(v.shape) for v in vs})
+        if len(shapes) > 1:
+            raise ProgramError(f"site {k!r} is named the same at {len(vs)} steps with values of shapes {shapes}: a "
+                               "site stacked over steps keeps one shape (pad it to a fixed length, or name it once "
+                               f"per step, f'{k}_{{t}}')")
+        out[k] = torch.stack(vs, 1)
+    return out

@@ -49,11 +49,20 @@ from ppl_thought.contract import (
     step_bound,
 )
 from ppl_thought.distributions.lm_state import LMState
-from ppl_thought.errors import ConfigError, NotInImageError, NumericalError, ProgramError, ZeroWeightsError
+from ppl_thought.errors import (
+    ConfigError,
+    NotInImageError,
+    NumericalError,
+    ProgramError,
+    ZeroWeightsError,
+    describe_proposal,
+    zero_weights_message,
+)
 from ppl_thought.guides.base import as_step_guide
 from ppl_thought.inference.importance import log_marginal_stderr, not_in_image_result
 from ppl_thought.inference.particles import (
     check_compatible,
+    check_particle_memory,
     check_steps,
     engine_device,
     infinite_sites,
@@ -146,6 +155,7 @@ class SMC:
         if graphs and backend != "static":
             raise ConfigError("graphs=True needs backend='static' (the captured step is the static path's)")
         self.backend, self.graphs = backend, graphs
+        check_particle_memory("SMC", self.num_particles, self.groups)  # up front: never the allocator's error
 
     def run(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> Result:  # require_program checks it
         """Run SMC over the steps of ``model``; see the class docstring."""
@@ -228,7 +238,7 @@ class SMC:
                                      f"log-probability is NaN or +inf{at} (e.g. pyro.factor(name, +inf))")
             out.traces = ()  # checked: the step's traces (and the caches their sites hold) go before resampling
             if any(zero_h):
-                raise ZeroWeightsError(self._zero_message(zero_h, st.t, kernel.name))
+                raise ZeroWeightsError(self._zero_message(zero_h, st.t, kernel.name, getattr(kernel, "guide", None)))
             if any(need_h):
                 idx, lw = self._resample(lw, need_h, st.device)
         elif self.ess_threshold > 0:  # decided on the device: identity ancestors in the groups that keep their rows
@@ -290,7 +300,8 @@ class SMC:
                 raise NumericalError(f"NaN or +inf weights after step {t} of {kernel.name} (a log-probability is NaN "
                                      "or +inf)")
             if flags[t, 3:].any():
-                raise ZeroWeightsError(self._zero_message(flags[t, 3:].tolist(), t, kernel.name))
+                raise ZeroWeightsError(self._zero_message(flags[t, 3:].tolist(), t, kernel.name,
+                                                           getattr(kernel, "guide", None)))
         ess, resampled = st.ess[:steps].tolist(), st.resampled[:steps].tolist()
         if G == 1:
             ess, resampled = [e[0] for e in ess], [r[0] for r in resampled]
@@ -304,16 +315,16 @@ class SMC:
         return resample_groups(lw, need, self.groups, self.resampling, self.generator,
                                inverse_cdf=isinstance(need, torch.Tensor))
 
-    def _zero_message(self, zero: list, t: int, name: str) -> str:
-        n = self.num_particles
+    def _zero_message(self, zero: list, t: int, name: str, guide: Any = None) -> str:
+        """The one zero-weight message (:func:`~ppl_thought.errors.zero_weights_message`), naming the guide or the
+        bootstrap and, in a grouped run, the group."""
+        n, where, q = self.num_particles, f"after step {t} of {name}", describe_proposal(guide)
         if self.groups == 1:
-            return (f"SMC: all {n} particle weights are zero (log weight -inf) after step {t} of {name}: the "
-                    "proposal only produced values the model (or a twist) gives probability 0")
+            return zero_weights_message("SMC", n, q, where=where)
         bad = [g for g, z in enumerate(zero) if z]
-        return (f"SMC: all {n} particle weights of group {bad[0]} (rows {bad[0] * n}..{bad[0] * n + n - 1}"
-                + (f"; also groups {bad[1:]}" if len(bad) > 1 else "") + f") of {self.groups} are zero (log "
-                f"weight -inf) after step {t} of {name}: the proposal only produced values the model (or a twist) "
-                "gives probability 0 for that group's data")
+        return zero_weights_message("SMC", n, q, where=where, group=f"of group {bad[0]} (rows {bad[0] * n}.."
+                                    f"{bad[0] * n + n - 1}" + (f"; also groups {bad[1:]}" if len(bad) > 1 else "")
+                                    + f") of {self.groups} ")
 
     @staticmethod
     def _check(sm: dict, sg: dict, N: int, versions: list, name: str, gname: str, where: str) -> None:

@@ -44,6 +44,8 @@ from ppl_thought.errors import CheckpointError, ConfigError, MalformedSequenceEr
 from ppl_thought.io import load_checkpoint_raw, nonfinite_names, save_checkpoint
 from ppl_thought.lm.base import check_token_ids, describe, one_token
 from ppl_thought.lm.kv_cache import KVCache, check_positions, ragged_rows
+from ppl_thought.resources import check_transformer
+from ppl_thought.schemas import TRANSFORMER
 from ppl_thought.transformer_checkpoint import check_transformer_config, saved_transformer_vocab
 from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import Vocab
@@ -205,7 +207,7 @@ class Transformer(nn.Module):
         self.cross_attention = bool(cross_attention)
         self.d_latent = (d_latent or d_model) if cross_attention else None
         self.dropout, self.tie_embeddings = float(dropout), bool(tie_embeddings)
-
+        check_transformer("Transformer", self.config())  # up front: never the allocator's error (resources.py)
         self.embed = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(i, d_model, n_heads, self.d_ff, dropout, self.d_latent)
@@ -383,7 +385,7 @@ class Transformer(nn.Module):
         ``vocab`` (a :class:`~ppl_thought.vocab.Vocab` of ``vocab_size`` ids) is saved with the model, so
         that its ids can be read back as tokens: ``Transformer.load_vocab(path)``."""
 
-        config = {"class": "Transformer", **self.config()}
+        config = {"class": "Transformer", "format": TRANSFORMER.version, **self.config()}
         if vocab is not None:
             if len(vocab) != self.vocab_size:
                 raise VocabularyError(f"the vocabulary has {len(vocab)} ids, the model {self.vocab_size}")

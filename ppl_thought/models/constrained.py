@@ -17,10 +17,12 @@ import pyro
 import torch
 
 from ppl_thought.distributions.lm_state import LMState, TokenRule
+from ppl_thought.distributions.token_rule import log_mass_ratio
 from ppl_thought.errors import ConfigError
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import OneTokenStep, Program, particles, twist
 from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections.token_lift import check_tokenizer
 from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import EOS_ID
 
@@ -62,6 +64,7 @@ class Constrained(Program):
         if constraint is not None and constraint.vocab_size != lm.vocab_size:
             raise ConfigError(f"the constraint has {constraint.vocab_size} token columns but the LM has "
                               f"vocab_size={lm.vocab_size}")
+        check_tokenizer(constraint, lm, "Constrained")  # an automaton of another tokenizer's texts: refused
         if isinstance(max_tokens, bool) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if twist is not None and not callable(twist) and twist != "lookahead":
@@ -81,9 +84,7 @@ class Constrained(Program):
         """log Z_t ``[n]``: the log of the LM's mass on the tokens the automaton admits in states ``s``, over its
         mass on the tokens it may generate at all (Def 2.8's normaliser); 0 for ended rows (factor 1).
         The weight of one step, shared by :meth:`step` and the static SMC path (inference/static_smc.py)."""
-        admitted = self.rule.masked_law(logits, s).log_norm  # kept: the draw from the same law reads it again
-        total = self.free.log_normaliser(logits, s)
-        log_z = torch.where(torch.isneginf(total), total, admitted - total)  # no generable token: -inf, not NaN
+        log_z = log_mass_ratio(self.rule, self.free, logits, s)  # exact for huge logits; kept for the draw
         return torch.where(done, torch.zeros_like(log_z), log_z)
 
     def one_token_step(self) -> OneTokenStep:

@@ -15,6 +15,7 @@ numpy automaton tables)::
     ptn.transforms               # pt.transforms as NumPyro handlers: ProjectionLift, Forgetful, Persistent,
                                  # Ubiquitous, CostAware, ActiveLift, compose
     ptn.to_inference_data        # ArviZ InferenceData with the weights kept as on the torch side
+    ptn.compile_stats()          # every compile of an engine run so far, and why (docs/numpyro.md, "Compilation")
 
 Subpackages are imported on first use.
 """
@@ -42,6 +43,7 @@ _ATTRIBUTES = {
     "particles": "ppl_thought.numpyro.program",
     "to_inference_data": "ppl_thought.numpyro.inference_data",
     "ProjectionLift": "ppl_thought.numpyro.handlers",
+    "compile_stats": "ppl_thought.numpyro.infer.compiled",
 }
 
 __all__ = [*_SUBMODULES, *_ATTRIBUTES]

@@ -19,8 +19,10 @@ Log-probabilities are the masked softmax of Def 2.8 under the state's rule (defa
 ``<bos>``); a segment's is the sum of its tokens', (2.13); ``-inf`` for an incomplete segment or tokens after
 its end, never NaN. The state is a pytree (its arrays have the rows on axis 0), so engines carry it through
 ``lax.scan`` and gather it by ancestors after resampling; ``extend`` replaces its arrays (the object is the
-program's, inside one trace). The LM's parameters are read through :func:`lm_params`: an engine binds them
-as arguments of the compiled run, so new parameters do not recompile.
+program's, inside one trace). The LM's parameters are read through :func:`lm_params` (``lm.params`` unless
+:func:`bind_params` binds others). The engines pass every JAX array of a program, its LMs' parameters included,
+as arguments of the compiled run and trace copies of the objects rebuilt around them
+(:mod:`ppl_thought.numpyro.infer.compiled`), so new parameters, or a new LM of the same shapes, do not recompile.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ class Automaton:
         emitted: int64 ``[S]``; observable tokens determined so far, |Proj^{<w}(z)|.
         start: the start state.
         max_len: the longest accepted string, or ``None`` when unbounded (a domain automaton).
+        tokenizer: the fingerprint of the token texts a lifted automaton was built from (or ``None``).
     """
 
     next_state: ArrayLike
@@ -58,6 +59,10 @@ class Automaton:
     start: int = 0
     max_len: int | None = None
     name: str = "automaton"
+    #: the fingerprint of the token texts it was built from (:func:`~ppl_thought.projections.token_automaton`),
+    #: checked against an LM's vocabulary where the two meet (``Constrained``, ``OneTokenStep.of``); ``None``:
+    #: built from a table, not checked
+    tokenizer: str | None = None
     _table: np.ndarray = field(init=False, repr=False)
     _device_cache: dict = field(init=False, repr=False, default_factory=dict)
 

@@ -25,6 +25,7 @@ import numpy as np
 from ppl_thought import checks
 from ppl_thought.errors import ConfigError, UnsatisfiableConstraintError
 from ppl_thought.projections.automaton import DEAD, Automaton
+from ppl_thought.resources import automaton_bytes, check_bytes
 
 LevelTables = Callable[[int], tuple[np.ndarray, np.ndarray]]
 
@@ -66,6 +67,7 @@ def unroll(
                          np.array([True]), np.array([0]), 0, 0, name)
     nxt0, _ = level_tables(0)
     P, V = nxt0.shape
+    check_bytes(automaton_bytes(n * P + 1, V), name, f"num_observed={n}")  # (n x phases) states, before allocating
     F = n * P
     rows = np.full((F + 1, V), DEAD, dtype=np.int64)
     for t in range(n):

@@ -8,6 +8,7 @@ from ppl_thought import checks
 from ppl_thought.errors import ConfigError, UnknownTokenError
 from ppl_thought.projections.automaton import Automaton, AutomatonBuilder
 from ppl_thought.projections.base import Projection
+from ppl_thought.resources import automaton_bytes, check_bytes
 from ppl_thought.validation import checked
 from ppl_thought.vocab import Vocab
 
@@ -72,6 +73,7 @@ class FirstTokenSwitch(Projection):
         n = int(num_observed)
         if n < 0:
             raise ConfigError(f"num_observed must be a non-negative integer, got {n}")
+        check_bytes(automaton_bytes(n + 3, V), f"FirstTokenSwitch.domain({n})", f"num_observed={n}")
         return self._chain(n, None, f"FirstTokenSwitch.domain({n})")
 
     def _lifting(self, x: np.ndarray) -> Automaton:

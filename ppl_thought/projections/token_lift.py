@@ -27,13 +27,16 @@ each k-character chunk; only states reachable from the start get rows.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from ppl_thought.errors import ConfigError, UnsatisfiableConstraintError
+from ppl_thought.errors import ConfigError, TokenizerMismatchError, UnsatisfiableConstraintError
 from ppl_thought.projections.automaton import DEAD, Automaton
 from ppl_thought.projections.char_dfa import CharDFA
+from ppl_thought.resources import automaton_bytes, check_bytes
 from ppl_thought.validation import checked
 from ppl_thought.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
 
@@ -286,8 +289,73 @@ def token_automaton(dfa: CharDFA, token_text: Sequence[str | None], *, eos_id: i
             f"no token sequence over this vocabulary{'' if max_len is None else f' of at most {max_len} tokens'} "
             f"spells a string of {dfa.name}" + ("" if eos_id is None else " followed by <eos>"))
     if max_len is None:
-        return _unbounded(T, edges, accepting, dist, eos_id, name)
-    return _layered(T, edges, accepting, dist, eos_id, int(max_len), name)
+        auto = _unbounded(T, edges, accepting, dist, eos_id, name)
+    else:
+        check_bytes(_layered_bytes(T, edges, dist, int(max_len)), "token_automaton", f"max_len={max_len}")
+        auto = _layered(T, edges, accepting, dist, eos_id, int(max_len), name)
+    object.__setattr__(auto, "tokenizer", texts_fingerprint(token_text))  # checked where it meets an LM
+    return auto
+
+
+def texts_fingerprint(token_text: Sequence[str | None]) -> str:
+    """The fingerprint of a list of token texts (``None`` for specials): 16 hex digits of a SHA-256 over the
+    texts in id order, what :func:`token_automaton` records in ``Automaton.tokenizer``."""
+    h = hashlib.sha256()
+    for t in token_text:
+        h.update(b"\x00" if t is None else t.encode("utf-8", "surrogatepass") + b"\x1f")
+    return h.hexdigest()[:16]
+
+
+_PRINTS: dict[int, tuple[Any, frozenset[str]]] = {}
+
+
+def vocab_fingerprints(vocab: Vocab) -> frozenset[str]:
+    """The fingerprints an automaton built for ``vocab`` carries: of ``token_texts(vocab)`` with and without
+    ``keep_fragments`` (each id decoded once per vocabulary; kept while the vocabulary lives)."""
+    hit = _PRINTS.get(id(vocab))
+    if hit is not None and hit[0] is vocab:
+        return hit[1]
+    kept = token_texts(vocab, keep_fragments=True)
+    dropped = [None if t is not None and "\ufffd" in t else t for t in kept]
+    prints = frozenset((texts_fingerprint(kept), texts_fingerprint(dropped)))
+    if len(_PRINTS) > 16:
+        _PRINTS.clear()
+    _PRINTS[id(vocab)] = (vocab, prints)
+    return prints
+
+
+def check_tokenizer(automaton: Any, lm: Any, where: str) -> None:
+    """Refuse a token automaton built from another tokenizer's texts than ``lm``'s vocabulary (``lm.vocab``, a
+    :class:`~ppl_thought.vocab.Vocab`): :class:`TokenizerMismatchError`. Nothing to compare (no fingerprint on the
+    automaton, no vocabulary on the LM, or sizes that differ: that check is the caller's) passes."""
+    fp, vocab = getattr(automaton, "tokenizer", None), getattr(lm, "vocab", None)
+    if fp is None or not isinstance(vocab, Vocab) or len(vocab) != getattr(automaton, "vocab_size", -1):
+        return
+    prints = vocab_fingerprints(vocab)
+    if fp not in prints:
+        raise TokenizerMismatchError(
+            f"{where}: the token automaton {automaton.name!r} was built from the token texts of another tokenizer "
+            f"(fingerprint {fp}) than the LM's vocabulary ({' / '.join(sorted(prints))}); both have {len(vocab)} "
+            "tokens, but it admits tokens by their texts in the other tokenizer, so the LM would write strings "
+            "outside the constraint. Rebuild it with token_automaton(dfa, token_texts(lm.vocab)); if its texts are "
+            "right for this tokenizer (e.g. SentencePiece pieces with '\u2581' as a space), drop the check with "
+            "dataclasses.replace(automaton, tokenizer=None)")
+
+
+def _layered_bytes(T, edges, dist, M: int) -> float:
+    """The bytes of :func:`_layered`'s table, bounded before building it: each of the K rows that can reach
+    acceptance (reachable through such rows) is a state of at most ``min(M, longest path) + 1`` layers."""
+    R, V = T.shape
+    src, dst = edges
+    good = np.isfinite(dist)
+    inner = good[src] & good[dst]
+    keep = np.nonzero(_reachable((src[inner], dst[inner]), R))[0]
+    new_id = np.full(R, DEAD, dtype=np.int64)
+    new_id[keep] = np.arange(len(keep))
+    s2, d2 = new_id[src[inner]], new_id[dst[inner]]
+    kept = (s2 >= 0) & (d2 >= 0)
+    longest = _longest_path((s2[kept], d2[kept]), len(keep))
+    return automaton_bytes(len(keep) * (min(M, M if longest is None else longest) + 1) + 1, V)
 
 
 def _unbounded(T, edges, accepting, dist, eos_id, name) -> Automaton:

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ppl_thought import schemas
 from ppl_thought.checkpoint import check_finite
-from ppl_thought.errors import CheckpointError
+from ppl_thought.errors import CheckpointError, SchemaError
 from ppl_thought.io import load_checkpoint_raw, nonfinite_names, save_checkpoint
 
-FORMAT = "ppl_thought.trainer/1"
+FORMAT = schemas.TRAINER_EXTRA.version  # "ppl_thought.trainer/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -159,8 +160,10 @@ class Checkpoints:
         """Everything :meth:`load` restores, read and checked, nothing changed yet."""
         tensors, raw = load_checkpoint_raw(path)
         config, extra = raw.header["config"], raw.header["extra"]
-        if extra.get("format") != FORMAT or not isinstance(config, dict):
-            raise CheckpointError(f"{path} is not a Trainer checkpoint ({FORMAT})")
+        if not isinstance(extra, dict) or extra.get("format") != FORMAT or not isinstance(config, dict):
+            raise SchemaError(f"{path} is not a Trainer checkpoint ({FORMAT})")
+        schemas.check(schemas.TRAINER_EXTRA, extra, path)  # every key and its type, nothing filled in
+        schemas.check(schemas.TRAINER_CONFIG, config, path)
         if not isinstance(config.get("modules"), list) or sorted(map(str, config["modules"])) != sorted(self.modules):
             raise CheckpointError(f"checkpoint modules {config.get('modules')} != trainer modules "
                                   f"{sorted(self.modules)}")

@@ -158,6 +158,8 @@ class ProjectionLift(Transform):
     def _lift_site(self, msg, fn: LMSequence) -> None:
         obs = msg["value"] if msg["is_observed"] else None
         n = int(torch.as_tensor(obs).shape[-1]) if obs is not None else int(fn.max_len)
+        if obs is not None and torch.as_tensor(obs).ndim == 1:  # NotInImageError for x outside the image: p(x) = 0
+            self.projection.lifting(obs)  # exactly, an answer (-inf) for every engine, bootstrap included
         z = pyro.sample(self.latent, self.latent_dist(fn, n))
         msg["fn"] = ProjectionDelta(self.projection, z, n)
         msg["infer"]["_pt_lifted"] = True

@@ -1,17 +1,15 @@
 """JAX engines: Importance (3.2) and SMC (Lemma 2.1) compiled with vmap / lax.scan / jit, the ELBO objective for
 ``numpyro.infer.SVI``, the :class:`Result` they return, and ULA / MALA (Langevin over continuous thoughts) as
-``numpyro.infer.MCMC`` kernels."""
+``numpyro.infer.MCMC`` kernels. What users call, only: the statistics and the resampler the engines are built
+from (``effective_sample_size``, ``log_mean_exp``, ``systematic_resample``) stay importable from
+:mod:`ppl_thought.numpyro.infer.resampling`; ``ptn.compile_stats()`` says when and why a run compiled."""
 
 from ppl_thought.numpyro.infer.importance import Importance
 from ppl_thought.numpyro.infer.langevin import MALA, ULA, LangevinState
-from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, systematic_resample
+from ppl_thought.numpyro.infer.objectives import GRPO, OneSampler, R1Zero, SamplerPolicyGradient, TwoSampler
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 from ppl_thought.numpyro.infer.smc import SMC
 from ppl_thought.numpyro.infer.svi import ELBO
 
-__all__ = ["ELBO", "MALA", "SMC", "ULA", "Importance", "LangevinState", "Result", "effective_sample_size",
-           "log_marginal_stderr", "log_mean_exp", "systematic_resample"]
-
-from ppl_thought.numpyro.infer.objectives import GRPO, OneSampler, R1Zero, SamplerPolicyGradient, TwoSampler
-
-__all__ += ["GRPO", "OneSampler", "R1Zero", "SamplerPolicyGradient", "TwoSampler"]
+__all__ = ["ELBO", "GRPO", "MALA", "SMC", "ULA", "Importance", "LangevinState", "OneSampler", "R1Zero", "Result",
+           "SamplerPolicyGradient", "TwoSampler", "log_marginal_stderr"]

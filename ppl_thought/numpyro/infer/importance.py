@@ -9,7 +9,12 @@ probability scale, with variance p^2 chi2(Q_* || Q) / n (3.4). ``guide=None`` pr
 
 from __future__ import annotations
 
+import functools
+import time
+import types
 import warnings
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,12 +30,23 @@ from ppl_thought.errors import (
     ProgramError,
     SiteMismatchError,
     ZeroWeightsError,
+    describe_proposal,
+    zero_weights_message,
 )
 from ppl_thought.numpyro.boundary import checked_jax
+from ppl_thought.numpyro.infer.compiled import (
+    Fingerprint,
+    arg_names,
+    as_traced_arg,
+    explain,
+    record_compile,
+    record_hit,
+)
 from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, prng_key
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
-from ppl_thought.numpyro.infer.steps import StepEngine, _read_only, as_programs, program_result
+from ppl_thought.numpyro.infer.steps import _TRACER_ERRORS, StepEngine, _read_only, as_programs, program_result
 from ppl_thought.numpyro.program import is_program
+from ppl_thought.resources import check_particles
 
 
 def site_log_prob(site: dict) -> jax.Array:
@@ -40,10 +56,6 @@ def site_log_prob(site: dict) -> jax.Array:
     if site.get("scale") is not None:
         lp = site["scale"] * lp
     return jnp.sum(lp)
-
-
-def _concrete(a):
-    return np.asarray(a) if isinstance(a, jax.Array) else a
 
 
 def log_weight_fn(model, guide, args: tuple, kwargs: dict):
@@ -92,9 +104,10 @@ def infinite_sites(model, guide, args: tuple, kwargs: dict, key: jax.Array) -> l
             if s["type"] == "sample" and bool(jnp.isposinf(site_log_prob(s)))]
 
 
-def summarise(log_w: jax.Array, what: str, sites=None) -> dict[str, Any]:
+def summarise(log_w: jax.Array, what: str, sites=None, proposal: str = "the proposal") -> dict[str, Any]:
     """log Z-hat (3.2), its delta-method SE, ESS; NumericalError on NaN or +inf (naming the sites of +inf
-    log-probability when ``sites(i)`` can find them for particle i), ZeroWeightsError if every weight is 0."""
+    log-probability when ``sites(i)`` can find them for particle i), ZeroWeightsError naming ``proposal`` if every
+    weight is 0 (errors.zero_weights_message, the one rule of both backends)."""
     if bool(jnp.isnan(log_w).any()):
         raise NumericalError(f"{what}: NaN log weights (a model or guide log-probability is NaN)")
     if bool(jnp.isposinf(log_w).any()):
@@ -104,8 +117,7 @@ def summarise(log_w: jax.Array, what: str, sites=None) -> dict[str, Any]:
         raise NumericalError(f"{what}: a log-probability of +inf{where} (e.g. numpyro.factor(name, +inf)): the "
                              "weights would be +inf, log Z-hat inf and the ESS NaN")
     if bool(jnp.isneginf(log_w).all()):
-        raise ZeroWeightsError(f"{what}: all {log_w.shape[-1]} importance weights are zero: the guide proposed no "
-                               "latent value the model can produce (support mismatch)")
+        raise ZeroWeightsError(zero_weights_message(what, log_w.shape[-1], proposal))
     return {"log_marginal": log_mean_exp(log_w), "log_marginal_stderr": log_marginal_stderr(log_w),
             "ess": effective_sample_size(log_w)}
 
@@ -117,8 +129,19 @@ def not_in_image_result(message: str, n: int, engine: str, observed: dict) -> Re
                   log_marginal_stderr=jnp.asarray(0.0), stats={"message": message}, observed=observed, engine=engine)
 
 
-#: compiled whole-trace weight functions, shared by every Importance object (a fresh engine does not recompile)
-_COMPILED: dict = {}
+#: compiled whole-trace weight functions, shared by every Importance object and every model instance of the same
+#: configuration (keyed as in :mod:`ppl_thought.numpyro.infer.compiled`; the arguments by value: the automata are
+#: built from them)
+_COMPILED: OrderedDict = OrderedDict()
+_CONSTANT_MODE: set = set()
+
+
+def _normalised(a: Any) -> Any:
+    """A whole-trace argument as the engine hands it to the model and keys it: scalars and arrays as read-only
+    numpy arrays of JAX's canonical dtype (``3`` and ``jnp.array(3)`` are the same ``int32[]``)."""
+    if isinstance(a, (bool, int, float, np.ndarray, np.generic, jax.Array)) and not isinstance(a, str):
+        return _read_only(np.array(as_traced_arg(a)))
+    return _read_only(a)
 
 
 @checked_jax
@@ -127,8 +150,10 @@ class Importance(StepEngine):
 
     The per-particle trace (guide, then the model replayed on it) is ``vmap``-ed over ``n`` keys and ``jit``-ed;
     the observation is a constant of the compiled function (the automata are built from it), so a new x
-    compiles anew (the compiled function is kept at module level per model, guide and arguments, so a fresh
-    ``Importance`` object reuses it).
+    compiles anew; the compiled function is kept at module level per model and guide class and configuration
+    (their JAX arrays, e.g. LM parameters, are arguments: a new instance with other weights reuses it) and
+    argument values (``3`` and ``jnp.array(3)`` alike), so a fresh ``Importance`` object reuses it
+    (docs/numpyro.md, "Compilation").
 
     A model that is a plain NumPyro model (a callable) runs as whole traces even when it also implements the
     protocol method ``as_program(*args)`` (``ptn.models.SlowThinking``); the engine only binds it first, so that
@@ -143,19 +168,63 @@ class Importance(StepEngine):
     def __init__(self, num_particles: int, max_steps: int = 64):
         self.num_particles = integer("num_particles", num_particles)
         self.max_steps = integer("max_steps", max_steps)
+        check_particles("ptn.infer.Importance", self.num_particles)  # before jit: never the allocator's error
 
-    def compiled(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> Any:
-        """The jitted ``keys [n, 2] -> (log w, log p, log q, values)`` for these arguments (cached)."""
-        args = tuple(_read_only(_concrete(a)) for a in args)  # the model is traced on copies: never the caller's
-        kwargs = {k: _read_only(_concrete(v)) for k, v in kwargs.items()}
-        key = (id(model), id(guide), tuple(np.asarray(a).tobytes() if a is not None else None for a in args),
-               tuple(sorted((k, np.asarray(v).tobytes()) for k, v in kwargs.items())))
+    def compiled(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> Callable:
+        """The compiled ``keys [n, 2] -> (log w, log p, log q, values)`` for these arguments: cached by the
+        model's and guide's classes and configuration (their JAX arrays by shape: passed in as arguments) and
+        the arguments by value, never by object identity (:mod:`ppl_thought.numpyro.infer.compiled`)."""
+        args = tuple(_normalised(a) for a in args)  # the model is traced on copies: never the caller's
+        kwargs = {k: _normalised(v) for k, v in kwargs.items()}
+        classes = (type(model) if not isinstance(model, types.FunctionType) else model,
+                   type(guide) if not isinstance(guide, types.FunctionType) else guide)
+        constants = classes in _CONSTANT_MODE
+        fp = Fingerprint((model, guide), trace_arrays=not constants)
+        data = Fingerprint((args, kwargs), trace_arrays=False)
+        names = arg_names(model, 0, len(args))
+        parts = {"engine": (("num_particles", self.num_particles),), "mode": constants, "program": fp.parts[0],
+                 "guide": fp.parts[1], "shapes": tuple((names[i], tuple(np.shape(a)), str(getattr(a, "dtype", "")))
+                                                      for i, a in enumerate(args)), "static": data.key}
+        key = (classes, fp.key, data.key)
         hit = _COMPILED.get(key)
-        if hit is None or hit[1] is not model or hit[2] is not guide:
-            if len(_COMPILED) > 32:
-                _COMPILED.clear()
-            hit = _COMPILED[key] = (jax.jit(jax.vmap(log_weight_fn(model, guide, args, kwargs))), model, guide)
-        return hit[0]
+        if hit is not None:
+            _COMPILED.move_to_end(key)
+            record_hit()
+            return functools.partial(hit[0], arrays=fp.arrays)
+
+        def weights(keys, arrays):
+            m, g = fp.rebuild(arrays)
+            return jax.vmap(log_weight_fn(m, g, args, kwargs))(keys)
+
+        jitted = jax.jit(weights)
+        previous = next((h[2] for h in reversed(_COMPILED.values()) if h[1] == classes), None)
+        name = getattr(model, "__name__", type(model).__name__)
+        gname = getattr(guide, "__name__", type(guide).__name__)
+
+        def first(keys, arrays):  # the first call compiles: timed, recorded; an attribute read concretely
+            start = time.perf_counter()  # while traced sends the class to constants mode
+            try:
+                out = jax.block_until_ready(jitted(keys, arrays))
+            except _TRACER_ERRORS:
+                _COMPILED.pop(key, None)
+                if constants or not arrays:
+                    raise
+                _CONSTANT_MODE.add(classes)
+                try:
+                    return self.compiled(model, guide, *args, **kwargs)(keys)
+                except BaseException:
+                    _CONSTANT_MODE.discard(classes)
+                    raise
+            except BaseException:
+                _COMPILED.pop(key, None)
+                raise
+            _COMPILED[key] = (jitted, classes, parts)
+            while len(_COMPILED) > 32:
+                _COMPILED.popitem(last=False)
+            record_compile("Importance", name, gname, explain(previous, parts), time.perf_counter() - start)
+            return out
+
+        return functools.partial(first, arrays=fp.arrays)
 
     def run(self, model: Any, guide: Any, *args: Any, rng_key: jax.Array | int | None = None, static: tuple = (),
             **kwargs: Any) -> Result:
@@ -168,6 +237,7 @@ class Importance(StepEngine):
                 raise ConfigError(f"Importance.run on a ptn.Program takes positional arguments only, got "
                                   f"{sorted(kwargs)}")
             out = self._program_run(model, guide, args, prng_key(rng_key), static if args else (), 0.0, "Importance")
+            out["proposal"] = describe_proposal(guide)  # named by a ZeroWeightsError (the one rule, errors.py)
             return program_result(out, "Importance", args, observed)
         n = self.num_particles
         observed = {"args": args, "kwargs": kwargs}
@@ -179,9 +249,10 @@ class Importance(StepEngine):
             log_w, log_p, log_q, values = self.compiled(model, guide, *args, **kwargs)(jax.random.split(key, n))
         except NotInImageError as e:
             return not_in_image_result(f"log p(x) = -inf: {e}", n, "Importance", observed)
-        args_c, kwargs_c = tuple(_concrete(a) for a in args), {k: _concrete(v) for k, v in kwargs.items()}
+        args_c, kwargs_c = tuple(_normalised(a) for a in args), {k: _normalised(v) for k, v in kwargs.items()}
         stats = summarise(log_w, "Importance", lambda i: infinite_sites(model, guide, args_c, kwargs_c,
-                                                                        jax.random.split(key, n)[i]))
+                                                                        jax.random.split(key, n)[i]),
+                          describe_proposal(guide))
         return Result(samples=dict(values), log_weights=log_w, log_marginal=stats.pop("log_marginal"),
                       log_marginal_stderr=stats.pop("log_marginal_stderr"),
                       stats={**stats, "log_p": log_p, "log_q": log_q}, observed=observed, engine="Importance")

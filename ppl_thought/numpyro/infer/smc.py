@@ -23,12 +23,13 @@ from typing import Any
 import jax
 
 from ppl_thought.checks import fraction, integer
-from ppl_thought.errors import NotInImageError
+from ppl_thought.errors import NotInImageError, describe_proposal
 from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.infer.importance import not_in_image_result
-from ppl_thought.numpyro.infer.resampling import prng_key, systematic_resample
+from ppl_thought.numpyro.infer.resampling import prng_key
 from ppl_thought.numpyro.infer.result import Result
 from ppl_thought.numpyro.infer.steps import StepEngine, as_programs, program_result
+from ppl_thought.resources import check_particles
 
 
 @checked_jax
@@ -51,8 +52,10 @@ class SMC(StepEngine):
     with the same steps and latent sites, or ``None``: the bootstrap): ``samples`` (a step site ``[n, steps, ...]``,
     an init site ``[n, ...]``, plus ``program.outputs(state)``), final ``log_weights``, ``log_marginal``,
     ``ancestry [steps, n]``, ``stats["ess"]`` / ``["resampled"]`` per step, ``stats["steps"]``. Arguments are
-    traced (new data of the same shapes reuses the compiled run); ``static`` lists the indices of arguments
-    that must be concrete (their values key the compiled run).
+    traced (new data of the same shapes reuses the compiled run; a Python scalar is the array it becomes);
+    ``static`` lists the indices of arguments that must be concrete (their values key the compiled run). A new
+    program instance of the same class and configuration reuses the compiled run too, whatever its JAX arrays
+    hold (docs/numpyro.md, "Compilation"; ``ptn.compile_stats()``).
 
     ``run(model, guide, *args, ...)`` for an object that is not a program but implements the protocol method
     ``as_program(*args) -> ptn.Program`` (``ptn.models.SlowThinking``, the samplers of
@@ -68,6 +71,7 @@ class SMC(StepEngine):
         self.ess_threshold = fraction("ess_threshold", ess_threshold)
         self.groups = integer("groups", groups)
         self.max_steps = integer("max_steps", max_steps)
+        check_particles("ptn.infer.SMC", self.num_particles, self.groups)  # before jit: never an OverflowError
 
     def run(self, model: Any, guide: Any, *args: Any, rng_key: jax.Array | int | None = None,
             static: tuple = ()) -> Result:
@@ -79,7 +83,8 @@ class SMC(StepEngine):
         except NotInImageError as e:  # as_program says the arguments have probability 0
             return not_in_image_result(f"log p(x) = -inf: {e}", self.num_particles, "SMC", {"args": args})
         out = self._program_run(model, guide, run_args, key, static if run_args else (), self.ess_threshold, "SMC")
+        out["proposal"] = describe_proposal(guide)  # named by a ZeroWeightsError (the one rule, errors.py)
         return program_result(out, "SMC", run_args, observed)
 
 
-__all__ = ["SMC", "systematic_resample"]
+__all__ = ["SMC"]

@@ -16,13 +16,16 @@ gathered by the ancestors, their weights set to the mean. The step loop is a ``l
 No ``lax.cond`` sits on the state's path (XLA copies every operand of a conditional, LM caches included, even
 through the branch that returns them unchanged): a step without resampling gathers by the identity, so freezing
 and resampling are one fused pass over the state. The whole run (init, steps, resampling decisions, the
-lineage of every recorded site) is one ``jax.jit``; compiled runs are cached at module level by (engine type,
-model, guide, argument shapes, static arguments, configuration), so a fresh engine object with the same
-configuration reuses them.
+lineage of every recorded site) is one ``jax.jit``; compiled runs are cached at module level by what the run depends on
+(:mod:`ppl_thought.numpyro.infer.compiled`: the program's and guide's classes and configuration, their JAX
+arrays by shape, passed in as arguments; argument shapes; static arguments by value; the engine's
+configuration), never by object identity, so a new program instance of the same class and a fresh engine
+object reuse them.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -39,10 +42,18 @@ from ppl_thought.errors import (
     ProgramError,
     SiteMismatchError,
     ZeroWeightsError,
+    zero_weights_message,
+)
+from ppl_thought.numpyro.infer.compiled import (
+    Fingerprint,
+    arg_names,
+    as_traced_arg,
+    explain,
+    record_compile,
+    record_hit,
 )
 from ppl_thought.numpyro.infer.resampling import effective_sample_size, log_mean_exp, systematic_resample
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
-from ppl_thought.numpyro.lm_state import bind_params, collect_lms
 from ppl_thought.numpyro.program import PARTICLES, as_done, is_output, is_program
 from ppl_thought.twists import collect_twists
 
@@ -52,6 +63,9 @@ __all__ = ["StepEngine", "as_programs", "clear_cache", "compilations", "program_
 _TRACES = [0]
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 64
+#: (engine type, engine, model class, guide class) whose programs read an attribute concretely while traced:
+#: compiled with every array a constant keyed by value
+_CONSTANT_MODE: set = set()
 
 _TRACER_ERRORS = tuple(getattr(jax.errors, n) for n in ("TracerArrayConversionError", "ConcretizationTypeError",
                                                          "TracerBoolConversionError", "TracerIntegerConversionError")
@@ -318,39 +332,58 @@ class StepEngine:
         static = tuple(sorted({int(i) % max(len(args), 1) for i in static})) if args else ()
         dyn, stat = [], []
         for i, a in enumerate(args):
-            if i in static or a is None or isinstance(a, (bool, int, float, str)):
+            if i in static or a is None or isinstance(a, str):
                 stat.append((i, _static_key(a), _read_only(a)))
             else:
-                dyn.append((i, jnp.asarray(a)))
-        lms = collect_lms(model, guide)
-        params = {str(j): lm.params for j, lm in enumerate(lms)}
+                dyn.append((i, as_traced_arg(a)))
         depth = max(int(getattr(model, "max_plate_nesting", 0) or 0),
                     int(getattr(guide, "max_plate_nesting", 0) or 0) if guide is not None else 0)
-        dyn_struct = tuple((i, a.shape, str(a.dtype)) for i, a in dyn)
-        p_struct = (jax.tree.structure(params), tuple((jnp.shape(x), str(jnp.result_type(x)))
-                                                      for x in jax.tree.leaves(params)))
         groups = int(getattr(self, "groups", 1))
-        key = (type(self), engine, id(model), id(guide), n, float(threshold), T, depth, len(args), dyn_struct,
-               tuple((i, k) for i, k, _ in stat), p_struct, tuple(id(lm) for lm in lms), groups)
+        classes = (type(self), engine, type(model), type(guide))
+        constants = classes in _CONSTANT_MODE
+        fp = Fingerprint((model, guide), trace_arrays=not constants)
+        names = arg_names(getattr(model, "step", None), 2, len(args))
+        parts = {"engine": (("num_particles", n), ("ess_threshold", float(threshold)), ("max_steps", T),
+                            ("max_plate_nesting", depth), ("groups", groups)),
+                 "mode": constants, "program": fp.parts[0], "guide": fp.parts[1],
+                 "shapes": tuple((names[i], tuple(a.shape), str(a.dtype)) for i, a in dyn),
+                 "static": (len(args), tuple((i, k) for i, k, _ in stat))}
+        key = (classes, fp.key, tuple(parts.items()))
         hit = _CACHE.get(key)
-        if hit is None:
+        first = hit is None
+        if first:
             consts = {i: a for i, _, a in stat}
-            fn = self._build_program(model, guide, n, T, threshold, depth, len(args), consts,
-                                     [i for i, _ in dyn], [id(lm) for lm in lms])
+            fn = self._build_program(fp, n, T, threshold, depth, len(args), consts, [i for i, _ in dyn],
+                                     type(model).__name__)
             fn = jax.jit(fn if groups == 1 else jax.vmap(fn, in_axes=(0, None, None)))  # G runs: one vmap
-            hit = (fn, model, guide, lms)  # the refs keep the ids of the key alive
+            previous = next((h[2] for h in reversed(_CACHE.values()) if h[1] == classes), None)
+            hit = (fn, classes, parts)
             _CACHE[key] = hit
             while len(_CACHE) > _CACHE_SIZE:
                 _CACHE.popitem(last=False)
         else:
             _CACHE.move_to_end(key)
+            record_hit()
         rng = jax.random.PRNGKey(0) if rng_key is None else rng_key
         if groups != 1:
             rng = jax.random.split(rng, groups)
         try:
-            out = hit[0](rng, params, tuple(a for _, a in dyn))
+            start = time.perf_counter()
+            out = hit[0](rng, fp.arrays, tuple(a for _, a in dyn))
+            if first:
+                jax.block_until_ready(out)
+                record_compile(engine, type(model).__name__, type(guide).__name__, explain(previous, parts),
+                               time.perf_counter() - start)
         except _TRACER_ERRORS as e:
             _CACHE.pop(key, None)
+            if first and not constants and fp.arrays:
+                # an attribute read concretely while traced: compile this class with its arrays as constants
+                _CONSTANT_MODE.add(classes)
+                try:
+                    return self._program_run(model, guide, args, rng_key, static, threshold, engine)
+                except BaseException:
+                    _CONSTANT_MODE.discard(classes)  # not an attribute: the arguments' error below
+                    raise
             raise ConcreteValueError(
                 f"{type(model).__name__} (or its guide) needs a concrete value where the compiled run has a traced "
                 f"one ({type(e).__name__}). Arguments are traced: pass the ones that must be concrete (e.g. what "
@@ -376,22 +409,21 @@ class StepEngine:
                                "max_steps (or the engine's max_steps=) to the number of steps it needs")
         return out
 
-    def _build_program(self, model, guide, n: int, T: int, threshold: float, depth: int, nargs: int, consts: dict,
-               dyn_idx: list, lm_ids: list):
-        name = type(model).__name__
+    def _build_program(self, fp: Fingerprint, n: int, T: int, threshold: float, depth: int, nargs: int,
+                       consts: dict, dyn_idx: list, name: str):
+        """The function to jit: ``(key, arrays, traced args) -> outputs``; ``arrays`` are the JAX arrays of the
+        model and guide (their parameters, tables), which it rebuilds them around (:class:`Fingerprint`)."""
         drop = self._weigh
 
-        def run(key, params, dyn):
+        def run(key, arrays, dyn):
             _TRACES[0] += 1
             args = [None] * nargs
             for i, a in consts.items():
                 args[i] = a
             for i, a in zip(dyn_idx, dyn):
                 args[i] = a
-            args = tuple(args)
-            bound = {k: params[str(j)] for j, k in enumerate(lm_ids)}
-            with bind_params(bound):
-                return self._trace_run(model, guide, n, T, threshold, depth, args, key, name, drop)
+            model, guide = fp.rebuild(arrays)
+            return self._trace_run(model, guide, n, T, threshold, depth, tuple(args), key, name, drop)
 
         return run
 
@@ -501,9 +533,8 @@ def program_result(out: dict, engine: str, args: tuple, observed: dict | None = 
                              "numpyro.factor(name, +inf) or ptn.factor(name, +inf) in a step): log Z-hat would be "
                              "inf and the ESS NaN; a log-potential must be finite or -inf")
     if bool(jnp.isneginf(lw).all(-1).any()):
-        raise ZeroWeightsError(f"{engine}: all {lw.shape[-1]} particle weights " + ("of a group " if grouped else "") +
-                               "are zero (log weight -inf): the proposal only produced values the model gives "
-                               "probability 0")
+        raise ZeroWeightsError(zero_weights_message(engine, lw.shape[-1], out.get("proposal", "the proposal"),
+                                                    group="of a group " if grouped else ""))
     resampled = bool(out["resampled"].any())
     stats: dict[str, Any] = {"ess": out["ess"], "resampled": out["resampled"], "steps": int(jnp.max(out["steps"]))}
     logz = out["log_marginal"]

@@ -52,6 +52,8 @@ from ppl_thought.checkpoint import (
 from ppl_thought.errors import MalformedSequenceError, UnknownTokenError, VocabularyError
 from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.resources import check_bytes, check_transformer, kv_cache_bytes
+from ppl_thought.schemas import TRANSFORMER
 from ppl_thought.transformer_checkpoint import (
     check_transformer_config,
     saved_transformer_vocab,
@@ -203,6 +205,7 @@ class Transformer(LM):
                                    d_ff=d_ff, max_len=max_len, window=window, cross_attention=cross_attention,
                                    d_latent=d_latent, rope_base=rope_base, dropout=dropout,
                                    tie_embeddings=tie_embeddings))
+        check_transformer("ptn.lm.Transformer", c)  # up front: never the allocator's error (resources.py)
         self._config = c
         self.vocab_size, self.d_model, self.n_layers, self.n_heads = vocab_size, d_model, n_layers, n_heads
         self.d_ff, self.max_len, self.window, self.rope_base = c["d_ff"], max_len, window, c["rope_base"]
@@ -239,6 +242,9 @@ class Transformer(LM):
         if batch < 1 or not 1 <= S <= self.max_len:
             raise MalformedSequenceError(f"init_cache needs batch >= 1 and 1 <= max_len <= {self.max_len} "
                                          f"(the model's RoPE tables), got batch={batch}, max_len={max_len}")
+        check_bytes(kv_cache_bytes(self.n_layers, batch, self.n_heads, S, self.head_dim), "init_cache",
+                    f"batch={batch} (x max_len={S})")  # once per cache, before allocating (resources.py)
+
         def zeros() -> jax.Array:  # a buffer per leaf: a jitted step may donate (update in place) each one
             return jnp.zeros((batch, self.n_heads, S, self.head_dim), jnp.float32)
 
@@ -403,7 +409,7 @@ class Transformer(LM):
 
     def save(self, path: str | Path, extra: dict | None = None, vocab: Vocab | None = None) -> Path:
         """Write the checkpoint ``pt.lm.Transformer.load`` reads (the same files the torch side writes)."""
-        config = {"class": "Transformer", **self.config()}
+        config = {"class": "Transformer", "format": TRANSFORMER.version, **self.config()}
         if vocab is not None:
             if len(vocab) != self.vocab_size:
                 raise VocabularyError(f"the vocabulary has {len(vocab)} ids, the model {self.vocab_size}")
