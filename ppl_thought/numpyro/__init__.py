@@ -12,6 +12,8 @@ numpy automaton tables)::
     ptn.guides                   # Identity (3.30), Predictive, Causal (3.33), Explanatory (Def 3.9), Posterior
     ptn.infer                    # Importance (3.2), SMC, ELBO (for numpyro.infer.SVI), Result, ULA / MALA kernels
     ptn.handlers                 # ProjectionLift: a plain LM program -> Proj # P_f
+    ptn.transforms               # pt.transforms as NumPyro handlers: ProjectionLift, Forgetful, Persistent,
+                                 # Ubiquitous, CostAware, ActiveLift, compose
     ptn.to_inference_data        # ArviZ InferenceData with the weights kept as on the torch side
     ptn.compile_stats()          # every compile of an engine run so far, and why (docs/numpyro.md, "Compilation")
 
@@ -30,6 +32,7 @@ _SUBMODULES = {
     "guides": "ppl_thought.numpyro.guides",
     "infer": "ppl_thought.numpyro.infer",
     "handlers": "ppl_thought.numpyro.handlers",
+    "transforms": "ppl_thought.numpyro.transforms",
 }
 _ATTRIBUTES = {
     "Program": "ppl_thought.numpyro.program",
