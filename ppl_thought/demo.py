@@ -23,9 +23,7 @@ from ppl_thought.errors import ConfigError, DependencyError
 from ppl_thought.experiments.a5 import A5Config, run_a5
 from ppl_thought.experiments.common import provenance
 from ppl_thought.experiments.sec7 import Sec7Config, run_sec7
-from ppl_thought.inference.result import Result
 from ppl_thought.io import atomic_write, atomic_write_json
-from ppl_thought.weights import log_mean_exp
 
 
 def real_model_installed() -> bool:
@@ -110,57 +108,115 @@ def _plots(results: dict, out: str) -> list[str]:
     return paths
 
 
+def _resample_draws(log_weights: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Systematic-resampling ancestors ``[G, n]`` of weighted particles ``[G, n]`` (one resampling per row, batched):
+    the equal-weight draws of each row's weighted particles (IS (3.2)); a row whose weights are all zero (log
+    weight -inf everywhere) keeps its particles as they are."""
+    from ppl_thought.inference.resampling import ancestors
+
+    lw = torch.as_tensor(np.asarray(log_weights, dtype=np.float64))
+    dead = torch.isneginf(lw).all(-1, keepdim=True)
+    lw = torch.where(dead, torch.zeros_like(lw), lw)
+    return ancestors(lw, generator=torch.Generator().manual_seed(seed)).numpy()
+
+
+def _weighted_file(values: dict[str, np.ndarray], text: dict[str, np.ndarray], log_weights: np.ndarray,
+                   observed: dict[str, np.ndarray], unit: str, attrs: dict, seeds: int = 1):
+    """An ArviZ file of weighted particles, one set per ``unit`` (a held-out example, a problem): ``values`` and
+    ``text`` ``[G, n]``, ``log_weights`` ``[G, n]``. ``posterior`` holds an equal-weight resample of each unit's
+    particles (chain 1, draw = draw, ``unit`` its own dimension: never "chain"), ``particles`` the raw particles
+    with ``log_weight``, ``posterior_text`` / ``particles_text`` the decoded thoughts, ``observed_data`` the per-unit
+    results. With ``seeds`` > 1 the G rows are ``seeds`` replicates of G / seeds units each: a ``seed``
+    dimension before ``unit``."""
+    import xarray as xr
+
+    from ppl_thought.arviz_compat import make_inference_data
+
+    idx = _resample_draws(log_weights)                                            # [G, n]
+    units = (("seed",) if seeds > 1 else ()) + (unit,)
+    dims = ("chain", "draw") + units
+    shape = ((seeds,) if seeds > 1 else ()) + (log_weights.shape[0] // seeds,)
+
+    def cube(a: np.ndarray) -> np.ndarray:  # [G, n] -> [1, n, (seed,) unit]
+        a = np.asarray(a)
+        return np.moveaxis(a.reshape(shape + a.shape[1:]), -1, 0)[None]
+
+    def pick(a: np.ndarray) -> np.ndarray:
+        return np.take_along_axis(np.asarray(a), idx, 1)
+
+    post = {k: (dims, cube(pick(v))) for k, v in values.items()}
+    parts = {k: (dims, cube(v)) for k, v in values.items()} | {"log_weight": (dims, cube(log_weights))}
+    groups = {"posterior": xr.Dataset(post, attrs={**attrs, "layout": f"draw = an equal-weight resample of the "
+                                                   f"particles of each {unit}"}),
+              "particles": xr.Dataset(parts, attrs={**attrs, "layout": f"draw = particle (weighted by log_weight), "
+                                                    f"one set per {unit}"})}
+    if text:
+        groups["posterior_text"] = xr.Dataset({k: (dims, cube(pick(v)).astype(str)) for k, v in text.items()})
+        groups["particles_text"] = xr.Dataset({k: (dims, cube(v).astype(str)) for k, v in text.items()})
+    groups["observed_data"] = xr.Dataset({k: (units, np.asarray(v).reshape(shape)) for k, v in observed.items()},
+                                         attrs=attrs)
+    return make_inference_data(groups)
+
+
 def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
-    """ArviZ netcdf files. Section 7: for each latent method, the weighted test particles (thoughts and
-    log-weights of (7.1)) of the first held-out example through
-    :func:`ppl_thought.diagnostics.to_inference_data` (posterior = an equal-weight resample), and all
-    held-out examples in a ``particles`` group (chain = example, draw = particle, with ``log_weight``: weighted
-    draws, so not a ``posterior`` that ArviZ would summarise as if they were equal-weight). A5: the
-    per-sequence excess losses. Every file carries ``inference_library = "ppl_thought"`` (what
-    ``ppl-thought diagnose`` checks)."""
+    """ArviZ netcdf files, each with ``chain`` and ``draw`` where ArviZ expects them, so ``az.summary`` reads each.
+
+    * ``sec7_{expl,pred}_particles.nc``: for each latent method, the weighted thought particles of the test loss
+      (7.1) of every held-out example (``example`` a dimension of its own; ``draw`` = particle); the thought is a
+      method name, stored as text (``particles_text.thought``) and as ``thought_names_method`` (1 where it names
+      the example's hidden method, the quantity I(thought; method) is about); the per-example test losses in
+      ``observed_data``.
+    * ``a5_excess.nc``: the excess loss over the exact entropy of each held-out test sequence (``draw`` = a test
+      sequence, independent draws of the task), plain Transformer and Proj # P_f.
+    * ``real_thoughts.nc``: for the right answer of each problem and each sampler, the thought particles of SMC
+      (``problem`` a dimension, ``draw`` = particle): the thought's length and its text.
+
+    Every file carries ``inference_library = "ppl_thought"`` (what ``ppl-thought diagnose`` checks) and the
+    engine in ``engine``."""
     try:
         import xarray as xr
 
         from ppl_thought.arviz_compat import make_inference_data
     except ImportError:  # pragma: no cover
         return []
-    try:
-        from ppl_thought.diagnostics import to_inference_data
-    except ImportError:  # pragma: no cover - the diagnostics conversion is optional
-        to_inference_data = None
-
     ours = {"inference_library": "ppl_thought"}
     written = []
-    s7 = arrays.get("sec7")
-    if s7:
-        for m in ("expl", "pred"):
-            lw = np.asarray(s7[f"{m}_log_weights"])  # [N, n]
-            th = np.asarray(s7[f"{m}_thoughts"])
-            if to_inference_data is not None:
-                lw0 = torch.as_tensor(lw[0])
-                res = Result(samples={"thought": torch.as_tensor(th[0])}, log_weights=lw0,
-                             log_marginal=log_mean_exp(lw0, 0), engine=f"Importance (7.1), {m} sampler")
-                p = os.path.join(out, f"sec7_{m}_example0.nc")
-                atomic_write(p, to_inference_data(res).to_netcdf)
-                written.append(p)
-            thought_dims = ("chain", "draw") + tuple(f"thought_dim_{i}" for i in range(th.ndim - 2))
-            particles = xr.Dataset({"thought": (thought_dims, th), "log_weight": (("chain", "draw"), lw)},
-                                   attrs={**ours, "layout": "chain = held-out example, draw = particle (weighted)"})
-            loss = np.asarray(s7["per_example"][m])
-            observed = xr.Dataset({"test_loss_per_token": (("example",), loss)}, attrs=ours)
-            # `particles` is not a group of ArviZ's scheme: by design (InferenceData on ArviZ 0.x, DataTree on 1.x)
-            idata = make_inference_data({"particles": particles, "observed_data": observed})
-            p = os.path.join(out, f"sec7_{m}_particles.nc")
-            atomic_write(p, idata.to_netcdf)
-            written.append(p)
-    a5 = arrays.get("a5")
-    if a5:
-        excess = {k: np.asarray(a5[k]) for k in ("plain_excess", "latent_excess")}
-        idata = make_inference_data({"observed_data": xr.Dataset(
-            {k: (tuple(f"{k}_dim_{i}" for i in range(v.ndim)), v) for k, v in excess.items()}, attrs=ours)})
-        p = os.path.join(out, "a5_excess.nc")
+
+    def write(name: str, idata) -> None:
+        p = os.path.join(out, name)
         atomic_write(p, idata.to_netcdf)
         written.append(p)
+
+    s7 = arrays.get("sec7")
+    if s7:
+        names = {"expl": "explanatory", "pred": "predictive"}
+        for m in ("expl", "pred"):
+            th = np.asarray(s7[f"{m}_thoughts"])  # [N, n] method-name token ids
+            values = {}
+            if "true_method_token" in s7:
+                values["thought_names_method"] = (th == np.asarray(s7["true_method_token"])[:, None]).astype(float)
+            text = {"thought": np.asarray(s7[f"{m}_thought_text"])} if f"{m}_thought_text" in s7 else {}
+            if not values:
+                values["thought_token"] = th
+            attrs = {**ours, "engine": f"Importance (7.1), {names[m]} sampler, n = {th.shape[1]} particles"}
+            write(f"sec7_{m}_particles.nc", _weighted_file(values, text, s7[f"{m}_log_weights"],
+                                                         {"test_loss_per_token": s7["per_example"][m]}, "example",
+                                                         attrs, seeds=len(results["sec7"].get("seeds", [0]))))
+    a5 = arrays.get("a5")
+    if a5:
+        ex = {k: np.asarray(a5[k], dtype=float)[None] for k in ("plain_excess", "latent_excess")}  # [1, sequences]
+        attrs = {**ours, "engine": "excess loss over the exact entropy (forward algorithm (3.1)), per test sequence",
+                 "layout": "draw = a held-out test sequence (independent)"}
+        write("a5_excess.nc", make_inference_data({"posterior": xr.Dataset(
+            {k: (("chain", "draw"), v) for k, v in ex.items()}, attrs=attrs)}))
+    real = arrays.get("real")
+    if real:
+        for m in ("predictive", "explanatory"):
+            r = real[m]
+            attrs = {**ours, "engine": f"SMC, {m} sampler, SmolLM2-135M-Instruct"}
+            write(f"real_thoughts_{m}.nc", _weighted_file(
+                {"thought_length": np.asarray(r["thought_length"], dtype=float)}, {"thought": r["thought_text"]},
+                r["log_weights"], {"log_z_right_answer": r["log_z"]}, "problem", attrs))
     return written
 
 
@@ -262,7 +318,8 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
         from ppl_thought.experiments.real_thoughts import run as run_real  # needs the [real] extra
 
         t = time.time()
-        results["real"] = run_real(quick=quick, seed=seed, progress=progress)
+        results["real"] = run_real(quick=quick, seed=seed, progress=progress, keep_arrays=True)
+        arrays["real"] = results["real"].pop("_arrays")
         part_seconds["real"] = round(time.time() - t, 1)
     results["seconds"] = round(time.time() - t0, 1)
     results["seconds_per_part"] = part_seconds

@@ -484,8 +484,11 @@ def _sec7_replicate(task: PermutationChoiceTask, cfg: Sec7Config, seed: int, tes
     res["criterion_expl_ge_2x_pred_and_3se"] = _criterion(gain_p, gain_e, res["gain_expl_se"])
     res["_per_example"] = {"fast": Lf["per_example"], "pred": Lp["per_example"], "expl": Le["per_example"],
                            "gain_pred": d_pred, "gain_expl": d_expl}
+    names = np.asarray(task.vocab.tokens)  # the thoughts as text (a method name), for the demo's ArviZ files
     res["_arrays"] = {"expl_thoughts": Le["thoughts"], "expl_log_weights": Le["log_weights"],
-                      "pred_thoughts": Lp["thoughts"], "pred_log_weights": Lp["log_weights"]}
+                      "pred_thoughts": Lp["thoughts"], "pred_log_weights": Lp["log_weights"],
+                      "expl_thought_text": names[Le["thoughts"]], "pred_thought_text": names[Lp["thoughts"]],
+                      "true_method_token": task.letter_ids(task.m + c_te).numpy()}
     return res
 
 
