@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,18 +47,22 @@ def _env() -> dict:
 def _interrupt(argv: list[str], when, timeout: float = 600) -> tuple[int, str, str]:
     """Start ``argv``, send SIGINT once ``when(stdout so far, seconds)`` is true, return (status, stdout, stderr)."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
-    out, t0 = [], time.time()
-    os.set_blocking(proc.stdout.fileno(), False)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda s=s, a=a: a.extend(iter(s.readline, "")), daemon=True)
+               for s, a in ((proc.stdout, out), (proc.stderr, err))]  # both pipes drained: no full-pipe stall
+    for r in readers:
+        r.start()
+    t0 = time.time()
     while proc.poll() is None and time.time() - t0 < timeout:
-        chunk = proc.stdout.read()
-        if chunk:
-            out.append(chunk)
         if when("".join(out), time.time() - t0):
             proc.send_signal(signal.SIGINT)
             break
         time.sleep(0.2)
-    rest, err = proc.communicate(timeout=120)
-    return proc.returncode, "".join(out) + (rest or ""), err
+    proc.wait(timeout=120)
+    for r in readers:
+        r.join(timeout=10)
+    return proc.returncode, "".join(out), "".join(err)
 
 
 def _one_line(err: str) -> str:
