@@ -177,7 +177,9 @@ class Sec7:
         opt = torch.optim.AdamW(lm.parameters(), lr=c.pretrain_lr, weight_decay=c.weight_decay)
         allowed = torch.ones(len(self.vocab), dtype=torch.bool)
         step, held_out = 0, float("nan")
-        with tqdm(total=c.pretrain_steps, desc="Section 7: base model (shared)", disable=not progress) as bar:
+        desc = (f"Section 7: base model, training steps (at most; stops once the held-out response loss < "
+                f"{c.pretrain_target})")
+        with tqdm(total=c.pretrain_steps, desc=desc, disable=not progress) as bar:
             for step in range(1, c.pretrain_steps + 1):
                 set_lr(opt, cosine_lr(c.pretrain_lr, step - 1, c.pretrain_steps))
                 q, _, r = self.task.sample(c.pretrain_batch, generator=g)
@@ -192,6 +194,7 @@ class Sec7:
                         held_out = float(-score(lm, x_ev, self.k + 5, allowed)[:, :self.k].mean())
                     bar.set_postfix({"response|method": f"{held_out:.3f}"})
                     if held_out < c.pretrain_target:
+                        bar.set_description(f"Section 7: base model, stopped at step {step}: target reached")
                         break
         self.base_info = {"steps": step, "response_loss_given_method": held_out,
                           "reached_target": bool(held_out < c.pretrain_target), "seconds": round(time.time() - t0, 1)}
