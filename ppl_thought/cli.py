@@ -19,6 +19,16 @@ def _version() -> str:
     return __version__
 
 
+def _quick_time() -> str:
+    """How long ``demo --quick`` took in the recorded run (benchmarks/results/demo_quick.json), for ``--help``."""
+    from ppl_thought.demo import recorded_part_seconds
+
+    secs = recorded_part_seconds().get("all")
+    if secs is None:
+        return "minutes on 2 cores"
+    return f"{secs / 60:.0f} min on a shared 2-core machine in benchmarks/results/demo_quick.json"
+
+
 def _info(args: argparse.Namespace) -> int:
     import importlib.metadata as md
 
@@ -114,6 +124,26 @@ def _file_to_write(path: str | None) -> str | None:
     return _folder_to_write(os.path.dirname(full), "folder of the file")
 
 
+def _fresh_out(out: str | None, args: argparse.Namespace) -> str | None:
+    """None unless ``out`` holds another run's results (its ``results.json``) and ``--overwrite`` was not given:
+    a run never replaces another run's folder silently."""
+    if out is None or getattr(args, "overwrite", False):
+        return None
+    previous = os.path.join(out, "results.json")
+    if not os.path.isfile(previous):
+        return None
+    import json
+
+    try:
+        with open(previous) as f:
+            d = json.load(f)
+        what = f"a {'--quick' if d.get('quick') else 'default-size'} run of parts {', '.join(d.get('parts') or [])}"
+    except (OSError, ValueError, AttributeError):
+        what = "another run"
+    return (f"{out!r} holds the results of {what} (results.json): choose another --out, or add --overwrite to "
+            "replace them")
+
+
 def _parts(parts: list[str] | None) -> str | None:
     if parts and "real" in parts:
         from ppl_thought.demo import real_model_installed
@@ -192,6 +222,7 @@ def _plots_folder(out: str | None, args: argparse.Namespace) -> str | None:
 CHECKS: dict[str, list[tuple[str, str, Callable[[Any, argparse.Namespace], str | None]]]] = {
     "demo": [("--parts", "parts", lambda v, a: _parts(v)),
              ("--out", "out", lambda v, a: _folder_to_write(v)),
+             ("--out", "out", _fresh_out),
              ("--json", "json", lambda v, a: _file_to_write(v))],
     "diagnose": [("FILE", "file", lambda v, a: _result_file(v)),
                  ("--out", "out", _plots_folder),
@@ -235,6 +266,13 @@ def _demo(args: argparse.Namespace) -> int:
     from ppl_thought.io import atomic_write_json
 
     parts = None if args.parts is None else tuple(args.parts)
+    if args.overwrite:  # the previous run's files go first, so none of them mixes with this run's
+        from ppl_thought.demo import DEMO_FILES
+
+        for name in DEMO_FILES:
+            path = os.path.join(args.out, name)
+            if os.path.isfile(path):
+                os.remove(path)
     results = run_demo(out=args.out, quick=args.quick, seed=args.seed, n=args.n, parts=parts, seeds=args.seeds)
     if args.json is not None:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -274,12 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions of ppl_thought and its backends")
     info.set_defaults(func=_info)
     demo = sub.add_parser("demo", help="the main job: run the library's showcase and write results")
-    demo.add_argument("--quick", action="store_true", help="a shorter run (under five minutes on 2 cores)")
+    demo.add_argument("--quick", action="store_true", help=f"a shorter run ({_quick_time()})")
     demo.add_argument("--n", type=_integer(2, MAX_N, " (the sampler loss (7.2) needs a baseline: n >= 2)"),
                       default=8, help=f"sampling size n of (7.1)/(7.2), 2..{MAX_N} (the paper uses 8 and 16)")
     demo.add_argument("--parts", nargs="+", default=None, choices=["sec7", "a5", "real"],
                       help="which parts to run (Section 7, A5, the real model; default: all that are installed)")
-    demo.add_argument("--out", default="out/demo", help="output folder for JSON and plots")
+    demo.add_argument("--out", default="out/demo", help="output folder for JSON, plots and ArviZ files (a folder "
+                                                         "with another run's results.json is refused)")
+    demo.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
     demo.add_argument("--json", default=None, help="also write the results JSON to this file")
     demo.add_argument("--seed", type=_integer(0, MAX_SEED), default=0, help=f"random seed, 0..{MAX_SEED}")
     demo.add_argument("--threads", type=_integer(1, lambda: 4 * _cpus(), " (at most 4 per core this process may use)"),
@@ -302,7 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     Bad input is one line on stderr naming the argument, status 2, before any work starts: argparse's own errors
     (a value of the wrong kind or out of range) raise ``SystemExit(2)`` as argparse does; the checks of
     :data:`CHECKS` (paths, installed parts, weights of a file to diagnose) return 2. A library error raised by the
-    run itself is one line too (status 2), as is an operating-system error while writing (status 1)."""
+    run itself is one line too (status 2), as is an operating-system error while writing (status 1). Ctrl-C is one
+    line and status 130, at any moment (the demo keeps the results and files of every part that finished)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:  # before the command started (imports, checks) or while it stops
+        print(f"ppl-thought: {e}" if str(e) else "ppl-thought: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
@@ -315,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # one line; run_demo has written the finished parts (DemoInterrupted)
+        print(f"{prog}: {e}" if str(e) else f"{prog}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
         from ppl_thought.errors import PPLThoughtError

@@ -4,6 +4,7 @@ library objectives, the SMC estimate against enumeration, and a tiny end-to-end 
 import itertools
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -208,19 +209,79 @@ def test_tiny_end_to_end_demo_writes_json(tmp_path):
     assert per[0]["base_model"]["steps"] == 2 and per[0]["L_fast"] != per[1]["L_fast"]
     assert len(saved["sec7"]["test_loss_curve"]["expl"]) == 2  # steps 2 and 4
     assert (tmp_path / "sec7_fig7_1.png").exists() and (tmp_path / "a5_excess.png").exists()
-    ncs = [f for f in res["files"] if f.endswith(".nc")]
-    assert len(ncs) == 5  # sec7_{expl,pred}_{example0,particles}.nc and a5_excess.nc
+    ncs = sorted(f for f in res["files"] if f.endswith(".nc"))
+    assert [os.path.basename(f) for f in ncs] == ["a5_excess.nc", "sec7_expl_particles.nc", "sec7_pred_particles.nc"]
     from ppl_thought.diagnostics import diagnose
 
     for f in ncs:  # `ppl-thought diagnose` reads every file the demo writes, as one of ours
         text, plots = diagnose(f, out=tmp_path / "diag")
         assert "note:" not in text and plots and all(p.is_file() for p in plots), f
-        if "particles" in f:  # weighted particles per example: not a posterior ArviZ would treat as equal-weight
-            assert "no posterior group" in text and "particles/log_weight" in text
+    check_demo_files(ncs, num_test=16, n=4)
+    from ppl_thought.arviz_compat import group_dataset
+    from ppl_thought.diagnostics.inference_data import load_inference_data
+
+    parts = group_dataset(load_inference_data(ncs[1]), "particles")  # two seeds: a dimension of their own
+    assert parts["log_weight"].dims == ("chain", "draw", "seed", "example") and parts.sizes["seed"] == 2
     with pytest.raises(ValueError):
         run_demo(out=str(tmp_path), n=1)
     with pytest.raises(ValueError, match="seeds"):
         run_demo(out=str(tmp_path), seeds=0)
+
+
+def check_demo_files(paths, num_test: int | None = None, n: int | None = None) -> None:
+    """Every ArviZ file of the demo: ``az.summary`` reads it, ``chain`` and ``draw`` lead every variable of its
+    ``posterior`` (one chain; per-example results a dimension of their own, never "chain"), weighted particles are
+    a ``particles`` group with their ``log_weight``, and a thought is text or a number with a meaning."""
+    from ppl_thought.arviz_compat import group_dataset, group_names, import_arviz
+    from ppl_thought.diagnostics.inference_data import load_inference_data
+
+    az = import_arviz()
+    for f in paths:
+        idata = load_inference_data(f)
+        post = group_dataset(idata, "posterior")
+        for name, v in post.data_vars.items():
+            assert v.dims[:2] == ("chain", "draw") and v.sizes["chain"] == 1, (f, name, v.dims)
+            assert np.isfinite(np.asarray(v)).all(), (f, name)
+        summary = az.summary(idata, kind="stats")
+        assert len(summary) > 0 and np.isfinite(summary["mean"].to_numpy()).all(), f
+        assert group_dataset(idata, "posterior").attrs["inference_library"] == "ppl_thought"
+        if "particles" in os.path.basename(f) or "real_thoughts" in os.path.basename(f):
+            unit = "example" if "sec7" in os.path.basename(f) else "problem"
+            parts = group_dataset(idata, "particles")
+            assert parts["log_weight"].dims[:2] == ("chain", "draw") and parts["log_weight"].dims[-1] == unit, f
+            if num_test is not None and unit == "example":
+                assert parts.sizes[unit] == num_test and parts.sizes["draw"] == n
+            assert "particles_text" in group_names(idata) and "posterior_text" in group_names(idata)
+            text = np.asarray(group_dataset(idata, "particles_text")["thought"])
+            assert text.dtype.kind in "UO" and text.shape == parts["log_weight"].shape
+            if unit == "example":  # 0/1: does the thought name the example's hidden method
+                assert set(np.unique(np.asarray(post["thought_names_method"]))) <= {0.0, 1.0}
+                loss = group_dataset(idata, "observed_data")["test_loss_per_token"]
+                assert loss.dims[-1] == "example" and "chain" not in loss.dims
+
+
+def test_demo_arviz_writers_on_tiny_inputs(tmp_path):
+    """The writer of the real-model part's files (the part itself needs SmolLM2), on hand-made particles: the
+    resample follows the weights (a particle of weight 0 is never drawn)."""
+    from ppl_thought.demo import _arviz
+
+    rng = np.random.default_rng(0)
+    lw = rng.normal(size=(3, 5))
+    lw[:, 0] = -np.inf  # impossible particles
+    real = {m: {"log_weights": lw, "thought_length": np.arange(15).reshape(3, 5) % 4,
+                "thought_text": np.array([[f"t{i}{j}" for j in range(5)] for i in range(3)]),
+                "log_z": np.array([-1.0, -2.0, -3.0])} for m in ("predictive", "explanatory")}
+    paths = _arviz({}, {"real": real}, str(tmp_path))
+    assert sorted(os.path.basename(p) for p in paths) == ["real_thoughts_explanatory.nc",
+                                                          "real_thoughts_predictive.nc"]
+    check_demo_files(paths)
+    from ppl_thought.arviz_compat import group_dataset
+    from ppl_thought.diagnostics.inference_data import load_inference_data
+
+    idata = load_inference_data(paths[0])
+    drawn = np.asarray(group_dataset(idata, "posterior_text")["thought"])[0]  # [draw, problem]
+    assert not any(f"t{i}0" in drawn[:, i] for i in range(3))
+    assert set(np.asarray(group_dataset(idata, "posterior")["thought_length"]).ravel()) <= {0, 1, 2, 3}
 
 
 def test_sec7_formats_follow_query_response_projection():

@@ -247,6 +247,13 @@ def diagnose(path: str | Path, out: str | Path | None = None) -> tuple[str, list
         if names:
             files.append(_posterior_plot(idata, names[:MAX_PLOTTED], out_dir, stem,
                                          trace=post.sizes.get("chain", 1) > 1))
+        pooled = {f"posterior/{v}": post[v] for v in skipped if _per_unit(post[v])}
+        if pooled:  # values per held-out example, problem, seed: pooled over them, one labelled panel each
+            lines += [_pooled_line(k, v) for k, v in pooled.items()]
+            f = out_dir / f"{stem}.values.png"
+            _panels({k: np.asarray(v, dtype=float).reshape(-1) for k, v in pooled.items()},
+                    f"{path.name}: {attrs.get('engine', 'engine not recorded')}", f)
+            files.append(f)
     if "predictions" in groups:
         pred = group_dataset(idata, "predictions")
         if "tokens_length" in pred:
@@ -289,12 +296,7 @@ def _posterior_plot(idata, names: list[str], out_dir: Path, stem: str, trace: bo
 def _describe_groups(idata, path: Path, out_dir: Path, stem: str, lines: list[str]) -> tuple[str, list[Path]]:
     """A file without a posterior (e.g. the demo's ``a5_excess.nc``: per-sequence values in ``observed_data``,
     or ``sec7_*_particles.nc``: weighted particles per example): mean +- standard error and range of every
-    numeric variable (token sequences left out), and one box plot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    numeric variable (token sequences left out), and one labelled panel per variable."""
     lines.append("  no posterior group: each numeric variable's values")
     series = {}
     for g in group_names(idata):
@@ -315,17 +317,48 @@ def _describe_groups(idata, path: Path, out_dir: Path, stem: str, lines: list[st
             series[f"{g}/{name}"] = finite
     files: list[Path] = []
     if series:
-        fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(series), 3.2))
-        ax.boxplot(list(series.values()))
-        ax.set_xticks(range(1, len(series) + 1), [k.split("/")[-1] for k in series], rotation=20)
-        ax.set_title(path.name)
-        fig.tight_layout()
         f = out_dir / f"{stem}.values.png"
-        fig.savefig(f, dpi=110)
-        plt.close(fig)
+        _panels(series, path.name, f)
         files.append(f)
     lines += [f"  wrote {f}" for f in files]
     return "\n".join(lines), files
+
+
+def _per_unit(v) -> bool:
+    """A numeric chain/draw variable with more values per draw than the table shows and no token positions:
+    one value per held-out example, problem or seed (the demo's files), pooled over them."""
+    return (np.issubdtype(v.dtype, np.number) and {"chain", "draw"} <= set(v.dims)
+            and not any(str(d).endswith("_pos") for d in v.dims))
+
+
+def _pooled_line(key: str, v) -> str:
+    x = np.asarray(v, dtype=float).reshape(-1)
+    x = x[np.isfinite(x)]
+    over = ", ".join(f"{d} ({v.sizes[d]})" for d in v.dims if d not in ("chain", "draw"))
+    mean = _fmt(x.mean()) if x.size else "n.d."
+    return f"  {key:30s} mean {mean} over {x.size} values (draws pooled over {over})"
+
+
+def _panels(series: dict[str, np.ndarray], title: str, f: Path) -> None:
+    """One labelled panel per variable: the histogram of its values (x: the variable, y: how many values)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = len(series)
+    fig, axes = plt.subplots(1, k, figsize=(3.4 * k, 3.0), squeeze=False)
+    for ax, (name, v) in zip(axes[0], series.items()):
+        v = np.asarray(v, dtype=float)
+        v = v[np.isfinite(v)]
+        ax.hist(v, bins=min(30, max(2, len(np.unique(v)))), color="C0")
+        ax.set_xlabel(name.split("/")[-1])
+        ax.set_ylabel("number of values")
+        ax.set_title(f"{name}\nmean {v.mean():.3g}, n = {v.size}" if v.size else name, fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(f, dpi=100)
+    plt.close(fig)
 
 
 __all__ = ["diagnose"]

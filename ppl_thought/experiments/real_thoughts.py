@@ -169,8 +169,10 @@ def thought_lengths(result) -> torch.Tensor:
 
 
 def run(quick: bool = False, k: int | None = None, particles: int | None = None, max_thought: int | None = None,
-        seed: int = 0, lm=None, progress: bool = True) -> dict:
-    """Every problem x candidate x method; returns the JSON's dict."""
+        seed: int = 0, lm=None, progress: bool = True, keep_arrays: bool = False) -> dict:
+    """Every problem x candidate x method; returns the JSON's dict. ``keep_arrays``: also ``out["_arrays"]``, per
+    sampler the particles of the right answer of every problem (log weights, thought lengths and texts ``[k, n]``,
+    log Z ``[k]``), which the demo writes as an ArviZ file (not JSON: pop it before writing the dict)."""
     k = integer("problems", (6 if quick else 12) if k is None else k)
     n = integer("particles", (8 if quick else 16) if particles is None else particles)
     max_thought = integer("thought tokens", (10 if quick else 20) if max_thought is None else max_thought)
@@ -210,11 +212,25 @@ def run(quick: bool = False, k: int | None = None, particles: int | None = None,
     out.update({"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float32)", "load_seconds": load_s,
                 "seconds": time.perf_counter() - t0, "seed": seed, "quick": quick})
     out["arviz"] = arviz_summary(rows)
+    if keep_arrays:
+        out["_arrays"] = {m: particle_arrays([r[m] for r in rows if r["correct"]], lm.vocab)
+                          for m in ("predictive", "explanatory")}
     for r in rows:
         for m in ("predictive", "explanatory"):
             r[m].pop("_result", None)
     out["rows"] = rows
     return out
+
+
+def particle_arrays(runs: list[dict], vocab) -> dict:
+    """The particles of SMC runs (one per problem, the same n): log weights, thought lengths, thoughts as text."""
+    import numpy as np
+
+    res = [r["_result"] for r in runs]
+    return {"log_weights": np.stack([x.log_weights.double().numpy() for x in res]),
+            "thought_length": np.stack([thought_lengths(x).numpy() for x in res]),
+            "thought_text": np.array([[vocab.decode(t.tolist()) for t in x.samples["thought"]] for x in res]),
+            "log_z": np.array([r["log_z"] for r in runs])}
 
 
 def summarise(probs: list[Problem], rows: list[dict], n: int, max_thought: int) -> dict:
@@ -289,7 +305,7 @@ def _progress(total: int, on: bool):
         tqdm = None
     if not on or tqdm is None:
         return lambda: None
-    bar = tqdm(total=total, desc="problem x candidate", file=sys.stderr)
+    bar = tqdm(total=total, desc="SmolLM2: (problem, candidate answer) pairs scored", file=sys.stderr)
     return lambda: bar.update(1)
 
 

@@ -177,7 +177,9 @@ class Sec7:
         opt = torch.optim.AdamW(lm.parameters(), lr=c.pretrain_lr, weight_decay=c.weight_decay)
         allowed = torch.ones(len(self.vocab), dtype=torch.bool)
         step, held_out = 0, float("nan")
-        with tqdm(total=c.pretrain_steps, desc="Section 7: base model (shared)", disable=not progress) as bar:
+        desc = (f"Section 7: base model, training steps (at most; stops once the held-out response loss < "
+                f"{c.pretrain_target})")
+        with tqdm(total=c.pretrain_steps, desc=desc, disable=not progress) as bar:
             for step in range(1, c.pretrain_steps + 1):
                 set_lr(opt, cosine_lr(c.pretrain_lr, step - 1, c.pretrain_steps))
                 q, _, r = self.task.sample(c.pretrain_batch, generator=g)
@@ -192,6 +194,7 @@ class Sec7:
                         held_out = float(-score(lm, x_ev, self.k + 5, allowed)[:, :self.k].mean())
                     bar.set_postfix({"response|method": f"{held_out:.3f}"})
                     if held_out < c.pretrain_target:
+                        bar.set_description(f"Section 7: base model, stopped at step {step}: target reached")
                         break
         self.base_info = {"steps": step, "response_loss_given_method": held_out,
                           "reached_target": bool(held_out < c.pretrain_target), "seconds": round(time.time() - t0, 1)}
@@ -484,8 +487,11 @@ def _sec7_replicate(task: PermutationChoiceTask, cfg: Sec7Config, seed: int, tes
     res["criterion_expl_ge_2x_pred_and_3se"] = _criterion(gain_p, gain_e, res["gain_expl_se"])
     res["_per_example"] = {"fast": Lf["per_example"], "pred": Lp["per_example"], "expl": Le["per_example"],
                            "gain_pred": d_pred, "gain_expl": d_expl}
+    names = np.asarray(task.vocab.tokens)  # the thoughts as text (a method name), for the demo's ArviZ files
     res["_arrays"] = {"expl_thoughts": Le["thoughts"], "expl_log_weights": Le["log_weights"],
-                      "pred_thoughts": Lp["thoughts"], "pred_log_weights": Lp["log_weights"]}
+                      "pred_thoughts": Lp["thoughts"], "pred_log_weights": Lp["log_weights"],
+                      "expl_thought_text": names[Le["thoughts"]], "pred_thought_text": names[Lp["thoughts"]],
+                      "true_method_token": task.letter_ids(task.m + c_te).numpy()}
     return res
 
 

