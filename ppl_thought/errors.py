@@ -193,7 +193,9 @@ def zero_weights_message(engine: str, n: int, proposal: str = "the proposal", *,
     (:func:`describe_proposal`), ``where`` the step (``"after step 3 of Foo"``), ``sites`` the sites whose
     log-probability is -inf in every particle, ``group`` the group of a grouped run (``"of group 2 "``)."""
     at = f" {where}" if where else ""
+    sites = list(sites) if isinstance(sites, (list, tuple)) else [sites] if sites is not None else []
     named = f"; site(s) {', '.join(str(s) for s in sites)} score -inf in every particle" if sites else ""
+    proposal = str(proposal)
     if proposal.startswith("the model's own prior"):
         fix = (f"{proposal} proposed every particle, and under each latent value it drew the data have "
                "probability 0. If the data are impossible under the model, log p(x) = -inf is the answer; "

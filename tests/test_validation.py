@@ -205,7 +205,7 @@ def test_io_round_trip_still_works_under_the_layer(tmp_path):
 
 
 # ------------------------------------------------------------------------------ the layer is visible at the definition
-NUMPYRO_SUBPACKAGES = ("dist", "distributions", "guides", "handlers", "infer", "lm", "models", "program",
+NUMPYRO_SUBPACKAGES = ("dist", "distributions", "guides", "handlers", "infer", "lm", "models", "program", "transforms",
                        "inference_data")
 
 

@@ -480,6 +480,13 @@ def active_coding(d: dict) -> str:
     return "\n".join(rows) + "\n\n" + " ".join(lines) + f"\n\n{cfg}. {_provenance(d)}\n"
 
 
+def real_training(d: dict) -> str:
+    """README / docs/training.md: SFT vs latent training on SmolLM2 with LoRA (``real_training_quick.json``)."""
+    from ppl_thought.experiments.real_training import table
+
+    return table(d) + f"\n\n{_provenance(d)}\n"
+
+
 @dataclass(frozen=True)
 class Table:
     source: str  # JSON under the repository root
@@ -488,6 +495,7 @@ class Table:
     meta: str | None = None  # a second JSON of the same run (``--meta``), passed to ``render`` as d["meta"]
 
 
+REAL_TRAINING_CMD = "python examples/real_training.py --quick --json benchmarks/results/real_training_quick.json"
 SEC7_CMD = "python -m ppl_thought.experiments.sec7 --seeds 5 --n 8 16 --quick --json benchmarks/results/sec7_seeds.json"
 TABLES: dict[str, Table] = {
     "sec7-seeds": Table("benchmarks/results/sec7_seeds.json", sec7_summary, SEC7_CMD),
@@ -507,6 +515,7 @@ TABLES: dict[str, Table] = {
     "active-coding": Table("benchmarks/results/active_coding.json", active_coding, ACTIVE_CODING_CMD),
     "demo-quick-times": Table("benchmarks/results/demo_quick.json", demo_quick_times, DEMO_CMDS["quick"]),
     "a5-quick": Table("benchmarks/results/demo_quick.json", a5_quick, DEMO_CMDS["quick"]),
+    "real-training-quick": Table("benchmarks/results/real_training_quick.json", real_training, REAL_TRAINING_CMD),
 }
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import subprocess
 import sys
 import time
 
@@ -47,6 +46,7 @@ from torch import nn
 
 import ppl_thought as pt
 from ppl_thought.errors import ConfigError
+from ppl_thought.experiments.common import provenance
 from ppl_thought.experiments.real_thoughts import Problem, Prompts, ThoughtThenAnswer
 from ppl_thought.experiments.sec7_losses import clip_gradients_, gate_mix, latent_surrogate, sampler_surrogate
 from ppl_thought.io import atomic_write_json
@@ -325,16 +325,6 @@ def _mean_se(xs: list[float]) -> dict:
     return {"mean": m, "se": se, "values": xs}
 
 
-def _git() -> tuple[str | None, bool | None]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True, check=True).stdout.strip())
-        return commit, dirty
-    except (OSError, subprocess.CalledProcessError):
-        return None, None
-
-
 SIZES = {"quick": {"steps": 6, "batch": 2, "particles": 4, "max_thought": 7, "held_out": 8, "eval_particles": 4,
                    "smc_problems": 2, "lr": 3e-3, "rank": 8},
          "default": {"steps": 300, "batch": 8, "particles": 8, "max_thought": 10, "held_out": 200,
@@ -354,7 +344,7 @@ def run(quick: bool = False, seeds: int = 2, device: str = "cpu", dtype: str = "
     if dtype not in dtypes:
         raise ConfigError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
     t0 = time.perf_counter()
-    commit, dirty = _git()
+    source = provenance()  # the commit, whether the checkout had uncommitted changes, and the machine
     if lm is None:
         lm = pt.lm.smollm2(dtype=dtypes[dtype], device=device)
     if not pt.lm.lora_parameters(lm):
@@ -384,7 +374,7 @@ def run(quick: bool = False, seeds: int = 2, device: str = "cpu", dtype: str = "
             "last_loss": _mean_se([r["losses"][-1] for r in rs]),
             "tokens_per_s": _mean_se([r["tokens_per_s"] for r in rs]),
         }
-    return {"command": " ".join(sys.argv), "commit": commit, "dirty": dirty, "seconds": time.perf_counter() - t0,
+    return {"command": " ".join(sys.argv), **source, "seconds": time.perf_counter() - t0,
             "device": device, "dtype": dtype, "seeds": seeds, "quick": quick, "sizes": size,
             "model": "SmolLM2-135M-Instruct + LoRA (peft) on q_proj, v_proj", "task": "a+b= with a carry, a+b<100",
             "before": before, "summary": summary, "runs": runs}
