@@ -255,3 +255,12 @@ def test_docstrings_point_to_sections_of_the_design_of_record():
         if "ARCHITECTURE.md" in text:
             outside.append(str(path.relative_to(root)))
     assert missing == [] and outside == [], (missing, outside)
+
+
+def test_every_module_is_under_600_lines():
+    """Issue 39's rule: no module of the package reaches 600 lines (split it along a real seam instead)."""
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parent.parent / "ppl_thought"
+    long = {str(p.relative_to(pkg)): n for p in pkg.rglob("*.py") if (n := len(p.read_text().splitlines())) >= 600}
+    assert not long, f"modules of 600 lines or more: {long}"

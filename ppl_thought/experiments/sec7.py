@@ -21,12 +21,10 @@ token; the causal gap (7.3) over training.
 App. L at fidelity (the defaults, as in the paper): the gating trick (L.1)/(L.2) for P of both latent
 methods and, with its own MLP, for the explanatory sampler (:func:`gate_mix`); joint gradient clipping
 of P and Q (``Sec7Config.clipping="separate"`` for the alternative of Fig L.2, :func:`clip_gradients_`).
-:func:`run_seeds` runs several seeds at n = 8 and 16 (the Table of Section 7 and Fig L.2, right) and
-summarises them with standard errors across seeds and a bootstrap interval of the relative improvement:
-
-    python -m ppl_thought.experiments.sec7 --seeds 5 --n 8 16 [--quick] [--steps N] [--batch B] --json FILE
+:func:`run_seeds` (the second command above; ``--quick``, ``--steps N``, ``--batch B``) runs several seeds at
+n = 8 and 16 (the Table of Section 7 and Fig L.2, right) and summarises them with standard errors across seeds and
+a bootstrap interval of the relative improvement.
 """
-
 
 from __future__ import annotations
 
@@ -65,6 +63,7 @@ from ppl_thought.experiments.sec7_seeds import (
     summarize_seeds,
 )
 from ppl_thought.experiments.sec7_seeds import bootstrap_relative_improvement as bootstrap_relative_improvement
+from ppl_thought.io import atomic_write_json
 from ppl_thought.lm import Transformer
 from ppl_thought.lm.gated import gate_mlp
 from ppl_thought.projections import QueryResponse
@@ -177,8 +176,7 @@ class Sec7:
         opt = torch.optim.AdamW(lm.parameters(), lr=c.pretrain_lr, weight_decay=c.weight_decay)
         allowed = torch.ones(len(self.vocab), dtype=torch.bool)
         step, held_out = 0, float("nan")
-        desc = (f"Section 7: base model, training steps (at most; stops once the held-out response loss < "
-                f"{c.pretrain_target})")
+        desc = f"Section 7: base model, training steps (at most; stops at held-out response loss < {c.pretrain_target})"
         with tqdm(total=c.pretrain_steps, desc=desc, disable=not progress) as bar:
             for step in range(1, c.pretrain_steps + 1):
                 set_lr(opt, cosine_lr(c.pretrain_lr, step - 1, c.pretrain_steps))
@@ -502,9 +500,8 @@ def run_seeds(cfg: Sec7Config, seeds: int = 5, ns: tuple[int, ...] = (8, 16), se
     (7.1), both gains and the causal gap (7.3); per n the summary across seeds (:func:`summarize_seeds`;
     standard errors and the bootstrap need >= 2 seeds; a run split over processes is pooled by
     :func:`merge_seed_runs`). ``partial``, if given, gets the result so far after every replicate (its
-    ``"partial"`` is True until the last).
-    One task and one test set (both from ``task_seed``); each seed's base model and SFT run are shared by its
-    sampling sizes (neither depends on n); ``cfg.n`` and ``cfg.seeds`` are ignored."""
+    ``"partial"`` is True until the last). One task and one test set (both from ``task_seed``); each seed's base
+    model and SFT run are shared by its sampling sizes (neither depends on n); ``cfg.n``, ``cfg.seeds`` ignored."""
     if seeds < 1:
         raise ConfigError(f"seeds must be >= 1, got {seeds}")
     if not ns or any(int(n) < 1 for n in ns):
@@ -550,21 +547,18 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
     import sys
-
-    from ppl_thought.io import atomic_write_json
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--merge", nargs="+", default=None)
     ap.add_argument("--allow-partial", action="store_true")
-    known, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    known, rest = ap.parse_known_args(argv)
     if known.merge is not None:  # --merge A.json B.json ... --json OUT.json
         mp = argparse.ArgumentParser(description="merge multi-seed Section 7 runs")
         mp.add_argument("--json", required=True)
         margs = mp.parse_args(rest)
         res = merge_seed_runs([json.loads(open(f).read()) for f in known.merge], known.allow_partial)
-        res["command"] = ("python -m ppl_thought.experiments.sec7 "
-                          + " ".join(sys.argv[1:] if argv is None else argv))
+        res["command"] = "python -m ppl_thought.experiments.sec7 " + " ".join(argv)
         atomic_write_json(margs.json, res)
         print(json.dumps(res["summary"], indent=1))
         return 0
@@ -581,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=None, help="steps between test-curve points")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cfg = Sec7Config.quick() if args.quick else Sec7Config()
@@ -591,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, batch=args.batch)
     if args.eval_every is not None:
         cfg = replace(cfg, eval_every=args.eval_every)
-    cmd = "python -m ppl_thought.experiments.sec7 " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m ppl_thought.experiments.sec7 " + " ".join(argv)
     save = (lambda r: atomic_write_json(args.json, {**r, "command": cmd})) if args.json else None
     res = run_seeds(cfg, args.seeds, tuple(args.n), args.seed, progress=True, task_seed=args.task_seed, partial=save)
     res["command"] = cmd
