@@ -363,10 +363,18 @@ def test_a_decode_step_checks_token_ids_once_per_input_not_per_token(monkeypatch
     """The LM protocol's range check (``check_token_ids``: an ``aminmax`` read on the host) runs on the prompt a
     program starts from, not at every decode step (the decoding loop's ids are sampled below vocab_size)."""
     import ppl_thought.lm.base as base
+    import ppl_thought.lm.transformer as transformer
 
     calls = []
-    real = torch.aminmax
-    monkeypatch.setattr(base.torch, "aminmax", lambda t, *a, **k: calls.append(t.shape) or real(t, *a, **k))
+    real = transformer.check_token_ids  # counted where the LM calls it and its range test (the sync) runs; a
+    # segment's own host bound per segment (an aminmax of its lengths) is not this check
+
+    def counted(t, *a, **k):
+        if not base.ids_are_checked():
+            calls.append(t.shape)
+        return real(t, *a, **k)
+
+    monkeypatch.setattr(transformer, "check_token_ids", counted)
     torch.manual_seed(0)
     lm = pt.lm.Transformer(len(VOCAB), d_model=16, n_layers=1, n_heads=2, max_len=32)
     auto = pt.projections.PauseToThink(VOCAB, max_thought_len=2).domain(3)

@@ -172,7 +172,7 @@ def test_the_demo_keeps_its_numbers_when_plotting_fails(tmp_path, monkeypatch):
 
     monkeypatch.setattr(demo, "_plots", no_plots)
     monkeypatch.setattr(demo, "run_a5", lambda cfg, seed, progress: {"excess": 0.5, "_arrays": {}})
-    monkeypatch.setattr(demo, "_print", lambda results: None)
+    monkeypatch.setattr(demo, "PRINTERS", {name: (lambda results: None) for name in demo.PRINTERS})
     res = demo.run_demo(out=str(tmp_path), quick=True, parts=("a5",), progress=False)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["a5"]["excess"] == 0.5 and "plots: RuntimeError: no display" in saved["errors"]

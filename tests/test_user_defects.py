@@ -307,7 +307,7 @@ def test_sizes_and_numbers_of_the_wrong_type_name_the_argument():
     _refused(lambda: proj.domain(2.5), ConfigError, "num_observed", "2.5")
     _refused(lambda: pt.projections.SparseThoughts(vocab, 1).domain(True), ConfigError, "num_observed", "True")
     _refused(lambda: pt.lm.Transformer(len(vocab), 16, 1, 2, window=2.5), ConfigError, "window", "2.5")
-    _refused(lambda: pt.lm.Transformer(len(vocab), 16, 1, 2, dropout=float("nan")), ConfigError, "dropout", "nan")
+    _refused(lambda: pt.lm.Transformer(len(vocab), 16, 1, 2, dropout=float("nan")), ConfigError, "dropout", "NaN")
     _refused(lambda: pt.lm.Transformer(len(vocab), 16, 1, 2, dropout=1.0), ConfigError, "dropout", "< 1")
     assert pt.lm.Transformer(len(vocab), 16, 1, 2, window=3, dropout=0.1).window == 3
 
@@ -341,7 +341,7 @@ def test_empty_negative_and_huge_sizes_are_refused_before_running():
     assert decode(model, None, "ab", max_new_tokens=1).tokens.shape == (1, 1)  # guide None: the program proposes
     _refused(lambda: LMSequence(lm, max_len=4).sample((-1,)), ConfigError, "sample_shape", "-1")
     assert LMSequence(lm, max_len=4).sample((0,)).shape == (0, 4)
-    _refused(lambda: LMSequence(lm, max_len=10**12).sample((4096,)), ConfigError, "GiB", "free")
+    _refused(lambda: LMSequence(lm, max_len=10**12).sample((4096,)), ConfigError, "PiB", "PPL_THOUGHT_MAX_BYTES")
     big = Tabular(1, 50_000, torch.zeros(50_000), trainable=False)  # unigram over 50,000 ids
     # n rows x 50,000 logits x 8 bytes above any machine's free memory: refused before the first allocation
     from ppl_thought.distributions.lm_state import LMState

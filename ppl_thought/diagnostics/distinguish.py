@@ -26,7 +26,7 @@ import torch
 
 from ppl_thought.distributions.token_rule import token_step
 from ppl_thought.errors import ConfigError, DiagnosticError
-from ppl_thought.validation import ArrayLike, checked
+from ppl_thought.validation import ArrayLike, FloatOrNaN, checked
 
 
 @checked
@@ -41,7 +41,7 @@ class KTokenAdvantage:
     n: int
     k: int
     level: float
-    bound: float = math.nan  # Theorem 3 (App. A, :func:`advantage_bound`) when the entropy rate is known
+    bound: FloatOrNaN = math.nan  # Theorem 3 (App. A, :func:`advantage_bound`) when the entropy rate is known
 
     @property
     def covers_zero(self) -> bool:

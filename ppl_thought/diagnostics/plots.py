@@ -16,7 +16,7 @@ import torch
 from ppl_thought import checks
 from ppl_thought.diagnostics.inference_data import psis_khat
 from ppl_thought.errors import DiagnosticError
-from ppl_thought.validation import ArrayLike, checked
+from ppl_thought.validation import ArrayLike, FloatOrNaN, checked
 
 
 def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.6):
@@ -38,7 +38,7 @@ def _save(fig, path: str | Path | None):
 
 
 @checked
-def plot_weights(log_weights: ArrayLike, path: str | Path | None = None, khat: float | None = None,
+def plot_weights(log_weights: ArrayLike, path: str | Path | None = None, khat: FloatOrNaN | None = None,
                  title: str = "importance weights"):
     """Sorted normalised importance weights (log scale) and the PSIS Pareto k against 0.5 / 0.7."""
 
