@@ -94,12 +94,14 @@ def loader_keys(rng: random.Random, n: int) -> list[tuple[str, str, str]]:
 def oversize(rng: random.Random, n: int) -> list[tuple[str, str, str]]:
     if not hasattr(pt.errors, "ResourceError"):
         return [("oversize", "skipped", "pt.errors.ResourceError has not landed: not run (it could allocate)")]
-    model = pt.models.SlowThinking(pt.lm.Tabular(2, 7, torch.zeros(7, 7), trainable=False),
-                                   pt.projections.PauseToThink(pt.Vocab(["a", "b"]), 1))
+    vocab = pt.Vocab(["a", "b"])
+    V = len(vocab)
+    model = pt.models.SlowThinking(pt.lm.Tabular(2, V, torch.zeros(V, V), trainable=False),
+                                   pt.projections.PauseToThink(vocab, 1))
     makers = [
         ("Importance(2**{e}).run", lambda e: pt.infer.Importance(2 ** e).run(model, None, "ab")),
         ("SMC(2**{e}).run", lambda e: pt.infer.SMC(2 ** e).run(model, None, "ab")),
-        ("Transformer(max_len=10**{k})", lambda e: pt.lm.Transformer(7, 8, 1, 2, max_len=10 ** (e // 3))),
+        ("Transformer(max_len=10**{k})", lambda e: pt.lm.Transformer(V, 8, 1, 2, max_len=10 ** (e // 3))),
     ]
     out = []
     for _ in range(n):
