@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from ppl_thought import schemas
-from ppl_thought.errors import CheckpointError, MissingCheckpointError, SchemaError
+from ppl_thought.errors import CheckpointError, CheckpointWriteError, MissingCheckpointError, SchemaError
 
 FORMAT = schemas.CHECKPOINT.version  # "ppl_thought.checkpoint/1"
 TENSORS_STEM = "model"  # tensors files: model.<sha256[:16]>.safetensors (older checkpoints: model.safetensors)
@@ -116,11 +116,19 @@ def atomic_write(target: str | Path, write: Callable[[str], object]) -> Path:
         write(str(tmp))
         fsync_file(tmp)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        raise_write_error(e, target)
         raise
     fsync_directory(target.parent)
     return target
+
+
+def raise_write_error(e: BaseException, target: Path) -> None:
+    """A failed write as a :class:`CheckpointWriteError` naming ``target`` (a full disk, no permission; e.g.
+    safetensors' bare "No space left on device"); anything else (an interrupt, a bug) is left to propagate."""
+    if isinstance(e, OSError) or "No space left" in str(e):
+        raise CheckpointWriteError(f"could not write {target}: {e} (the previous file is left as it was)") from e
 
 
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
@@ -185,8 +193,9 @@ def write_checkpoint(path: str | Path, write_tensors: Callable[[str, dict[str, s
             digest = sha256(tmp)
             name = f"{TENSORS_STEM}.{digest[:16]}.safetensors"
             os.replace(tmp, path / name)
-        except BaseException:
+        except BaseException as e:
             tmp.unlink(missing_ok=True)
+            raise_write_error(e, path)
             raise
         fsync_directory(path)
         header["tensors"] = {"file": name, "sha256": digest}

@@ -147,6 +147,12 @@ class ResultTypeError(PPLThoughtError, TypeError):
     raised by the type layer of :mod:`ppl_thought.validation` instead of handing the value on."""
 
 
+class CheckpointWriteError(CheckpointError, OSError):
+    """A file the library writes (checkpoint, result, JSON) could not be written (a full disk, no permission): the
+    message names the file; the previous file, if any, is left as it was (the write is atomic). Also an
+    ``OSError``, so code that catches the operating system's error keeps working."""
+
+
 class SchemaError(CheckpointError):
     """A file whose content does not follow its format's schema (:mod:`ppl_thought.schemas`): another format
     version, a missing required key, a key the format does not have, a value of another type. The message names

@@ -289,3 +289,27 @@ def test_a_saved_result_vocabulary_follows_its_schema(tmp_path):
         saved_vocab(path)
     with pytest.raises(SchemaError, match=r"saved vocabulary has keys \['extra'\]"):
         pt.infer.load_result(path)
+
+
+def test_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path, monkeypatch):
+    """Issue 41: 'SafetensorError: No space left on device' came without the file's name. Every library write goes
+    through checkpoint.atomic_write: the error names the target, is a CheckpointWriteError (and an OSError), and the
+    previous file is intact."""
+    import torch
+
+    import ppl_thought.io as io
+    from ppl_thought.errors import CheckpointWriteError
+
+    target = tmp_path / "ckpt"
+    io.save_checkpoint(target, {"w": torch.ones(2)}, {"kind": "test"})
+    before = (target / "config.json").read_text()
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(io, "save_file", full)
+    with pytest.raises(CheckpointWriteError, match="ckpt") as e:
+        io.save_checkpoint(target, {"w": torch.zeros(2)}, {"kind": "test"})
+    assert isinstance(e.value, OSError) and "No space left" in str(e.value)
+    assert (target / "config.json").read_text() == before
+    assert float(io.load_checkpoint(target)[0]["w"].sum()) == 2.0
