@@ -47,6 +47,9 @@ def plot_weights(log_weights: ArrayLike, path: str | Path | None = None, khat: F
     lw = np.asarray(torch.as_tensor(log_weights, dtype=torch.float64).cpu()).reshape(-1)
     if lw.size == 0:
         raise DiagnosticError("plot_weights: no log weights (an empty array): nothing to plot")
+    if khat is not None and np.ndim(khat) != 0:
+        raise DiagnosticError(f"plot_weights: khat is one number (the PSIS Pareto k, NaN where unknown), got an array "
+                              f"of shape {np.shape(khat)}")
     k = psis_khat(lw) if khat is None else float(khat)
     fin = np.isfinite(lw)
     fig, (ax1, ax2) = _figure(2)
