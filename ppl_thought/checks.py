@@ -11,7 +11,14 @@ import os
 
 import numpy as np
 
-from ppl_thought.errors import ConfigError, MalformedSequenceError, PPLThoughtError, UnknownTokenError
+from ppl_thought.errors import (
+    ActiveLiftError,
+    ConfigError,
+    MalformedSequenceError,
+    PPLThoughtError,
+    TransformError,
+    UnknownTokenError,
+)
 
 
 def integer(name: str, value, minimum: int = 1) -> int:
@@ -196,3 +203,33 @@ def has_attributes(name: str, value, attributes: tuple[str, ...], expects: str) 
     ``lifting``), naming the argument and what is expected, instead of an AttributeError from inside."""
     if value is None or isinstance(value, str) or any(not hasattr(value, a) for a in attributes):
         raise ConfigError(f"{name} must be {expects}, got {type(value).__name__} {value!r}"[:300])
+
+
+# ---------------------------------------------------------------------------------------------- transforms
+# the argument checks of the transforms, one home for the torch (ppl_thought/transforms) and JAX
+# (ppl_thought/numpyro/transforms) twins
+
+
+def latent_token_ids(vocab, latent_tokens) -> list[int]:
+    """ActiveLift's latent alphabet Omega (Section 6.1) as ids of ``vocab``: its ordinary tokens when
+    ``latent_tokens`` is None, else the given names or ids; none of <pad>, <bos>, <s>, </s> (they delimit the
+    formats of Section 6.6) and at least two distinct tokens, else an :class:`ActiveLiftError`."""
+    omega = [int(i) for i in vocab.ordinary_ids] if latent_tokens is None else \
+        [vocab.id(t) if isinstance(t, str) else integer("a latent token id", t, minimum=0) for t in latent_tokens]
+    vocab.check_ids(omega, "latent tokens")
+    special = sorted(set(omega) & {vocab.pad_id, vocab.bos_id, vocab.think_id, vocab.end_think_id})
+    if special:
+        raise ActiveLiftError(f"latent tokens may not include <pad>, <bos>, <s> or </s> (ids {special}): "
+                              "they delimit the formats of Section 6.6")
+    if len(set(omega)) < 2:
+        raise ActiveLiftError(f"Omega needs at least two distinct tokens (Section 6.1), got ids {omega}")
+    return omega
+
+
+def cost_weight(weight) -> float:
+    """CostAware's weight (cost per latent token, Section 5.6.3): a finite number >= 0, else a
+    :class:`TransformError`."""
+    w = float(weight)
+    if not w >= 0 or w == float("inf"):
+        raise TransformError(f"CostAware weight must be a finite number >= 0 (cost per latent token), got {weight!r}")
+    return w

@@ -24,9 +24,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from pyro.poutine import Trace
 
+from ppl_thought.checks import cost_weight
 from ppl_thought.distributions.lm_sequence import LMSequence
 from ppl_thought.distributions.lm_state import Segment
-from ppl_thought.errors import TransformError
 from ppl_thought.transforms.base import Transform
 from ppl_thought.validation import checked
 from ppl_thought.vocab import PAD_ID
@@ -86,11 +86,7 @@ class CostAware(Transform):
 
     def __init__(self, weight: float, entropy: float = 0.0, tau: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
-        w = float(weight)
-        if not w >= 0 or w == float("inf"):
-            raise TransformError(f"CostAware weight must be a finite number >= 0 (cost per latent token), "
-                                 f"got {weight!r}")
-        self.weight = w
+        self.weight = cost_weight(weight)
         self.entropy = float(entropy)
         self._tau = tau
 

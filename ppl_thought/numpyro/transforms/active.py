@@ -20,7 +20,7 @@ import numpyro
 from numpyro.distributions import Distribution, constraints
 from numpyro.primitives import Messenger
 
-from ppl_thought.checks import integer
+from ppl_thought.checks import integer, latent_token_ids
 from ppl_thought.errors import ActiveLiftError, MalformedSequenceError
 from ppl_thought.numpyro.boundary import ArrayLike, Key, as_numpy, checked_jax
 from ppl_thought.numpyro.distributions import NEG_INF, LMSequence, TokenRule, score, token_step
@@ -121,15 +121,7 @@ class ActiveLift(_RunCheck, Messenger):
                 raise ActiveLiftError(f"{role} has vocab_size {m.vocab_size}, the vocabulary {len(vocab)} tokens")
         self.latent_len = integer("latent_len", latent_len, minimum=1)
         self.max_x_len = integer("max_x_len", max_x_len, minimum=1)
-        omega = [int(i) for i in vocab.ordinary_ids] if latent_tokens is None else \
-            [vocab.id(t) if isinstance(t, str) else integer("a latent token id", t, minimum=0) for t in latent_tokens]
-        vocab.check_ids(omega, "latent tokens")
-        special = sorted(set(omega) & {PAD_ID, BOS_ID, THINK_ID, END_THINK_ID})
-        if special:
-            raise ActiveLiftError(f"latent tokens may not include <pad>, <bos>, <s> or </s> (ids {special}): "
-                                  "they delimit the formats of Section 6.6")
-        if len(set(omega)) < 2:
-            raise ActiveLiftError(f"Omega needs at least two distinct tokens (Section 6.1), got ids {omega}")
+        omega = latent_token_ids(vocab, latent_tokens)  # Omega, Section 6.1
         self.site, self.latent_site = site, latent_site
         V = len(vocab)
         self.omega_ids = np.array(sorted(set(omega)), np.int64)

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ppl_thought.errors import TransformError
+from ppl_thought.checks import cost_weight
 from ppl_thought.numpyro.boundary import Array, ArrayLike, checked_jax
 from ppl_thought.numpyro.distributions import LMSequence
 from ppl_thought.numpyro.transforms.base import Transform
@@ -63,11 +63,7 @@ class CostAware(Transform):
     def __init__(self, weight: float, entropy: float = 0.0, tau: Callable[[Any], Any] | None = None, *,
                  fn: Callable[..., Any] | None = None):
         super().__init__(fn)
-        w = float(weight)
-        if not w >= 0 or w == float("inf"):
-            raise TransformError(f"CostAware weight must be a finite number >= 0 (cost per latent token), "
-                                 f"got {weight!r}")
-        self.weight = w
+        self.weight = cost_weight(weight)
         self.entropy = float(entropy)
         self._tau = tau
 
