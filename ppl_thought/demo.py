@@ -374,23 +374,27 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
     runners = {"sec7": sec7, "a5": a5, "real": real}
     order = [p for p in PART_ORDER if p in parts]
     recorded = recorded_part_seconds(quick)
-    for k, part in enumerate(order, 1):
-        took = f"; took {recorded[part]:.0f} s in the recorded --quick run" if quick and part in recorded else ""
-        print(f"[{k}/{len(order)}] {PART_TITLES[part]}: started{took}", flush=True)
-        t = time.time()
-        try:
+    current = None  # the part running or being saved when Ctrl-C comes: any instant after the run started
+    try:
+        for k, part in enumerate(order, 1):
+            current = part
+            took = f"; took {recorded[part]:.0f} s in the recorded --quick run" if quick and part in recorded else ""
+            print(f"[{k}/{len(order)}] {PART_TITLES[part]}: started{took}", flush=True)
+            t = time.time()
             results[part] = runners[part]()
-        except KeyboardInterrupt:
-            results["interrupted_in"] = part
+            arrays[part] = results[part].pop("_arrays", None)
+            part_seconds[part] = round(time.time() - t, 1)
+            results["finished_parts"].append(part)
             results["seconds"] = round(time.time() - t0, 1)
-            _save(results, arrays, out)
-            raise DemoInterrupted(part, out, results["finished_parts"]) from None
-        arrays[part] = results[part].pop("_arrays", None)
-        part_seconds[part] = round(time.time() - t, 1)
-        results["finished_parts"].append(part)
+            PRINTERS[part](results)
+            _save(results, arrays, out)  # every finished part's numbers and files are on disk before the next starts
+    except KeyboardInterrupt:
+        if current is not None and current not in results["finished_parts"]:
+            results.pop(current, None)  # a part's own numbers only once it finished
+            results["interrupted_in"] = current
         results["seconds"] = round(time.time() - t0, 1)
-        PRINTERS[part](results)
-        _save(results, arrays, out)  # every finished part's numbers and files are on disk before the next starts
+        _save(results, arrays, out)
+        raise DemoInterrupted(current, out, results["finished_parts"]) from None
     results["load_average_at_end"] = _load_average()
     results["seconds"] = round(time.time() - t0, 1)
     _save(results, arrays, out)
@@ -403,10 +407,12 @@ class DemoInterrupted(KeyboardInterrupt):
     """Ctrl-C during a part of the demo: the finished parts' results and files were written (``results.json`` says
     ``interrupted_in``)."""
 
-    def __init__(self, part: str, out: str, finished: list[str]):
+    def __init__(self, part: str | None, out: str, finished: list[str]):
         self.part, self.out, self.finished = part, out, list(finished)
         kept = ", ".join(PART_TITLES[p] for p in finished) or "no finished part"
-        super().__init__(f"interrupted during {PART_TITLES[part]}; kept the results and files of {kept} in {out}")
+        when = ("before the first part" if part is None else f"while saving {PART_TITLES[part]}" if part in finished
+                else f"during {PART_TITLES[part]}")
+        super().__init__(f"interrupted {when}; kept the results and files of {kept} in {out}")
 
 
 def _save(results: dict, arrays: dict, out: str) -> None:

@@ -107,3 +107,36 @@ def test_ctrl_c_at_20_s_into_the_quick_demo(tmp_path, request):
     assert "interrupted" in _one_line(err)
     if (out / "results.json").is_file():  # written once the run started: says where it stopped
         assert json.loads((out / "results.json").read_text())["finished_parts"] == []
+
+
+@pytest.mark.parametrize("at", ["announce", "printer"])
+def test_ctrl_c_at_any_instant_between_parts_is_a_demo_interrupt(tmp_path, monkeypatch, at):
+    """The CI failure of 66bde51: Ctrl-C that lands between the ``[2/2]`` line and the part's start (a loaded machine
+    deschedules the process there) was a bare KeyboardInterrupt ("ppl-thought demo: interrupted", nothing said about
+    the kept parts). Here the interrupt is raised deterministically at that instant, and inside a finished part's
+    printer: both are DemoInterrupted naming where it stopped, and results.json says what finished."""
+    import builtins
+
+    from ppl_thought import demo
+
+    exec(TINY.split("demo.configs = configs")[0], ns := {})
+    sec7_config, a5_config = ns["configs"](True)
+    real_print = builtins.print
+
+    def print_(*args, **kw):
+        text = " ".join(map(str, args))
+        if (at == "announce" and text.startswith("[2/2]")) or (at == "printer" and "Claim 1." in text):
+            raise KeyboardInterrupt
+        real_print(*args, **kw)
+
+    monkeypatch.setattr(builtins, "print", print_)
+    with pytest.raises(demo.DemoInterrupted) as e:
+        demo.run_demo(out=str(tmp_path), quick=True, parts=["sec7", "a5"], sec7_config=sec7_config,
+                      a5_config=a5_config)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    if at == "announce":
+        assert "interrupted during A5" in str(e.value) and str(tmp_path) in str(e.value)
+        assert saved["finished_parts"] == ["sec7"] and saved["interrupted_in"] == "a5" and "a5" not in saved
+    else:  # the part's numbers were complete: they are kept, and the message says it stopped while saving
+        assert "while saving Section 7" in str(e.value)
+        assert saved["finished_parts"] == ["sec7"] and "interrupted_in" not in saved and "sec7" in saved
