@@ -236,10 +236,16 @@ class KVCache:
             capacity = n + self.room
         else:
             capacity = max(old.capacity - self._start, n + (_ROOM if self.window is None else 0))
+        # With gradients, entries on the autograd graph stay on it (an out-of-place gather, no spare room). Then every
+        # buffer is gathered so and the storage is functional (filled=None): a model whose first layer's keys need
+        # no gradient but later ones do (LoRA on q_proj / v_proj; frozen embeddings and k_proj) would otherwise get
+        # spare room in layer 0 only, and a later in-place append (checked on layer 0) would write the other
+        # layers' new entries past their ends, where nothing is kept (the keys one short of the mask).
+        functional = torch.is_grad_enabled() and any(b.requires_grad for b in (*old.keys, *old.values))
         keys, values = [], []
         for buffers, out in ((old.keys, keys), (old.values, values)):
             for buf in buffers:
-                if torch.is_grad_enabled() and buf.requires_grad:  # stay on the autograd graph
+                if functional:
                     out.append(buf[:, :, self._start:self._end].index_select(0, index))
                     continue
                 new = buf.new_empty((len(index), buf.shape[1], capacity, buf.shape[3]))
@@ -247,7 +253,7 @@ class KVCache:
                 out.append(new)
         # The cached latent projections belong to the old rows: drop them; the caller passes the
         # reordered latents next time.
-        out = KVCache(_Storage(keys, values, n), 0, n, self.length, self.window)
+        out = KVCache(_Storage(keys, values, None if functional else n), 0, n, self.length, self.window)
         out.room = self.room
         if self.ragged:
             out.with_rows(self.key_valid.index_select(0, index), self.positions.index_select(0, index))
