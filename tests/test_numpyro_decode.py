@@ -273,6 +273,89 @@ def test_torch_and_jax_decode_the_same_law():
         assert tv(t_law, j_law) < 2 * noise_tv(ref, S), (method, tv(t_law, j_law))
 
 
+# ---------------------------------------------------------------------------------------------- an HMM
+HA = np.array([[0.8, 0.15, 0.05], [0.1, 0.8, 0.1], [0.05, 0.15, 0.8]])
+HB = np.array([[0.8, 0.1, 0.1], [0.1, 0.8, 0.1], [0.1, 0.1, 0.8]])
+HX, HT = jnp.array([1, 1, 1]), 5  # the prompt x_0 x_1 x_2; outputs y_3, y_4
+
+
+class HMM(ptn.Program):
+    """z_t ~ A[z_{t-1}] (uniform at t = 0), x_t ~ B[z_t]: observed (site "x") for t < len(x), an output (site "y")
+    after; a latent "z" at every step."""
+
+    max_steps = HT
+
+    def init(self, state, x):
+        state["z"] = jnp.zeros(ptn.particles(), jnp.int32)
+
+    def step(self, state, t, x):
+        n = ptn.particles()
+        probs = jnp.where(t == 0, jnp.full((n, 3), 1 / 3), jnp.asarray(HA)[state["z"]])
+        z = ptn.sample("z", nd.Categorical(probs))
+        state["z"] = z
+        P = x.shape[0]
+        with numpyro.handlers.mask(mask=t < P):
+            ptn.observe("x", nd.Categorical(jnp.asarray(HB)[z]), x[jnp.minimum(t, P - 1)])
+        with numpyro.handlers.mask(mask=t >= P):
+            ptn.observe("y", nd.Categorical(jnp.asarray(HB)[z]), None)
+        return jnp.broadcast_to(t + 1 == HT, (n,))
+
+
+class HMMGuide(ptn.Program):
+    """Proposes z at every step from a fixed table, or (``probs=None``) nothing: a partial guide, the program then
+    draws every z and they stay out of the weights."""
+
+    max_steps = HT
+
+    def __init__(self, probs=None):
+        self.probs = None if probs is None else jnp.asarray(probs, jnp.float32)
+
+    def step(self, state, t, x):
+        if self.probs is not None:
+            ptn.sample("z", nd.Categorical(self.probs).expand([ptn.particles()]))
+
+
+def hmm_laws() -> tuple[dict, dict, float, float]:
+    """(exact law of (y_3, y_4) given x, the prior predictive law, chi2 of the posterior of z_0..z_4 against the
+    prior and against the table guide [0.3, 0.4, 0.3]^5), by enumeration."""
+    post, prior = np.zeros((3,) * HT), np.zeros((3,) * HT)
+    for zs in itertools.product(range(3), repeat=HT):
+        p = 1 / 3
+        for t in range(1, HT):
+            p *= HA[zs[t - 1], zs[t]]
+        prior[zs] = p
+        post[zs] = p * np.prod([HB[zs[t], int(HX[t])] for t in range(3)])
+    post /= post.sum()
+    q = np.einsum("a,b,c,d,e->abcde", *[np.array([0.3, 0.4, 0.3])] * HT)
+
+    def law(pz):
+        return {(a, b): float((pz * HB[:, a][None, None, None, :, None] * HB[:, b][None, None, None, None, :]).sum())
+                for a, b in itertools.product(range(3), repeat=2)}
+
+    return law(post), law(prior), chi2(post, prior), chi2(post, q)
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["partial", "table"])
+def test_resampling_on_an_hmm(table, monkeypatch):
+    """A prompt of three observed steps and two output steps, a latent at every step: with a partial guide (it
+    proposes no z: the program draws them, out of the weights) or a guide proposing every z, (3.14) is within
+    Prop 3.3's bound of the exact predictive law; with uniform weights the partial guide's law is the prior
+    predictive and fails the same bound."""
+    exact, prior, c_prior, c_table = hmm_laws()
+    n, S = 1024, 1000
+    out = ptn.infer.decode(HMM(), HMMGuide([0.3, 0.4, 0.3] if table else None), HX, method="resampling", n=n,
+                           num_samples=S, rng_key=8)
+    assert out.tokens.shape == (S, 2) and out.latents["z"].shape == (S, HT) and list(out.outputs) == ["y"]
+    bound = math.sqrt((6 * (c_table if table else c_prior) + 2) / n) + noise_tv(exact, S)
+    got = empirical([tuple(int(v) for v in r) for r in np.asarray(out.tokens)])
+    assert tv(got, exact) < bound, (tv(got, exact), bound)
+    if not table:
+        monkeypatch.setattr(decode_module, "_log_weights", lambda log_w: jnp.zeros_like(log_w))
+        out = ptn.infer.decode(HMM(), HMMGuide(), HX, method="resampling", n=n, num_samples=S, rng_key=8)
+        got = empirical([tuple(int(v) for v in r) for r in np.asarray(out.tokens)])
+        assert tv(got, prior) < noise_tv(prior, S) and tv(got, exact) > bound
+
+
 # ---------------------------------------------------------------------------------------------- API
 def test_decoded_fields_tokens_and_no_recompile():
     """outputs ``{site: [S, T]}`` with their active flags, tokens ``[S, 2]`` with -1 after ``<eos>``; a new program
