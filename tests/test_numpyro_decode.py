@@ -32,7 +32,7 @@ import numpyro  # noqa: E402
 import numpyro.distributions as nd  # noqa: E402
 
 import ppl_thought.numpyro as ptn  # noqa: E402
-from ppl_thought.errors import ConfigError, SiteMismatchError  # noqa: E402
+from ppl_thought.errors import ConfigError, SiteMismatchError, ZeroWeightsError  # noqa: E402
 from ppl_thought.numpyro.infer import decode_methods as decode_module  # noqa: E402
 
 EOS = 2
@@ -47,8 +47,8 @@ class QTA(ptn.Program):
 
     max_steps = L
 
-    def __init__(self, pz=PZ):
-        self.pz = jnp.asarray(pz)
+    def __init__(self, pz=PZ, pa=PA):
+        self.pz, self.pa = jnp.asarray(pz), jnp.asarray(pa)
 
     def init(self, state, q, answer):
         n = ptn.particles()
@@ -58,7 +58,7 @@ class QTA(ptn.Program):
     def step(self, state, t, q, answer):
         P = answer.shape[0]
         prompt = answer[jnp.minimum(t, P - 1)]
-        d = nd.Categorical(jnp.asarray(PA)[state["z"]])
+        d = nd.Categorical(self.pa[state["z"]])
         with numpyro.handlers.mask(mask=t < P):
             ptn.observe("prompt", d, prompt)
         with numpyro.handlers.mask(mask=t >= P):
@@ -399,3 +399,11 @@ def test_methods_and_options_are_checked():
         ptn.infer.decode(QTA(), None, *ARGS, method="direct", max_new_tokens=3)
     with pytest.raises(ConfigError, match="ess_threshold"):
         ptn.infer.decode(QTA(), None, *ARGS, ess_threshold=2.0)
+
+
+def test_a_prompt_of_probability_zero_is_a_zero_weights_error():
+    """Every particle set weighs 0 when no thought can emit the prompt's token: nothing to choose from, the one
+    ZeroWeightsError of both backends (the compiled run is reused: the table is an argument)."""
+    pa = np.array([[0.0, 0.9, 0.1]] * 3)
+    with pytest.raises(ZeroWeightsError, match="resampling decoding"):
+        ptn.infer.decode(QTA(pa=pa), ThoughtGuide(GUIDE), *ARGS, method="resampling", n=1024, num_samples=1000)

@@ -191,12 +191,13 @@ def _resample(program, guide, args, key, static, n: int, S: int, threshold: floa
 def _check_weights(lw: jax.Array, what: str, proposal: str) -> None:
     """NaN or +inf weights are a :class:`NumericalError`; a set whose weights are all zero has no particle to
     choose: :class:`ZeroWeightsError` with the one message of both backends."""
-    if bool(jnp.isnan(lw).any()):
+    nan, inf, zero = jax.device_get((jnp.isnan(lw).any(), jnp.isposinf(lw).any(), jnp.isneginf(lw).all(-1).any()))
+    if nan:
         raise NumericalError(f"{what}: NaN log weights (a log-probability, factor or twist is NaN)")
-    if bool(jnp.isposinf(lw).any()):
+    if inf:
         raise NumericalError(f"{what}: a log weight of +inf (a log-probability or factor of +inf); a log-potential "
                              "must be finite or -inf")
-    if bool(jnp.isneginf(lw).all(-1).any()):
+    if zero:
         raise ZeroWeightsError(zero_weights_message(what, lw.shape[-1], proposal, group="of a particle set ",
                                                     where="given the prompt"))
 

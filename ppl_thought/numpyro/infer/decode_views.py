@@ -245,7 +245,7 @@ def stream(view: DecodingView, gview: GuideView | None, args: tuple, key: jax.Ar
     soon as the step has drawn them; stops once the program finished."""
     name = type(view).__name__
     depth = max(view.max_plate_nesting, gview.max_plate_nesting if gview is not None else 0)
-    T = view.max_steps if view.max_steps is not None else 10_000
+    T = view.max_steps if view.max_steps is not None else 64  # the engines' default loop length
     dyn, consts = [], {}
     for i, a in enumerate(args):
         if i in static or a is None or isinstance(a, str):
