@@ -1,9 +1,11 @@
-"""JAX engines: Importance (3.2) and SMC (Lemma 2.1) compiled with vmap / lax.scan / jit, the ELBO objective for
+"""JAX engines: Importance (3.2) and SMC (Lemma 2.1) compiled with vmap / lax.scan / jit, decoding (``decode``:
+(3.12)-(3.14), best-of-K, streaming; :class:`Decoded`), the ELBO objective for
 ``numpyro.infer.SVI``, the :class:`Result` they return, and ULA / MALA (Langevin over continuous thoughts) as
 ``numpyro.infer.MCMC`` kernels. What users call, only: the statistics and the resampler the engines are built
 from (``effective_sample_size``, ``log_mean_exp``, ``systematic_resample``) stay importable from
 :mod:`ppl_thought.numpyro.infer.resampling`; ``ptn.compile_stats()`` says when and why a run compiled."""
 
+from ppl_thought.numpyro.infer.decode_methods import Decoded, decode
 from ppl_thought.numpyro.infer.importance import Importance
 from ppl_thought.numpyro.infer.langevin import MALA, ULA, LangevinState
 from ppl_thought.numpyro.infer.objectives import GRPO, OneSampler, R1Zero, SamplerPolicyGradient, TwoSampler
@@ -11,5 +13,5 @@ from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 from ppl_thought.numpyro.infer.smc import SMC
 from ppl_thought.numpyro.infer.svi import ELBO
 
-__all__ = ["ELBO", "GRPO", "MALA", "SMC", "ULA", "Importance", "LangevinState", "OneSampler", "R1Zero", "Result",
-           "SamplerPolicyGradient", "TwoSampler", "log_marginal_stderr"]
+__all__ = ["ELBO", "GRPO", "MALA", "SMC", "ULA", "Decoded", "Importance", "LangevinState", "OneSampler", "R1Zero",
+           "Result", "SamplerPolicyGradient", "TwoSampler", "decode", "log_marginal_stderr"]
