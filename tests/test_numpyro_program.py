@@ -249,6 +249,37 @@ def test_a_guide_that_misses_a_site_is_an_error(cups):
         ptn.infer.SMC(8).run(cups["plain"], Misnamed(cups["lm"], 2), SWAPS, ANSWER)
 
 
+class WithOutput(ptn.Program):
+    """z ~ Bernoulli(0.3) latent, y ~ Bernoulli(0.9 if z else 0.2) an output (drawn, never weighted)."""
+
+    max_steps = 1
+
+    def step(self, state, t):
+        z = ptn.sample("z", nd.Bernoulli(probs=jnp.full(ptn.particles(), 0.3)))
+        ptn.observe("y", nd.Bernoulli(probs=jnp.where(z > 0, 0.9, 0.2)), None)
+        return jnp.ones(ptn.particles(), bool)
+
+
+class SamplesTheOutput(ptn.Program):
+    max_steps = 1
+
+    def step(self, state, t):
+        ptn.sample("z", nd.Bernoulli(probs=jnp.full(ptn.particles(), 0.5)))
+        ptn.sample("y", nd.Bernoulli(probs=jnp.full(ptn.particles(), 0.5)))
+        return jnp.ones(ptn.particles(), bool)
+
+
+@pytest.mark.parametrize("engine", ["importance", "smc"])
+def test_a_guide_that_samples_an_output_site_is_an_error(engine):
+    """NumPyro's replay copies the guide's ``infer`` over the model's site: the output flag of ``y`` was lost, and
+    log p(y) - log q(y) entered the weights silently (log Z-hat != 0). Now the site check names ``y``. The model
+    alone has Z = 1 exactly (the output is not weighted): checked, so the flag is read where it should be."""
+    eng = ptn.infer.Importance(64) if engine == "importance" else ptn.infer.SMC(64)
+    assert abs(float(eng.run(WithOutput(), None).log_marginal)) < 1e-6
+    with pytest.raises(SiteMismatchError, match=r"samples \['y'\].*outputs"):
+        eng.run(WithOutput(), SamplesTheOutput())
+
+
 class FromObservation(ptn.Program):
     """Builds a token automaton from its argument: a value that must be concrete."""
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
-from numpyro.handlers import replay, seed, trace
+from numpyro.handlers import seed, trace
 
 from ppl_thought.errors import (
     ConcreteValueError,
@@ -161,8 +161,8 @@ def _run_step(model_fn, guide_fn, key, n: int, depth: int, where: str, name: str
             if g_tr is None:
                 m_tr = trace(seed(plated(model_fn), kp))
             else:  # the guide's observed sites are not replayed: a latent site it observes is refused below
-                m_tr = trace(replay(seed(plated(model_fn), kp),
-                                    trace={k: s for k, s in g_tr.items() if not s.get("is_observed")}))
+                m_tr = trace(_replay_values(seed(plated(model_fn), kp),
+                                            {k: s for k, s in g_tr.items() if not s.get("is_observed")}))
             done = m_tr()
             m_tr = m_tr.trace
     except ProgramError as e:  # e.g. ptn.twist of the wrong shape: say which program and step
@@ -221,6 +221,22 @@ def _run_step(model_fn, guide_fn, key, n: int, depth: int, where: str, name: str
         return _StepOut(log_w, values, as_done(done, n), log_psi)
     except ProgramError as e:
         raise ProgramError(f"{at}: {e}") from e
+
+
+class _replay_values(numpyro.primitives.Messenger):
+    """``numpyro.handlers.replay`` less its copy of the guide's ``infer``: a latent site of the model takes the
+    guide's value, and an output site (``ptn.observe(name, fn, None)``) stays the model's own draw with its output
+    flag, so a guide that samples it is refused by the site check (NumPyro's replay copies the guide's ``infer``
+    over the model's: the output flag was lost, and the output's log p - log q entered the weights silently)."""
+
+    def __init__(self, fn: Any, guide_trace: dict):
+        super().__init__(fn)
+        self.guide_trace = guide_trace
+
+    def process_message(self, msg: dict) -> None:
+        if msg["type"] == "sample" and msg["name"] in self.guide_trace and not msg["is_observed"] \
+                and not is_output(msg):
+            msg["value"] = self.guide_trace[msg["name"]]["value"]
 
 
 def _check_state(state: Any, n: int, who: str, where: str = "init") -> None:
