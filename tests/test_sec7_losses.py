@@ -84,3 +84,28 @@ def test_bad_sampler_loss_settings_are_named():
     with pytest.raises(ConfigError, match=r"needs n >= 2 .*baseline='none'"):
         sampler_surrogate(torch.zeros(1, 1), torch.zeros(1, 1), "loo")
     assert torch.equal(sampler_surrogate(torch.zeros(1, 1), torch.zeros(1, 1), "none"), torch.zeros(1))
+
+
+def test_sampler_loss_option_reaches_the_training_step(monkeypatch):
+    """Sec7Config.sampler_loss picks the surrogate of the training step: 'paper' -> (7.2) without baseline."""
+    from tqdm.auto import tqdm
+
+    from ppl_thought.data.query_response import permutation_choice_task
+    from ppl_thought.experiments import sec7
+
+    calls = []
+    original = sec7.sampler_surrogate
+
+    def spy(lp, lq, baseline="loo"):
+        calls.append(baseline)
+        return original(lp, lq, baseline)
+
+    monkeypatch.setattr(sec7, "sampler_surrogate", spy)
+    task = permutation_choice_task(m=3, query_len=2, num_choices=3)
+    q, _, r = task.sample(8, generator=torch.Generator().manual_seed(0))
+    for mode in ("paper", "loo"):
+        cfg = Sec7Config(m=3, query_len=2, num_choices=3, d_model=16, n_layers=1, n_heads=2, pretrain_steps=0, steps=1,
+                         batch=4, n=2, num_test=8, num_eval_curve=8, eval_every=1, sampler_loss=mode)
+        out = sec7.Sec7(task, cfg, seed=0).train("expl", (q, r), (q, r), tqdm(disable=True))
+        assert torch.isfinite(torch.as_tensor(out["final"]["loss"]))
+    assert calls == ["none", "loo"]
