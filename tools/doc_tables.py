@@ -179,6 +179,48 @@ def sec7_verdict(d: dict) -> str:
     return "\n".join(lines) + "\n\n" + rules + "\n"
 
 
+# the Section 7 runs that show the trend with size and the sampler loss (sec7-scale); each a merged run_seeds JSON
+SEC7_SCALE = ("benchmarks/results/sec7_seeds_150x16_8a16c04.json", "benchmarks/results/sec7_seeds_150x16_vm.json",
+              "benchmarks/results/sec7_seeds_150x16.json",
+              "benchmarks/results/sec7_seeds.json", "benchmarks/results/sec7_seeds_600x32.json",
+              "benchmarks/results/sec7_seeds_paper72.json")
+
+
+def sec7_scale(d: dict, root: Path = ROOT) -> str:
+    """docs/demo.md: explanatory vs predictive across the Section 7 runs of ``SEC7_SCALE`` (size, sampler loss,
+    commit): relative improvement and gain_expl - gain_pred with their bootstrap intervals over seeds, the seeds
+    where the explanatory model wins, and those whose explanatory sampler learned to name the method
+    (I(thought; method) > 0.1 nats). ``d`` (sec7_seeds.json) is one of the rows."""
+    sources, split = [], {True: [], False: []}
+    rows = ["| run | steps x batch | sampler loss | commit, torch | n | relative improvement [95 % CI] | "
+            "gain_expl - gain_pred [95 % CI] | seeds expl < pred | seeds with I(thought; method) > 0.1 |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for f in SEC7_SCALE:
+        e = json.loads((root / f).read_text())
+        sources.append(f"- `{f.split('/')[-1]}`: {_provenance(e)}")
+        for reps in e["runs"].values():
+            for r in reps:
+                split[r["thought_choice_mutual_information"] > 0.1].append(r["gain_expl"] - r["gain_pred"])
+        c = e["config"]
+        loss = {"paper": "(7.2) as printed", "loo": "(3.25) leave-one-out"}[c.get("sampler_loss", "loo")]
+        for n, s in e["summary"].items():
+            ri = s["relative_improvement"]
+            mi = sum(x > 0.1 for x in s["thought_choice_mutual_information"]["per_seed"])
+            rows.append(f"| `{f.split('/')[-1]}` | {c['steps']} x {c['batch']} | {loss} | {e['commit'][:7]}, "
+                        f"{e['machine']['torch']} | {n} | {_pct(ri['relative_improvement'])} "
+                        f"[{_pct(ri['ci95'][0])}, {_pct(ri['ci95'][1])}] | {s['gain_difference']['mean']:+.3f} "
+                        f"[{ri['difference_ci95'][0]:+.3f}, {ri['difference_ci95'][1]:+.3f}] | "
+                        f"{s['seeds_expl_beats_pred']} of {len(s['seeds'])} | {mi} of {len(s['seeds'])} |")
+    paper = ", ".join(f"n = {n}: {_pct(v['relative_improvement'])}" for n, v in d.get("paper", {}).items())
+    by_mi = "; ".join(
+        f"I(thought; method) {'>' if k else '<='} 0.1 in {len(v)}: the explanatory model wins in "
+        f"{sum(x > 0 for x in v)}, "
+        f"gain_expl - gain_pred {sum(v) / len(v):+.3f} on average" for k, v in split.items() if v)
+    rows.append(f"\nOver the {len(split[True]) + len(split[False])} replicates (seed, n) of these runs: {by_mi}.")
+    return ("\n".join(rows) + f"\n\nThe paper (1000 steps x batch 1920, (7.2) as printed): {paper}. Each row is one "
+            "JSON of benchmarks/results/:\n\n" + "\n".join(sources) + "\n")
+
+
 # ---------------------------------------------------------------------------------------------- real model
 def real_quick(d: dict) -> str:
     """README: latent thoughts on SmolLM2-135M-Instruct (``demo_real_quick.json``)."""
@@ -501,6 +543,7 @@ TABLES: dict[str, Table] = {
     "sec7-seeds": Table("benchmarks/results/sec7_seeds.json", sec7_summary, SEC7_CMD),
     "sec7-verdict": Table("benchmarks/results/sec7_seeds.json", sec7_verdict, SEC7_CMD),
     "sec7-per-seed": Table("benchmarks/results/sec7_seeds.json", sec7_per_seed, SEC7_CMD),
+    "sec7-scale": Table("benchmarks/results/sec7_seeds.json", sec7_scale, SEC7_CMD),
     "backends": Table("benchmarks/results/backends.json", backends, BACKENDS_CMD),
     "real-quick": Table("benchmarks/results/demo_real_quick.json", real_quick, TABLES_REAL_CMD),
     "real-quick-gains": Table("benchmarks/results/demo_real_quick.json", real_quick_gains, TABLES_REAL_CMD),

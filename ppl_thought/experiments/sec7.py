@@ -3,27 +3,17 @@
     python -m ppl_thought.experiments.sec7 [--quick] [--seed S] [--json FILE]
     python -m ppl_thought.experiments.sec7 --seeds 5 --n 8 16 --json FILE      (run_seeds)
 
-Part 1, Section 7 (App. L, Fig 7.1): explanatory vs predictive samplers on the hidden-choice task
-(:mod:`ppl_thought.data.query_response`, a natural instance of Example 5.1). Three trainings with
-equal data, optimizer steps, sampling size n and network size, every network a copy of one shared
-base model that can use a thought naming the method (:meth:`Sec7.pretrain`, the analogue of App. L's
-pretrained LLM), repeated over ``Sec7Config.seeds`` replicates:
-
-- SFT (fast thinking): ``-log P(x_r | x)`` (the SFT loss of Section 7);
-- latent model P + predictive sampler Q(y | x): the latent loss (7.1) through
-  :class:`~ppl_thought.training.objectives.OneSampler` ((3.17)/(5.20)) and the sampler loss (7.2)
-  through :class:`~ppl_thought.training.objectives.SamplerPolicyGradient` ((3.25)/(5.24));
-- the same with the explanatory sampler Q(y | x x_r) (prompt ``x x_r <explain>``, Section 5.6.2).
-
-Test loss: (7.1) on held-out data with each method's own sampler and n samples, per response
-token; the causal gap (7.3) over training.
-
-App. L at fidelity (the defaults, as in the paper): the gating trick (L.1)/(L.2) for P of both latent
-methods and, with its own MLP, for the explanatory sampler (:func:`gate_mix`); joint gradient clipping
-of P and Q (``Sec7Config.clipping="separate"`` for the alternative of Fig L.2, :func:`clip_gradients_`).
-:func:`run_seeds` (the second command above; ``--quick``, ``--steps N``, ``--batch B``) runs several seeds at
-n = 8 and 16 (the Table of Section 7 and Fig L.2, right) and summarises them with standard errors across seeds and
-a bootstrap interval of the relative improvement.
+Explanatory vs predictive samplers on the hidden-choice task (:mod:`ppl_thought.data.query_response`, an instance
+of Example 5.1): three trainings with equal data, steps, sampling size n and network size, every network a copy of
+one shared base model that can use a thought naming the method (:meth:`Sec7.pretrain`, App. L's pretrained LLM):
+SFT ``-log P(x_r | x)``; latent model P + predictive sampler Q(y | x), P on (7.1) (the surrogate of
+:class:`~ppl_thought.training.objectives.OneSampler`, (5.20)) and Q on the sampler loss (``Sec7Config.sampler_loss``:
+(3.25)/(5.24) with a leave-one-out baseline, or (7.2) exactly as printed); the same with the explanatory sampler
+Q(y | x x_r) (prompt ``x x_r <explain>``, Section 5.6.2). Test loss: (7.1) on held-out data with each method's own
+sampler and n samples, per response token; the causal gap (7.3) over training. App. L at fidelity: the gating
+trick (L.1)/(L.2) for P and, with its own MLP, for the explanatory sampler (:func:`gate_mix`); joint clipping of P
+and Q (``clipping="separate"``: Fig L.2, :func:`clip_gradients_`). :func:`run_seeds` (``--quick``, ``--steps N``,
+``--batch B``, ``--sampler-loss``) runs seeds at n = 8 and 16 with a bootstrap interval of the relative improvement.
 """
 
 from __future__ import annotations
@@ -104,11 +94,17 @@ class Sec7Config:
     gating: bool = True  # gate P (L.1)/(L.2)
     gate_sampler: bool = True  # gate the explanatory sampler (App. L, after (L.2)); the predictive one has no x_r
     clipping: str = "joint"  # "joint": P and Q clipped as one model (App. L); "separate": each alone (Fig L.2)
+    # the sampler loss: "loo" = (3.25) (leave-one-out baseline, per response token like (7.1)); "paper" = (7.2) as
+    # printed: no baseline, 1/(Bn), both log terms normalised by |x_r| (so the loss by |x_r|^2). Same expectation.
+    sampler_loss: str = "loo"
 
     def __post_init__(self) -> None:
         if self.clipping not in ("joint", "separate"):
             raise ConfigError(f"Sec7Config.clipping must be 'joint' or 'separate' (App. L, Fig L.2), "
                               f"got {self.clipping!r}")
+        if self.sampler_loss not in ("loo", "paper"):
+            raise ConfigError(f"Sec7Config.sampler_loss must be 'loo' ((3.25)) or 'paper' ((7.2) as printed), "
+                              f"got {self.sampler_loss!r}")
         if self.thought_alphabet not in ("methods", "ordinary"):
             raise ConfigError(f"Sec7Config.thought_alphabet must be 'methods' or 'ordinary', "
                               f"got {self.thought_alphabet!r}")
@@ -150,19 +146,14 @@ class Sec7:
         return copy.deepcopy(self.base())
 
     def pretrain(self, progress: bool = False) -> Transformer:
-        """The base model, as in App. L where every component is a copy of one pretrained LM.
-
-        Next-token training on "worked solutions" ``<bos> q <eos> <s> M<c> </s> sigma_c(q) <eos>`` that
-        name the method *before* applying it (the way pretraining text says "using the Archimedes
-        method" before the computation, Example 5.1), with the loss on the solution after ``</s>``
-        (as in instruction tuning; with the loss on every token the base sat on its plateau for more
-        than 6000 steps in 2 of 3 seeds). So the base model can *use* a thought that names the method.
-        Nothing teaches any network to *produce* the right thought for a response, and the
-        base never sees the fine-tuning format (the response ending with the method's name), the SFT
-        format, or ``<explain>``. AdamW with the cosine schedule of App. L at ``pretrain_lr``; stops
-        early once the held-out loss of the response letters given their method falls below
-        ``pretrain_target`` (checked every 250 steps), at most ``pretrain_steps`` steps. What happened
-        is kept in ``self.base_info``. The cost is paid once, for all three methods."""
+        """The base model, as in App. L where every component is a copy of one pretrained LM: next-token training on
+        worked solutions ``<bos> q <eos> <s> M<c> </s> sigma_c(q) <eos>`` that name the method before applying it
+        (Example 5.1), loss on the solution after ``</s>`` (with the loss on every token the base sat on a plateau
+        for > 6000 steps in 2 of 3 seeds). So the base can *use* a thought naming the method; nothing teaches any
+        network to *produce* it, and the base never sees the fine-tuning, SFT or ``<explain>`` formats. AdamW, the
+        cosine schedule of App. L at ``pretrain_lr``, stops once the held-out loss of the response letters given
+        their method is below ``pretrain_target`` (checked every 250 steps), at most ``pretrain_steps`` steps;
+        ``self.base_info`` keeps what happened. Paid once, for all three methods."""
         c = self.cfg
         torch.manual_seed(self.seed)
         lm = Transformer(len(self.vocab), d_model=c.d_model, n_layers=c.n_layers, n_heads=c.n_heads, max_len=64)
@@ -334,7 +325,11 @@ class Sec7:
             else:
                 _, lp_y, lp_r, lq = self.particles(P, Q, q, r, method == "expl", c.n)
                 lp = lp_y + lp_r  # log P(y r | x), [B, n]
-                loss = (latent_surrogate(lp, lq) + sampler_surrogate(lp, lq)).sum() / (c.batch * norm)
+                if c.sampler_loss == "paper":  # (7.2): U(log P/Q) / |x_r| times log Q / |x_r|, 1/(Bn), no baseline
+                    sampler = sampler_surrogate(lp, lq, "none") / norm
+                else:
+                    sampler = sampler_surrogate(lp, lq, "loo")
+                loss = (latent_surrogate(lp, lq) + sampler).sum() / (c.batch * norm)
                 gaps = causal_gaps(lp_y, lp, lq)
                 train_gap.append(float(gaps.mean()) / norm)
             loss.backward()
@@ -574,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="fine-tuning batch (the base model keeps its own)")
     ap.add_argument("--eval-every", type=int, default=None, help="steps between test-curve points")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--sampler-loss", choices=("loo", "paper"), default=None, help="Sec7Config.sampler_loss")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file")
     args = ap.parse_args(argv)
     if args.threads is not None:
@@ -585,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, batch=args.batch)
     if args.eval_every is not None:
         cfg = replace(cfg, eval_every=args.eval_every)
+    if args.sampler_loss is not None:
+        cfg = replace(cfg, sampler_loss=args.sampler_loss)
     cmd = "python -m ppl_thought.experiments.sec7 " + " ".join(argv)
     save = (lambda r: atomic_write_json(args.json, {**r, "command": cmd})) if args.json else None
     res = run_seeds(cfg, args.seeds, tuple(args.n), args.seed, progress=True, task_seed=args.task_seed, partial=save)

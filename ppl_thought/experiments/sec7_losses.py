@@ -56,16 +56,29 @@ def latent_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return -(w * log_p.masked_fill(w == 0, 0.0)).sum(-1)
 
 
-def sampler_surrogate(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """(7.2) per example, batched ``[B, n] -> [B]``: the plain policy gradient of
-    :class:`~ppl_thought.training.objectives.SamplerPolicyGradient` ((3.25)/(5.24)) with rewards
-    R_i = U(log P/Q) and the leave-one-out baseline: -1/(n-1) sum_i U(R_i - mean_j R_j) log Q(Y_i | .)."""
+def sampler_surrogate(log_p: torch.Tensor, log_q: torch.Tensor, baseline: str = "loo") -> torch.Tensor:
+    """The sampler's policy-gradient surrogate per example, batched ``[B, n] -> [B]``, rewards R_i = U(log P/Q).
+
+    ``baseline="loo"`` (the default): (3.25)/(5.24) of
+    :class:`~ppl_thought.training.objectives.SamplerPolicyGradient`, -1/(n-1) sum_i U(R_i - mean_j R_j) log Q(Y_i | .),
+    which is the leave-one-out baseline 1/n sum_i U(R_i - mean_{j != i} R_j) log Q(Y_i | .).
+    ``baseline="none"``: (7.2) as printed in Section 7, plain policy gradient, -1/n sum_i U(R_i) log Q(Y_i | .).
+    Both have the expected gradient grad_psi KL(Q(.|x) || Q_*(.|x)) of Section 3.4.3 (the baseline only lowers the
+    variance); ``tests/test_sec7_losses.py`` checks it by enumerating every draw on a toy."""
     rew = (log_p - log_q).detach()
     if not torch.isfinite(rew).all():
         raise NumericalError("sampler reward log P/Q is not finite: the sampler proposes thoughts outside the prior's "
                              "support")
+    n = log_q.shape[-1]
+    if baseline == "none":
+        return -(rew * log_q).sum(-1) / n
+    if baseline != "loo":
+        raise ConfigError(f"sampler baseline must be 'loo' ((3.25)) or 'none' ((7.2) as printed), got {baseline!r}")
+    if n < 2:
+        raise ConfigError("the leave-one-out baseline of (3.25) needs n >= 2 samples per example, got n = 1; "
+                          "use baseline='none' (plain (7.2))")
     adv = rew - rew.mean(-1, keepdim=True)
-    return -(adv * log_q).sum(-1) / (log_q.shape[-1] - 1)
+    return -(adv * log_q).sum(-1) / (n - 1)
 
 
 def causal_gaps(log_p_y: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
