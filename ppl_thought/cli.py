@@ -274,11 +274,20 @@ def _demo(args: argparse.Namespace) -> int:
             if os.path.isfile(path):
                 os.remove(path)
     results = run_demo(out=args.out, quick=args.quick, seed=args.seed, n=args.n, parts=parts, seeds=args.seeds)
+    if isinstance(results.get("provenance"), dict):  # the command as typed, not the interpreter's argv
+        results["provenance"]["command"] = _command_line(args)
     if args.json is not None:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         atomic_write_json(args.json, results, default=json_default)
         print(f"wrote {args.json}")
     return 0
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """``ppl-thought`` and the arguments of this invocation, as a user retypes them."""
+    import shlex
+
+    return shlex.join(["ppl-thought", *getattr(args, "argv", [])])
 
 
 def _diagnose(args: argparse.Namespace) -> int:
@@ -353,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 0
