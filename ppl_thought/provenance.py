@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ROOT", "KEY", "record", "finish", "command_line", "source", "machine", "load_average", "of"]
+__all__ = ["ROOT", "KEY", "record", "script", "finish", "command_line", "source", "machine", "load_average", "of"]
 
 #: the checkout this package lives in (the repository root when installed editable)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,6 +140,15 @@ def command_line(command: Sequence[str] | str) -> str:
     return shlex.join(head + args)
 
 
+def script(file: str, argv: Sequence[str] | None = None) -> list[str]:
+    """The ``argv`` of a script's run for :func:`record`: its ``__file__`` and ``argv`` (``sys.argv[1:]`` when None,
+    as ``argparse`` reads it)."""
+    if argv is None:  # the program as it was started (a wrapper such as examples/real_thoughts.py), else ``file``
+        prog = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else file
+        return [prog, *sys.argv[1:]]
+    return [file, *argv]
+
+
 def record(command: Sequence[str] | str, threads: int | None = None) -> dict:
     """Provenance at the start of a run: ``commit``, ``dirty``, the exact ``command`` (see :func:`command_line`),
     ``machine`` (:func:`machine`), ``threads`` (the torch threads the run uses; default: torch's current count when
@@ -150,13 +159,17 @@ def record(command: Sequence[str] | str, threads: int | None = None) -> dict:
             "threads": threads if threads is not None else m["torch_threads"],
             "load_average_at_start": load_average(),
             "started_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "_t0": time.perf_counter()}
+            "_t0": time.perf_counter(), "_threads_given": threads is not None}
 
 
 def finish(rec: Mapping[str, Any]) -> dict:
     """:func:`record`'s dict with ``seconds`` (wall time since the record) and ``load_average_at_end`` added (a new
-    dict, ready for JSON)."""
-    out = {k: v for k, v in rec.items() if k != "_t0"}
+    dict, ready for JSON); ``threads`` is torch's count now unless :func:`record` was given it (a script may set
+    its threads after recording)."""
+    out = {k: v for k, v in rec.items() if not k.startswith("_")}
+    if not rec.get("_threads_given") and _torch_threads() is not None:  # a script that set its threads after
+        out["threads"] = _torch_threads()                                # record() ran with these
+        out["machine"] = {**out.get("machine", {}), "torch_threads": out["threads"]}
     t0 = rec.get("_t0")
     out["seconds"] = round(time.perf_counter() - t0, 2) if isinstance(t0, (int, float)) else None
     out["load_average_at_end"] = load_average()

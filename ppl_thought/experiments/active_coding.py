@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ppl_thought import provenance as pv
 from ppl_thought.errors import ConfigError
 from ppl_thought.experiments.common import provenance, set_lr
 from ppl_thought.lm import Transformer
@@ -563,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="draw Figure 6.1 (right) from the results to this PNG")
     ap.add_argument("--from-json", default=None, help="read the results from this JSON instead of running")
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     if args.from_json:
         with open(args.from_json) as f:
             res = json.load(f)
@@ -582,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                       + (f" --steps {args.steps}" if args.steps is not None else "")
                       + (f" --json {args.json}" if args.json else ""))
     if args.json:
+        res[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         atomic_write_json(args.json, res)
     if args.plot:
         plot_coding(res, args.plot)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ppl_thought import provenance as pv
 from ppl_thought.data.query_response import PermutationChoiceTask, permutation_choice_task
 from ppl_thought.distributions.lm_state import masked_log_softmax
 from ppl_thought.distributions.token_rule import token_step
@@ -559,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         margs = mp.parse_args(rest)
         res = merge_seed_runs([json.loads(open(f).read()) for f in known.merge], known.allow_partial)
         res["command"] = "python -m ppl_thought.experiments.sec7 " + " ".join(argv)
+        res[pv.KEY] = pv.finish(pv.record(pv.script(__file__, argv)))  # the merge's commit, command, machine
         atomic_write_json(margs.json, res)
         print(json.dumps(res["summary"], indent=1))
         return 0
@@ -586,9 +588,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_every is not None:
         cfg = replace(cfg, eval_every=args.eval_every)
     cmd = "python -m ppl_thought.experiments.sec7 " + " ".join(argv)
-    save = (lambda r: atomic_write_json(args.json, {**r, "command": cmd})) if args.json else None
+    run_record = pv.record(pv.script(__file__, argv), threads=args.threads)  # before the run: the code that runs
+    save = ((lambda r: atomic_write_json(args.json, {**r, "command": cmd, pv.KEY: pv.finish(run_record)}))
+            if args.json else None)
     res = run_seeds(cfg, args.seeds, tuple(args.n), args.seed, progress=True, task_seed=args.task_seed, partial=save)
     res["command"] = cmd
+    res[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
     if args.json:
         atomic_write_json(args.json, res)
     print(json.dumps(res["summary"], indent=1))
