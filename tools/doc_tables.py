@@ -519,6 +519,23 @@ def real_training(d: dict) -> str:
     return table(d) + f"\n\n{_provenance(d)}\n"
 
 
+REPRODUCE_CMD = "ppl-thought reproduce --quick"
+
+
+def reproduce_quick(d: dict) -> str:
+    """README "Reproductions": the table ``ppl-thought reproduce`` writes (``reproduce_quick.json``); each row's
+    numbers come from its own JSON at the commit the last column names."""
+    from ppl_thought.reproduce import markdown
+
+    ran = d.get("ran") or []
+    secs = {r["name"]: r["seconds"] for r in d["rows"] if "seconds" in r}
+    how = (f"This table's run executed {', '.join(f'`{n}` ({secs[n]:.0f} s)' if n in secs else f'`{n}`' for n in ran)}"
+           if ran else "This table's run executed no command: every row is read from the JSON as committed")
+    return (markdown(d["rows"]) + f"\n\n{how}; the other rows are read from their JSON as committed. Verdict rules "
+            "(`ppl_thought/reproduce.py`, shown by `ppl-thought reproduce --list`): "
+            + "; ".join(f"`{r['name']}`: {r['rule']}" for r in d["rows"]) + ". " + _provenance(d) + "\n")
+
+
 @dataclass(frozen=True)
 class Table:
     source: str  # JSON under the repository root
@@ -548,6 +565,7 @@ TABLES: dict[str, Table] = {
     "demo-quick-times": Table("benchmarks/results/demo_quick.json", demo_quick_times, DEMO_CMDS["quick"]),
     "a5-quick": Table("benchmarks/results/demo_quick.json", a5_quick, DEMO_CMDS["quick"]),
     "real-training-quick": Table("benchmarks/results/real_training_quick.json", real_training, REAL_TRAINING_CMD),
+    "reproduce-quick": Table("benchmarks/results/reproduce_quick.json", reproduce_quick, REPRODUCE_CMD),
 }
 
 

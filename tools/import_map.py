@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("verifiers", ("verifiers",)),
     ("training", ("training",)),
     ("diagnostics", ("diagnostics",)),
-    ("experiments", ("experiments", "demo")),
+    ("experiments", ("experiments", "demo", "reproduce")),
     ("cli", ("cli", "__init__", "__main__")),
 ]
 # The JAX backend is a column of its own: it may import the framework-free layers only.
