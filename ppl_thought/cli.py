@@ -239,10 +239,10 @@ def _reproduce_size(quick: bool, args: argparse.Namespace) -> str | None:
 def _reproduce_checkout(_: Any, args: argparse.Namespace) -> str | None:
     if args.list:
         return None
-    from ppl_thought.provenance import ROOT
+    from ppl_thought.reproduce import ROOT
 
     if not os.path.isdir(os.path.join(ROOT, "benchmarks")):
-        return (f"reproduce runs the repository's scripts (benchmarks/, examples/) and {ROOT!r} is not a checkout "
+        return (f"reproduce runs the repository's scripts (benchmarks/, examples/) and {str(ROOT)!r} is not a checkout "
                 "of it: install the package editable from a clone (pip install -e .)")
     return None
 
@@ -338,10 +338,10 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 
 def _reproduce(args: argparse.Namespace) -> int:
-    from ppl_thought.reproduce import REGISTRY, listing, markdown, run
+    from ppl_thought.reproduce import listing, markdown, run
 
     if args.list:
-        print(listing(REGISTRY))
+        print(listing())
         return 0
     names = [] if args.table else args.only
     rows = run(names, command=_command_line(args))

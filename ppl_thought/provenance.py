@@ -46,10 +46,11 @@ def _git(*args: str) -> str | None:
 
 def source() -> dict:
     """``{"commit", "dirty"}``: the git commit of the package's checkout (None outside a git checkout) and whether
-    the package's tracked files (``ppl_thought/``, ``benchmarks/``, ``examples/``) have uncommitted changes: the
-    code that runs, not the docs or the results it writes."""
+    the package's tracked files (``ppl_thought/``, ``benchmarks/`` but its ``results/``, ``examples/``) have
+    uncommitted changes: the code that runs, not the docs or the results it writes."""
     commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", "ppl_thought", "benchmarks", "examples")
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", "ppl_thought", "benchmarks", "examples",
+                  ":(exclude)benchmarks/results")  # the results a run writes are not the code that ran
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 

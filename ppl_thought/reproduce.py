@@ -27,8 +27,10 @@ from pathlib import Path
 
 from ppl_thought import provenance as pv
 
-__all__ = ["Reproduction", "REGISTRY", "VERDICTS", "OUT_JSON", "table_rows", "markdown", "run"]
+__all__ = ["Reproduction", "REGISTRY", "ROOT", "VERDICTS", "OUT_JSON", "table_rows", "markdown", "run"]
 
+#: the checkout whose scripts run (a test points it elsewhere)
+ROOT = Path(pv.ROOT)
 VERDICTS = ("reproduced", "direction only", "contradicted", "not run")
 #: the table of the last run, relative to the repository root
 OUT_JSON = "benchmarks/results/reproduce_quick.json"
@@ -236,15 +238,16 @@ def _commit(d: dict) -> str | None:
     return None if not c else c[:7] + ("+dirty" if p.get("dirty") else "")
 
 
-def table_rows(root: Path | str = pv.ROOT, registry: Sequence[Reproduction] = REGISTRY,
+def table_rows(root: Path | str | None = None, registry: Sequence[Reproduction] | None = None,
                seconds: dict[str, float] | None = None, failed: dict[str, str] | None = None) -> list[dict]:
     """One row per entry, read from the JSON on disk now: claim, paper, ours, scale, verdict, the JSON's commit,
     its command; ``seconds`` (the entries run now) and ``failed`` (why an entry did not run) are added."""
     rows, seconds, failed = [], seconds or {}, failed or {}
-    for r in registry:
+    root = Path(root or ROOT)
+    for r in REGISTRY if registry is None else registry:
         row = {"name": r.name, "claim": r.claim, "paper": r.paper, "scale": r.scale, "rule": r.rule,
                "json": r.json, "command": " ".join(r.command), "ours": "-", "verdict": "not run", "commit": None}
-        path = Path(root) / r.json
+        path = root / r.json
         if r.name in failed:
             row["ours"] = failed[r.name]
         elif path.is_file():
@@ -271,10 +274,10 @@ def markdown(rows: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
-def listing(registry: Sequence[Reproduction] = REGISTRY) -> str:
+def listing(registry: Sequence[Reproduction] | None = None) -> str:
     """``--list``: every entry, its command, JSON, verdict rule and expected minutes; nothing runs."""
     lines = []
-    for r in registry:
+    for r in REGISTRY if registry is None else registry:
         lines += [f"{r.name} (about {r.minutes:g} min on 2 cores): {r.claim}",
                   f"    paper: {r.paper}", f"    command: {' '.join(r.command)}", f"    json: {r.json}",
                   f"    verdict: {r.rule}", f"    scale: {r.scale}"]
@@ -291,14 +294,15 @@ def _argv(command: Sequence[str]) -> list[str]:
     return list(command)
 
 
-def run(names: Sequence[str] | None = None, root: Path | str = pv.ROOT,
-        registry: Sequence[Reproduction] = REGISTRY, log: Callable[[str], None] = print,
+def run(names: Sequence[str] | None = None, root: Path | str | None = None,
+        registry: Sequence[Reproduction] | None = None, log: Callable[[str], None] = print,
         command: Sequence[str] | str = ("ppl-thought", "reproduce", "--quick")) -> list[dict]:
     """Run the entries ``names`` (default: all; ``[]``: none, the table is re-read from the JSONs on disk) one
     after the other from ``root``, each command's output in ``out/reproduce/NAME.log``; write :data:`OUT_JSON`;
     re-render the docs (``tools/doc_tables.py --write``, when ``root`` has it). ``command`` is what the JSON records
     as the command of this run. Returns the table's rows."""
-    root = Path(root)
+    root = Path(root or ROOT)
+    registry = REGISTRY if registry is None else registry
     chosen = [r for r in registry if names is None or r.name in names]
     rec = pv.record(list(command) if not isinstance(command, str) else command)
     logs = root / "out" / "reproduce"

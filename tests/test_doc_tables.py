@@ -27,8 +27,7 @@ def test_every_documented_table_equals_its_json():
 
 
 # JSON files that record neither the machine nor the time; their renderings must say so
-NOT_RECORDED = {"smollm2-markers": "next-token probabilities (no timing)",
-                "smollm2-load": "load times; benchmarks/smollm2_load.py does not record the machine",
+NOT_RECORDED = {"smollm2-load": "load times; benchmarks/smollm2_load.py does not record the machine",
                 "real-training-quick": "written before real_training recorded the machine (it does now, provenance()); "
                                        "54 min to rerun, issue 42's reproduce run"}
 
@@ -204,7 +203,6 @@ NOT_RECORDED_JSON = {
     "robustness_edges.json": "no commit; benchmarks/robustness.py --edges 8",
     "robustness_public.json": "no commit; the lead regenerates it after the merge (270 public callables, minutes)",
     "smollm2_load.json": "no commit; benchmarks/smollm2_load.py",
-    "smollm2_markers.json": "no commit; benchmarks/smollm2_markers.py",
     "token_automata.json": "no command or commit; benchmarks/token_automata.py, timings quoted in docs/constraints.md",
     "typecheck_ab.json": "no command or commit; engine_core_ab.py --typecheck-ab at an old commit",
     "typecheck_ab_head.json": "no command or commit; engine_core_ab.py --typecheck-ab, several minutes",

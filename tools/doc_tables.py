@@ -530,8 +530,9 @@ def reproduce_quick(d: dict) -> str:
     ran = d.get("ran") or []
     secs = {r["name"]: r["seconds"] for r in d["rows"] if "seconds" in r}
     how = (f"This table's run executed {', '.join(f'`{n}` ({secs[n]:.0f} s)' if n in secs else f'`{n}`' for n in ran)}"
-           if ran else "This table's run executed no command: every row is read from the JSON as committed")
-    return (markdown(d["rows"]) + f"\n\n{how}; the other rows are read from their JSON as committed. Verdict rules "
+           "; the other rows are read from their JSON as committed" if ran else
+           "This table's run executed no command: every row is read from its JSON as committed")
+    return (markdown(d["rows"]) + f"\n\n{how}. Verdict rules "
             "(`ppl_thought/reproduce.py`, shown by `ppl-thought reproduce --list`): "
             + "; ".join(f"`{r['name']}`: {r['rule']}" for r in d["rows"]) + ". " + _provenance(d) + "\n")
 
