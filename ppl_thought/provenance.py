@@ -28,7 +28,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ROOT", "KEY", "record", "script", "finish", "command_line", "source", "machine", "load_average", "of"]
+__all__ = ["ROOT", "KEY", "record", "script", "start", "stamped", "finish", "command_line", "source", "machine",
+           "load_average", "of"]
 
 #: the checkout this package lives in (the repository root when installed editable)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -190,3 +191,13 @@ def of(d: Mapping[str, Any]) -> dict:
     if isinstance(d.get(KEY), Mapping):
         out.update({k: v for k, v in d[KEY].items() if v is not None})
     return out
+
+
+def start(file: str, argv: Sequence[str] | None = None, threads: int | None = None) -> dict:
+    """``record(script(file, argv), threads)``: the record of a script's run, at its start."""
+    return record(script(file, argv), threads)
+
+
+def stamped(d: Mapping[str, Any], rec: Mapping[str, Any]) -> dict:
+    """``d`` with ``"provenance": finish(rec)``: what a script writes as its JSON."""
+    return {**d, KEY: finish(rec)}

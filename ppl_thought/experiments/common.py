@@ -13,8 +13,10 @@ import torch
 
 from ppl_thought.distributions.lm_state import masked_log_softmax
 from ppl_thought.io import atomic_write_json
+from ppl_thought.provenance import stamped
+from ppl_thought.provenance import start as start_record
 
-__all__ = ["score", "set_lr", "standard_error", "run_alone", "provenance"]
+__all__ = ["score", "set_lr", "standard_error", "run_alone", "provenance", "start_record", "stamped"]
 
 
 def score(lm: torch.nn.Module, tokens: torch.Tensor, start: int, allowed: torch.Tensor) -> torch.Tensor:
