@@ -189,8 +189,6 @@ NOT_RECORDED_JSON = {
     "engine_core_ab.json": "no command or commit; an A/B against an old checkout (engine_core_ab.py --base)",
     "engines_after.json": "no command or commit; the 'after' side of an engines.py A/B of an old change",
     "engines_before.json": "no command or commit; the 'before' side: an old checkout",
-    "gpu_cpu_quick.json": "no command or commit; benchmarks/gpu.py --device cpu --quick",
-    "gpu_cpu_quick_meta.json": "no command or commit; the --meta file of gpu_cpu_quick.json",
     "jax_transformer.json": "no command or commit; benchmarks/jax_transformer.py, timings quoted by hand",
     "llamppl_race.json": "no command or commit; benchmarks/llamppl_race.py, 5 rounds with LLaMPPL",
     "llamppl_race_smollm2_genlm_n16.json": "no command or commit; needs genlm-control and SmolLM2, minutes",
