@@ -11,6 +11,7 @@ import runpy
 import shlex
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -254,7 +255,9 @@ def parse_recorded_command(command: str, monkeypatch) -> argparse.Namespace:
     try:
         if words[0] == "-m":
             monkeypatch.setattr(sys, "argv", [words[1], *words[2:]])
-            runpy.run_module(words[1], run_name="__main__", alter_sys=True)
+            with warnings.catch_warnings():  # the module is imported already (as python -m finds it too)
+                warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+                runpy.run_module(words[1], run_name="__main__", alter_sys=True)
         else:
             path = ROOT / words[0]
             assert path.is_file(), f"{command!r}: no script {words[0]}"
@@ -267,12 +270,15 @@ def parse_recorded_command(command: str, monkeypatch) -> argparse.Namespace:
 
 
 def test_every_recorded_command_still_parses_with_its_script(monkeypatch):
-    """Each JSON's recorded command (and each table's documented one) is accepted by its script's argparse parser
-    at HEAD: a renamed or removed flag fails here, not in a reader's terminal."""
+    """Each JSON's recorded command (each table's documented one, each reproduction's) is accepted by its script's
+    argparse parser at HEAD: a renamed or removed flag fails here, not in a reader's terminal."""
     from ppl_thought import provenance as pv
 
     commands = {pv.of(d).get("command") for d in _results().values()}
     commands |= {t.command for t in doc_tables.TABLES.values()}
+    from ppl_thought.reproduce import REGISTRY  # and every command ppl-thought reproduce runs
+
+    commands |= {shlex.join(r.command) for r in REGISTRY}
     for command in sorted(filter(None, commands)):
         with monkeypatch.context() as m:
             try:
