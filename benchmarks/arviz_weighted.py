@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 from ppl_thought.diagnostics import to_inference_data
 from ppl_thought.diagnostics.inference_data import import_arviz
 
@@ -108,6 +109,7 @@ def main(argv=None) -> dict:
     p.add_argument("--num-draws", type=int, default=None,
                    help="size of the equal-weight posterior (default: the conversion's default)")
     args = p.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     logging.getLogger("arviz").setLevel(logging.ERROR)
@@ -128,6 +130,7 @@ def main(argv=None) -> dict:
                   f"[{s['ess_bulk_range'][0]:.0f}, {s['ess_bulk_range'][1]:.0f}]")
     if args.json:
         with open(args.json, "w") as f:
+            out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
             json.dump(out, f, indent=1, default=lambda o: o if not isinstance(o, float) or math.isfinite(o) else None)
     return out
 

@@ -45,6 +45,7 @@ import torch
 
 import ppl_thought as pt
 import ppl_thought.numpyro as ptn
+from ppl_thought import provenance as pv
 from ppl_thought.projections import PauseToThink
 
 ARCH = dict(d_model=64, n_layers=2, n_heads=4, max_len=64)
@@ -69,6 +70,7 @@ def block(result) -> object:
 
 
 _T0 = time.perf_counter()
+_RECORD: dict = {}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
     global _T0
     _T0 = time.perf_counter()
     args = ap.parse_args(argv)
+    global _RECORD
+    _RECORD = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     ns = (16, 256) if args.quick else (16, 64, 256)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if args.only == "program":
@@ -165,6 +169,7 @@ def _write(out: dict, path: str | None) -> dict:
     out["total_seconds"] = time.perf_counter() - _T0
     print(json.dumps(out, indent=2))
     if path:
+        out[pv.KEY] = pv.finish(_RECORD)  # commit, command, machine, load, seconds
         atomic_write_json(path, out)
     return out
 

@@ -43,6 +43,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from ppl_thought import provenance as pv
+
 # writer: overwrites the folder with {"w": i everywhere, "b": -i} and config {"i": i}, `count` times (0: forever)
 _WRITER = textwrap.dedent("""
     import sys, random
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dir", type=Path, default=None, help="make the checkpoint folder under DIR")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     root = Path(__file__).resolve().parent.parent
     if not os.environ.get("PYTHONPATH"):
         sys.path.insert(0, str(root))
@@ -251,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(out, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         args.json.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     return out
 

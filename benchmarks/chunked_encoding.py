@@ -21,6 +21,7 @@ import time
 import torch
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 from ppl_thought.projections import SparseThoughts
 
 
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a short x and one timed repetition")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
+    run_record = pv.record(pv.script(__file__, None))  # before the run: the code that runs
     torch.set_num_threads(1)
 
     vocab = pt.Vocab(list("abcdefgh"))
@@ -82,6 +84,7 @@ def main() -> None:
     print(json.dumps(out, indent=2))
     if args.json:
         with open(args.json, "w") as f:
+            out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
             json.dump(out, f, indent=2)
 
 

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ppl_thought import provenance as pv
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
@@ -104,6 +106,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--runs", type=int, default=40)
     args = ap.parse_args()
+    args.run_record = pv.record(pv.script(__file__, None))  # before the run: the code that runs
     if (args.base is None) == (not args.typecheck_ab):
         ap.error("give exactly one of --base COMMIT and --typecheck-ab")
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -154,6 +157,7 @@ def _report(args: argparse.Namespace, commit: str, head: str, rounds: list[dict]
            "seconds": time.perf_counter() - t0}
     print(json.dumps(out["ratio_new_over_old"], indent=2))
     if args.json:
+        out[pv.KEY] = pv.finish(args.run_record)  # commit, command, machine, load, seconds
         Path(args.json).write_text(json.dumps(out, indent=2))
 
 

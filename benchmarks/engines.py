@@ -18,6 +18,7 @@ import pyro.infer
 import torch
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 from ppl_thought.distributions import LMSequence
 from ppl_thought.distributions.lm_state import LMState, TokenRule
 from ppl_thought.inference import SMC, Importance
@@ -90,6 +91,7 @@ def main() -> None:
     ap.add_argument("--only", choices=("importance", "sampling", "smc"), default=None,
                     help="run one workload only (e.g. sampling: LMSequence sampling vs the bare forward loop)")
     args = ap.parse_args()
+    run_record = pv.record(pv.script(__file__, None))  # before the run: the code that runs
     run = (lambda name: args.only in (None, name))
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -163,6 +165,7 @@ def main() -> None:
     print(json.dumps(out, indent=2))
     if args.json:
         with open(args.json, "w") as f:
+            out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
             json.dump(out, f, indent=2)
 
 

@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamppl_race  # noqa: E402  (same folder: corpus, lipogram automaton, the LLaMPPL program)
 
 import ppl_thought as pt  # noqa: E402
+from ppl_thought import provenance as pv
 from ppl_thought.inference import SMC  # noqa: E402
 from ppl_thought.lm.static_cache import static_decoder  # noqa: E402
 from ppl_thought.projections import token_texts  # noqa: E402
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sizes", default=None, help="comma-separated particle counts")
     ap.add_argument("--meta", default=None, help="also write the workload, seconds and log Z-hats to this JSON file")
     args = ap.parse_args(argv)
+    args.run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     cfg = QUICK if args.quick else FULL
     device = torch.device(args.device)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else cfg["sizes"]
@@ -253,9 +255,11 @@ def _main(args, cfg: dict, device: torch.device, sizes: list[int]) -> dict:
             out["llamppl"][str(n)] = n * NEW_TOKENS / best["llamppl"]
     if args.json:
         with open(args.json, "w") as f:
+            out[pv.KEY] = pv.finish(args.run_record)  # commit, command, machine, load, seconds
             json.dump(out, f, indent=2)
     if args.meta:
         with open(args.meta, "w") as f:
+            meta[pv.KEY] = pv.finish(args.run_record)  # commit, command, machine, load, seconds
             json.dump(meta, f, indent=2)
     print(json.dumps({k: out[k] for k in ("device", "smc", "fraction_of_graph_limit", "llamppl")}, indent=1))
     return out

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 import ppl_thought.numpyro as ptn
+from ppl_thought import provenance as pv
 from ppl_thought.lm.transformer import Transformer
 
 
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="best of N (default 2, quick 1)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch.set_num_threads values")
     args = parser.parse_args()
+    run_record = pv.record(pv.script(__file__, None))  # before the run: the code that runs
     steps = args.steps or (16 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 2)
     prompt_len = 16
@@ -112,6 +114,7 @@ def main() -> None:
            "load_average_before": load_before, "load_average_after": os.getloadavg(), "results": rows}
     if args.json:
         with open(args.json, "w") as f:
+            out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
             json.dump(out, f, indent=2)
             f.write("\n")
 

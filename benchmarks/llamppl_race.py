@@ -62,6 +62,7 @@ import pyro
 import torch
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 from ppl_thought.experiments.common import provenance
 from ppl_thought.inference import SMC
 from ppl_thought.io import atomic_write_json
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=None,
                     help="timed rounds per size after the warm-up (default 5; 1 with --quick)")
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     torch.set_num_threads(args.threads)
@@ -302,9 +304,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({key: {k: round(v, 1) for k, v in rate.items()}}), flush=True)
         out["workload"]["load_average_at_end"] = os.getloadavg()[0]
         if args.json:  # after every size: a long run stopped early keeps the sizes it finished
+            out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
             atomic_write_json(args.json, out)
     print(json.dumps(out, indent=2))
     if args.json:
+        out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         atomic_write_json(args.json, out)
 
 

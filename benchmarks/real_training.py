@@ -25,6 +25,7 @@ import time
 import torch
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 from ppl_thought.experiments import real_training as rt
 from ppl_thought.experiments.sec7_losses import latent_surrogate
 from ppl_thought.io import atomic_write_json
@@ -57,6 +58,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bf16"])
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     dtype = {"float32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     lm = pt.lm.lora(pt.lm.smollm2(dtype=dtype, device=args.device), r=8, alpha=16)
     prompts = rt.SumPrompts(lm)
@@ -112,6 +114,7 @@ def main(argv=None) -> dict:
         pass
     out["command"] = " ".join(sys.argv)
     if args.json:
+        out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         atomic_write_json(args.json, out)
     return out
 

@@ -48,6 +48,7 @@ import pyro
 import torch
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 from ppl_thought.errors import PPLThoughtError
 
 VOCAB = pt.Vocab(["a", "b"])
@@ -297,6 +298,7 @@ def main() -> None:
     ap.add_argument("--edges", type=int, default=None, metavar="N",
                     help="only the generated edge families of issue 41 (benchmarks/robustness_edges.py), N cases each")
     args = ap.parse_args()
+    run_record = pv.record(pv.script(__file__, None))  # before the run: the code that runs
     if args.edges is not None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from robustness_edges import edge_rows
@@ -310,7 +312,7 @@ def main() -> None:
                     print(f"    {a:8s} {inp}: {msg}")
         if args.json:
             pt.io.atomic_write_json(args.json, {"command": f"python benchmarks/robustness.py --edges {args.edges}",
-                                                "families": summary,
+                                                pv.KEY: pv.finish(run_record), "families": summary,
                                                 "cases": {f: [list(r) for r in rows] for f, rows in fams.items()}})
         return
     if args.public:
@@ -322,7 +324,8 @@ def main() -> None:
         if args.json:
             command = "python benchmarks/robustness.py --public" + "".join(f" --only {p}" for p in only)
             pt.io.atomic_write_json(args.json, {"command": f"{command} --json {args.json}", **({"only": list(only)}
-                                                if only else {}), "public_callables": sweep,
+                                                if only else {}), pv.KEY: pv.finish(run_record),
+                                                "public_callables": sweep,
                                                 "public_callables_slow": slow})
         return
     rows = [(name, *classify(call, phrase)) for name, call, phrase in CASES]
@@ -349,6 +352,7 @@ def main() -> None:
            "cases": {name: {"answer": kind, "message": msg} for name, kind, msg in rows[:len(CASES)]}}
     print(json.dumps({k: out[k] for k in ("inputs", "kills", "valid")}, indent=2))
     if args.json:
+        out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         pt.io.atomic_write_json(args.json, out)
 
 

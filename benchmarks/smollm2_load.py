@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ppl_thought import provenance as pv
+
 CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
@@ -45,6 +47,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cached", type=int, default=2, help="cached loads to time after the first")
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     with tempfile.TemporaryDirectory(prefix="ppl_thought_cache_") as cache:
         first = run_child(cache, args.threads)
         cached = [run_child(cache, args.threads) for _ in range(args.cached)]
@@ -53,6 +56,7 @@ def main(argv=None) -> None:
               "torch_threads": args.threads, "first": first, "cached": cached, "cache_bytes": size,
               "command": "python benchmarks/smollm2_load.py --json " + args.json}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    result[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

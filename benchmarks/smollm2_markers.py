@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 
 PROMPTS = {
     "chat: capital of France": ("chat", "What is the capital of France?"),
@@ -32,6 +33,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     torch.set_num_threads(1)
     lm = pt.lm.smollm2(add_markers=True)
     rows = {}
@@ -43,6 +45,7 @@ def main(argv=None) -> None:
               "new_rows": list(lm.new_rows), "mass": rows,
               "command": "python benchmarks/smollm2_markers.py --json " + args.json}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    result[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

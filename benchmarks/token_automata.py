@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 import ppl_thought.projections.token_lift as lift
+from ppl_thought import provenance as pv
 from ppl_thought.projections import CharDFA, token_automaton
 from ppl_thought.vocab import RESERVED
 
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=50_000, help="number of random token strings")
     parser.add_argument("--repeats", type=int, default=None, help="best of N builds (default 3, quick 1)")
     args = parser.parse_args()
+    run_record = pv.record(pv.script(__file__, None))  # before the run: the code that runs
     repeats = args.repeats or (1 if args.quick else 3)
     texts = random_vocab(args.vocab)
 
@@ -106,6 +108,7 @@ def main() -> None:
     }
     if args.json:
         with open(args.json, "w") as f:
+            out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
             json.dump(out, f, indent=2)
 
 

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ppl_thought import provenance as pv
 from ppl_thought.lm import KVCache, Transformer
 
 
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="best of N runs (default 2, quick 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
+    run_record = pv.record(pv.script(__file__, None))  # before the run: the code that runs
     if args.threads:
         torch.set_num_threads(args.threads)
     steps = args.steps or (128 if args.quick else 512)
@@ -96,6 +98,7 @@ def main() -> None:
                   "machine": platform.machine(), "processor": platform.processor(),
                   "results": results, "ratios": ratios}
         with open(args.json, "w") as f:
+            report[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
             json.dump(report, f, indent=2)
 
 

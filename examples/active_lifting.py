@@ -20,6 +20,7 @@ import json
 
 import torch
 
+from ppl_thought import provenance as pv
 from ppl_thought.experiments.active_coding import CodingConfig, plot_coding, run_active_coding
 from ppl_thought.io import atomic_write_json
 
@@ -33,10 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="write Figure 6.1 (right) from this run to this PNG")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny models: 1 is fastest)")
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     torch.set_num_threads(args.threads)
     cfg = CodingConfig.smoke() if args.smoke else CodingConfig.quick() if args.quick else CodingConfig()
     res = run_active_coding(cfg, args.seed, progress=True)
     if args.json:
+        res[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         atomic_write_json(args.json, res)
     if args.plot:
         plot_coding(res, args.plot)

@@ -35,6 +35,7 @@ import pyro.poutine as poutine
 import torch
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 from ppl_thought.distributions import LMState
 
 VOCAB = pt.Vocab(["A", "B", "C", "AB", "BC", "AC"])  # + <pad>=0 <bos>=1 <eos>=2 <s>=3 </s>=4 <explain>=5
@@ -405,6 +406,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     torch.set_num_threads(1)
     out, _ = run(quick=a.quick, seed=a.seed, progress=not a.no_progress)
     report(out)
@@ -412,6 +414,7 @@ def main(argv=None) -> dict:
         print("plot:", a.plot)
     if a.json:
         with open(a.json, "w") as f:
+            out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
             json.dump(out, f, indent=1)
     print(f"\ndone in {out['seconds']:.1f} s")
     return out

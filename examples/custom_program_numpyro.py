@@ -35,6 +35,7 @@ import numpyro  # noqa: E402
 import numpyro.distributions as nd  # noqa: E402
 
 import ppl_thought.numpyro as ptn  # noqa: E402
+from ppl_thought import provenance as pv
 from ppl_thought.errors import SiteMismatchError  # noqa: E402
 from ppl_thought.numpyro.dist import LMState  # noqa: E402
 from ppl_thought.vocab import Vocab  # noqa: E402
@@ -257,10 +258,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", help="write the numbers to this JSON file")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     out = run(quick=a.quick, seed=a.seed)
     report(out)
     if a.json:
         with open(a.json, "w") as f:
+            out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
             json.dump(out, f, indent=1)
     print(f"\ndone in {out['seconds']:.1f} s")
     return out

@@ -25,6 +25,7 @@ import pyro
 import torch
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 from ppl_thought.inference import SMC
 from ppl_thought.io import atomic_write_json
 from ppl_thought.projections import CharDFA, token_automaton, token_texts
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     if args.model:
         lm, prompt = pt.lm.HuggingFace.from_pretrained(args.model), "Once upon a time"
     else:
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                          args.particles, args.max_tokens, twist),
     }
     if args.json:
+        out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         atomic_write_json(args.json, out)
         print(json.dumps({k: {"log_marginal": v["log_marginal"], "ess": v["ess"]} for k, v in out.items()}))
     return 0

@@ -42,6 +42,7 @@ import pyro
 import torch
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 from ppl_thought.inference import SMC
 from ppl_thought.io import atomic_write_json
 from ppl_thought.projections import CharDFA, token_automaton
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     n = args.particles or (16 if args.quick else 64)
     T = args.max_tokens or (16 if args.quick else 32)
     names = [c for c in args.constraints.split(",") if c]
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
            "seed": args.seed, "torch_threads": torch.get_num_threads(), "load_seconds": load_s,
            "total_seconds": time.perf_counter() - t0, "constraints": results}
     if args.json:
+        out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         atomic_write_json(args.json, out)
     if args.plot:
         plot(results, args.plot)

@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from ppl_thought import provenance as pv
 from ppl_thought.diagnostics import chi2
 from ppl_thought.guides import Causal, Explanatory, Identity, Posterior
 from ppl_thought.lm import Tabular
@@ -127,12 +128,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", help="write a PNG plot into this directory")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     res = run(steps=120 if a.quick else 400, seed=a.seed)
     for n, c in res["chi2"].items():
         print(f"{n:12s} max_x chi2 = {c['max']:.3e}   E_x chi2 = {c['mean']:.3e}")
     print(f"ratio causal / explanatory (max over x) = {res['ratio_max']:.3g}")
     if a.json:
         with open(a.json, "w") as f:
+            res[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
             json.dump(res, f, indent=1)
     if a.out:
         print("plot:", plot(res, a.out))

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 
 VOCAB = pt.Vocab(["a", "b"])
 PROJ = pt.projections.PauseToThink(VOCAB, max_thought_len=2)
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None, callback: Callable | None = None) -> dic
     ap.add_argument("--json", default=None, help="write the metrics history here (rank 0)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     if args.steps < 0 or args.batch_size < 1 or args.seed < 0 or (args.checkpoint_every and not args.checkpoint_dir):
         ap.error("--steps and --seed must be >= 0, --batch-size >= 1, and --checkpoint-every needs --checkpoint-dir")
     torch.set_num_threads(1)
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None, callback: Callable | None = None) -> dic
         last = trainer.history[-1] if trainer.history else {}
         print(f"{world_size} process(es), {trainer.step_count} steps, loss {last.get('loss', float('nan')):.4f}")
         if args.json:
+            out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
             pt.io.atomic_write_json(args.json, out)
     return out
 

@@ -217,6 +217,36 @@ def _plots_folder(out: str | None, args: argparse.Namespace) -> str | None:
     return _folder_to_write(out, "folder for the plots")
 
 
+def _reproduce_names(names: list[str] | None) -> str | None:
+    if not names:
+        return None
+    from ppl_thought.reproduce import REGISTRY
+
+    known = [r.name for r in REGISTRY]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        return f"unknown reproduction {unknown[0]!r}; choose from {', '.join(known)} (ppl-thought reproduce --list)"
+    return None
+
+
+def _reproduce_size(quick: bool, args: argparse.Namespace) -> str | None:
+    if quick or args.list or args.table:
+        return None
+    return ("only the quick reproductions are registered (the full sizes take hours on 2 cores): add --quick, or "
+            "--list to see them")
+
+
+def _reproduce_checkout(_: Any, args: argparse.Namespace) -> str | None:
+    if args.list:
+        return None
+    from ppl_thought.reproduce import ROOT
+
+    if not os.path.isdir(os.path.join(ROOT, "benchmarks")):
+        return (f"reproduce runs the repository's scripts (benchmarks/, examples/) and {str(ROOT)!r} is not a checkout "
+                "of it: install the package editable from a clone (pip install -e .)")
+    return None
+
+
 #: per command, in order: (the argument as the user writes it, its attribute, its check(value, args) -> the problem
 #: or None). The value-only checks (ranges) are the argparse types of :func:`build_parser`.
 CHECKS: dict[str, list[tuple[str, str, Callable[[Any, argparse.Namespace], str | None]]]] = {
@@ -224,6 +254,9 @@ CHECKS: dict[str, list[tuple[str, str, Callable[[Any, argparse.Namespace], str |
              ("--out", "out", lambda v, a: _folder_to_write(v)),
              ("--out", "out", _fresh_out),
              ("--json", "json", lambda v, a: _file_to_write(v))],
+    "reproduce": [("--only", "only", lambda v, a: _reproduce_names(v)),
+                  ("--quick", "quick", _reproduce_size),
+                  ("--quick", "quick", _reproduce_checkout)],
     "diagnose": [("FILE", "file", lambda v, a: _result_file(v)),
                  ("--out", "out", _plots_folder),
                  ("FILE", "file", lambda v, a: _finite_weights(v))],
@@ -274,11 +307,20 @@ def _demo(args: argparse.Namespace) -> int:
             if os.path.isfile(path):
                 os.remove(path)
     results = run_demo(out=args.out, quick=args.quick, seed=args.seed, n=args.n, parts=parts, seeds=args.seeds)
+    if isinstance(results.get("provenance"), dict):  # the command as typed, not the interpreter's argv
+        results["provenance"]["command"] = _command_line(args)
     if args.json is not None:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         atomic_write_json(args.json, results, default=json_default)
         print(f"wrote {args.json}")
     return 0
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """``ppl-thought`` and the arguments of this invocation, as a user retypes them."""
+    import shlex
+
+    return shlex.join(["ppl-thought", *getattr(args, "argv", [])])
 
 
 def _diagnose(args: argparse.Namespace) -> int:
@@ -292,6 +334,18 @@ def _diagnose(args: argparse.Namespace) -> int:
         print(f"ppl-thought diagnose: {message}", file=sys.stderr)
         return 2
     print(text)
+    return 0
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    from ppl_thought.reproduce import listing, markdown, run
+
+    if args.list:
+        print(listing())
+        return 0
+    names = [] if args.table else args.only
+    rows = run(names, command=_command_line(args))
+    print(markdown(rows))
     return 0
 
 
@@ -328,6 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seeds", type=_integer(1, MAX_SEEDS), default=None,
                       help="Section 7 replicates (seeds --seed, --seed + 1, ...); default 3, or 1 with --quick")
     demo.set_defaults(func=_demo)
+    rep = sub.add_parser("reproduce", help="rerun the quick reproductions of the papers' claims, re-render the "
+                                           "docs and print the verdict table")
+    rep.add_argument("--quick", action="store_true", help="the quick sizes (the only ones registered)")
+    rep.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these entries (--list)")
+    rep.add_argument("--list", action="store_true", help="print the registry (claims, commands, rules); run nothing")
+    rep.add_argument("--table", action="store_true",
+                     help="run nothing: re-read every entry's JSON, rewrite the table and the docs")
+    rep.set_defaults(func=_reproduce)
     diag = sub.add_parser("diagnose", help="a short report and plots for a result file (netcdf or saved Result dir)")
     diag.add_argument("file", help="a netcdf from to_inference_data(...).to_netcdf (any result type), one of the "
                                    "demo's .nc files, or a pt.infer.save_result directory")
@@ -353,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 0

@@ -11,7 +11,6 @@ and the predictive sampler (:mod:`ppl_thought.experiments.real_thoughts`): run t
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import time
 from dataclasses import replace
@@ -21,9 +20,9 @@ import torch
 
 from ppl_thought.errors import ConfigError, DependencyError
 from ppl_thought.experiments.a5 import A5Config, run_a5
-from ppl_thought.experiments.common import provenance
 from ppl_thought.experiments.sec7 import Sec7Config, run_sec7
 from ppl_thought.io import atomic_write, atomic_write_json
+from ppl_thought.provenance import KEY, finish, load_average, record
 
 
 def real_model_installed() -> bool:
@@ -232,20 +231,6 @@ def _arviz(results: dict, arrays: dict, out: str) -> list[str]:
     return written
 
 
-def _machine() -> dict:
-    return {"nproc": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
-            "processor": platform.processor(), "torch": torch.__version__}
-
-
-def _load_average() -> float | None:
-    """The machine's 1-minute load average (None where the OS has none): a busy machine makes every part slower,
-    so the times in ``results.json`` are read with it."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
-
-
 def _verdict(diff: float, se: float) -> str:
     """Whether a difference that the claim says is positive is: beyond 2 standard errors either way, or not."""
     if not np.isfinite(se):
@@ -352,10 +337,10 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
             raise ConfigError(f"seeds must be >= 1, got {seeds}")
         c7 = replace(c7, seeds=seeds)
     t0 = time.time()
-    source = provenance()  # the commit (and whether the checkout had uncommitted changes) of the code that runs
-    results: dict = {"quick": quick, "seed": seed, "commit": source["commit"], "dirty": source["dirty"],
-                     "machine": _machine(), "parts": list(parts), "finished_parts": []}
-    results["load_average_at_start"] = _load_average()
+    rec = record(sys.argv)  # the code that runs, the machine, the load (ppl-thought demo puts its own command line)
+    results: dict = {"quick": quick, "seed": seed, "commit": rec["commit"], "dirty": rec["dirty"],
+                     "machine": rec["machine"], "parts": list(parts), "finished_parts": []}
+    results["load_average_at_start"] = rec["load_average_at_start"]
     arrays: dict = {}
     part_seconds: dict[str, float] = {}
     results["seconds_per_part"] = part_seconds
@@ -393,10 +378,12 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
             results.pop(current, None)  # a part's own numbers only once it finished
             results["interrupted_in"] = current
         results["seconds"] = round(time.time() - t0, 1)
+        results[KEY] = finish(rec)
         _save(results, arrays, out)
         raise DemoInterrupted(current, out, results["finished_parts"]) from None
-    results["load_average_at_end"] = _load_average()
+    results["load_average_at_end"] = load_average()
     results["seconds"] = round(time.time() - t0, 1)
+    results[KEY] = finish(rec)
     _save(results, arrays, out)
     print(f"\nwrote {os.path.join(out, 'results.json')} and {len(results['files'])} plot/ArviZ files in "
           f"{results['seconds']} s")

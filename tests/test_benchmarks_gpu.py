@@ -24,7 +24,7 @@ def _bench():
 
 
 def _check(out: dict, sizes: list[int]) -> None:
-    assert set(out) == KEYS
+    assert set(out) == KEYS | {"provenance"}  # and where it comes from (ppl_thought.provenance)
     assert out["n"] == sizes and "limit_graph is the eager" in out["device"]
     for key in ("smc", "limit_eager", "limit_graph", "fraction_of_graph_limit"):
         assert set(out[key]) == {"transformer", "hf_gpt2"}

@@ -10,7 +10,8 @@ In README.md and docs/*.md a generated block is
     ...rendered from TABLES[NAME].source; never edited by hand...
     <!-- /doc-table -->
 
-Each block ends with the command that wrote its JSON and the commit, machine and seconds recorded in it.
+Each block ends with the machine and seconds recorded in its JSON and a line "From <file> at <commit>, command:
+<command>" (``ppl_thought.provenance``, issue 42).
 ``tests/test_doc_tables.py`` checks that every block equals its rendering.
 """
 
@@ -26,6 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as ``python tools/doc_tables.py`` from a checkout
+    sys.path.insert(0, str(ROOT))
+from ppl_thought import provenance as pv  # noqa: E402
+
 DOCS = ("README.md", "docs")
 # a block may be indented (inside a list item): its body is the rendering with every line so indented
 BLOCK = re.compile(r"^(?P<indent> *)<!-- doc-table (?P<name>[\w.-]+) -->\n(?P<body>.*?)^(?P=indent)<!-- /doc-table -->",
@@ -45,13 +50,24 @@ def _pct(x: float | None) -> str:
     return f"{100 * x:+.0f} %"
 
 
+def _machine_text(m: dict, threads: int | None) -> str:
+    return (f"{m.get('nproc') or m.get('cpu_count')} cores ({m.get('processor') or '?'}), torch {m.get('torch')}"
+            + ("" if threads is None else f" with {threads} thread(s)"))
+
+
 def _provenance(d: dict, command: str | None = None) -> str:
-    cmd = command or d.get("command")
+    """The machine, load and wall time of the run that wrote ``d`` (its commit and command are the source line
+    :func:`render` puts under every table). ``command`` is unused (kept for the renderers' calls)."""
+    if isinstance(d.get(pv.KEY), dict):
+        p = d[pv.KEY]
+        load = [p.get("load_average_at_start"), p.get("load_average_at_end")]
+        load = ("; load average " + " at the start, ".join(f"{x:.1f}" for x in load) + " at the end"
+                if all(isinstance(x, (int, float)) for x in load) else "")
+        secs = p.get("seconds")
+        secs = f"{secs:.0f} s wall" if isinstance(secs, (int, float)) else "time not recorded"
+        return f"Machine: {_machine_text(p.get('machine') or {}, p.get('threads'))}{load}; {secs}."
     m = d.get("machine") or {}
-    commit = d.get("commit")
-    commit = (commit[:7] + (" + uncommitted changes" if d.get("dirty") else "")) if commit else "not recorded"
-    machine = (f"{m.get('nproc')} cores ({m.get('processor') or '?'}), torch {m.get('torch')} with "
-               f"{m.get('torch_threads')} thread(s)") if m else "not recorded"
+    machine = _machine_text(m, m.get("torch_threads")) if m else "not recorded"
     secs = next((v for v in (d.get("seconds"), d.get("total_seconds")) if isinstance(v, (int, float))), None)
     if not isinstance(secs, (int, float)):
         secs = "time not recorded"
@@ -59,7 +75,20 @@ def _provenance(d: dict, command: str | None = None) -> str:
         secs = f"{secs:.0f} s wall summed over its {len(d['commands'])} parts (run in parallel)"
     else:
         secs = f"{secs:.0f} s wall"
-    return f"Written by `{cmd}`; commit {commit}; machine {machine}; {secs}."
+    return f"Machine: {machine}; {secs}."
+
+
+def source_line(name: str, d: dict) -> str:
+    """The line under every rendered table: the JSON it comes from, the commit and the command that wrote it
+    (``ppl_thought.provenance``; a JSON written before it recorded them says so)."""
+    t = TABLES[name]
+    p = pv.of(d)
+    commit = p.get("commit")
+    at = (f"commit {commit[:7]}" + (" with uncommitted changes" if p.get("dirty") else "")) if commit else \
+        "a commit not recorded"
+    cmd = p.get("command")
+    how = f"command: `{cmd}`" if cmd else f"command not recorded (the documented command: `{t.command}`)"
+    return f"From `{t.source}` at {at}, {how}."
 
 
 # ---------------------------------------------------------------------------------------------- Section 7
@@ -311,8 +340,12 @@ def backends(d: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- benchmarks
-def _bench_provenance(cmd: str, w: dict) -> str:
-    """Provenance of a benchmark JSON whose machine is recorded in its ``workload`` (or ``--meta``) entry."""
+def _bench_provenance(cmd: str, w: dict, d: dict | None = None) -> str:
+    """Machine, load and time of a benchmark JSON: its ``provenance`` entry when ``d`` has one, else the machine
+    older runs recorded in their ``workload`` (or ``--meta``) entry ``w``. ``cmd`` is unused (the source line has
+    the command)."""
+    if d is not None and isinstance(d.get(pv.KEY), dict):
+        return _provenance(d)
     cores = w.get("cpu_count") or w.get("nproc")
     threads = w.get("torch_threads")
     machine = (f"{cores} cores{f' ({m})' if (m := w.get('machine')) else ''}, torch {w.get('torch')}"
@@ -324,9 +357,7 @@ def _bench_provenance(cmd: str, w: dict) -> str:
     secs = w.get("extra", {}).get("seconds") or {}
     timed = sum(v for row in secs.values() for v in (row.values() if isinstance(row, dict) else [row]))
     timed = f"; {timed:.1f} s in the timed rounds" if secs else "; wall time not recorded"
-    commit = w.get("commit")
-    commit = (commit[:7] + (" + uncommitted changes" if w.get("dirty") else "")) if commit else "not recorded"
-    return f"Written by `{cmd}`; commit {commit}; machine {machine}{load}{timed}."
+    return f"Machine: {machine}{load}{timed}."
 
 
 def _int(x: float) -> str:
@@ -351,7 +382,7 @@ def gpu_cpu_quick(d: dict) -> str:
     cfg = (f"A tiny model ({m['n_layer']} layers, d_model {m['d_model']}, library vocabulary {m['library_vocab']}), "
            f"{m['prompt_tokens']}-token prompt, {m['new_tokens']} new tokens, {m['rounds']} timed round(s); "
            f"device: {d['device']}. Particle-tokens per second.")
-    return "\n".join(rows) + f"\n\n{cfg} " + _bench_provenance(GPU_CPU_CMD, m) + "\n"
+    return "\n".join(rows) + f"\n\n{cfg} " + _bench_provenance(GPU_CPU_CMD, m, d) + "\n"
 
 
 RACE_CMD = "python benchmarks/llamppl_race.py --json benchmarks/results/llamppl_race.json"
@@ -373,7 +404,7 @@ def llamppl_race(d: dict) -> str:
             f"{x['llamppl_ratio'][big]:.1f}x LLaMPPL).")
     cfg = (f"Particle-tokens per second, best of {w['rounds']} interleaved rounds after a warm-up, "
            f"{w['new_tokens']} new tokens after a {w['prompt_tokens']}-token prompt.")
-    return "\n".join(rows) + f"\n\n{cfg} {goal} " + _bench_provenance(RACE_CMD, w) + "\n"
+    return "\n".join(rows) + f"\n\n{cfg} {goal} " + _bench_provenance(RACE_CMD, w, d) + "\n"
 
 
 RACE_SMOLLM2_CMD = ("python benchmarks/llamppl_race.py --model smollm2 --quick "
@@ -397,7 +428,7 @@ def llamppl_race_smollm2(d: dict) -> str:
     met = all(d["fraction"][n] >= 0.85 and x["llamppl_ratio"][n] >= 10 for n in goal)
     goal = (f"Issue 33's goal (at least 0.85 of the limit and 10x LLaMPPL at 64 and 256 particles): "
             f"**{'met' if met and len(goal) == 2 else 'not met'}**." if goal else "")
-    return ("\n".join(rows) + f"\n\n{cfg} {goal} " + _bench_provenance(w.get("command") or RACE_SMOLLM2_CMD, w)
+    return ("\n".join(rows) + f"\n\n{cfg} {goal} " + _bench_provenance(w.get("command") or RACE_SMOLLM2_CMD, w, d)
             + "\n")
 
 
@@ -413,7 +444,7 @@ def genlm_smollm2(d: dict) -> str:
     return (f"At {n} particles and {w['new_tokens']} new tokens, {w['rounds']} round: ppl_thought "
             f"{d['ppl_thought'][n]:.2f} particle-tokens/s, genlm-control {g:.2f} "
             f"({d['ppl_thought'][n] / g:.1f}x slower), the forward limit {d['limit'][n]:.2f}. "
-            + _bench_provenance(GENLM_CMD, w) + "\n")
+            + _bench_provenance(GENLM_CMD, w, d) + "\n")
 
 
 MARKERS_CMD = "python benchmarks/smollm2_markers.py --json benchmarks/results/smollm2_markers.json"
@@ -427,8 +458,9 @@ def smollm2_markers(d: dict) -> str:
     lo, hi = min(totals.values()), max(totals.values())
     return (f"On {d['model']} the {len(d['added_markers'])} new tokens take between {lo:.1e} and {hi:.1e} of the "
             f"next-token mass after {len(totals)} prompts (chat and plain text), and about the same for each of "
-            f"them (at most {100 * spread:.2g} % apart after one prompt). Written by `{d.get('command', MARKERS_CMD)}`;"
-            " commit, machine and time not recorded (the masses do not depend on them beyond float rounding).\n")
+            f"them (at most {100 * spread:.2g} % apart after one prompt). "
+            + (_provenance(d) if pv.KEY in d else "Machine and time not recorded (the masses do not depend on them "
+               "beyond float rounding).") + "\n")
 
 
 LOAD_CMD = "python benchmarks/smollm2_load.py --json benchmarks/results/smollm2_load.json"
@@ -441,8 +473,8 @@ def smollm2_load(d: dict) -> str:
     return (f"{d['dtype']} on {d['device']}, {d['torch_threads']} torch thread, each load in a fresh process: first "
             f"load {d['first']['load_s']:.1f} s, cached loads {cached}, plus the import of torch, ppl_thought and "
             f"transformers' Llama module ({min(imports):.1f} s to {max(imports):.1f} s, paid by any transformers "
-            f"Llama); the cache entry is {d['cache_bytes']:,} bytes. Written by `{d.get('command', LOAD_CMD)}`; "
-            "commit and machine not recorded.\n")
+            f"Llama); the cache entry is {d['cache_bytes']:,} bytes. "
+            + (_provenance(d) if pv.KEY in d else "Machine not recorded.") + "\n")
 
 
 def real_quick_gains(d: dict) -> str:
@@ -529,6 +561,24 @@ def real_training(d: dict) -> str:
     return table(d) + f"\n\n{_provenance(d)}\n"
 
 
+REPRODUCE_CMD = "ppl-thought reproduce --quick"
+
+
+def reproduce_quick(d: dict) -> str:
+    """README "Reproductions": the table ``ppl-thought reproduce`` writes (``reproduce_quick.json``); each row's
+    numbers come from its own JSON at the commit the last column names."""
+    from ppl_thought.reproduce import markdown
+
+    ran = d.get("ran") or []
+    secs = {r["name"]: r["seconds"] for r in d["rows"] if "seconds" in r}
+    how = (f"This table's run executed {', '.join(f'`{n}` ({secs[n]:.0f} s)' if n in secs else f'`{n}`' for n in ran)}"
+           "; the other rows are read from their JSON as committed" if ran else
+           "This table's run executed no command: every row is read from its JSON as committed")
+    return (markdown(d["rows"]) + f"\n\n{how}. Verdict rules "
+            "(`ppl_thought/reproduce.py`, shown by `ppl-thought reproduce --list`): "
+            + "; ".join(f"`{r['name']}`: {r['rule']}" for r in d["rows"]) + ". " + _provenance(d) + "\n")
+
+
 @dataclass(frozen=True)
 class Table:
     source: str  # JSON under the repository root
@@ -559,15 +609,23 @@ TABLES: dict[str, Table] = {
     "demo-quick-times": Table("benchmarks/results/demo_quick.json", demo_quick_times, DEMO_CMDS["quick"]),
     "a5-quick": Table("benchmarks/results/demo_quick.json", a5_quick, DEMO_CMDS["quick"]),
     "real-training-quick": Table("benchmarks/results/real_training_quick.json", real_training, REAL_TRAINING_CMD),
+    "reproduce-quick": Table("benchmarks/results/reproduce_quick.json", reproduce_quick, REPRODUCE_CMD),
 }
 
 
-def render(name: str, root: Path = ROOT) -> str:
+def load(name: str, root: Path = ROOT) -> dict:
+    """The JSON of table ``name`` (with its ``--meta`` file under ``"meta"``)."""
     t = TABLES[name]
     d = json.loads((root / t.source).read_text())
     if t.meta:
         d = {**d, "meta": json.loads((root / t.meta).read_text())}
-    return t.render(d)
+    return d
+
+
+def render(name: str, root: Path = ROOT) -> str:
+    """Table ``name`` rendered from its JSON, ending with :func:`source_line` (file, commit, command)."""
+    d = load(name, root)
+    return TABLES[name].render(d).rstrip("\n") + "\n\n" + source_line(name, d) + "\n"
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:

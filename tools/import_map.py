@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ppl_thought"
 # (layer, module prefixes) lowest first; the first matching prefix (longest) wins.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "checks", "vocab", "arviz_compat", "draws", "checkpoint", "transformer_checkpoint", "twists",
-              "validation", "schemas", "resources")),
+              "validation", "schemas", "resources", "provenance")),
     ("projections", ("projections",)),
     ("lm", ("lm", "io", "weights")),
     ("distributions", ("distributions", "program", "contract", "verifiers.process")),
@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("verifiers", ("verifiers",)),
     ("training", ("training",)),
     ("diagnostics", ("diagnostics",)),
-    ("experiments", ("experiments", "demo")),
+    ("experiments", ("experiments", "demo", "reproduce")),
     ("cli", ("cli", "__init__", "__main__")),
 ]
 # The JAX backend is a column of its own: it may import the framework-free layers only.

@@ -60,7 +60,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ppl_thought.errors import ConfigError
-from ppl_thought.experiments.common import provenance, set_lr
+from ppl_thought.experiments.common import provenance, set_lr, stamped, start_record
 from ppl_thought.lm import Transformer
 from ppl_thought.training.active import active_terms, prefix_sums, score_function_surrogate
 from ppl_thought.training.trainer import clip_joint_, cosine_lr
@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the results as JSON to this file")
     ap.add_argument("--plot", default=None, help="draw Figure 6.1 (right) from the results to this PNG")
     ap.add_argument("--from-json", default=None, help="read the results from this JSON instead of running")
-    args = ap.parse_args(argv)
+    args, run_record = ap.parse_args(argv), start_record(__file__, argv)  # the record before the run
     if args.from_json:
         with open(args.from_json) as f:
             res = json.load(f)
@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
                       + (f" --steps {args.steps}" if args.steps is not None else "")
                       + (f" --json {args.json}" if args.json else ""))
     if args.json:
-        atomic_write_json(args.json, res)
+        atomic_write_json(args.json, stamped(res, run_record))  # commit, command, machine, load, seconds
     if args.plot:
         plot_coding(res, args.plot)
     for N, r in res["coding"].items():

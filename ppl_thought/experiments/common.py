@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
-import subprocess
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -15,8 +13,10 @@ import torch
 
 from ppl_thought.distributions.lm_state import masked_log_softmax
 from ppl_thought.io import atomic_write_json
+from ppl_thought.provenance import stamped
+from ppl_thought.provenance import start as start_record
 
-__all__ = ["score", "set_lr", "standard_error", "run_alone", "provenance"]
+__all__ = ["score", "set_lr", "standard_error", "run_alone", "provenance", "start_record", "stamped"]
 
 
 def score(lm: torch.nn.Module, tokens: torch.Tensor, start: int, allowed: torch.Tensor) -> torch.Tensor:
@@ -37,24 +37,11 @@ def standard_error(x: np.ndarray) -> float:
 
 
 def provenance() -> dict:
-    """Where a result comes from, for the JSON of a documented run: the git commit of the package's checkout
-    (``dirty`` when the package's tracked files have uncommitted changes; None outside a git checkout) and the
-    machine."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    """The commit, dirty flag and machine of :mod:`ppl_thought.provenance` (its one home; a JSON's full record,
+    with the command, load and seconds, is ``ppl_thought.provenance.record`` / ``finish``)."""
+    from ppl_thought import provenance as _provenance
 
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no", "--", "ppl_thought")  # the code, not the docs
-    return {"commit": commit, "dirty": bool(status) if status is not None else None,
-            "machine": {"nproc": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                        "python": platform.python_version(), "torch": torch.__version__}}
+    return {**_provenance.source(), "machine": _provenance.machine()}
 
 
 def run_alone(doc: str, run: Callable, config_cls, argv: list[str] | None = None) -> int:
@@ -66,8 +53,13 @@ def run_alone(doc: str, run: Callable, config_cls, argv: list[str] | None = None
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results as JSON to this file")
     args = ap.parse_args(argv)
+    from ppl_thought import provenance as _provenance
+
+    script = getattr(sys.modules.get(run.__module__), "__file__", None) or run.__module__
+    rec = _provenance.record([script, *(sys.argv[1:] if argv is None else argv)])
     res = run(config_cls.quick() if args.quick else config_cls(), args.seed, progress=True)
     res.pop("_arrays", None)
+    res[_provenance.KEY] = _provenance.finish(rec)
     text = json.dumps(res, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o), indent=1)
     if args.json:
         atomic_write_json(args.json, json.loads(text))

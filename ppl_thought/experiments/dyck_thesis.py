@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ppl_thought import checks
+from ppl_thought import provenance as pv
 from ppl_thought.data.dyck import DyckDistribution
 from ppl_thought.errors import ConfigError, SamplingBudgetError
 from ppl_thought.io import atomic_write_json
@@ -344,9 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write the results as JSON to this file")
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     res = run(args.quick, args.seed)
     print(format_table(res))
     if args.json is not None:
+        res[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         atomic_write_json(args.json, res)
     return 0
 

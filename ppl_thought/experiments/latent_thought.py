@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ppl_thought import provenance as pv
 from ppl_thought.data.markov_mixture import MarkovMixture
 from ppl_thought.experiments.common import provenance
 from ppl_thought.guides import AmortizedGaussianEncoder
@@ -470,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tables", metavar="JSON", help="print the Markdown tables of a --sweep JSON and exit")
     args = parser.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     if args.tables:
         with open(args.tables) as fh:
             print(sweep_tables(json.load(fh)), end="")
@@ -487,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                  "seconds": results["seconds"], "cpu_seconds": results["cpu_seconds"]}
         print(json.dumps(brief, indent=1))
         if args.json:
+            results[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
             atomic_write_json(args.json, results)
         return 0
     cfg = LTMConfig.quick() if args.quick else LTMConfig.full()
@@ -495,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     short = {k: v for k, v in results.items() if k not in ("config", "train_final")}
     print(json.dumps(short, indent=1))
     if args.json:
+        results[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         atomic_write_json(args.json, results)
     return 0
 

@@ -42,6 +42,7 @@ import pyro
 import torch
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 from ppl_thought.checks import integer
 from ppl_thought.distributions import LMState
 from ppl_thought.io import atomic_write_json
@@ -372,11 +373,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", help="write the numbers to this JSON file")
     ap.add_argument("--plot", help="write a figure (PNG) to this file")
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     if args.threads:
         torch.set_num_threads(args.threads)
     out = run(args.quick, args.problems, args.particles, args.thought_tokens, args.seed)
     report(out)
     if args.json:
+        out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         atomic_write_json(args.json, out)
     if args.plot:
         plot(out, args.plot)

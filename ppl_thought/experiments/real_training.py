@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 import ppl_thought as pt
+from ppl_thought import provenance as pv
 from ppl_thought.errors import ConfigError
 from ppl_thought.experiments.common import provenance
 from ppl_thought.experiments.real_thoughts import Problem, Prompts, ThoughtThenAnswer
@@ -426,10 +427,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json", help="write the numbers to this JSON file")
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     if args.threads:
         torch.set_num_threads(args.threads)
     out = run(args.quick, args.seeds, args.device, args.dtype, steps=args.steps, held_out=args.held_out)
     if args.json:  # first: the numbers are kept whatever the printing does
+        out[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         atomic_write_json(args.json, out)
     report(out)
     return out

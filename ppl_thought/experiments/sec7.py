@@ -32,7 +32,7 @@ from ppl_thought.data.query_response import PermutationChoiceTask, permutation_c
 from ppl_thought.distributions.lm_state import masked_log_softmax
 from ppl_thought.distributions.token_rule import token_step
 from ppl_thought.errors import ConfigError
-from ppl_thought.experiments.common import provenance, run_alone, score, set_lr, standard_error
+from ppl_thought.experiments.common import provenance, run_alone, score, set_lr, stamped, standard_error, start_record
 from ppl_thought.experiments.sec7_losses import (
     _logits_and_features,
     causal_gaps,
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         margs = mp.parse_args(rest)
         res = merge_seed_runs([json.loads(open(f).read()) for f in known.merge], known.allow_partial)
         res["command"] = "python -m ppl_thought.experiments.sec7 " + " ".join(argv)
-        atomic_write_json(margs.json, res)
+        atomic_write_json(margs.json, stamped(res, start_record(__file__, argv)))  # the merge's commit, machine
         print(json.dumps(res["summary"], indent=1))
         return 0
     if known.seeds is None:
@@ -583,12 +583,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, eval_every=args.eval_every)
     if args.sampler_loss is not None:
         cfg = replace(cfg, sampler_loss=args.sampler_loss)
-    cmd = "python -m ppl_thought.experiments.sec7 " + " ".join(argv)
-    save = (lambda r: atomic_write_json(args.json, {**r, "command": cmd})) if args.json else None
+    rec = start_record(__file__, argv, args.threads)  # before the run: the code that runs, its command
+    save = args.json and (lambda r: atomic_write_json(args.json, stamped(r | {"command": rec["command"]}, rec))) or None
     res = run_seeds(cfg, args.seeds, tuple(args.n), args.seed, progress=True, task_seed=args.task_seed, partial=save)
-    res["command"] = cmd
+    res["command"] = rec["command"]
     if args.json:
-        atomic_write_json(args.json, res)
+        atomic_write_json(args.json, stamped(res, rec))  # commit, command, machine, load, seconds
     print(json.dumps(res["summary"], indent=1))
     return 0
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ppl_thought import provenance as pv
 from ppl_thought.data.dyck import DyckTask
 from ppl_thought.data.self_reducible import self_reducible_curve
 from ppl_thought.distributions.lm_state import generated_tokens
@@ -236,9 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the results as JSON to this file")
     ap.add_argument("--thesis-only", action="store_true", help="only the thesis' Tables 3.1-3.3 protocol")
     args = ap.parse_args(argv)
+    run_record = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
     result = run(args.quick, args.seed, args.thesis_only)
     print(format_table(result))
     if args.json is not None:
+        result[pv.KEY] = pv.finish(run_record)  # commit, command, machine, load, seconds
         atomic_write_json(args.json, result)
     return 0
 
