@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import ppl_thought.numpyro as ptn  # noqa: E402
 from ppl_thought import training as ptt  # noqa: E402
-from ppl_thought.errors import ArgumentTypeError, ConfigError  # noqa: E402
+from ppl_thought.errors import ArgumentTypeError, ConfigError, ProgramError  # noqa: E402
 from ppl_thought.training.objectives import Particles  # noqa: E402
 
 K, N = 3, 3
@@ -294,3 +294,48 @@ def test_separate_policy_equals_torch_on_every_batch_and_its_norms_are_the_jacob
     svi = numpyro.infer.SVI(_policy, _sampler, numpyro.optim.Adam(0.05), loss)
     res = svi.run(jax.random.PRNGKey(0), 200, progress_bar=False)
     assert float(jax.nn.softmax(res.params["theta"])[2]) > 0.6  # the policy moves to the best reward (z = 2)
+
+
+# ---------------------------------------------------------------------------------------------- Inquisitive
+def _log_q_dot() -> np.ndarray:
+    """log Q_•(z) (3.22): proportional to p(z, x) ||grad_theta log p(z, x)||, grad log softmax(theta)_z = e_z - pi."""
+    lj = _lsm(THETA0) + LOG_L + np.log(np.linalg.norm(np.eye(K) - np.exp(_lsm(THETA0)), axis=1))
+    return lj - np.log(np.exp(lj).sum())
+
+
+def test_inquisitive_is_unbiased_for_the_reverse_kl_to_the_inquisitive_sampler_and_equals_torch():
+    """(3.25) with the reward (3.26): E grad_psi = grad_psi KL(q_psi || Q_•), E value = KL - log Z_•; without the
+    norm in the reward (plain (3.25), wrong here) it misses; on every batch it equals torch's Inquisitive."""
+    log_z_dot = float(np.log(np.exp(_lsm(THETA0) + LOG_L + np.log(np.linalg.norm(np.eye(K) - np.exp(_lsm(THETA0)),
+                                                                                   axis=1))).sum()))
+
+    def kl(psi):
+        lq = _lsm(psi)
+        return float((np.exp(lq) * (lq - _log_q_dot())).sum())
+
+    loss = ptn.infer.Inquisitive(N)
+
+    def fn(theta, psi, z):
+        return loss.from_particles(*_parts(theta, psi, z), norms=_norms(theta, z))
+
+    ev, gt, gp = _expected(fn)
+    assert np.allclose(gp, _num_grad(kl, PSI0), atol=TOL) and np.allclose(gt, 0.0)
+    assert abs(ev - (kl(PSI0) - log_z_dot)) < TOL
+    _, _, gp_plain = _expected(lambda t, p, z: ptn.infer.SamplerPolicyGradient(N).from_particles(*_parts(t, p, z)))
+    assert not np.allclose(gp_plain, _num_grad(kl, PSI0), atol=1e-3)
+    th, ps = jnp.asarray(THETA0, jnp.float32), jnp.asarray(PSI0, jnp.float32)
+    values = jax.vmap(lambda z: fn(th, ps, z)[0])(BATCHES)
+    grads = jax.vmap(lambda z: jax.grad(lambda p: fn(th, p, z)[1])(ps))(BATCHES)
+    for b, z in enumerate(np.asarray(BATCHES)):
+        theta, psi = torch.tensor(THETA0, requires_grad=True), torch.tensor(PSI0, requires_grad=True)
+        tl = ptt.Inquisitive(N)
+        tl.particles = lambda *a, z=z, theta=theta, psi=psi, **k: _torch_particles(z, theta, psi)
+        tv, ts = tl.surrogate(None, None)
+        assert abs(float(values[b]) - float(tv)) < 1e-5, z
+        assert np.allclose(np.asarray(grads[b]), torch.autograd.grad(ts, [psi])[0].numpy(), atol=1e-5), z
+    params = {"theta": th, "psi": ps}
+    value, _ = loss.surrogate(jax.random.PRNGKey(0), params, _policy, _sampler)
+    assert np.isfinite(float(value))
+    with pytest.raises(ProgramError, match="parameters of P"):
+        loss.surrogate(jax.random.PRNGKey(0), {"psi": ps}, lambda: numpyro.sample("z", nd.Categorical(logits=th)),
+                       _sampler)

@@ -14,11 +14,11 @@ from ppl_thought.numpyro.infer.objectives_active import (
     GeneratorLoss,
     MinimumLengthCoding,
 )
-from ppl_thought.numpyro.infer.objectives_more import SFT, SeparatePolicy, Sum
+from ppl_thought.numpyro.infer.objectives_more import SFT, Inquisitive, SeparatePolicy, Sum
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 from ppl_thought.numpyro.infer.smc import SMC
 from ppl_thought.numpyro.infer.svi import ELBO
 
 __all__ = ["ELBO", "GRPO", "MALA", "SFT", "SMC", "ULA", "ActiveGenerative", "ActiveLifting", "ConditionalSamplerLoss",
-           "GeneratorLoss", "Importance", "LangevinState", "MinimumLengthCoding", "OneSampler", "R1Zero", "Result",
-           "SamplerPolicyGradient", "SeparatePolicy", "Sum", "TwoSampler", "log_marginal_stderr"]
+           "GeneratorLoss", "Importance", "Inquisitive", "LangevinState", "MinimumLengthCoding", "OneSampler", "R1Zero",
+           "Result", "SamplerPolicyGradient", "SeparatePolicy", "Sum", "TwoSampler", "log_marginal_stderr"]

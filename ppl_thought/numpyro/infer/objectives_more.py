@@ -1,4 +1,4 @@
-"""``SFT``, ``SeparatePolicy`` and ``Sum`` as NumPyro losses for ``numpyro.infer.SVI`` (torch twins:
+"""``SFT``, ``SeparatePolicy``, ``Inquisitive`` and ``Sum`` as NumPyro losses for ``numpyro.infer.SVI`` (torch twins:
 ppl_thought/training/objectives.py; docs/training.md). Same conventions as :mod:`.objectives`: a loss returns
 ``value + surrogate - U(surrogate)``, whose value is the estimated loss and whose gradient is the estimator.
 
@@ -7,6 +7,7 @@ ppl_thought/training/objectives.py; docs/training.md). Same conventions as :mod:
 * ``SeparatePolicy`` (Remark 3.10): the policy pi_theta (the model) trained on samples of pi^boxminus (the guide),
   and pi^boxminus towards pi_•, whose reward reads the per-sample norms ||grad_theta log pi_theta(Z_i)||: one
   ``jax.jacrev`` of the batch's log p in theta (the parameters the guide does not register).
+* ``Inquisitive``: (3.25) with the reward (3.26), which reads the same norms;
 * ``Sum``: a weighted sum of losses; terms that read the same particles share one batch.
 
 Compiled code cannot raise: where the torch side raises on a non-finite reward or a sequence of probability 0,
@@ -27,11 +28,11 @@ from ppl_thought.checks import real
 from ppl_thought.errors import ArgumentTypeError, ConfigError, MalformedSequenceError, ProgramError, SiteMismatchError
 from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.numpyro.infer.importance import site_log_prob
-from ppl_thought.numpyro.infer.objectives import ParticleLoss, _finite, _guard
+from ppl_thought.numpyro.infer.objectives import ParticleLoss, SamplerPolicyGradient, _finite, _guard
 from ppl_thought.numpyro.program import is_output, is_program
 from ppl_thought.validation import per_token
 
-__all__ = ["SFT", "SeparatePolicy", "Sum"]
+__all__ = ["SFT", "Inquisitive", "SeparatePolicy", "Sum"]
 
 
 # ---------------------------------------------------------------------------------------------- SFT
@@ -97,6 +98,25 @@ def _guide_param_names(guide: Any, args: tuple, kwargs: dict) -> set[str]:
     return {k for k, s in tr.items() if s["type"] == "param"}
 
 
+def _grad_norms(loss: ParticleLoss, rng_key: Any, param_map: dict, model: Any, guide: Any, args: tuple,
+                kwargs: dict) -> jax.Array | None:
+    """``[n]`` ||grad_theta log p(Z_i, x)|| of the particles ``loss.particles`` draws with ``rng_key``: one
+    ``jax.jacrev`` of the batch's log p in theta, the parameters of ``param_map`` the guide does not register
+    (the norm in (3.22), (3.26)); ``None`` when there are none. Non-finite entries count 0."""
+    theta = sorted(set(param_map) - _guide_param_names(guide, args, kwargs))
+    if not theta:
+        return None
+    rest = {k: v for k, v in param_map.items() if k not in theta}
+
+    def log_p(th):
+        return loss.particles(rng_key, {**rest, **th}, model, guide, *args, **kwargs)[0]
+
+    jac = jax.jacrev(log_p)({k: param_map[k] for k in theta})
+    n = loss.num_particles
+    sq = sum(jnp.sum(jnp.where(jnp.isfinite(j), j, 0.0).reshape(n, -1) ** 2, -1) for j in jax.tree.leaves(jac))
+    return jax.lax.stop_gradient(jnp.sqrt(sq))
+
+
 @checked_jax
 class SeparatePolicy(ParticleLoss):
     """Remark 3.10: a policy pi_theta (the model) trained on samples of a separate policy pi^boxminus (the guide),
@@ -127,18 +147,8 @@ class SeparatePolicy(ParticleLoss):
                    **kwargs: Any) -> jax.Array:
         """``[n]`` ||grad_theta log pi_theta(Z_i)|| of the particles drawn with ``rng_key`` (ones if the model has no
         parameter of its own)."""
-        theta = sorted(set(param_map) - _guide_param_names(guide, args, kwargs))
-        if not theta:
-            return jnp.ones(self.num_particles)
-        rest = {k: v for k, v in param_map.items() if k not in theta}
-
-        def log_p(th):
-            return self.particles(rng_key, {**rest, **th}, model, guide, *args, **kwargs)[0]
-
-        jac = jax.jacrev(log_p)({k: param_map[k] for k in theta})
-        sq = sum(jnp.sum(jnp.where(jnp.isfinite(j), j, 0.0).reshape(self.num_particles, -1) ** 2, -1)
-                 for j in jax.tree.leaves(jac))
-        return jnp.sqrt(sq)
+        norms = _grad_norms(self, rng_key, param_map, model, guide, args, kwargs)
+        return jnp.ones(self.num_particles) if norms is None else norms
 
     @per_token
     def from_particles(self, log_p: jax.Array, log_q: jax.Array, values: dict, rewards: Any = None,
@@ -174,6 +184,42 @@ class SeparatePolicy(ParticleLoss):
         rewards = self.reward(values[self.site], *args, **kwargs)
         norms = self.grad_norms(rng_key, param_map, model, guide, *args, **kwargs) if self.train_sampler else None
         return self.from_particles(log_p, log_q, values, rewards, norms)
+
+
+# ---------------------------------------------------------------------------------------------- Inquisitive
+@checked_jax
+class Inquisitive(SamplerPolicyGradient):
+    """The train sampler Q^boxminus trained towards the inquisitive sampler Q_• (3.22) by (3.25) with the reward
+    (3.26): R•_i = log P(Z•_i) + log ||grad_theta log P(Z•_i)|| - log Q^boxminus(Z•_i | x). theta: the parameters of
+    ``param_map`` the guide does not register; the norms are one ``jax.jacrev`` of the batch's log p, detached (never
+    differentiated, as the text after (3.26) says) and floored at ``norm_floor``. Value -mean R•."""
+
+    def __init__(self, num_particles: int = 8, norm_floor: float = 1e-12, invalid_reward: float | None = None):
+        super().__init__(num_particles, invalid_reward)
+        self.norm_floor = real("norm_floor", norm_floor, minimum=0.0, open_min=True)
+
+    @per_token
+    def from_particles(self, log_p: jax.Array, log_q: jax.Array, values: dict,
+                       norms: Any = None) -> tuple[jax.Array, jax.Array]:
+        """(3.25) with the reward (3.26) on one batch and its norms ``[n]``."""
+        if norms is None:
+            raise ProgramError("Inquisitive.from_particles needs the per-particle norms ||grad_theta log P(Z_i)|| "
+                               "(norms=); surrogate computes them")
+        lw = jax.lax.stop_gradient(log_p - log_q)
+        r, ok = _finite(lw + jnp.log(jnp.maximum(jax.lax.stop_gradient(norms), self.norm_floor)),
+                        self.invalid_reward)
+        a = r - r.mean()
+        return _guard(-r.mean(), -jnp.sum(a * log_q) / (log_p.shape[0] - 1), ok)
+
+    @per_token
+    def surrogate(self, rng_key: Any, param_map: Any, model: Any, guide: Any, *args: Any,
+                  **kwargs: Any) -> tuple[jax.Array, jax.Array]:
+        log_p, log_q, values = self.particles(rng_key, param_map, model, guide, *args, **kwargs)
+        norms = _grad_norms(self, rng_key, param_map, model, guide, args, kwargs)
+        if norms is None:
+            raise ProgramError("Inquisitive needs the model to register parameters of P (numpyro.param) that the "
+                               "guide does not: none found (the reward (3.26) reads ||grad_theta log P||)")
+        return self.from_particles(log_p, log_q, values, norms)
 
 
 # ---------------------------------------------------------------------------------------------- Sum
