@@ -161,8 +161,11 @@ class LMState:
     @classmethod
     def start(cls, lm: LM, n: int, prompt: ArrayLike | None = None, rule: SupportsTokenRule | None = None,
               max_len: int = 64) -> LMState:
-        """Encode ``<bos> + prompt`` (1-D ids shared by every row, concrete or traced: its length is static) for
-        ``n`` rows, with room for ``max_len`` more tokens per row. ``rule``: a
+        """Encode ``<bos> + prompt`` for ``n`` rows, with room for ``max_len`` more tokens per row. ``prompt``: 1-D ids
+        shared by every row, or per-row prompts ``[n, P]`` right-padded with ``<pad>`` (``[r, P]`` with r dividing n
+        gives each prompt to n / r consecutive rows, as on the torch side); concrete or traced (its shape is
+        static). A padded row feeds nothing at its padding (``valid=False``: no cache slot, no position), so each
+        row's state is the state of its own prompt alone. ``rule``: a
         :class:`~ppl_thought.numpyro.distributions.TokenRule` the LM's sampling is masked by (Def 2.8); it reads
         every token the state is extended with."""
         n = integer("n (the number of rows: ptn.particles())", n)
@@ -176,18 +179,33 @@ class LMState:
         if prompt is None:
             p = jnp.zeros((0,), jnp.int32)
         elif isinstance(prompt, jax.Array):
-            p = prompt.astype(jnp.int32).reshape(-1)
+            if prompt.ndim > 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
+                raise MalformedSequenceError(f"prompt must be integer ids, 1-D (shared by every row) or [n, P] "
+                                             f"(per row), got shape {tuple(prompt.shape)}, dtype {prompt.dtype}")
+            p = prompt.astype(jnp.int32)
+            p = p if p.ndim == 2 else p.reshape(-1)
             if not isinstance(prompt, jax.core.Tracer):
                 _check_range(np.asarray(p), V)
         else:
             a = as_numpy("prompt", prompt, where="LMState.start")
-            if a.ndim > 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
-                raise MalformedSequenceError(f"prompt must be 1-D integer ids shared by every row, got shape "
-                                             f"{a.shape}, dtype {a.dtype}")
+            if a.ndim > 2 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+                raise MalformedSequenceError(f"prompt must be integer ids, 1-D (shared by every row) or [n, P] "
+                                             f"(per row), got shape {a.shape}, dtype {a.dtype}")
             _check_range(a.reshape(-1), V)
-            p = jnp.asarray(a.reshape(-1), jnp.int32)
-        ctx = jnp.concatenate([jnp.full((1,), BOS_ID, jnp.int32), p])
+            p = jnp.asarray(a if a.ndim == 2 else a.reshape(-1), jnp.int32)
         params = lm_params(lm)
+        if p.ndim == 2:  # per-row prompts
+            r = p.shape[0]
+            if r == 0 or n % r:
+                raise MalformedSequenceError(f"a per-row prompt [r, P] needs r dividing n = {n} (each prompt to n / r "
+                                             f"consecutive rows), got r = {r}")
+            ctx = jnp.concatenate([jnp.full((n, 1), BOS_ID, jnp.int32), jnp.repeat(p, n // r, axis=0)], 1)
+            valid = ctx != PAD_ID
+            cache = lm.init_cache(n, ctx.shape[1] + room)
+            logp, cache = lm.apply(params, cache, ctx, valid=valid)
+            last = valid.sum(1) - 1  # each row's last prompt token (<bos> for an empty prompt)
+            return cls(lm, rule, logp[jnp.arange(n), last], cache, rule.start(n), room)
+        ctx = jnp.concatenate([jnp.full((1,), BOS_ID, jnp.int32), p])
         cache = lm.init_cache(n, ctx.shape[0] + room)
         logp, cache = lm.apply(params, cache, jnp.broadcast_to(ctx, (n, ctx.shape[0])))
         return cls(lm, rule, logp[:, -1], cache, rule.start(n), room)

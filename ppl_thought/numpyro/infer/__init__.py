@@ -9,9 +9,19 @@ from ppl_thought.numpyro.infer.decode_methods import Decoded, decode
 from ppl_thought.numpyro.infer.importance import Importance
 from ppl_thought.numpyro.infer.langevin import MALA, ULA, LangevinState
 from ppl_thought.numpyro.infer.objectives import GRPO, OneSampler, R1Zero, SamplerPolicyGradient, TwoSampler
+from ppl_thought.numpyro.infer.objectives_active import (
+    ActiveGenerative,
+    ActiveLifting,
+    ConditionalSamplerLoss,
+    GeneratorLoss,
+    MinimumLengthCoding,
+)
+from ppl_thought.numpyro.infer.objectives_more import SFT, Inquisitive, SeparatePolicy, Sum
 from ppl_thought.numpyro.infer.result import Result, log_marginal_stderr
 from ppl_thought.numpyro.infer.smc import SMC
 from ppl_thought.numpyro.infer.svi import ELBO
 
-__all__ = ["ELBO", "GRPO", "MALA", "SMC", "ULA", "Decoded", "Importance", "LangevinState", "OneSampler", "R1Zero",
-           "Result", "SamplerPolicyGradient", "TwoSampler", "decode", "log_marginal_stderr"]
+__all__ = ["ELBO", "GRPO", "MALA", "SFT", "SMC", "ULA", "ActiveGenerative", "ActiveLifting", "ConditionalSamplerLoss",
+           "Decoded", "GeneratorLoss", "Importance", "Inquisitive", "LangevinState", "MinimumLengthCoding",
+           "OneSampler", "R1Zero", "Result", "SamplerPolicyGradient", "SeparatePolicy", "Sum", "TwoSampler", "decode",
+           "log_marginal_stderr"]
