@@ -19,16 +19,15 @@ Log-probabilities are the masked softmax of Def 2.8 under the state's rule (defa
 ``<bos>``); a segment's is the sum of its tokens', (2.13); ``-inf`` for an incomplete segment or tokens after
 its end, never NaN. The state is a pytree (its arrays have the rows on axis 0), so engines carry it through
 ``lax.scan`` and gather it by ancestors after resampling; ``extend`` replaces its arrays (the object is the
-program's, inside one trace). The LM's parameters are read through :func:`lm_params` (``lm.params`` unless
-:func:`bind_params` binds others). The engines pass every JAX array of a program, its LMs' parameters included,
-as arguments of the compiled run and trace copies of the objects rebuilt around them
-(:mod:`ppl_thought.numpyro.infer.compiled`), so new parameters, or a new LM of the same shapes, do not recompile.
+program's, inside one trace). The LM's parameters are ``lm.params``: the engines pass every JAX array of a
+program, its LMs' parameters included, as arguments of the compiled run and trace copies of the objects rebuilt
+around them (:mod:`ppl_thought.numpyro.infer.compiled`), so new parameters, or a new LM of the same shapes, do not
+recompile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -44,57 +43,7 @@ from ppl_thought.numpyro.lm.base import LM
 from ppl_thought.validation import per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
-__all__ = ["LMState", "NextToken", "Segment", "bind_params", "collect_lms", "lm_params"]
-
-# ---------------------------------------------------------------------------------------------- LM parameters
-_BOUND: list[dict[int, Any]] = []
-
-
-@contextmanager
-def bind_params(mapping: dict[int, Any]) -> Iterator[None]:
-    """While the body runs, :func:`lm_params` of the LM with ``id`` k returns ``mapping[k]`` (engines only)."""
-    _BOUND.append(mapping)
-    try:
-        yield
-    finally:
-        _BOUND.pop()
-
-
-def lm_params(lm: LM) -> Any:
-    """The parameters to run ``lm`` with: those an engine bound for this run, else ``lm.params``."""
-    for mapping in reversed(_BOUND):
-        if id(lm) in mapping:
-            return mapping[id(lm)]
-    return lm.params
-
-
-def collect_lms(*objs: Any) -> list[LM]:
-    """The LMs stored on programs (attributes, lists / tuples / dicts of them, objects stored on programs, such
-    as a model or a program, up to three levels down)."""
-    out: dict[int, LM] = {}
-    seen: set[int] = set()
-
-    def visit(v: Any, depth: int) -> None:
-        if isinstance(v, LM):
-            out.setdefault(id(v), v)
-        elif isinstance(v, (list, tuple)):
-            for w in v:
-                visit(w, depth)
-        elif isinstance(v, dict):
-            for w in v.values():
-                visit(w, depth)
-        elif depth < 3 and hasattr(v, "__dict__") and id(v) not in seen and not isinstance(v, type):
-            seen.add(id(v))
-            for w in vars(v).values():
-                visit(w, depth + 1)
-
-    for o in objs:
-        if o is not None:
-            seen.add(id(o))
-            for w in vars(o).values():
-                visit(w, 1)
-    return list(out.values())
-
+__all__ = ["LMState", "NextToken", "Segment"]
 
 # ---------------------------------------------------------------------------------------------- helpers
 def _stop_array(stop) -> np.ndarray:
@@ -193,7 +142,7 @@ class LMState:
                                              f"(per row), got shape {a.shape}, dtype {a.dtype}")
             _check_range(a.reshape(-1), V)
             p = jnp.asarray(a if a.ndim == 2 else a.reshape(-1), jnp.int32)
-        params = lm_params(lm)
+        params = lm.params
         if p.ndim == 2:  # per-row prompts
             r = p.shape[0]
             if r == 0 or n % r:
@@ -242,7 +191,7 @@ class LMState:
         if v.shape[1] == 0:
             return self
         valid = jnp.cumprod(v != PAD_ID, axis=1).astype(bool)  # the tokens before the first <pad>
-        logp, cache = _feed(self.lm, lm_params(self.lm), self.cache, v, valid)
+        logp, cache = _feed(self.lm, self.lm.params, self.cache, v, valid)
         # a segment site scored afterwards (the engine weighs the value a guide proposed) reads these outputs
         self._extended = (value, self.cache, logp)
         count = valid.sum(1)
@@ -360,7 +309,7 @@ class Segment(Distribution):
         if sample_shape:
             raise ConfigError("Segment draws one segment per row (sample_shape must be ())")
         st, n, K = self.state, self.state.n, self.max_tokens
-        lm, rule, params = st.lm, st.rule, lm_params(st.lm)
+        lm, rule, params = st.lm, st.rule, st.lm.params
         done0 = self._done(st.rule_state) | (K == 0)
 
         keys = jax.random.split(key, max(K, 1))
@@ -404,7 +353,7 @@ class Segment(Distribution):
         if K > 1 and ext is not None and ext[0] is value and ext[1] is st.cache:
             logps = jnp.concatenate([st.logp[:, None], ext[2][:, :-1]], 1)  # the pass extend(value) made
         elif K > 1:
-            out, _ = st.lm.apply(lm_params(st.lm), st.cache, v[:, :-1], valid=prefix[:, :-1])
+            out, _ = st.lm.apply(st.lm.params, st.cache, v[:, :-1], valid=prefix[:, :-1])
             logps = jnp.concatenate([st.logp[:, None], out], 1)
         else:
             logps = st.logp[:, None]
