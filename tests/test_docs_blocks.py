@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
 #: pages whose blocks train or load a real model: minutes on 2 cores, so run with ``--slow`` only
 SLOW_PAGES = {"docs/huggingface.md", "docs/training.md", "docs/active-lifting.md", "docs/latent-thought.md",
-              "docs/numpyro.md", "docs/programs.md", "docs/verifiers.md"}
+              "docs/numpyro.md", "docs/programs.md"}
 FENCE = re.compile(r"(?:^<!-- (?P<kind>not-run|needs): ?(?P<arg>[^>]*?) ?-->\n)?^```python\n(?P<code>.*?)^```",
                    re.S | re.M)
 
