@@ -31,6 +31,7 @@ from ppl_thought.numpyro.boundary import Array, ArrayLike, Key, SupportsTokenRul
 from ppl_thought.numpyro.lm.base import LM
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection
+from ppl_thought.projections.token_lift import check_tokenizer
 from ppl_thought.validation import per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
 
@@ -360,7 +361,8 @@ class LMSequence(Distribution):
         lm: a JAX LM (:class:`~ppl_thought.numpyro.lm.base.LM`).
         prompt: 1-D ids (or text with ``vocab``) after ``<bos>``, shared by every row.
         constraint: an :class:`~ppl_thought.projections.Automaton`; inadmissible logits are ``-inf`` before the
-            softmax and reaching a final state ends the sequence.
+            softmax and reaching a final state ends the sequence. One built by ``token_automaton`` for another
+            tokenizer's texts than ``vocab`` (or ``lm.vocab``) is a :class:`~ppl_thought.errors.TokenizerMismatchError`.
         stop: token(s) that end a sequence (included in it).
         max_len: the event length (default ``constraint.max_len``); a sequence that reaches it without a stop
             is a complete outcome.
@@ -402,6 +404,8 @@ class LMSequence(Distribution):
         if constraint is not None and constraint.vocab_size != self.vocab_size:
             raise ConfigError(f"constraint automaton has {constraint.vocab_size} token columns, "
                               f"LM has {self.vocab_size}")
+        for owner, where in ((lm, "ptn.dist.LMSequence"), (self, "ptn.dist.LMSequence (its vocab=)")):
+            check_tokenizer(constraint, owner, where)  # lm.vocab / vocab=: an automaton of other texts is refused
         self.constraint = constraint
         self.stop_ids = self._stop_ids(stop)
         if max_len is None:

@@ -18,6 +18,7 @@ import numpy as np
 from ppl_thought.errors import MalformedSequenceError
 from ppl_thought.numpyro.boundary import checked_jax
 from ppl_thought.validation import per_token
+from ppl_thought.vocab import Vocab
 
 
 @checked_jax
@@ -27,6 +28,9 @@ class LM:
 
     vocab_size: int
     params: Any  # pytree of jnp arrays (float32 by default)
+    #: the tokenizer's vocabulary when known (``Transformer.load`` reads the one saved with the checkpoint; set it
+    #: by hand otherwise): ``ptn.dist.LMSequence`` refuses a token automaton built from another tokenizer's texts
+    vocab: Vocab | None = None
 
     @per_token
     def init_cache(self, batch: int, max_len: int) -> Any:

@@ -405,11 +405,16 @@ class Transformer(LM):
         check_float_dtypes(path, raw.dtypes)
         check_finite(path, [k for k, v in state.items() if v.size and not np.isfinite(v).all()], allow_nonfinite)
         c = transformer_sizes(config)
-        return cls(**config, params=params_from_state(state, c))
+        lm = cls(**config, params=params_from_state(state, c))
+        saved = raw.header["config"].get("vocab")  # the tokenizer it was saved with: automata are checked against it
+        lm.vocab = None if saved is None else Vocab.from_dict(saved)
+        return lm
 
     def save(self, path: str | Path, extra: dict | None = None, vocab: Vocab | None = None) -> Path:
-        """Write the checkpoint ``pt.lm.Transformer.load`` reads (the same files the torch side writes)."""
+        """Write the checkpoint ``pt.lm.Transformer.load`` reads (the same files the torch side writes); ``vocab``
+        defaults to ``self.vocab`` (the one it was loaded with)."""
         config = {"class": "Transformer", "format": TRANSFORMER.version, **self.config()}
+        vocab = self.vocab if vocab is None else vocab
         if vocab is not None:
             if len(vocab) != self.vocab_size:
                 raise VocabularyError(f"the vocabulary has {len(vocab)} ids, the model {self.vocab_size}")
