@@ -128,6 +128,11 @@ def test_an_automaton_from_another_tokenizers_texts_is_refused_where_it_meets_th
     with pytest.raises(TokenizerMismatchError, match="LMSequence"):
         pt.dist.LMSequence(lm, constraint=foreign, max_len=6)
     assert pt.dist.LMSequence(lm, constraint=own, max_len=6).constraint is own
+    bare = _lm_with_vocab(ours)
+    del bare.vocab  # an LM without a vocabulary: the vocab= argument is what is checked
+    with pytest.raises(TokenizerMismatchError, match=r"LMSequence \(its vocab=\)"):
+        pt.dist.LMSequence(bare, constraint=foreign, max_len=6, vocab=ours)
+    assert pt.dist.LMSequence(bare, constraint=own, max_len=6, vocab=ours).constraint is own
     model = pt.models.Constrained(lm, own, 6)  # built for this vocabulary: accepted
     assert OneTokenStep.of(model, "greedy").rule.constraint is own
     # the silent old answer: without the check the foreign automaton lets the LM write "e" (its id is "a" in `other`)

@@ -136,7 +136,8 @@ class LMSequence(TorchDistribution):
             raise ConfigError(
                 f"constraint automaton has {constraint.vocab_size} token columns, LM has {self.vocab_size}"
             )
-        check_tokenizer(constraint, lm, "LMSequence")  # an automaton lifted from another tokenizer's texts: refused
+        for owner, where in ((lm, "LMSequence"), (self, "LMSequence (its vocab=)")):
+            check_tokenizer(constraint, owner, where)  # lm.vocab / vocab=: an automaton of other texts is refused
         self.constraint = constraint
         self.stop_ids = self._stop_ids(stop)
         if max_len is None:
