@@ -9,12 +9,14 @@ run, or not run everywhere: an HTML comment on the line right above its fence,
     <!-- needs: smollm2 -->      run only where SmolLM2-135M-Instruct is installed (``pt.lm.smollm2()``)
     <!-- needs: cuda -->         run only where torch sees a CUDA GPU
 
-A block marked ``needs`` that cannot run here is skipped together with every later block of its page (they may use
-its names). ``python tests/test_docs_blocks.py PAGE`` runs one page and prints each block's time.
+A block marked ``needs`` that cannot run here is skipped together with every later block of its page that reads a
+name a skipped block binds (by the blocks' syntax trees; the page's other blocks run).
+``python tests/test_docs_blocks.py PAGE`` runs one page and prints each block's time.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import pathlib
@@ -27,11 +29,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
-#: pages run with ``--slow`` only: their blocks load a model from a folder of one's own or train at full size, and
-#: use names no block of the page defines (fragments of a larger script), so they do not yet run as pasted. The
-#: others take seconds of CPU each (numpyro.md, the slowest: about 50 s, mostly XLA compiling; programs.md 17 s;
-#: verifiers.md 10 s; measured with 1 thread at load 15, where wall times are 3-8 times longer)
-SLOW_PAGES = {"docs/huggingface.md", "docs/training.md"}
+#: pages run with ``--slow`` only (none at present: every page runs as pasted in seconds of CPU; numpyro.md, the
+#: slowest: about 50 s, mostly XLA compiling; training.md 21 s and huggingface.md 13 s without their SmolLM2 blocks,
+#: which run where the model is installed and add about 20 s and 1 s of CPU; programs.md 17 s; verifiers.md 10 s;
+#: measured with 1 thread at load 11-15, where wall times are 1.5-8 times longer)
+SLOW_PAGES: set[str] = set()
 FENCE = re.compile(r"(?:^<!-- (?P<kind>not-run|needs): ?(?P<arg>[^>]*?) ?-->\n)?^```python\n(?P<code>.*?)^```",
                    re.S | re.M)
 
@@ -56,16 +58,36 @@ def _can(need: str) -> bool:
     raise ValueError(f"unknown <!-- needs: {need} --> marker (use smollm2 or cuda)")
 
 
+def _names(code: str) -> tuple[set[str], set[str]]:
+    """(names ``code`` binds, names it reads), anywhere in its syntax tree."""
+    bound, read = set(), set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return bound, read
+
+
 def run_page(page: str) -> None:
     """Run the blocks of ``page`` in one namespace, in order; print each block's line and time."""
     ns: dict = {"__name__": "__main__"}
+    missing: set[str] = set()  # names bound by skipped blocks
     for line, kind, arg, code in blocks(page):
         if kind == "not-run":
             print(f"{page}:{line}: not run ({arg})")
             continue
+        bound, read = _names(code)
         if kind == "needs" and not _can(arg):
-            print(f"{page}:{line}: needs {arg}, not available here: this and the page's later blocks are skipped")
-            return
+            print(f"{page}:{line}: needs {arg}, not available here: skipped, and the later blocks that use its names")
+            missing |= bound
+            continue
+        if read & missing:
+            print(f"{page}:{line}: skipped: uses {sorted(read & missing)} of a skipped block")
+            missing |= bound
+            continue
         t = time.perf_counter()
         try:
             exec(compile(code, f"{page}:{line}", "exec"), ns)  # noqa: S102 - the page's own code
