@@ -106,8 +106,9 @@ def run_seed(cfg: SweepConfig, seed: int, Ts: list[int], eval_T: int, out_dir: s
         ar_nats = -float(ar_log_likelihood(ar, test, cfg.vocab_size).sum()) / n_tok
     write("ar", {"ar_window_ppl": math.exp(ar_nats), "ar_nats_per_token": ar_nats, "seconds": time.time() - t})
 
-    # T = 0 has no inner loop (one run); the largest T first, so that a run cut short loses the cheap ones
-    order_T = sorted(Ts, key=lambda T: (T != 0, -T))
+    # T = 0 has no inner loop (one run); the ends of the sweep first, so that a run cut short keeps them
+    first = [T for T in (0, 16, 4, 8, 2) if T in Ts]
+    order_T = first + [T for T in Ts if T not in first]
     jobs = [(arm, T) for T in order_T for arm in ARMS if not (T == 0 and arm == "cosine")]
     for arm, T in jobs:
         t, cpu = time.time(), time.process_time()
