@@ -75,7 +75,8 @@ def common_eval(ltm: LatentThought, test: torch.Tensor, T: int, lr: float, iw: i
             "iw_nats_per_token": -iw_total / n}
 
 
-def run_seed(cfg: SweepConfig, seed: int, Ts: list[int], eval_T: int, out_dir: str) -> None:
+def run_seed(cfg: SweepConfig, seed: int, Ts: list[int], eval_T: int, out_dir: str,
+             arms: tuple[str, ...] = ARMS, baseline: bool = True) -> None:
     data, train, test, order = _setup(cfg, seed)
     n_tok = test.numel()
     exact = -float(data.log_prob(test).sum()) / n_tok
@@ -89,8 +90,17 @@ def run_seed(cfg: SweepConfig, seed: int, Ts: list[int], eval_T: int, out_dir: s
         atomic_write_json(os.path.join(out_dir, f"{name}_s{seed}.json"), res)
         print(name, seed, {k: v for k, v in res.items() if k.endswith("ppl") or k == "seconds"}, flush=True)
 
-    # the windowed autoregressive baseline: same batches, schedule and clipping
+    if baseline:
+        _ar_baseline(cfg, seed, train, test, order, write)
+    for arm, T in [(a, T) for T in _order(Ts) for a in arms if (T > 0 or (baseline and a == "constant"))]:
+        _train_and_eval(cfg, seed, arm, T, eval_T, train, test, order, write)
+
+
+def _ar_baseline(cfg: SweepConfig, seed: int, train: torch.Tensor, test: torch.Tensor, order: list[torch.Tensor],
+                 write) -> None:
+    """The windowed autoregressive Transformer: same batches, schedule and clipping as the LTM's slow step."""
     t = time.time()
+    n_tok = test.numel()
     torch.manual_seed(seed)
     ar = Transformer(cfg.vocab_size + 1, cfg.d_model, cfg.n_layers, cfg.n_heads, max_len=cfg.seq_len, window=cfg.window)
     opt = torch.optim.AdamW(ar.parameters(), lr=cfg.slow_lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -106,11 +116,17 @@ def run_seed(cfg: SweepConfig, seed: int, Ts: list[int], eval_T: int, out_dir: s
         ar_nats = -float(ar_log_likelihood(ar, test, cfg.vocab_size).sum()) / n_tok
     write("ar", {"ar_window_ppl": math.exp(ar_nats), "ar_nats_per_token": ar_nats, "seconds": time.time() - t})
 
-    # T = 0 has no inner loop (one run); the ends of the sweep first, so that a run cut short keeps them
+
+def _order(Ts: list[int]) -> list[int]:
+    """T = 0 (no inner loop, one run) and the ends of the sweep first, so that a run cut short keeps them."""
     first = [T for T in (0, 16, 4, 8, 2) if T in Ts]
-    order_T = first + [T for T in Ts if T not in first]
-    jobs = [(arm, T) for T in order_T for arm in ARMS if not (T == 0 and arm == "cosine")]
-    for arm, T in jobs:
+    return first + [T for T in Ts if T not in first]
+
+
+def _train_and_eval(cfg: SweepConfig, seed: int, arm: str, T: int, eval_T: int, train: torch.Tensor,
+                    test: torch.Tensor, order: list[torch.Tensor], write) -> None:
+    """One dual-rate training (Algorithm 1) at T inner steps with the arm's inner schedule, then both evaluations."""
+    if True:
         t, cpu = time.time(), time.process_time()
         torch.manual_seed(seed)  # the same initial decoder for every run of a seed
         ltm = LatentThought(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_z, window=cfg.window,
@@ -209,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-size", type=int, default=256)
     ap.add_argument("--eval-T", type=int, default=100)
     ap.add_argument("--iw", type=int, default=256)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--no-baseline", action="store_true", help="skip the AR baseline and T_fast = 0 (run elsewhere)")
     ap.add_argument("--aggregate", metavar="DIR")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--command", help="the command lines that produced the runs (recorded in the JSON)")
@@ -228,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             atomic_write_json(args.json, res)
         return 0
     torch.set_num_threads(1)
-    run_seed(cfg, args.seed, args.T, args.eval_T, args.out_dir)
+    run_seed(cfg, args.seed, args.T, args.eval_T, args.out_dir, tuple(args.arms), not args.no_baseline)
     return 0
 
 
