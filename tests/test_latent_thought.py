@@ -281,3 +281,24 @@ def test_T_fast_zero_trains_the_decoder_on_prior_draws_with_kl_exactly_zero():
     m = trainer.step(x)
     assert m["kl_per_token"] == 0.0
     assert m["loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_documented_tsweep_table_equals_the_committed_json():
+    """docs/latent-thought.md's inference-steps table is ``benchmarks/ltm_tsweep.py --tables`` of the committed JSON,
+    which records its command and commit; the paired differences in it are recomputed from the per-run records."""
+    import importlib.util
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("ltm_tsweep", root / "benchmarks/ltm_tsweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = json.loads((root / "benchmarks/results/ltm_tsweep.json").read_text())
+    assert res["commit"] and res["command"]
+    assert mod.tables(res) in (root / "docs/latent-thought.md").read_text()
+    runs = {(r.get("arm"), r.get("T_fast"), r["seed"]): r for r in res["runs"] if "arm" in r}
+    for arm, rows in res["table"].items():
+        for T, row in rows.items():
+            diffs = [runs[(arm, int(T), s)]["common"]["iw_nats_per_token"]
+                     - runs[("constant", 0, s)]["common"]["iw_nats_per_token"] for s in row["seeds"]]
+            assert row["iw_nats_vs_T0"]["mean"] == pytest.approx(sum(diffs) / len(diffs), abs=1e-12)
