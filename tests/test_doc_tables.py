@@ -198,7 +198,6 @@ NOT_RECORDED_JSON = {
     "real_constraints_quick.json": "no command or commit; examples/real_constraints.py --quick on SmolLM2",
     "real_thoughts_default.json": "no command or commit; examples/real_thoughts.py at its default size, 622 s",
     "robustness.json": "no command or commit; benchmarks/robustness.py (the classic pass), minutes",
-    "robustness_edges.json": "no commit; benchmarks/robustness.py --edges 8",
     "smollm2_load.json": "no commit; benchmarks/smollm2_load.py",
     "token_automata.json": "no command or commit; benchmarks/token_automata.py, timings quoted in docs/constraints.md",
     "typecheck_ab.json": "no command or commit; engine_core_ab.py --typecheck-ab at an old commit",
