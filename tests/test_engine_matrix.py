@@ -222,6 +222,7 @@ NOT_ENGINES = {
     "pt.verifiers.length_automaton": "builds an automaton",
     "pt.verifiers.verifier_factor": "a program verb (the verifier's factor)",
     "ptn.infer.Result": "the result type of every engine",
+    "ptn.infer.Decoded": "the result type of decode",
     "ptn.infer.LangevinState": "the state type of MALA / ULA",
     "ptn.infer.log_marginal_stderr": "a statistic of weights",
 }
@@ -308,6 +309,30 @@ def jax_smc_general():
     _within(ratio.mean(), 1.0, float(ratio.std()) / math.sqrt(len(zs)), k=3.0, what="ptn SMC Z-hat / Z")
 
 
+def jax_decode_general():
+    """ptn.infer.decode (3.14) on the user's plan-then-answer program whose answer is an output: the decoded
+    answers follow the exact predictive law p(answer | question) (the torch cell's check)."""
+    jax, jnp, nd, ptn = _jax()
+    _, pred = exact_plan_then_answer()
+
+    class JaxPlanThenAnswerOut(ptn.Program):
+        max_steps = 1
+
+        def step(self, state, t, question):
+            n = ptn.particles()
+            z = ptn.sample("plan", nd.Bernoulli(jnp.full((n,), PLAN))).astype(jnp.int32)
+            ptn.observe("question", nd.Categorical(logits=jnp.asarray(Q_LOGITS.numpy())[z]), question)
+            ptn.observe("answer", nd.Categorical(logits=jnp.asarray(A_LOGITS.numpy())[z]), None)
+            return jnp.ones(n, bool)
+
+    out = ptn.infer.decode(JaxPlanThenAnswerOut(), None, jnp.int32(Q_OBS), method="resampling", n=64,
+                           num_samples=2000, rng_key=2)
+    a = torch.as_tensor(jax.device_get(out.outputs["answer"]).tolist()).reshape(-1)
+    freq = torch.stack([(a == v).double().mean() for v in range(3)])
+    se = (pred * (1 - pred) / len(a)).sqrt()
+    assert float(((freq - pred).abs() / se).max()) < 4.5, (freq, pred)
+
+
 def _mala_on_program(kernel: str):
     """MALA / ULA on a program with a continuous latent (its whole trace is the potential): the conjugate
     posterior's mean within 0.1 and sd within 0.08."""
@@ -362,18 +387,19 @@ def _svi_on_program(loss: str, tol: float):
     assert abs(got - post) < tol, (loss, got, post)
 
 
-def _objectives(name: str):
-    """A cell that lives in tests/test_numpyro_objectives.py (run there): the loss on the user's program or on the
-    enumerable problem against its exact expectation; checked to exist here."""
+def _objectives(name: str, file: str = "test_numpyro_objectives.py"):
+    """A cell that lives in ``tests/{file}`` (run there): the loss on the user's program or on the enumerable
+    problem against its exact expectation; checked to exist here."""
 
     def cell():
-        text = (ROOT / "test_numpyro_objectives.py").read_text()
-        assert f"def {name}(" in text, f"no cell {name} in test_numpyro_objectives.py"
+        text = (ROOT / file).read_text()
+        assert f"def {name}(" in text, f"no cell {name} in {file}"
 
     cell.__name__ = name
     return cell
 
 
+_MORE, _ACTIVE = "test_numpyro_objectives_more.py", "test_numpyro_objectives_active.py"
 JAX_CELLS = {
     "ptn.infer.Importance": [jax_importance_general],
     "ptn.infer.SMC": [jax_smc_general],
@@ -386,6 +412,18 @@ JAX_CELLS = {
     "ptn.infer.TwoSampler": [_objectives("test_two_sampler_surrogate_draws_both_batches_from_programs")],
     "ptn.infer.R1Zero": [_objectives("test_r1zero_with_and_without_baseline_against_the_exact_expectations")],
     "ptn.infer.GRPO": [_objectives("test_grpo_gradient_matches_the_formula_written_by_hand")],
+    "ptn.infer.decode": [jax_decode_general],
+    "ptn.infer.SFT": [_objectives("test_sft_on_guide_samples_is_unbiased_for_the_expected_nll_and_does_not_train_the_"
+                                  "guide", _MORE)],
+    "ptn.infer.Sum": [_objectives("test_sum_is_the_weighted_sum_of_the_exact_targets", _MORE)],
+    "ptn.infer.SeparatePolicy": [_objectives("test_separate_policy_is_unbiased_for_the_policy_gradient_and_matches_"
+                                             "the_sampler_formula", _MORE)],
+    "ptn.infer.Inquisitive": [_objectives("test_inquisitive_is_unbiased_for_the_reverse_kl_to_the_inquisitive_"
+                                          "sampler_and_equals_torch", _MORE)],
+    **{f"ptn.infer.{name}": [_objectives("test_active_losses_are_unbiased_for_the_enumerated_objective", _ACTIVE)]
+       for name in ("ActiveLifting", "MinimumLengthCoding", "GeneratorLoss", "ActiveGenerative")},
+    "ptn.infer.ConditionalSamplerLoss": [_objectives("test_conditional_sampler_loss_is_the_enumerated_cross_entropy",
+                                                     _ACTIVE)],
 }
 
 #: engines that do not run a program yet: each is tried on a program and must fail; when one starts to run, its

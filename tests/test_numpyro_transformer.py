@@ -289,7 +289,11 @@ def test_vocab_travels_with_the_checkpoint(tmp_path):
     model = TorchTransformer(len(vocab), d_model=8, n_layers=1, n_heads=2, max_len=8)
     path = model.save(tmp_path / "c", vocab=vocab)
     assert ptn.lm.Transformer.load_vocab(path).tokens == vocab.tokens
-    assert ptn.lm.Transformer.load_vocab(ptn.lm.Transformer.load(path).save(tmp_path / "d")) is None
+    loaded = ptn.lm.Transformer.load(path)  # carries the checkpoint's vocabulary (issue 41: the tokenizer check)
+    assert loaded.vocab.tokens == vocab.tokens
+    assert ptn.lm.Transformer.load_vocab(loaded.save(tmp_path / "d")).tokens == vocab.tokens  # and saves it again
+    bare = ptn.lm.Transformer(len(vocab), d_model=8, n_layers=1, n_heads=2, max_len=8)
+    assert ptn.lm.Transformer.load_vocab(bare.save(tmp_path / "e")) is None  # none given, none written
 
 
 # ---------------------------------------------------------------------------------------------------------
