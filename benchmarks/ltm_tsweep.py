@@ -41,11 +41,10 @@ import torch
 
 from ppl_thought.data.markov_mixture import MarkovMixture
 from ppl_thought.experiments.common import provenance
-from ppl_thought.experiments.latent_thought import SweepConfig, ar_log_likelihood
+from ppl_thought.experiments.latent_thought import SweepConfig, train_ar_baseline
 from ppl_thought.io import atomic_write_json
-from ppl_thought.lm.transformer import Transformer
 from ppl_thought.models import LatentThought
-from ppl_thought.training import DualRateTrainer, slow_lr_schedule
+from ppl_thought.training import DualRateTrainer
 
 ARMS = ("constant", "cosine")
 
@@ -100,20 +99,7 @@ def _ar_baseline(cfg: SweepConfig, seed: int, train: torch.Tensor, test: torch.T
                  write) -> None:
     """The windowed autoregressive Transformer: same batches, schedule and clipping as the LTM's slow step."""
     t = time.time()
-    n_tok = test.numel()
-    torch.manual_seed(seed)
-    ar = Transformer(cfg.vocab_size + 1, cfg.d_model, cfg.n_layers, cfg.n_heads, max_len=cfg.seq_len, window=cfg.window)
-    opt = torch.optim.AdamW(ar.parameters(), lr=cfg.slow_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    for step, idx in enumerate(order):
-        for g in opt.param_groups:
-            g["lr"] = slow_lr_schedule(step, cfg.steps, cfg.slow_lr, cfg.slow_lr_min, cfg.warmup)
-        loss = -ar_log_likelihood(ar, train[idx], cfg.vocab_size).sum() / train[idx].numel()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ar.parameters(), 1.0)
-        opt.step()
-    with torch.no_grad():
-        ar_nats = -float(ar_log_likelihood(ar, test, cfg.vocab_size).sum()) / n_tok
+    ar_nats = train_ar_baseline(cfg, train, test, order, seed)
     write("ar", {"ar_window_ppl": math.exp(ar_nats), "ar_nats_per_token": ar_nats, "seconds": time.time() - t})
 
 

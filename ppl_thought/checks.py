@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from typing import Any
 
 import numpy as np
 
@@ -233,3 +234,19 @@ def cost_weight(weight) -> float:
     if not w >= 0 or w == float("inf"):
         raise TransformError(f"CostAware weight must be a finite number >= 0 (cost per latent token), got {weight!r}")
     return w
+
+
+def decoding_view(program: Any, **options: Any) -> Any:
+    """The program a decoder runs (both backends): ``program.continuation(**options)`` when the program offers that
+    protocol method (docs/programs.md; options given as ``None`` are left out), else the program itself, which then
+    takes no options (it decides how much it generates through its arguments): a :class:`ConfigError` says so."""
+    options = {k: v for k, v in options.items() if v is not None}
+    view = getattr(program, "continuation", None)
+    if callable(view):
+        return view(**options)
+    if options:
+        raise ConfigError(f"{sorted(options)} are options of a program's continuation(...) protocol method "
+                          f"(docs/programs.md); {type(program).__name__} has none and decides how much it "
+                          "generates: pass the horizon as one of its arguments")
+    return program
+

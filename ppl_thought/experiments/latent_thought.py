@@ -31,6 +31,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -277,6 +278,24 @@ def _ppl(total_logp: float, n_tokens: int) -> float:
     return math.exp(-total_logp / n_tokens)
 
 
+def train_ar_baseline(cfg: Any, train: torch.Tensor, test: torch.Tensor, order: Any, seed: int) -> float:
+    """The windowed autoregressive Transformer, the no-latent reference: the LTM's window, batches (``order``),
+    slow-rate schedule and clipping; returns its test negative log-likelihood in nats per token."""
+    torch.manual_seed(seed)
+    ar = Transformer(cfg.vocab_size + 1, cfg.d_model, cfg.n_layers, cfg.n_heads, max_len=cfg.seq_len, window=cfg.window)
+    opt = torch.optim.AdamW(ar.parameters(), lr=cfg.slow_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    for step, idx in enumerate(order):
+        for g in opt.param_groups:
+            g["lr"] = slow_lr_schedule(step, cfg.steps, cfg.slow_lr, cfg.slow_lr_min, cfg.warmup)
+        loss = -ar_log_likelihood(ar, train[idx], cfg.vocab_size).sum() / train[idx].numel()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ar.parameters(), 1.0)
+        opt.step()
+    with torch.no_grad():
+        return -float(ar_log_likelihood(ar, test, cfg.vocab_size).sum()) / test.numel()
+
+
 def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict:
     """The training-time study: every run is a separate training from the same initialisation on the same
     batches with the same number of decoder updates (``cfg.steps``); returns the JSON-able results.
@@ -345,19 +364,7 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict:
     learners = {name: train_run(name, cfg.learner_T, cfg.n_z)["result"] for name in ("vb", "langevin", "vae")}
 
     # AR baseline with the same window, batches and schedule (the no-latent reference).
-    torch.manual_seed(cfg.seed)
-    ar = Transformer(cfg.vocab_size + 1, cfg.d_model, cfg.n_layers, cfg.n_heads, max_len=cfg.seq_len, window=cfg.window)
-    opt = torch.optim.AdamW(ar.parameters(), lr=cfg.slow_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    for step, idx in enumerate(order):
-        for g in opt.param_groups:
-            g["lr"] = slow_lr_schedule(step, cfg.steps, cfg.slow_lr, cfg.slow_lr_min, cfg.warmup)
-        loss = -ar_log_likelihood(ar, train[idx], cfg.vocab_size).sum() / train[idx].numel()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ar.parameters(), 1.0)
-        opt.step()
-    with torch.no_grad():
-        ar_ppl = _ppl(float(ar_log_likelihood(ar, test, cfg.vocab_size).sum()), n_tokens)
+    ar_ppl = math.exp(train_ar_baseline(cfg, train, test, order, cfg.seed))
 
     # Generation (Eq. 6-8), scored by the exact data law, for each learner's model.
     t = time.time()

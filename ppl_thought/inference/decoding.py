@@ -81,7 +81,7 @@ from typing import Any
 
 import torch
 
-from ppl_thought.checks import integer
+from ppl_thought.checks import decoding_view, integer
 from ppl_thought.errors import ConfigError
 from ppl_thought.inference.decoding_methods import (
     _algorithm2_step,
@@ -119,20 +119,6 @@ class Decoded:
 
 
 # ---------------------------------------------------------------------------------------------- decode
-def decoding_view(program: Callable[..., Any], **options: Any) -> Callable[..., Any]:
-    """The program ``decode`` runs: ``program.continuation(**options)`` when the program offers that protocol
-    method (module docstring), else the program itself (which takes no ``options``)."""
-    options = {k: v for k, v in options.items() if v is not None}
-    view = getattr(program, "continuation", None)
-    if callable(view):
-        return view(**options)
-    if options:
-        raise ConfigError(f"{sorted(options)} are options of a program's continuation(...) protocol method "
-                          f"(docs/programs.md); {type(program).__name__} has none and decides how much it "
-                          "generates: pass the horizon as one of its arguments")
-    return program
-
-
 @checked
 def decode(model: Callable[..., Any], guide: Callable[..., Any] | None, *args: Any,
            method: str = "resampling", n: int = 16, max_new_tokens: int | None = None,

@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ppl_thought.checks import fraction, integer
+from ppl_thought.checks import decoding_view, fraction, integer
 from ppl_thought.errors import ConfigError, NumericalError, ZeroWeightsError, describe_proposal, zero_weights_message
 from ppl_thought.numpyro.boundary import Array, checked_jax
 from ppl_thought.numpyro.infer.decode_views import ACTIVE, ACTIVE_INIT, Runner, stream, views
@@ -75,20 +75,6 @@ class Decoded:
     latents: dict = field(default_factory=dict)
 
 
-def _decoding_view(model: Any, max_new_tokens: int | None, stop_at_eos: bool | None) -> Any:
-    """``model.continuation(**options)`` when the model offers that protocol method, else the model (which then
-    takes no options: it decides how much it generates through its arguments)."""
-    options = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("stop_at_eos", stop_at_eos)) if v is not None}
-    view = getattr(model, "continuation", None)
-    if callable(view):
-        return view(**options)
-    if options:
-        raise ConfigError(f"{sorted(options)} are options of a program's continuation(...) protocol method "
-                          f"(docs/programs.md); {type(model).__name__} has none and decides how much it generates: "
-                          "pass the horizon as one of its arguments")
-    return model
-
-
 @checked_jax
 def decode(model: Any, guide: Any, *args: Any, method: str = "resampling", n: int = 16,
            max_new_tokens: int | None = None, num_samples: int = 1, stop_at_eos: bool | None = None, k: int = 4,
@@ -108,7 +94,7 @@ def decode(model: Any, guide: Any, *args: Any, method: str = "resampling", n: in
         integer("max_new_tokens", max_new_tokens, minimum=0)
     check_particles("ptn.infer.decode", n * max(num_samples, k))
     key = prng_key(rng_key)
-    program = _decoding_view(model, max_new_tokens, stop_at_eos)
+    program = decoding_view(model, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos)
     program, guide, args, _ = as_programs(program, guide, tuple(args), "decode")
     static = tuple(sorted({int(i) % max(len(args), 1) for i in static})) if args else ()
     prompt = args[0] if len(args) == 1 else None
