@@ -215,6 +215,17 @@ def test_sampler_report_exact_and_estimated(model):
     assert "chi2" in rep.table()
 
 
+def test_sampler_report_without_enumeration_and_with_a_nan_khat(model):
+    """The fields documented as ``nan`` are reportable: the exact ones when the lifting is too large (here a limit of
+    1 sequence), k-hat when the tail is too short for the fit (8 weights; ArviZ 1.x also declines tied weights). Both
+    used to raise ArgumentTypeError from SamplerReport's own NaN check."""
+    rep = sampler_report(model, pt.guides.Identity(model), "a b", n=8, seed=0, limit=1)
+    assert not rep.exact_available
+    assert math.isnan(rep.log_marginal_exact) and math.isnan(rep.chi2_exact) and math.isnan(rep.kl_exact)
+    assert math.isnan(rep.predicted_relative_mse) and math.isnan(rep.khat)
+    assert math.isfinite(rep.log_marginal_est) and "nan" in rep.table()
+
+
 def test_psis_khat_edge_cases():
     assert math.isnan(psis_khat(torch.randn(5, generator=torch.Generator().manual_seed(0))))  # tail too short
     assert psis_khat(torch.zeros(5)) == psis_khat(torch.zeros(50)) == -math.inf  # constant weights: exact

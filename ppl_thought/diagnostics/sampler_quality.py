@@ -22,7 +22,7 @@ from ppl_thought.diagnostics.inference_data import psis_khat
 from ppl_thought.errors import ConfigError, DiagnosticError, TooLargeToEnumerateError
 from ppl_thought.inference.importance import Importance
 from ppl_thought.models.slow_thinking import SlowThinking
-from ppl_thought.validation import ArrayLike, SupportsLogProb, SupportsSampleWithLogProb, checked
+from ppl_thought.validation import ArrayLike, FloatOrNaN, SupportsLogProb, SupportsSampleWithLogProb, checked
 from ppl_thought.weights import check_log_weights
 
 
@@ -128,24 +128,26 @@ class SamplerReport:
     ((3.4), (3.8), (3.9)); ``kl_exact`` = KL(Q_* || Q), ``kl_reverse_exact`` = KL(Q || Q_*) (the loss
     (3.5) up to log p). ``*_est`` are the Monte-Carlo estimates from ``n`` importance weights
     (``chi2_from_weights``, ``kl_from_weights``); ``ess`` the importance ESS, ``khat`` the PSIS Pareto
-    k. ``exact_available`` is False (exact fields ``nan``) when the lifting of x is too large to enumerate.
+    k (``nan`` where the tail is too short for the fit: ArviZ 1.x declines tied weights that 0.x fits, see
+    :func:`~ppl_thought.inference.result.psis`). ``exact_available`` is False (exact fields ``nan``) when the lifting
+    of x is too large to enumerate.
     """
 
     n: int
-    log_marginal_exact: float
+    log_marginal_exact: FloatOrNaN
     log_marginal_est: float
-    log_marginal_stderr: float
-    chi2_exact: float
+    log_marginal_stderr: FloatOrNaN
+    chi2_exact: FloatOrNaN
     chi2_est: float
-    kl_exact: float
+    kl_exact: FloatOrNaN
     kl_est: float
-    kl_reverse_exact: float
+    kl_reverse_exact: FloatOrNaN
     kl_reverse_est: float
     ess: float
     ess_fraction: float
-    khat: float
+    khat: FloatOrNaN
     exact_available: bool
-    predicted_relative_mse: float = math.nan  # chi2_exact / n: the relative squared error of p_n, (3.4)
+    predicted_relative_mse: FloatOrNaN = math.nan  # chi2_exact / n: the relative squared error of p_n, (3.4)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
