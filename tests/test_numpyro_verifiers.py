@@ -215,3 +215,26 @@ def test_the_engines_refuse_what_they_cannot_run(task):
         ptn.verifiers.VerifiedLM(lm, ptn.verifiers.ProcessVerifier(ver.automaton, 3))
     with pytest.raises(ConfigError, match="draw"):
         ptn.verifiers.VerifiedLM(lm, ver, draw="tokenwise")
+
+
+def test_a_users_token_program_runs_through_the_engines(task):
+    """Any ptn.Program with one_token_step() is a token-level program: a user's program declaring the same step
+    (the LM under the length-N Dyck automaton) gets tokenwise rejection's draws of VerifiedLM, from the same compiled
+    run (no compile: the run is keyed by the step's configuration, not by the program object)."""
+    from ppl_thought.numpyro.program import OneTokenStep
+    from ppl_thought.projections.constraints import length_automaton
+
+    lm, ver = task
+
+    class Brackets(ptn.Program):
+        max_steps = N
+
+        def one_token_step(self):
+            return OneTokenStep(lm, ptn.dist.TokenRule(length_automaton(ver.automaton, N), V), N, ())
+
+    mine = ptn.verifiers.TokenwiseRejection(3000, N).run(Brackets(), rng_key=1)
+    before = ptn.compile_stats()["count"]
+    ours = ptn.verifiers.TokenwiseRejection(3000, N).run(Brackets(), rng_key=1)
+    assert ptn.compile_stats()["count"] == before
+    np.testing.assert_array_equal(np.asarray(mine.samples["z"]), np.asarray(ours.samples["z"]))
+    assert _chi2_pvalue(_counts(mine.samples["z"]), Q) > 1e-3
