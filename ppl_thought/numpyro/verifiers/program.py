@@ -123,7 +123,7 @@ def _start(spec: OneTokenStep, prompt: Any, n: int) -> dict:
     return {"x": LMState.start(spec.lm, n, prompt=prompt, rule=free, max_len=spec.max_tokens), "q": s,
             "done": spec.rule.is_final(s) | (spec.max_tokens == 0), "lengths": jnp.zeros(n, jnp.int32),
             "tokens": jnp.full((n, max(spec.max_tokens, 1)), PAD_ID, jnp.int32), "calls": jnp.zeros(n, jnp.int32),
-            "budget": jnp.zeros(n, bool)}
+            "total": jnp.zeros(n, jnp.int32), "budget": jnp.zeros(n, bool)}
 
 
 # ---------------------------------------------------------------------------------------------- any token program
@@ -133,7 +133,8 @@ class TokenSteps(Program):
     (what :class:`~ppl_thought.numpyro.verifiers.VerifierSMC` runs on any token-level program; see the module
     docstring). The target is the spec's p(z) 1[z admitted by ``spec.rule``]. Ended rows draw ``<pad>`` with weight
     1. ``samples[site]`` holds the strings ``[n, max_tokens]`` (``<pad>`` after each end); with ``stats=True`` also
-    ``samples["lengths"]``, ``["calls"]`` (proposals from O along the particle's lineage) and ``["budget"]`` (a
+    ``samples["lengths"]``, ``["calls"]`` (proposals from O along the particle's lineage), ``["total"]`` (every
+    proposal of the run so far, the same in each row; its maximum is the run's count) and ``["budget"]`` (a
     rejection round ran out of ``max_tries``)."""
 
     max_plate_nesting = 0
@@ -158,7 +159,8 @@ class TokenSteps(Program):
     def step(self, state: dict, t: Any, *args: Any, **kwargs: Any) -> jax.Array:
         x, s, done, spec = state["x"], state["q"], state["done"], self.spec
         log_o = _inactive(x.log_probs(), done)  # O(. | s), Def 3.1.1
-        calls = state["calls"] + (~done)
+        prev_calls = state["calls"]
+        calls = prev_calls + (~done)
         budget = state["budget"]
         if self.draw == "lm":  # t ~ O(. | s), factor 1[t admitted]
             tok = sample(self.site, _Token(log_o, self.free))
@@ -176,7 +178,7 @@ class TokenSteps(Program):
                 raise ProgramError(f"{type(self).__name__}(draw={self.draw!r}) draws its own tokens by rejection "
                                    "rounds: its site cannot be proposed by a guide or replayed")
             tries, within = d.drawn
-            calls = state["calls"] + jnp.where(done, 0, tries)
+            calls = prev_calls + jnp.where(done, 0, tries)
             budget = budget | ~within
             if need == 2:
                 log_k1 = jnp.log(jnp.maximum(tries - 1, 1).astype(jnp.float32))
@@ -186,6 +188,9 @@ class TokenSteps(Program):
         s_new = jnp.where(active, spec.rule.step(s, tok), s)
         _, ended = spec.ends(tok, s_new, lengths)
         state["q"], state["lengths"], state["calls"], state["budget"] = s_new, lengths, calls, budget
+        # every proposal of every particle so far, the same in every row (so resampling keeps it; the rows still
+        # running at the end hold the whole run's count)
+        state["total"] = jnp.broadcast_to(state["total"] + (calls - prev_calls).sum(), done.shape)
         state["tokens"] = state["tokens"].at[:, t].set(jnp.where(active, tok, PAD_ID))
         state["done"] = new_done = done | (active & ended)
         x.extend(jnp.where(active, tok, PAD_ID))  # one LM pass (ended rows feed nothing)
@@ -195,7 +200,7 @@ class TokenSteps(Program):
         """``{site: tokens [n, max_tokens]}`` (``<pad>`` after each string's end), and the counts with ``stats``."""
         out = {self.site: state["tokens"][:, : self.spec.max_tokens]}
         if self.stats:
-            out.update(lengths=state["lengths"], calls=state["calls"], budget=state["budget"])
+            out.update(lengths=state["lengths"], calls=state["calls"], budget=state["budget"], total=state["total"])
         return out
 
     def one_token_step(self) -> OneTokenStep:

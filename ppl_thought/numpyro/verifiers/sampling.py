@@ -185,9 +185,7 @@ class VerifierSMC:
     1 / (K - 1)). Properly weighted for the restricted law; exp(log Z-hat) unbiased for P_O(A).
 
     ``stats`` adds ``lm_calls`` and ``verifier_calls`` (``"lm"``: n N and n N; ``"masked"``: n N and n N V, every
-    token checked; ``"rejection"``: the proposals made along the returned particles' lineages: with
-    ``ess_threshold=0`` every proposal, with resampling the discarded particles' are not counted, where the torch
-    side counts them) and ``proposal``.
+    token checked; ``"rejection"``: every proposal made, as on the torch side) and ``proposal``.
     """
 
     def __init__(self, num_particles: int, max_len: int, proposal: str = "masked", ess_threshold: float = 0.5,
@@ -218,13 +216,13 @@ class VerifierSMC:
         except ZeroWeightsError as e:
             raise ZeroWeightsError(f"VerifierSMC(proposal={self.proposal!r}): {e}; use proposal='masked' or more "
                                    "particles") from None
-        extra = {k: res.samples.pop(k) for k in ("lengths", "calls", "budget")}
+        extra = {k: res.samples.pop(k) for k in ("lengths", "calls", "budget", "total")}
         if bool(extra["budget"].any()):
             raise SamplingBudgetError(f"weighted rejection: {int(extra['budget'].sum())} rows had fewer than two "
                                       f"admitted proposals after {self.max_tries} at one position")
         n, L, V = self.num_particles, self.max_len, int(model.spec.lm.vocab_size)
         if self.proposal == "rejection":
-            lm_calls = ver_calls = int(extra["calls"].sum())
+            lm_calls = ver_calls = int(extra["total"].max())  # every proposal, discarded particles' included
         else:
             lm_calls, ver_calls = n * L, n * L * (V if self.proposal == "masked" else 1)
         res.engine = "VerifierSMC"
