@@ -411,7 +411,8 @@ def test_the_jax_side_imports_with_torch_blocked():
     shared = _blocked_import(["torch", "pyro"], "import ppl_thought.projections, ppl_thought.checkpoint")
     assert shared.returncode == 0, shared.stderr[-2000:]
     r = _blocked_import(["torch", "pyro"], "import ppl_thought.numpyro as ptn\n"
-                        "ptn.lm, ptn.dist, ptn.models, ptn.guides, ptn.infer, ptn.handlers, ptn.to_inference_data")
+                        "ptn.lm, ptn.dist, ptn.models, ptn.guides, ptn.infer, ptn.handlers, ptn.to_inference_data\n"
+                        "ptn.OneTokenStep, ptn.verifiers.VerifierSMC, ptn.verifiers.VerifiedLM, ptn.verifiers.dyck")
     assert r.returncode == 0, r.stderr[-2000:]
 
 

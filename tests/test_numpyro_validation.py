@@ -42,7 +42,7 @@ from ppl_thought.vocab import Vocab  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ENABLED, reason="PPL_THOUGHT_TYPECHECK=0 turns the type layer off")
 
-SUBPACKAGES = ("dist", "guides", "handlers", "infer", "lm", "models", "transforms")
+SUBPACKAGES = ("dist", "guides", "handlers", "infer", "lm", "models", "transforms", "verifiers")
 
 
 def _modules():

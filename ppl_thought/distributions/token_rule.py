@@ -21,7 +21,7 @@ import torch
 
 from ppl_thought import checks
 from ppl_thought.errors import ConfigError, MalformedSequenceError
-from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections.automaton import Automaton, forced_runs
 from ppl_thought.validation import checked, per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
@@ -329,33 +329,9 @@ class TokenRule:
 
 
 def _forced_runs(auto, vocab_size: int, until: int | None, stops: tuple, limit: int, device):
-    """The tables of :meth:`TokenRule.forced_runs`, built on the host (numpy, vectorised over states)."""
-    table = auto.device_table("table", None)  # [S + 1, V], the dead row all -1
-    n_states = table.shape[0]
-    allowed = table >= 0
-    allowed[:, PAD_ID] = False
-    allowed[:, BOS_ID] = False
-    single = allowed.sum(1) == 1
-    tok = np.where(single, allowed.argmax(1), PAD_ID)
-    nxt = np.where(single, table[np.arange(n_states), tok], n_states - 1)
-    final = auto.device_table("final", None)
-    seg_end = final if until is None else final | (auto.device_table("emitted", None) >= until)
-    safe = single & ~seg_end[nxt] & ~np.isin(tok, np.asarray(stops, dtype=np.int64))
-    safe[-1] = False
-    cur = np.arange(n_states)
-    going = np.ones(n_states, dtype=bool)
-    run_len = np.zeros(n_states, dtype=np.int64)
-    toks = np.full((n_states, limit), PAD_ID, dtype=np.int64)
-    states = np.empty((n_states, limit + 1), dtype=np.int64)
-    states[:, 0] = cur
-    for j in range(limit):
-        going = going & safe[cur]
-        toks[:, j] = np.where(going, tok[cur], PAD_ID)
-        cur = np.where(going, nxt[cur], cur)
-        run_len += going
-        states[:, j + 1] = cur
-    as_t = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
-    return as_t(run_len), as_t(toks), as_t(states)
+    """The tables of :meth:`TokenRule.forced_runs` (numpy, :func:`~ppl_thought.projections.automaton.forced_runs`,
+    shared with the JAX side) on ``device``."""
+    return tuple(torch.as_tensor(a, device=device) for a in forced_runs(auto, until, stops, limit))
 
 
 def per_row(mask: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ numpy automaton tables)::
     ptn.handlers                 # ProjectionLift: a plain LM program -> Proj # P_f
     ptn.transforms               # pt.transforms as NumPyro handlers: ProjectionLift, Forgetful, Persistent,
                                  # Ubiquitous, CostAware, ActiveLift, compose
+    ptn.verifiers                # VerifiedLM (a Program), ProcessVerifier, RejectionSampling, TokenwiseRejection,
+                                 # VerifierSMC over any token-level program (one_token_step() -> ptn.OneTokenStep)
     ptn.to_inference_data        # ArviZ InferenceData with the weights kept as on the torch side
     ptn.compile_stats()          # every compile of an engine run so far, and why (docs/numpyro.md, "Compilation")
 
@@ -33,9 +35,11 @@ _SUBMODULES = {
     "infer": "ppl_thought.numpyro.infer",
     "handlers": "ppl_thought.numpyro.handlers",
     "transforms": "ppl_thought.numpyro.transforms",
+    "verifiers": "ppl_thought.numpyro.verifiers",
 }
 _ATTRIBUTES = {
     "Program": "ppl_thought.numpyro.program",
+    "OneTokenStep": "ppl_thought.numpyro.program",
     "sample": "ppl_thought.numpyro.program",
     "observe": "ppl_thought.numpyro.program",
     "factor": "ppl_thought.numpyro.program",

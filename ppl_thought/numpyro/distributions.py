@@ -28,8 +28,9 @@ from numpyro.distributions import Distribution, constraints
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, NotInImageError, UnknownTokenError
 from ppl_thought.numpyro.boundary import Array, ArrayLike, Key, SupportsTokenRule, as_array, as_numpy, checked_jax
+from ppl_thought.numpyro.ids import check_ids, pad_to, prompt_ids
 from ppl_thought.numpyro.lm.base import LM
-from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections.automaton import Automaton, forced_runs
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.token_lift import check_tokenizer
 from ppl_thought.validation import per_token
@@ -37,8 +38,9 @@ from ppl_thought.vocab import BOS_ID, PAD_ID, Vocab
 
 #: the public names (``token_step`` / ``TokenStep``, the backend's one token step, are internal: every sampler and
 #: scorer here steps through them)
-__all__ = ["NEG_INF", "LMSequence", "ProjectionDelta", "Tables", "TokenRule", "check_ids", "const", "decode", "encode",
-           "masked_log_softmax", "pad_to", "sample_token", "score", "tables", "teacher_forced", "tree_where"]
+__all__ = ["NEG_INF", "LMSequence", "ProjectionDelta", "Tables", "TokenRule", "check_ids", "const", "decode",
+           "decode_chunked", "encode", "masked_log_softmax", "pad_to", "sample_token", "score", "tables",
+           "teacher_forced", "tree_where"]
 
 NEG_INF = -jnp.inf
 
@@ -168,21 +170,10 @@ class TokenRule:
 
 
 # ---------------------------------------------------------------------------------------------- the loops
-def _prompt_ids(prompt: Any, vocab_size: int, what: str = "prompt") -> np.ndarray:
-    """Concrete 1-D integer ids in ``[0, vocab_size)`` (a prompt or stop ids shared by every row)."""
-    p = as_numpy(what, [] if prompt is None else prompt)
-    p = np.atleast_1d(p)
-    if p.ndim != 1 or (p.size and not np.issubdtype(p.dtype, np.integer)):
-        raise MalformedSequenceError(f"{what} must be 1-D integer token ids, got {p.dtype} of shape {p.shape}")
-    if p.size and (p.min() < 0 or p.max() >= vocab_size):
-        raise UnknownTokenError(f"{what} contains ids outside the vocabulary [0, {vocab_size})")
-    return p.astype(np.int64)
-
-
 @checked_jax
 def encode(lm: LM, params: Any, prompt: ArrayLike, n: int, max_new: int, latents: Any = None) -> tuple[jax.Array, Any]:
     """Feed ``<bos> + prompt`` (shared by every row) into a fresh cache: ``(next log-probs [n, V], cache)``."""
-    ctx = jnp.asarray(np.concatenate([[BOS_ID], _prompt_ids(prompt, lm.vocab_size)]), dtype=jnp.int32)
+    ctx = jnp.asarray(np.concatenate([[BOS_ID], prompt_ids(prompt, lm.vocab_size)]), dtype=jnp.int32)
     n, max_new = integer("n", n, minimum=0), integer("max_new", max_new, minimum=0)
     cache = lm.init_cache(n, ctx.shape[0] + max_new)
     logp, cache = lm.apply(params, cache, jnp.broadcast_to(ctx, (n, ctx.shape[0])), latents=latents)
@@ -245,7 +236,7 @@ def decode(key: Key, lm: LM, params: Any, rule: SupportsTokenRule, n: int, promp
     finished rows feed nothing (``valid=False``) and are padded with ``<pad>``. ``lax.scan`` over positions.
     """
     n, max_len = integer("n", n, minimum=0), integer("max_len", max_len, minimum=0)
-    stops = jnp.asarray(_prompt_ids(stop_ids, lm.vocab_size, "stop_ids"), jnp.int32)
+    stops = jnp.asarray(prompt_ids(stop_ids, lm.vocab_size, "stop_ids"), jnp.int32)
     logp, cache = encode(lm, params, prompt, n, max_len, latents)
     s = rule.start(n)
     done = rule.is_final(s) | (max_len == 0)
@@ -267,13 +258,72 @@ def decode(key: Key, lm: LM, params: Any, rule: SupportsTokenRule, n: int, promp
 
 
 @checked_jax
+def decode_chunked(key: Key, lm: LM, params: Any, rule: Any, n: int, prompt: ArrayLike, max_len: int,
+                   stop_ids: ArrayLike, chunk: int, latents: Any = None) -> tuple[jax.Array, jax.Array]:
+    """Sample ``n`` sequences under ``rule`` with chunked encoding (module docstring): ``(z int32 [n, max_len],
+    log Q [n])``, the law and log-probabilities of :func:`~ppl_thought.numpyro.distributions.decode`. Rules that
+    are not a :class:`~ppl_thought.numpyro.distributions.TokenRule` over an automaton (the guides' samplers) and
+    ``chunk = 0`` decode token by token.
+
+    Chunked encoding (end of Section 5.6.2): under a constraint automaton a token is *forced* in a state where it
+    is the only admissible one (the masked softmax of Def 2.8 gives it probability 1, 0 if the LM gives it no mass),
+    so no decision is made. Each loop turn draws one token as :func:`decode` does and feeds it together with the
+    run of up to ``chunk`` forced tokens after it (:func:`~ppl_thought.projections.automaton.forced_runs`, the
+    numpy tables both backends read) in one ``lm.apply`` of ``1 + chunk`` columns (``valid`` masks each row's run:
+    rows stand at their own positions). A forced token adds 0 to log Q, or -inf where the LM gives it probability
+    0 (read from the chunk's outputs). A ``lax.while_loop`` that stops once every row ended: one turn per decision."""
+    n, max_len = integer("n", n, minimum=0), integer("max_len", max_len, minimum=0)
+    C = integer("chunk", chunk, minimum=0)
+    if C == 0 or type(rule) is not TokenRule or rule.t is None:
+        return decode(key, lm, params, rule, n, prompt, max_len, stop_ids, latents)
+    stops_np = prompt_ids(stop_ids, lm.vocab_size, "stop_ids")
+    run_len, run_toks, run_states = (const(a, jnp.int32) for a in
+                                     forced_runs(rule.constraint, None, tuple(int(t) for t in stops_np), C))
+    stops = jnp.asarray(stops_np, jnp.int32)
+    logp, cache = encode(lm, params, prompt, n, max_len, latents)
+    s = rule.start(n)
+    done = rule.is_final(s) | (max_len == 0)
+    rows, cols = jnp.arange(n), jnp.arange(C)
+
+    def ends(tok, s1):
+        return jnp.isin(tok, stops) | rule.is_final(s1)
+
+    def body(c):
+        i, key, logp, cache, s, done, pos, z, lq = c
+        key, k = jax.random.split(key)
+        step = token_step(rule, logp, s, ~done, k, ends=ends)  # the decision: draw, advance, ends (Def 2.8)
+        tok, s1 = step.token, step.state
+        pos1 = pos + (~done)
+        fin = done | step.ends | (pos1 >= max_len)
+        r = jnp.where(fin, 0, jnp.minimum(run_len[s1], max_len - pos1))  # the forced run after the token
+        rt = run_toks[s1]  # [n, C]
+        in_run = cols[None] < r[:, None]
+        feed = jnp.concatenate([jnp.where(done, BOS_ID, tok)[:, None], jnp.where(in_run, rt, PAD_ID)], 1)
+        valid = jnp.concatenate([~done[:, None], in_run], 1)
+        out, cache = lm.apply(params, cache, feed, valid=valid, latents=latents)  # one pass for token and run
+        forced = jnp.take_along_axis(out[:, :C], rt[..., None], -1)[..., 0]  # column j precedes run token j
+        lq = lq + step.log_prob + jnp.where((in_run & jnp.isneginf(forced)).any(1), NEG_INF, 0.0)
+        logp = jnp.where(done[:, None], logp, out[rows, r])
+        z = z.at[rows, jnp.where(done, max_len, pos)].set(tok, mode="drop")
+        z = z.at[rows[:, None], jnp.where(in_run, pos1[:, None] + cols[None], max_len)].set(rt, mode="drop")
+        s2 = jnp.where(fin, s1, run_states[s1, r])
+        pos2 = pos1 + r
+        return i + 1, key, logp, cache, s2, fin | (pos2 >= max_len), pos2, z, lq
+
+    init = (jnp.zeros((), jnp.int32), key, logp, cache, s, done, jnp.zeros(n, jnp.int32),
+            jnp.full((n, max_len), PAD_ID, jnp.int32), jnp.zeros(n, jnp.float32))
+    out = jax.lax.while_loop(lambda c: (c[0] < max_len) & ~c[5].all(), body, init)
+    return out[7], out[8]
+
+
+@checked_jax
 def teacher_forced(lm: LM, params: Any, prompt: ArrayLike, z: Array, latents: Any = None) -> jax.Array:
     """The LM's next-token log-probabilities at each position of ``z [n, L]``: ``[n, L, V]`` (one pass)."""
     if z.ndim != 2 or not jnp.issubdtype(z.dtype, jnp.integer) or z.shape[0] == 0:
         raise MalformedSequenceError(f"teacher_forced takes integer token ids z [n >= 1, L], got {z.dtype} "
                                      f"{tuple(z.shape)}")
     n, L = z.shape
-    ctx = np.concatenate([[BOS_ID], _prompt_ids(prompt, lm.vocab_size)])
+    ctx = np.concatenate([[BOS_ID], prompt_ids(prompt, lm.vocab_size)])
     inputs = jnp.concatenate([jnp.broadcast_to(jnp.asarray(ctx, jnp.int32), (n, len(ctx))),
                               z[:, : max(L - 1, 0)].astype(jnp.int32)], 1)
     cache = lm.init_cache(n, inputs.shape[1])
@@ -292,7 +342,7 @@ def score(rule: SupportsTokenRule, logp: Array, z: Array, max_len: int,
     max_len = integer("max_len", max_len, minimum=0)
     n, L = z.shape
     lengths = (z != PAD_ID).sum(-1)
-    stops = jnp.asarray(_prompt_ids(stop_ids, logp.shape[-1], "stop_ids"), jnp.int32)
+    stops = jnp.asarray(prompt_ids(stop_ids, logp.shape[-1], "stop_ids"), jnp.int32)
     s0 = rule.start(n)
 
     def body(s, inp):
@@ -314,43 +364,6 @@ def score(rule: SupportsTokenRule, logp: Array, z: Array, max_len: int,
     return steps, complete
 
 
-@checked_jax
-def check_ids(value: ArrayLike, vocab_size: int, max_len: int, what: str = "sequence") -> np.ndarray | jax.Array:
-    """Validate a right-padded id array ``[..., L]`` (concrete values only; traced values pass unchecked)."""
-    vocab_size, max_len = integer("vocab_size", vocab_size, minimum=1), integer("max_len", max_len, minimum=0)
-    if isinstance(value, jax.core.Tracer):
-        if value.shape[-1] > max_len:
-            raise MalformedSequenceError(f"{what} of length {value.shape[-1]} is over max_len={max_len}")
-        return value
-    a = as_numpy(what, value, where="check_ids")
-    if a.ndim == 0:
-        raise MalformedSequenceError(f"{what} must have a sequence dimension")
-    if a.size and not np.issubdtype(a.dtype, np.integer):
-        raise MalformedSequenceError(f"{what} must hold integer token ids, got dtype {a.dtype}")
-    if a.shape[-1] > max_len:
-        if (a[..., max_len:] != PAD_ID).any():
-            raise MalformedSequenceError(f"{what} of length {a.shape[-1]} is over max_len={max_len}")
-        a = a[..., :max_len]
-    if a.size and (a.min() < 0 or a.max() >= vocab_size):
-        raise UnknownTokenError(f"{what} contains ids outside the vocabulary [0, {vocab_size})")
-    nonpad = a != PAD_ID
-    if a.shape[-1] and (nonpad[..., 1:] & ~nonpad[..., :-1]).any():
-        raise MalformedSequenceError("padding inside a sequence: <pad> must only fill the end of a row")
-    return a.astype(np.int32)
-
-
-@checked_jax
-def pad_to(z: Array, length: int) -> Array:
-    """Right-pad (or cut padding off) ``z [..., L]`` to ``length`` columns."""
-    length = integer("length", length, minimum=0)
-    if z.ndim == 0:
-        raise MalformedSequenceError("pad_to takes ids z [..., L], got a scalar")
-    L = z.shape[-1]
-    if L >= length:
-        return z[..., :length]
-    return jnp.concatenate([z, jnp.full(z.shape[:-1] + (length - L,), PAD_ID, z.dtype)], -1)
-
-
 # ---------------------------------------------------------------------------------------------- LMSequence
 @checked_jax
 class LMSequence(Distribution):
@@ -369,6 +382,9 @@ class LMSequence(Distribution):
         params: the LM's parameters (default ``lm.params``; a guide passes its ``numpyro.param`` values).
         rule: a token rule replacing the masked softmax (the guides' samplers); default ``TokenRule(constraint)``.
         latents: cross-attention inputs for ``lm.apply``.
+        chunk: chunked encoding (end of Section 5.6.2) when sampling: a drawn token and the run of up to ``chunk``
+            forced tokens after it (the one token the constraint admits) are fed in one pass
+            (:func:`decode_chunked`); the same law and log-probabilities as ``0``.
 
     ``sample`` runs :func:`decode` (all rows in one ``lax.scan``; the log-probabilities come back as NumPyro
     intermediates, so a traced site is not scored twice); ``log_prob`` one teacher-forced pass. Both jit.
@@ -382,7 +398,8 @@ class LMSequence(Distribution):
     def __init__(self, lm: LM, prompt: ArrayLike | str | None = None, constraint: Automaton | None = None,
                  stop: str | int | Sequence[str | int] | None = None, max_len: int | None = None,
                  vocab: Vocab | None = None, batch_shape: tuple[int, ...] = (), *, params: Any = None,
-                 rule: SupportsTokenRule | None = None, latents: Any = None, validate_args: bool | None = None):
+                 rule: SupportsTokenRule | None = None, latents: Any = None, chunk: int = 0,
+                 validate_args: bool | None = None):
         self.lm = lm
         self.vocab = vocab
         self.vocab_size = int(lm.vocab_size)
@@ -416,6 +433,7 @@ class LMSequence(Distribution):
         self.params = lm.params if params is None else params
         self.rule = rule if rule is not None else TokenRule(constraint, self.vocab_size)
         self.latents = latents
+        self.chunk = integer("chunk", chunk, minimum=0)
         super().__init__(tuple(batch_shape), (self.max_len,), validate_args=validate_args)
 
     def _stop_ids(self, stop) -> np.ndarray:
@@ -448,8 +466,12 @@ class LMSequence(Distribution):
         """Draws ``[*sample_shape, *batch, max_len]`` and their log-probabilities, in one decoding loop."""
         shape = tuple(sample_shape) + tuple(self.batch_shape)
         n = int(np.prod(shape)) if shape else 1
-        z, lp = decode(key, self.lm, self.params, self.rule, n, self.prompt, self.max_len, self.stop_ids,
-                       self.latents)
+        if self.chunk:
+            z, lp = decode_chunked(key, self.lm, self.params, self.rule, n, self.prompt, self.max_len, self.stop_ids,
+                                   self.chunk, self.latents)
+        else:
+            z, lp = decode(key, self.lm, self.params, self.rule, n, self.prompt, self.max_len, self.stop_ids,
+                           self.latents)
         return z.reshape(shape + (self.max_len,)), lp.reshape(shape)
 
     @per_token
@@ -488,7 +510,8 @@ class LMSequence(Distribution):
     def __repr__(self) -> str:
         c = self.constraint.name if self.constraint is not None else None
         return (f"LMSequence(lm={type(self.lm).__name__}, prompt_len={len(self.prompt)}, constraint={c}, "
-                f"stop={self.stop_ids.tolist()}, max_len={self.max_len}, batch_shape={tuple(self.batch_shape)})")
+                f"stop={self.stop_ids.tolist()}, max_len={self.max_len}, batch_shape={tuple(self.batch_shape)}"
+                + (f", chunk={self.chunk})" if self.chunk else ")"))
 
 
 # ---------------------------------------------------------------------------------------------- ProjectionDelta

@@ -35,13 +35,15 @@ import numpyro
 from numpyro.distributions import Distribution
 from numpyro.primitives import _PYRO_STACK, Messenger
 
-from ppl_thought.errors import NumericalError, ProgramError
+from ppl_thought.checks import integer
+from ppl_thought.errors import ConfigError, NumericalError, ProgramError
 from ppl_thought.numpyro.boundary import ArrayLike, as_array, checked_jax, tracing
 from ppl_thought.twists import current as current_twists
 from ppl_thought.validation import per_token
+from ppl_thought.vocab import BOS_ID, PAD_ID
 
-__all__ = ["OUTPUT", "PARTICLES", "Program", "factor", "is_output", "is_program", "observe", "particles",
-           "run_whole_trace", "sample", "twist"]
+__all__ = ["OUTPUT", "PARTICLES", "OneTokenStep", "Program", "factor", "is_output", "is_program", "observe",
+           "particles", "run_whole_trace", "sample", "twist"]
 
 PARTICLES = "particles"
 #: the ``infer`` key that marks an output site (``observe(name, fn, None)``): drawn by the program, out of weights
@@ -215,3 +217,79 @@ def run_whole_trace(program: Any, args: tuple = (), kwargs: dict | None = None) 
                                  if jnp.ndim(nw) else nw, state, new)
             d = as_done(done, 1)
             finished = finished if d is None else finished | d
+
+
+# ---------------------------------------------------------------------------------------------- token-level programs
+@checked_jax
+class OneTokenStep:
+    """The protocol between a token-level ``ptn.Program`` and the token-level engines (the twin of
+    ``ppl_thought.program.OneTokenStep``; docs/verifiers.md, "Token-level programs"): "my step is one token of one
+    LM under a token automaton", returned by ``program.one_token_step()``. Step t of such a program:
+
+        log w_t = log Z_t(s), the LM's mass on the tokens ``rule`` admits (0 for ended rows), a factor
+        z_t ~ masked softmax of ``rule`` (Def 2.8), the rule state advanced (``token_step``)
+        a row ends in a final state of ``rule``, after a token in ``stop_ids``, or after ``max_tokens`` tokens
+
+    so the program's unnormalised density is p_LM(z) 1[z admitted by ``rule``] and its normaliser Z = P_LM(A): the
+    target of ``ptn.verifiers``' engines.
+
+    Attributes:
+        lm: the JAX LM (:class:`~ppl_thought.numpyro.lm.base.LM`) whose next-token log-probabilities are read.
+        rule: the :class:`~ppl_thought.numpyro.distributions.TokenRule` of the automaton (the constraint A).
+        max_tokens: the most tokens a particle draws (the number of steps).
+        stop_ids: token ids after which a particle ends (default ``<eos>``).
+        prompt: 1-D prompt ids shared by every row, a callable ``prompt(*args, **kwargs) -> ids | None`` reading the
+            run's arguments, or ``None``: the run's first positional argument, its ``prompt=`` keyword, or none.
+    """
+
+    def __init__(self, lm: Any, rule: Any, max_tokens: int, stop_ids: tuple[int, ...] = (2,),
+                 prompt: Any = None):
+        self.lm, self.rule = lm, rule
+        self.max_tokens = integer("max_tokens", max_tokens, minimum=0)
+        self.stop_ids = tuple(int(i) for i in stop_ids)
+        self.prompt = prompt
+
+    @staticmethod
+    def of(program: Any, engine: str) -> OneTokenStep:
+        """``program.one_token_step()``, or a :class:`~ppl_thought.errors.ConfigError` for ``engine`` that names the
+        method to implement."""
+        name = type(program).__name__
+        ask = getattr(program, "one_token_step", None)
+        spec = ask() if callable(ask) else None
+        if spec is None:
+            why = "does not define one_token_step()" if not callable(ask) else "has one_token_step() returning None"
+            raise ConfigError(f"{engine} runs token-level programs: a step is one token of one LM under a token "
+                              f"automaton, declared by one_token_step() -> ppl_thought.numpyro.program.OneTokenStep "
+                              f"(ptn.verifiers.VerifiedLM has it); {name} {why}: implement {name}.one_token_step()")
+        if not isinstance(spec, OneTokenStep):
+            raise ConfigError(f"{name}.one_token_step() must return a ppl_thought.numpyro.program.OneTokenStep or "
+                              f"None, got {type(spec).__name__}")
+        if int(getattr(spec.rule, "vocab_size", -1)) != int(spec.lm.vocab_size):
+            raise ConfigError(f"{name}.one_token_step(): the rule has {getattr(spec.rule, 'vocab_size', None)} token "
+                              f"columns but the LM has vocab_size={spec.lm.vocab_size}")
+        return spec
+
+    def prompt_ids(self, args: tuple, kwargs: dict) -> Any:
+        """The prompt token ids of a run on ``*args, **kwargs`` (see ``prompt``)."""
+        if callable(self.prompt):
+            return self.prompt(*args, **kwargs)
+        if self.prompt is not None:
+            return self.prompt
+        return kwargs["prompt"] if "prompt" in kwargs else (args[0] if args else None)
+
+    @per_token
+    def mass(self, logp: Any, s: Any, done: Any) -> jax.Array:
+        """The step's log weight ``[n]``: log Z_t, the log of the LM's mass on the tokens ``rule`` admits in states
+        ``s`` over its mass on every token it may generate (Def 2.8's normaliser; -inf, never NaN, where it admits
+        none); 0 for ended rows."""
+        free = jnp.ones(logp.shape[-1], bool).at[PAD_ID].set(False).at[BOS_ID].set(False)
+        admitted = jax.nn.logsumexp(jnp.where(self.rule.mask(s) & free, logp, -jnp.inf), -1)
+        log_z = admitted - jax.nn.logsumexp(jnp.where(free, logp, -jnp.inf), -1)
+        return jnp.where(done, 0.0, log_z)
+
+    @per_token
+    def ends(self, tok: Any, s_new: Any, lengths: Any) -> tuple[jax.Array, jax.Array]:
+        """(finished, ended) ``[n]`` after ``tok`` took rows to states ``s_new`` with ``lengths`` tokens: finished in a
+        final state of ``rule`` or after a stop id, ended: finished or ``max_tokens`` reached."""
+        done = self.rule.is_final(s_new) | jnp.isin(tok, jnp.asarray(self.stop_ids, jnp.int32))
+        return done, done | (lengths >= self.max_tokens)

@@ -329,6 +329,43 @@ def step_ends(lifting: Automaton, chunked: bool = False) -> tuple[int, ...]:
     return tuple(int(t) for t in range(1, T) if free_at[t]) + (T,)
 
 
+
+@checked
+def forced_runs(automaton: Automaton, until: int | None, stops: tuple[int, ...], limit: int) -> tuple[np.ndarray, ...]:
+    """The host (numpy) tables of the *forced runs* of chunked encoding (end of Section 5.6.2), read by both backends.
+
+    A token is forced in a state when it is the only admissible one there (never ``<pad>`` / ``<bos>``): the masked
+    softmax of Def 2.8 gives it probability 1 whatever the logits (if the LM gives it any mass at all), so no decoding
+    decision is made. From each state the run follows forced tokens for at most ``limit`` tokens and stops before a
+    token that would end the segment (``until`` observables emitted, a final state) or that is a stop id. Returns
+    (run length ``[S + 1]``, tokens ``[S + 1, limit]`` (``<pad>`` past the run), states ``[S + 1, limit + 1]``: the
+    state before each run token and after the run (held once the run stops)); the last row is the dead state."""
+    table = automaton.device_table("table", None)  # [S + 1, V], the dead row all -1
+    n_states = table.shape[0]
+    allowed = table >= 0
+    allowed[:, PAD_ID] = False
+    allowed[:, BOS_ID] = False
+    single = allowed.sum(1) == 1
+    tok = np.where(single, allowed.argmax(1), PAD_ID)
+    nxt = np.where(single, table[np.arange(n_states), tok], n_states - 1)
+    final = automaton.device_table("final", None)
+    seg_end = final if until is None else final | (automaton.device_table("emitted", None) >= until)
+    safe = single & ~seg_end[nxt] & ~np.isin(tok, np.asarray(stops, dtype=np.int64))
+    safe[-1] = False
+    cur = np.arange(n_states)
+    going = np.ones(n_states, dtype=bool)
+    run_len = np.zeros(n_states, dtype=np.int64)
+    toks = np.full((n_states, limit), PAD_ID, dtype=np.int64)
+    states = np.empty((n_states, limit + 1), dtype=np.int64)
+    states[:, 0] = cur
+    for j in range(limit):
+        going = going & safe[cur]
+        toks[:, j] = np.where(going, tok[cur], PAD_ID)
+        cur = np.where(going, nxt[cur], cur)
+        run_len += going
+        states[:, j + 1] = cur
+    return run_len, toks, states
+
 def _like_tokens(states, tokens):
     """Host (numpy) states moved to the framework and device of framework ``tokens``; otherwise unchanged."""
     key = table_key(tokens)

@@ -24,84 +24,14 @@ import numpy as np
 import torch
 
 from ppl_thought.errors import ConfigError, MalformedSequenceError
-from ppl_thought.projections.automaton import DEAD, Automaton
+from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.char_dfa import CharDFA
+from ppl_thought.projections.constraints import dyck, reach_table
 from ppl_thought.projections.token_lift import token_automaton
 from ppl_thought.validation import checked
-from ppl_thought.vocab import PAD_ID, Vocab
+from ppl_thought.vocab import PAD_ID
 
 __all__ = ["dyck", "ProcessVerifier"]
-
-
-@checked
-def dyck(k: int, D: int, vocab: Vocab, brackets: Sequence[tuple[str, str]] | None = None) -> Automaton:
-    """The automaton of the bounded-depth Dyck language Dyck_{k,D} of equation (2.37).
-
-    Dyck_{k,D} is the set of balanced strings over ``k`` bracket types whose grammar depth (the stack
-    depth after each prefix) never exceeds ``D``. A state is the stack of unmatched open brackets
-    (a tuple of types, at most ``D`` long): reading the open bracket of type t pushes t (inadmissible
-    at depth ``D``), reading the close bracket of type t pops a t (inadmissible unless t is on top).
-    The final state is the empty stack (a complete balanced string); the start state is also the
-    empty stack, so the empty string is accepted. Every other token of the vocabulary (specials
-    included) is inadmissible everywhere. The language is unbounded in length (``max_len=None``):
-    pair it with ``ProcessVerifier(..., length=N)`` for the strings of length ``N``. ``emitted`` is 0
-    (the automaton is a constraint, not a projection's lifting).
-
-    Args:
-        k: number of bracket types (>= 1).
-        D: maximal depth (>= 0; depth 0 accepts only the empty string).
-        vocab: the vocabulary whose ids index the table's columns.
-        brackets: ``k`` pairs (open, close) of tokens of ``vocab``. Default: the ordinary tokens of
-            ``vocab`` in id order, taken two by two (the thesis's convention: tokens 2t-1 and 2t are
-            the open and close bracket of type t); ``vocab`` must then have exactly ``2k`` of them.
-
-    Raises:
-        ConfigError: ``k < 1``, ``D < 0``, the wrong number of brackets, or a token used twice.
-        UnknownTokenError: a bracket that is not in ``vocab``.
-    """
-    if k < 1:
-        raise ConfigError(f"dyck needs k >= 1 bracket types, got {k!r}")
-    if D < 0:
-        raise ConfigError(f"dyck needs a depth bound D >= 0, got {D!r}")
-    if brackets is None:
-        ordinary = vocab.ordinary_ids
-        if len(ordinary) != 2 * k:
-            raise ConfigError(f"dyck(k={k}) without `brackets` needs a vocabulary of exactly {2 * k} ordinary tokens, "
-                              f"got {len(ordinary)}; pass brackets=[(open, close), ...]")
-        ids = [(int(ordinary[2 * t]), int(ordinary[2 * t + 1])) for t in range(k)]
-    else:
-        if len(brackets) != k:
-            raise ConfigError(f"dyck(k={k}) needs {k} (open, close) pairs, got {len(brackets)}")
-        ids = [(vocab.id(o), vocab.id(c)) for o, c in brackets]
-    flat = [i for pair in ids for i in pair]
-    if len(set(flat)) != len(flat):
-        raise ConfigError(f"dyck brackets must be 2k distinct tokens, got {brackets if brackets else flat}")
-    if any(i < vocab.num_specials for i in flat):
-        raise ConfigError("dyck brackets must be ordinary tokens, not specials such as <pad> or <eos>")
-
-    # states: every stack of length <= D, numbered breadth-first from the empty stack
-    stacks: list[tuple[int, ...]] = [()]
-    index: dict[tuple[int, ...], int] = {(): 0}
-    frontier: list[tuple[int, ...]] = [()]
-    for _ in range(D):
-        nxt = []
-        for st in frontier:
-            for t in range(k):
-                child = st + (t,)
-                index[child] = len(stacks)
-                stacks.append(child)
-                nxt.append(child)
-        frontier = nxt
-    table = np.full((len(stacks), len(vocab)), DEAD, dtype=np.int64)
-    for s, st in enumerate(stacks):
-        for t, (op, cl) in enumerate(ids):
-            if len(st) < D:
-                table[s, op] = index[st + (t,)]
-            if st and st[-1] == t:
-                table[s, cl] = index[st[:-1]]
-    final = np.zeros(len(stacks), dtype=bool)
-    final[0] = True
-    return Automaton(table, final, np.zeros(len(stacks), dtype=np.int64), 0, None, f"Dyck_{{{k},{D}}}")
 
 
 @checked
@@ -126,22 +56,7 @@ class ProcessVerifier:
             raise ConfigError("the constraint automaton reads <pad> (id 0) as a token: padded prefixes are ambiguous")
         self.automaton = automaton
         self.length = None if length is None else int(length)
-        ns = automaton.next_state
-        S = automaton.num_states
-        if self.length is None:
-            alive = automaton.final.copy()
-            while True:
-                succ = np.concatenate([alive, [False]])[ns].any(axis=1)  # ns == -1 indexes the False pad
-                new = alive | succ
-                if (new == alive).all():
-                    break
-                alive = new
-            reach = np.concatenate([alive, [False]])[None]  # [1, S + 1]
-        else:
-            reach = np.zeros((self.length + 1, S + 1), dtype=bool)
-            reach[0, :S] = automaton.final
-            for r in range(1, self.length + 1):
-                reach[r, :S] = reach[r - 1][ns].any(axis=1)
+        reach = reach_table(automaton, self.length)  # numpy, shared with ptn.verifiers
         self._reach = reach
         self._cache: dict[str, torch.Tensor] = {}
 

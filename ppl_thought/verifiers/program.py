@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import pyro
 import torch
 from pyro.distributions import TorchDistribution
@@ -56,7 +55,8 @@ from ppl_thought.errors import (
 )
 from ppl_thought.lm.base import lm_device
 from ppl_thought.program import OneTokenStep, Program, particles
-from ppl_thought.projections.automaton import DEAD, Automaton
+from ppl_thought.projections.automaton import Automaton
+from ppl_thought.projections.constraints import length_automaton as constraint_automaton
 from ppl_thought.validation import checked, per_token
 from ppl_thought.verifiers.process import ProcessVerifier
 from ppl_thought.vocab import PAD_ID
@@ -139,28 +139,9 @@ def length_automaton(verifier: ProcessVerifier) -> Automaton:
     q]``), a token admitted iff V(s o t) = 1, final exactly at i = N in a final q. Its masked softmax (Def 2.8) is the
     locally optimal proposal q(t | s) = O(t | s) V(s o t) / Z_V(s) and its language is A: the rule of
     :meth:`VerifiedLM.one_token_step`. When A is empty the start state admits nothing and is not final (FAIL)."""
-    aut, N = verifier.automaton, verifier.length
-    if N is None:
+    if verifier.length is None:
         raise ConfigError(f"{verifier} has no length: build it as ProcessVerifier(automaton, length=N)")
-    reach = verifier._reach  # [N + 1, S + 1] bool: a final state within exactly r tokens
-    S, V = aut.num_states, aut.vocab_size
-    ns = aut.next_state
-    live = np.stack([reach[N - i, :S] for i in range(N + 1)])  # [N + 1, S]: (q, i) kept
-    live[0, aut.start] = True  # the start state always exists (admitting nothing when A is empty)
-    ids = np.full((N + 1, S), DEAD, dtype=np.int64)
-    ids[live] = np.arange(int(live.sum()))
-    table = np.full((int(live.sum()), V), DEAD, dtype=np.int64)
-    final = np.zeros(int(live.sum()), dtype=bool)
-    for i in range(N + 1):  # a loop over positions
-        rows = ids[i][live[i]]
-        if i == N:
-            final[rows] = aut.final[live[i]]
-            continue
-        nxt = ns[live[i]]  # [k, V]
-        ok = (nxt >= 0) & live[i + 1][np.clip(nxt, 0, None)] & reach[N - i, :S][live[i]][:, None]
-        table[rows] = np.where(ok, ids[i + 1][np.clip(nxt, 0, None)], DEAD)
-    return Automaton(table, final, np.zeros(len(final), dtype=np.int64), int(ids[0, aut.start]), N,
-                     f"{aut.name}^{N}")
+    return constraint_automaton(verifier.automaton, verifier.length, verifier._reach)
 
 
 class _VerifierSteps(Program):
