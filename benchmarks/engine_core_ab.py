@@ -146,7 +146,7 @@ with torch.no_grad():
         calls = Counter()
         for (path, line, func), (_, ncalls, *_) in pstats.Stats(prof).stats.items():
             where = path[len(root):] if path.startswith(root) else path.split("site-packages/")[-1]
-            calls[f"{where}({re.sub(r' at 0x[0-9a-f]+', '', func)})"] += ncalls  # one key per function in both trees
+            calls[re.sub(r" at 0x[0-9a-f]+", "", f"{where}({func})")] += ncalls  # one key per function in both trees
         mode = Ops()
         with mode:
             seeded(fn)

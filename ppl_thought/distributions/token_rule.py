@@ -177,6 +177,7 @@ class TokenRule:
         x = x - x.amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)
         return x - torch.logsumexp(x, -1, keepdim=True).clamp(min=_LOWEST)
 
+    @per_token
     def masked_law(self, logits: torch.Tensor, s: torch.Tensor, *, take: bool = False) -> MaskedLaw:
         """The masked softmax of Def 2.8 for rows ``logits [n, V]`` in states ``s``, as the draw and the weight need
         it: unnormalised weights and the log normaliser log Z(s) = log sum_{v admitted in s} exp(logit_v), in one
