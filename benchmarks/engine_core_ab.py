@@ -28,7 +28,9 @@ time. Rounds alternate which tree goes first. The workloads are those of
 priors and a causal proposal, the user-written program of the same law (``UserPauseProgram``), and
 ``LMSequence`` sampling of 256 sequences; and the ppl_thought side of ``benchmarks/llamppl_race.py`` (SMC under
 the lipogram on its random GPT-2, N = 16, 64, 256; a third of the runs, at least 6; the constraint built in both trees
-by the library's ``token_automaton(CharDFA.lipogram("e"), token_texts(vocab))``, which both commits have).
+by the library's ``token_automaton(CharDFA.lipogram("e"), token_texts(vocab))``, which both commits have); and the same
+program (``Constrained``) under ``SMC(n, backend="static")``, the static backend of ``benchmarks/gpu.py`` (eager on
+CPU), N = 16, 64, 256 (``static_smc_N``).
 The JSON has per tree and round the best seconds of each workload
 on both clocks, ``ratio_new_over_old`` (CPU time, best over rounds; above 1: the new tree is slower) and
 ``ratio_new_over_old_wall``.
@@ -84,6 +86,11 @@ from ppl_thought.projections import CharDFA, token_automaton, token_texts
 lipogram = token_automaton(CharDFA.lipogram("e"), token_texts(lm.vocab))  # one definition in both trees
 for n in R.SIZES:
     jobs[f"race_smc_{n}"] = R.ppl_thought_run(lm, lipogram, prompt, n, R.WORKLOAD["new_tokens"])[0]
+import ppl_thought as pt
+for n in R.SIZES:  # the static backend (benchmarks/gpu.py's smc_run; eager on CPU): one engine kept per size
+    engine, program = SMC(n, ess_threshold=0.5, backend="static"), pt.models.Constrained(lm, lipogram,
+                                                                                         R.WORKLOAD["new_tokens"])
+    jobs[f"static_smc_{n}"] = lambda engine=engine, program=program: engine.run(program, None, prompt)
 only = [k for k in sys.argv[3].split(",") if k] if len(sys.argv) > 3 else list(jobs)
 jobs = {k: jobs[k] for k in only}
 """
@@ -93,7 +100,7 @@ out = {}
 with torch.no_grad():
     for name, fn in jobs.items():
         wall = cpu = float("inf")
-        runs = int(sys.argv[2]) if not name.startswith("race") else max(6, int(sys.argv[2]) // 3)
+        runs = int(sys.argv[2]) if not name.startswith(("race", "static")) else max(6, int(sys.argv[2]) // 3)
         for k in range(runs):
             torch.manual_seed(k % 5)
             pyro.set_rng_seed(k % 5)
@@ -167,7 +174,8 @@ def run_tree(tree: Path, runs: int, typecheck: bool = True, only: str = "", chil
 
 
 WORKLOADS = ("importance_transformer", "importance_tabular", "sampling_transformer", "smc_tabular", "smc_transformer",
-             "smc_program_transformer", "race_smc_16", "race_smc_64", "race_smc_256")
+             "smc_program_transformer", "race_smc_16", "race_smc_64", "race_smc_256", "static_smc_16", "static_smc_64",
+             "static_smc_256")
 
 
 def main() -> None:
