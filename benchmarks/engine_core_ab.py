@@ -91,7 +91,7 @@ for n in R.SIZES:  # the static backend (benchmarks/gpu.py's smc_run; eager on C
     engine, program = SMC(n, ess_threshold=0.5, backend="static"), pt.models.Constrained(lm, lipogram,
                                                                                          R.WORKLOAD["new_tokens"])
     jobs[f"static_smc_{n}"] = lambda engine=engine, program=program: engine.run(program, None, prompt)
-only = [k for k in sys.argv[3].split(",") if k] if len(sys.argv) > 3 else list(jobs)
+only = [k for k in (sys.argv[3] if len(sys.argv) > 3 else "").split(",") if k] or list(jobs)  # none: all
 jobs = {k: jobs[k] for k in only}
 """
 
