@@ -177,6 +177,7 @@ class TokenRule:
         x = x - x.amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)
         return x - torch.logsumexp(x, -1, keepdim=True).clamp(min=_LOWEST)
 
+    @per_token
     def masked_law(self, logits: torch.Tensor, s: torch.Tensor, *, take: bool = False) -> MaskedLaw:
         """The masked softmax of Def 2.8 for rows ``logits [n, V]`` in states ``s``, as the draw and the weight need
         it: unnormalised weights and the log normaliser log Z(s) = log sum_{v admitted in s} exp(logit_v), in one
@@ -199,6 +200,7 @@ class TokenRule:
         memo = self._law_memo
         return memo[1] if key is not None and memo is not None and _same_key(memo[0], key) else None
 
+    @per_token
     def log_normaliser(self, logits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """``[n]`` log Z(s), the log normaliser of :meth:`masked_law` (the kept law's when it is there). Without a
         constraint the admitted tokens are every id but ``<pad>`` (0) and ``<bos>`` (1), a slice of the logits: the
@@ -206,6 +208,7 @@ class TokenRule:
         shift, log_sum = self.log_normaliser_parts(logits, s)
         return shift + log_sum
 
+    @per_token
     def log_normaliser_parts(self, logits: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(shift [n], log_sum [n])`` with log Z(s) = shift + log_sum (:meth:`log_normaliser`): the largest admitted
         logit (0 where not finite) and the log sum of exp(logit - shift), apart, for differences of normalisers

@@ -121,6 +121,7 @@ class KVCache:
     #: append a ``torch.cat`` (for benchmarks and debugging).
     preallocate: bool = True
 
+    @per_token
     def __init__(self, storage: _Storage, start: int, end: int, length: int, window: int | None):
         self._storage = storage
         self._start, self._end = start, end  # the valid entries are buffer[:, :, start:end]

@@ -80,6 +80,7 @@ class Constrained(Program):
         state["x"] = LMState.start(self.lm, particles(), prompt=prompt, rule=self.rule, max_len=self.max_tokens,
                                    stop_ids=torch.tensor(self.stop_ids, device=lm_device(self.lm)))
 
+    @per_token
     def log_mass(self, logits: torch.Tensor, s: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
         """log Z_t ``[n]``: the log of the LM's mass on the tokens the automaton admits in states ``s``, over its
         mass on the tokens it may generate at all (Def 2.8's normaliser); 0 for ended rows (factor 1).

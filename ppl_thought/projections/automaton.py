@@ -155,6 +155,7 @@ class Automaton:
         return self.device_table("start", like).repeat(n)
 
     # ------------------------------------------------------------------ tables on a device
+    @per_token
     def device_table(self, what: str, like: Any):
         """One of the tables, with the dead state as row ``-1``, in the framework and on the device of
         ``like`` (cached per device):
