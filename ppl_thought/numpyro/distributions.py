@@ -179,11 +179,56 @@ def _prompt_ids(prompt: Any, vocab_size: int, what: str = "prompt") -> np.ndarra
     return p.astype(np.int64)
 
 
+def prompt_array(prompt: Any, vocab_size: int, where: str = "prompt") -> np.ndarray | jax.Array:
+    """A prompt as ids: 1-D (shared by every row) or ``[r, P]`` right-padded with ``<pad>`` (one per row). A
+    ``jax.Array`` stays one (int32; traced ones pass unread), anything else becomes int64 numpy ids, checked
+    (integers, in ``[0, vocab_size)``, padding only at the end of a row)."""
+    if isinstance(prompt, jax.Array):
+        if prompt.ndim > 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
+            raise MalformedSequenceError(f"{where} must be integer ids, 1-D (shared by every row) or [r, P] (per row), "
+                                         f"got shape {tuple(prompt.shape)}, dtype {prompt.dtype}")
+        if not isinstance(prompt, jax.core.Tracer):
+            _check_prompt(np.asarray(prompt), vocab_size, where)
+        return prompt.astype(jnp.int32)
+    a = np.atleast_1d(as_numpy(where, [] if prompt is None else prompt))
+    if a.ndim > 2 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+        raise MalformedSequenceError(f"{where} must be integer ids, 1-D (shared by every row) or [r, P] (per row), "
+                                     f"got shape {a.shape}, dtype {a.dtype}")
+    a = a.astype(np.int64)
+    _check_prompt(a, vocab_size, where)
+    return a
+
+
+def _check_prompt(a: np.ndarray, vocab_size: int, where: str) -> None:
+    if a.size and (a.min() < 0 or a.max() >= vocab_size):
+        raise UnknownTokenError(f"{where} contains ids outside the vocabulary [0, {vocab_size})")
+    if a.ndim == 2 and a.shape[1]:
+        real = a != PAD_ID
+        if (real[:, 1:] & ~real[:, :-1]).any():
+            raise MalformedSequenceError(f"padding inside a per-row {where}: <pad> must only fill the end of a row")
+
+
 @checked_jax
 def encode(lm: LM, params: Any, prompt: ArrayLike, n: int, max_new: int, latents: Any = None) -> tuple[jax.Array, Any]:
-    """Feed ``<bos> + prompt`` (shared by every row) into a fresh cache: ``(next log-probs [n, V], cache)``."""
-    ctx = jnp.asarray(np.concatenate([[BOS_ID], _prompt_ids(prompt, lm.vocab_size)]), dtype=jnp.int32)
+    """Feed ``<bos> + prompt`` into a fresh cache with room for ``max_new`` more tokens per row: ``(next log-probs
+    [n, V], cache)``. The one home of prompts on the JAX side (``LMSequence``, ``LMState.start``, ``ActiveLift``):
+    ``prompt`` 1-D is shared by every row; ``[r, P]`` right-padded with ``<pad>`` (r dividing n) gives each prompt
+    to n / r consecutive rows (the torch rule), its padding fed as nothing (``valid=False``: no cache slot, no
+    position), so each row's state is that of its own prompt alone (equal to row-by-row runs)."""
     n, max_new = integer("n", n, minimum=0), integer("max_new", max_new, minimum=0)
+    p = prompt_array(prompt, lm.vocab_size)
+    if p.ndim == 2:  # per-row prompts
+        r = p.shape[0]
+        if r == 0 or n % r:
+            raise MalformedSequenceError(f"a per-row prompt [r, P] needs r dividing n = {n} (each prompt to n / r "
+                                         f"consecutive rows), got r = {r}")
+        ctx = jnp.concatenate([jnp.full((n, 1), BOS_ID, jnp.int32), jnp.repeat(jnp.asarray(p, jnp.int32), n // r, 0)],
+                              1)
+        valid = ctx != PAD_ID
+        cache = lm.init_cache(n, ctx.shape[1] + max_new)
+        logp, cache = lm.apply(params, cache, ctx, valid=valid, latents=latents)
+        return logp[jnp.arange(n), valid.sum(1) - 1], cache  # each row's last prompt token (<bos> if empty)
+    ctx = jnp.concatenate([jnp.full((1,), BOS_ID, jnp.int32), jnp.asarray(p, jnp.int32)])
     cache = lm.init_cache(n, ctx.shape[0] + max_new)
     logp, cache = lm.apply(params, cache, jnp.broadcast_to(ctx, (n, ctx.shape[0])), latents=latents)
     return logp[:, -1], cache
@@ -268,17 +313,25 @@ def decode(key: Key, lm: LM, params: Any, rule: SupportsTokenRule, n: int, promp
 
 @checked_jax
 def teacher_forced(lm: LM, params: Any, prompt: ArrayLike, z: Array, latents: Any = None) -> jax.Array:
-    """The LM's next-token log-probabilities at each position of ``z [n, L]``: ``[n, L, V]`` (one pass)."""
+    """The LM's next-token log-probabilities at each position of ``z [n, L]``: ``[n, L, V]`` (one pass; with
+    per-row prompts ``[r, P]``, :func:`encode`'s rule, two: the prompts, then z)."""
     if z.ndim != 2 or not jnp.issubdtype(z.dtype, jnp.integer) or z.shape[0] == 0:
         raise MalformedSequenceError(f"teacher_forced takes integer token ids z [n >= 1, L], got {z.dtype} "
                                      f"{tuple(z.shape)}")
     n, L = z.shape
-    ctx = np.concatenate([[BOS_ID], _prompt_ids(prompt, lm.vocab_size)])
-    inputs = jnp.concatenate([jnp.broadcast_to(jnp.asarray(ctx, jnp.int32), (n, len(ctx))),
+    p = prompt_array(prompt, lm.vocab_size)
+    if p.ndim == 2:  # per-row prompts: each row's prompt encoded alone (encode), then z fed after it
+        logp, cache = encode(lm, params, p, n, L, latents)
+        if L == 1:
+            return logp[:, None]
+        out, _ = lm.apply(params, cache, z[:, : L - 1].astype(jnp.int32), latents=latents)
+        return jnp.concatenate([logp[:, None], out], 1)
+    ctx = jnp.concatenate([jnp.full((1,), BOS_ID, jnp.int32), jnp.asarray(p, jnp.int32)])
+    inputs = jnp.concatenate([jnp.broadcast_to(ctx, (n, ctx.shape[0])),
                               z[:, : max(L - 1, 0)].astype(jnp.int32)], 1)
     cache = lm.init_cache(n, inputs.shape[1])
     logp, _ = lm.apply(params, cache, inputs, latents=latents)
-    return logp[:, len(ctx) - 1:]
+    return logp[:, ctx.shape[0] - 1:]
 
 
 @checked_jax
@@ -359,7 +412,10 @@ class LMSequence(Distribution):
 
     Args:
         lm: a JAX LM (:class:`~ppl_thought.numpyro.lm.base.LM`).
-        prompt: 1-D ids (or text with ``vocab``) after ``<bos>``, shared by every row.
+        prompt: ids (or text with ``vocab``) after ``<bos>``: 1-D, shared by every row, or ``[B, P]`` right-padded
+            with ``<pad>``, one prompt per row of the batch (the batch shape becomes ``B``, broadcast with
+            ``batch_shape``); a sample of shape ``[S, B]`` gives row ``(s, b)`` prompt ``b`` (the torch rule).
+            Each row's numbers equal a run with its prompt alone (:func:`encode`).
         constraint: an :class:`~ppl_thought.projections.Automaton`; inadmissible logits are ``-inf`` before the
             softmax and reaching a final state ends the sequence. One built by ``token_automaton`` for another
             tokenizer's texts than ``vocab`` (or ``lm.vocab``) is a :class:`~ppl_thought.errors.TokenizerMismatchError`.
@@ -392,14 +448,12 @@ class LMSequence(Distribution):
             if vocab is None:
                 raise ConfigError("prompt is given as text; pass vocab= to LMSequence")
             prompt = vocab.encode(prompt)
-        p = np.asarray([]) if prompt is None else as_numpy("prompt", prompt, where="LMSequence")
-        if p.ndim != 1 or (p.size and not np.issubdtype(p.dtype, np.integer)):
-            raise MalformedSequenceError(f"prompt must be 1-D integer ids (shared by every row), got {p.shape} "
-                                         f"{p.dtype}")
-        p = p.astype(np.int64)
-        p = p[: np.flatnonzero(p != PAD_ID)[-1] + 1] if (p != PAD_ID).any() else p[:0]
-        if p.size and (p.min() < 0 or p.max() >= self.vocab_size):
-            raise UnknownTokenError(f"prompt contains ids outside the vocabulary [0, {self.vocab_size})")
+        p = prompt_array(prompt, self.vocab_size)
+        if not isinstance(p, jax.core.Tracer):  # right padding (<pad> in every row) is no context: dropped
+            real = (np.asarray(p) != PAD_ID).reshape(-1, p.shape[-1]).any(0)
+            p = p[..., : np.flatnonzero(real)[-1] + 1] if real.any() else p[..., :0]
+        if p.ndim == 2:
+            batch_shape = tuple(np.broadcast_shapes(tuple(batch_shape), p.shape[:1]))
         self.prompt = p
         if constraint is not None and constraint.vocab_size != self.vocab_size:
             raise ConfigError(f"constraint automaton has {constraint.vocab_size} token columns, "
@@ -435,6 +489,19 @@ class LMSequence(Distribution):
             raise UnknownTokenError(f"stop tokens {a.tolist()} outside the vocabulary [0, {self.vocab_size})")
         return a
 
+    def _prompt_rows(self, n: int) -> np.ndarray | jax.Array:
+        """The prompt for ``n`` rows (a sample of ``n / B`` times the batch, flattened): a shared 1-D prompt as it
+        is; per-row prompts ``[B, P]`` broadcast to the batch and tiled, row i getting prompt ``i % B`` (torch's
+        ``LMSequence._prompt_rows``), as ``[n, P]``."""
+        p = self.prompt
+        if p.ndim < 2:
+            return p
+        B = int(np.prod(self.batch_shape)) if self.batch_shape else 1
+        if B == 0 or n % B:
+            raise MalformedSequenceError(f"{B} prompts for {n} rows")
+        rows = jnp.broadcast_to(jnp.asarray(p), tuple(self.batch_shape) + p.shape[-1:]).reshape(B, p.shape[-1])
+        return jnp.tile(rows, (n // B, 1))
+
     @per_token
     def expand(self, batch_shape: Any) -> LMSequence:
         new = object.__new__(LMSequence)
@@ -448,7 +515,7 @@ class LMSequence(Distribution):
         """Draws ``[*sample_shape, *batch, max_len]`` and their log-probabilities, in one decoding loop."""
         shape = tuple(sample_shape) + tuple(self.batch_shape)
         n = int(np.prod(shape)) if shape else 1
-        z, lp = decode(key, self.lm, self.params, self.rule, n, self.prompt, self.max_len, self.stop_ids,
+        z, lp = decode(key, self.lm, self.params, self.rule, n, self._prompt_rows(n), self.max_len, self.stop_ids,
                        self.latents)
         return z.reshape(shape + (self.max_len,)), lp.reshape(shape)
 
@@ -467,13 +534,15 @@ class LMSequence(Distribution):
         sums are log P(z_{<=k}) (Def 2.8). One teacher-forced pass."""
         v = check_ids(value, self.vocab_size, self.max_len)
         v = jnp.asarray(v, jnp.int32)
+        if self.prompt.ndim == 2:  # one prompt per row: the value broadcast over the prompts' batch
+            v = jnp.broadcast_to(v, tuple(np.broadcast_shapes(v.shape[:-1], self.prompt.shape[:1])) + v.shape[-1:])
         batch = v.shape[:-1]
         flat = v.reshape((-1, v.shape[-1]))
         if flat.shape[0] == 0 or flat.shape[1] == 0:
             steps, complete = score(self.rule, jnp.zeros(flat.shape + (self.vocab_size,)), flat, self.max_len,
                                     self.stop_ids)
         else:
-            logp = teacher_forced(self.lm, self.params, self.prompt, flat, self.latents)
+            logp = teacher_forced(self.lm, self.params, self._prompt_rows(flat.shape[0]), flat, self.latents)
             steps, complete = score(self.rule, logp, flat, self.max_len, self.stop_ids)
         return steps.reshape(batch + (flat.shape[1],)), complete.reshape(batch)
 
@@ -487,7 +556,7 @@ class LMSequence(Distribution):
 
     def __repr__(self) -> str:
         c = self.constraint.name if self.constraint is not None else None
-        return (f"LMSequence(lm={type(self.lm).__name__}, prompt_len={len(self.prompt)}, constraint={c}, "
+        return (f"LMSequence(lm={type(self.lm).__name__}, prompt_len={self.prompt.shape[-1]}, constraint={c}, "
                 f"stop={self.stop_ids.tolist()}, max_len={self.max_len}, batch_shape={tuple(self.batch_shape)})")
 
 
