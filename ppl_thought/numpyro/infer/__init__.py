@@ -5,6 +5,7 @@
 from (``effective_sample_size``, ``log_mean_exp``, ``systematic_resample``) stay importable from
 :mod:`ppl_thought.numpyro.infer.resampling`; ``ptn.compile_stats()`` says when and why a run compiled."""
 
+from ppl_thought.numpyro.infer.active_inference import conditional_decode, conditional_encode, encode
 from ppl_thought.numpyro.infer.decode_methods import Decoded, decode
 from ppl_thought.numpyro.infer.importance import Importance
 from ppl_thought.numpyro.infer.langevin import MALA, ULA, LangevinState
@@ -23,5 +24,5 @@ from ppl_thought.numpyro.infer.svi import ELBO
 
 __all__ = ["ELBO", "GRPO", "MALA", "SFT", "SMC", "ULA", "ActiveGenerative", "ActiveLifting", "ConditionalSamplerLoss",
            "Decoded", "GeneratorLoss", "Importance", "Inquisitive", "LangevinState", "MinimumLengthCoding",
-           "OneSampler", "R1Zero", "Result", "SamplerPolicyGradient", "SeparatePolicy", "Sum", "TwoSampler", "decode",
-           "log_marginal_stderr"]
+           "OneSampler", "R1Zero", "Result", "SamplerPolicyGradient", "SeparatePolicy", "Sum", "TwoSampler",
+           "conditional_decode", "conditional_encode", "decode", "encode", "log_marginal_stderr"]
