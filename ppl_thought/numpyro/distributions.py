@@ -449,7 +449,7 @@ class LMSequence(Distribution):
                 raise ConfigError("prompt is given as text; pass vocab= to LMSequence")
             prompt = vocab.encode(prompt)
         p = prompt_array(prompt, self.vocab_size)
-        if not isinstance(p, jax.core.Tracer):  # right padding (<pad> in every row) is no context: dropped
+        if not isinstance(p, jax.core.Tracer) and p.shape[-1]:  # right padding (<pad> in every row): dropped
             real = (np.asarray(p) != PAD_ID).reshape(-1, p.shape[-1]).any(0)
             p = p[..., : np.flatnonzero(real)[-1] + 1] if real.any() else p[..., :0]
         if p.ndim == 2:
