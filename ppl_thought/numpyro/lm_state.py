@@ -38,8 +38,9 @@ from numpyro.distributions import Distribution, constraints
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.numpyro.boundary import ArrayLike, SupportsTokenRule, checked_jax
-from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, encode, prompt_array, token_step, tree_where
+from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, token_step, tree_where
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.numpyro.prompts import encode, prompt_array
 from ppl_thought.validation import per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 

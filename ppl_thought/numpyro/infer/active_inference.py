@@ -173,7 +173,7 @@ def conditional_decode(lift: ActiveLift, x: ArrayLike | str, num_samples: int = 
         raise ActiveLiftError(f"the prompt must be shorter than max_x_len = {lift.max_x_len} and not end with <eos>")
     res = bool(resample) and n > 1
 
-    def fn(lf, k, xs):
+    def resample_and_decode(lf, k, xs):
         k1, k2, k3 = jax.random.split(k, 3)
         z = _draw(lf, k1, xs, m * n)
         if res:
@@ -189,4 +189,5 @@ def conditional_decode(lift: ActiveLift, x: ArrayLike | str, num_samples: int = 
         return jnp.concatenate([rows, cont], 1)
 
     return _compiled("ActiveLift conditional_decode (6.20)-(6.21)", lift,
-                     (("num_samples", m), ("num_particles", n), ("resample", res)), fn, (xs,))(prng_key(rng_key))
+                     (("num_samples", m), ("num_particles", n), ("resample", res)), resample_and_decode,
+                     (xs,))(prng_key(rng_key))
