@@ -400,6 +400,7 @@ def _objectives(name: str, file: str = "test_numpyro_objectives.py"):
 
 
 _MORE, _ACTIVE = "test_numpyro_objectives_more.py", "test_numpyro_objectives_active.py"
+_ACTIVE_INF = "test_numpyro_active_inference.py"
 JAX_CELLS = {
     "ptn.infer.Importance": [jax_importance_general],
     "ptn.infer.SMC": [jax_smc_general],
@@ -424,6 +425,13 @@ JAX_CELLS = {
        for name in ("ActiveLifting", "MinimumLengthCoding", "GeneratorLoss", "ActiveGenerative")},
     "ptn.infer.ConditionalSamplerLoss": [_objectives("test_conditional_sampler_loss_is_the_enumerated_cross_entropy",
                                                      _ACTIVE)],
+    # active lifting inference (6.17)-(6.22) on an ActiveLift (its model is the lift, not a ptn.Program)
+    "ptn.infer.encode": [_objectives("test_encode_is_exactly_unbiased_and_equals_torch_on_the_same_particles",
+                                     _ACTIVE_INF), _objectives("test_encode_compiled_runs_draw_from_q_and_reuse_one_"
+                                                               "compile", _ACTIVE_INF)],
+    "ptn.infer.conditional_encode": [_objectives("test_conditional_encode_is_consistent_and_its_weights_equal_torch",
+                                                 _ACTIVE_INF)],
+    "ptn.infer.conditional_decode": [_objectives("test_conditional_decode_laws_against_enumeration", _ACTIVE_INF)],
 }
 
 #: engines that do not run a program yet: each is tried on a program and must fail; when one starts to run, its

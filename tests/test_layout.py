@@ -166,6 +166,8 @@ DRAWS_ALLOWED = {
     ("data/markov_mixture.py", "sample"): "the data law (a mixture of Markov chains), no LM",
     ("data/markov_mixture.py", "sample_continuation"): "the data law (a mixture of Markov chains), no LM",
     ("training/active.py", "conditional_decode"): "an importance resample of particles (index I), not tokens",
+    ("numpyro/infer/active_inference.py", "resample_and_decode"): "(6.21)'s importance resample of particles (index "
+                                                                   "I), not tokens",
     ("inference/", "_program_algorithm2"): "an observed symbol from the predictive law (G.1)",
     ("inference/", "_program_exact"): "outputs from an enumerated exact law",
     ("inference/", "_program_algorithm1"): "an observed symbol from the exact next-output law (Algorithm 1, line 7)",

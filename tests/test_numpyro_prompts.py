@@ -93,3 +93,62 @@ def test_a_program_with_per_row_prompts_has_the_row_by_row_log_weights(tmp_path)
     assert len(set(np.round(np.asarray(res.log_weights), 4))) == 3  # three prompts, three different answers' laws
     with pytest.raises(MalformedSequenceError, match="r dividing n = 4"):
         LMState.start(lm, 4, prompt=PROMPTS)
+
+
+# ---------------------------------------------------------------------------------------------- ptn.dist.LMSequence
+AUTO_LEN = 3
+
+
+def _torch_lm(tmp_path):
+    torch.manual_seed(0)
+    t = pt.lm.Transformer(V, d_model=16, n_layers=2, n_heads=2, max_len=32)
+    with torch.no_grad():
+        t.lm_head.weight.mul_(3.0)
+    return t, ptn.lm.Transformer.load(t.save(tmp_path / "lm_seq"))
+
+
+def test_lm_sequence_with_per_row_prompts_equals_row_by_row_and_torch(tmp_path):
+    """``ptn.dist.LMSequence(lm, prompt=[B, P])``: batch shape B; log_prob of every value (also broadcast over a
+    sample dim) equals the one-prompt LMSequence of its row, and the torch LMSequence with the same per-row prompts
+    on the same weights, within 1e-5; a sample of shape [S] puts prompt i % B on row i (torch's rule) and its
+    log-probabilities are the row-by-row ones of the drawn values."""
+    t, lm = _torch_lm(tmp_path)
+    eos = VOCAB.id("<eos>")
+    d = ptn.dist.LMSequence(lm, prompt=PROMPTS, stop=eos, max_len=AUTO_LEN)
+    assert d.batch_shape == (3,)
+    values = np.array([[A, eos, PAD_ID], [B, C, A], [eos, PAD_ID, PAD_ID]])
+    got = np.asarray(d.log_prob(jnp.asarray(values)))
+    rows = [float(ptn.dist.LMSequence(lm, prompt=_row(i), stop=eos, max_len=AUTO_LEN).log_prob(values[i]))
+            for i in range(3)]
+    np.testing.assert_allclose(got, rows, atol=1e-5)
+    tq = pt.dist.LMSequence(t, prompt=torch.as_tensor(PROMPTS), stop=eos, max_len=AUTO_LEN)
+    with torch.no_grad():
+        want = tq.log_prob(torch.as_tensor(values)).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    two = np.asarray(d.log_prob(jnp.asarray(np.stack([values, values]))))  # [2, 3]: broadcast over the prompts
+    np.testing.assert_allclose(two, np.stack([got, got]), atol=1e-6)
+    z, lp = d.sample_with_log_prob(jax.random.PRNGKey(0), (4,))
+    assert z.shape == (4, 3, AUTO_LEN)
+    z, lp = np.asarray(z), np.asarray(lp)
+    for s in range(4):
+        for b in range(3):
+            one = ptn.dist.LMSequence(lm, prompt=_row(b), stop=eos, max_len=AUTO_LEN)
+            assert abs(float(one.log_prob(z[s, b])) - lp[s, b]) < 1e-5, (s, b)
+    with pytest.raises(MalformedSequenceError, match="padding inside"):
+        ptn.dist.LMSequence(lm, prompt=np.array([[A, PAD_ID, B]]), max_len=2)
+
+
+def test_lm_sequence_per_row_prompt_law_matches_row_by_row_enumeration():
+    """The law of the draws of row b (a trigram Tabular, max_len 2, no stop: V^2 outcomes) is the enumerated law
+    under prompt b alone: total variation under 0.05 with 4000 draws per row."""
+    lm = ptn.lm.Tabular.from_numpy(TABLE)
+    d = ptn.dist.LMSequence(lm, prompt=PROMPTS, max_len=2)
+    z = np.asarray(d.sample(jax.random.PRNGKey(1), (4000,)))  # [4000, 3, 2]
+    grid = np.array([[i, j] for i in range(V) for j in range(V) if i not in (PAD_ID, BOS_ID) and
+                     j not in (PAD_ID, BOS_ID)])
+    for b in range(3):
+        exact = np.exp(np.asarray(ptn.dist.LMSequence(lm, prompt=_row(b), max_len=2).log_prob(jnp.asarray(grid))))
+        assert abs(exact.sum() - 1) < 1e-4
+        codes = z[:, b, 0] * V + z[:, b, 1]
+        emp = np.array([(codes == g[0] * V + g[1]).mean() for g in grid])
+        assert 0.5 * np.abs(emp - exact).sum() < 0.05, b

@@ -9,8 +9,10 @@ numpy automaton tables)::
     ptn.sample, observe, factor, twist, particles   # its verbs (NumPyro primitives under the theory's names)
     ptn.dist                     # LMSequence (Def 2.8), ProjectionDelta, LMState: NumPyro distributions
     ptn.models                   # SlowThinking (Proj # P_f), HMM (Def 2.2, forward algorithm (3.1)), LatentThought
-    ptn.guides                   # Identity (3.30), Predictive, Causal (3.33), Explanatory (Def 3.9), Posterior
-    ptn.infer                    # Importance (3.2), SMC, ELBO (for numpyro.infer.SVI), Result, ULA / MALA kernels
+    ptn.guides                   # Identity (3.30), Predictive, Causal (3.33), Explanatory (Def 3.9), Posterior,
+                                 # Inquisitive (3.22)
+    ptn.infer                    # Importance (3.2), SMC, ELBO (for numpyro.infer.SVI), Result, ULA / MALA kernels,
+                                 # encode, conditional_encode, conditional_decode (active lifting, (6.17)-(6.22))
     ptn.handlers                 # ProjectionLift: a plain LM program -> Proj # P_f
     ptn.transforms               # pt.transforms as NumPyro handlers: ProjectionLift, Forgetful, Persistent,
                                  # Ubiquitous, CostAware, ActiveLift, compose

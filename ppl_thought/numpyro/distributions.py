@@ -27,9 +27,10 @@ from numpyro.distributions import Distribution, constraints
 
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, MalformedSequenceError, NotInImageError, UnknownTokenError
-from ppl_thought.numpyro.boundary import Array, ArrayLike, Key, SupportsTokenRule, as_array, as_numpy, checked_jax
+from ppl_thought.numpyro.boundary import Array, ArrayLike, Key, SupportsTokenRule, as_array, checked_jax
 from ppl_thought.numpyro.ids import check_ids, pad_to, prompt_ids
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.numpyro.prompts import encode, prompt_array
 from ppl_thought.projections.automaton import Automaton, forced_runs
 from ppl_thought.projections.base import Projection
 from ppl_thought.projections.token_lift import check_tokenizer
@@ -171,16 +172,6 @@ class TokenRule:
 
 # ---------------------------------------------------------------------------------------------- the loops
 @checked_jax
-def encode(lm: LM, params: Any, prompt: ArrayLike, n: int, max_new: int, latents: Any = None) -> tuple[jax.Array, Any]:
-    """Feed ``<bos> + prompt`` (shared by every row) into a fresh cache: ``(next log-probs [n, V], cache)``."""
-    ctx = jnp.asarray(np.concatenate([[BOS_ID], prompt_ids(prompt, lm.vocab_size)]), dtype=jnp.int32)
-    n, max_new = integer("n", n, minimum=0), integer("max_new", max_new, minimum=0)
-    cache = lm.init_cache(n, ctx.shape[0] + max_new)
-    logp, cache = lm.apply(params, cache, jnp.broadcast_to(ctx, (n, ctx.shape[0])), latents=latents)
-    return logp[:, -1], cache
-
-
-@checked_jax
 def sample_token(key: Key, q: Array, done: Array) -> jax.Array:
     """One categorical draw per row from log-probabilities ``q [n, V]`` (``<pad>`` for finished rows)."""
     if q.ndim != 2 or done.shape != q.shape[:1]:
@@ -318,17 +309,25 @@ def decode_chunked(key: Key, lm: LM, params: Any, rule: Any, n: int, prompt: Arr
 
 @checked_jax
 def teacher_forced(lm: LM, params: Any, prompt: ArrayLike, z: Array, latents: Any = None) -> jax.Array:
-    """The LM's next-token log-probabilities at each position of ``z [n, L]``: ``[n, L, V]`` (one pass)."""
+    """The LM's next-token log-probabilities at each position of ``z [n, L]``: ``[n, L, V]`` (one pass; with
+    per-row prompts ``[r, P]``, :func:`encode`'s rule, two: the prompts, then z)."""
     if z.ndim != 2 or not jnp.issubdtype(z.dtype, jnp.integer) or z.shape[0] == 0:
         raise MalformedSequenceError(f"teacher_forced takes integer token ids z [n >= 1, L], got {z.dtype} "
                                      f"{tuple(z.shape)}")
     n, L = z.shape
-    ctx = np.concatenate([[BOS_ID], prompt_ids(prompt, lm.vocab_size)])
-    inputs = jnp.concatenate([jnp.broadcast_to(jnp.asarray(ctx, jnp.int32), (n, len(ctx))),
+    p = prompt_array(prompt, lm.vocab_size)
+    if p.ndim == 2:  # per-row prompts: each row's prompt encoded alone (encode), then z fed after it
+        logp, cache = encode(lm, params, p, n, L, latents)
+        if L == 1:
+            return logp[:, None]
+        out, _ = lm.apply(params, cache, z[:, : L - 1].astype(jnp.int32), latents=latents)
+        return jnp.concatenate([logp[:, None], out], 1)
+    ctx = jnp.concatenate([jnp.full((1,), BOS_ID, jnp.int32), jnp.asarray(p, jnp.int32)])
+    inputs = jnp.concatenate([jnp.broadcast_to(ctx, (n, ctx.shape[0])),
                               z[:, : max(L - 1, 0)].astype(jnp.int32)], 1)
     cache = lm.init_cache(n, inputs.shape[1])
     logp, _ = lm.apply(params, cache, inputs, latents=latents)
-    return logp[:, len(ctx) - 1:]
+    return logp[:, ctx.shape[0] - 1:]
 
 
 @checked_jax
@@ -372,7 +371,10 @@ class LMSequence(Distribution):
 
     Args:
         lm: a JAX LM (:class:`~ppl_thought.numpyro.lm.base.LM`).
-        prompt: 1-D ids (or text with ``vocab``) after ``<bos>``, shared by every row.
+        prompt: ids (or text with ``vocab``) after ``<bos>``: 1-D, shared by every row, or ``[B, P]`` right-padded
+            with ``<pad>``, one prompt per row of the batch (the batch shape becomes ``B``, broadcast with
+            ``batch_shape``); a sample of shape ``[S, B]`` gives row ``(s, b)`` prompt ``b`` (the torch rule).
+            Each row's numbers equal a run with its prompt alone (:func:`encode`).
         constraint: an :class:`~ppl_thought.projections.Automaton`; inadmissible logits are ``-inf`` before the
             softmax and reaching a final state ends the sequence. One built by ``token_automaton`` for another
             tokenizer's texts than ``vocab`` (or ``lm.vocab``) is a :class:`~ppl_thought.errors.TokenizerMismatchError`.
@@ -409,14 +411,12 @@ class LMSequence(Distribution):
             if vocab is None:
                 raise ConfigError("prompt is given as text; pass vocab= to LMSequence")
             prompt = vocab.encode(prompt)
-        p = np.asarray([]) if prompt is None else as_numpy("prompt", prompt, where="LMSequence")
-        if p.ndim != 1 or (p.size and not np.issubdtype(p.dtype, np.integer)):
-            raise MalformedSequenceError(f"prompt must be 1-D integer ids (shared by every row), got {p.shape} "
-                                         f"{p.dtype}")
-        p = p.astype(np.int64)
-        p = p[: np.flatnonzero(p != PAD_ID)[-1] + 1] if (p != PAD_ID).any() else p[:0]
-        if p.size and (p.min() < 0 or p.max() >= self.vocab_size):
-            raise UnknownTokenError(f"prompt contains ids outside the vocabulary [0, {self.vocab_size})")
+        p = prompt_array(prompt, self.vocab_size)
+        if not isinstance(p, jax.core.Tracer) and p.shape[-1]:  # right padding (<pad> in every row): dropped
+            real = (np.asarray(p) != PAD_ID).reshape(-1, p.shape[-1]).any(0)
+            p = p[..., : np.flatnonzero(real)[-1] + 1] if real.any() else p[..., :0]
+        if p.ndim == 2:
+            batch_shape = tuple(np.broadcast_shapes(tuple(batch_shape), p.shape[:1]))
         self.prompt = p
         if constraint is not None and constraint.vocab_size != self.vocab_size:
             raise ConfigError(f"constraint automaton has {constraint.vocab_size} token columns, "
@@ -453,6 +453,19 @@ class LMSequence(Distribution):
             raise UnknownTokenError(f"stop tokens {a.tolist()} outside the vocabulary [0, {self.vocab_size})")
         return a
 
+    def _prompt_rows(self, n: int) -> np.ndarray | jax.Array:
+        """The prompt for ``n`` rows (a sample of ``n / B`` times the batch, flattened): a shared 1-D prompt as it
+        is; per-row prompts ``[B, P]`` broadcast to the batch and tiled, row i getting prompt ``i % B`` (torch's
+        ``LMSequence._prompt_rows``), as ``[n, P]``."""
+        p = self.prompt
+        if p.ndim < 2:
+            return p
+        B = int(np.prod(self.batch_shape)) if self.batch_shape else 1
+        if B == 0 or n % B:
+            raise MalformedSequenceError(f"{B} prompts for {n} rows")
+        rows = jnp.broadcast_to(jnp.asarray(p), tuple(self.batch_shape) + p.shape[-1:]).reshape(B, p.shape[-1])
+        return jnp.tile(rows, (n // B, 1))
+
     @per_token
     def expand(self, batch_shape: Any) -> LMSequence:
         new = object.__new__(LMSequence)
@@ -467,10 +480,10 @@ class LMSequence(Distribution):
         shape = tuple(sample_shape) + tuple(self.batch_shape)
         n = int(np.prod(shape)) if shape else 1
         if self.chunk:
-            z, lp = decode_chunked(key, self.lm, self.params, self.rule, n, self.prompt, self.max_len, self.stop_ids,
-                                   self.chunk, self.latents)
+            z, lp = decode_chunked(key, self.lm, self.params, self.rule, n, self._prompt_rows(n), self.max_len,
+                                   self.stop_ids, self.chunk, self.latents)
         else:
-            z, lp = decode(key, self.lm, self.params, self.rule, n, self.prompt, self.max_len, self.stop_ids,
+            z, lp = decode(key, self.lm, self.params, self.rule, n, self._prompt_rows(n), self.max_len, self.stop_ids,
                            self.latents)
         return z.reshape(shape + (self.max_len,)), lp.reshape(shape)
 
@@ -489,13 +502,15 @@ class LMSequence(Distribution):
         sums are log P(z_{<=k}) (Def 2.8). One teacher-forced pass."""
         v = check_ids(value, self.vocab_size, self.max_len)
         v = jnp.asarray(v, jnp.int32)
+        if self.prompt.ndim == 2:  # one prompt per row: the value broadcast over the prompts' batch
+            v = jnp.broadcast_to(v, tuple(np.broadcast_shapes(v.shape[:-1], self.prompt.shape[:1])) + v.shape[-1:])
         batch = v.shape[:-1]
         flat = v.reshape((-1, v.shape[-1]))
         if flat.shape[0] == 0 or flat.shape[1] == 0:
             steps, complete = score(self.rule, jnp.zeros(flat.shape + (self.vocab_size,)), flat, self.max_len,
                                     self.stop_ids)
         else:
-            logp = teacher_forced(self.lm, self.params, self.prompt, flat, self.latents)
+            logp = teacher_forced(self.lm, self.params, self._prompt_rows(flat.shape[0]), flat, self.latents)
             steps, complete = score(self.rule, logp, flat, self.max_len, self.stop_ids)
         return steps.reshape(batch + (flat.shape[1],)), complete.reshape(batch)
 
@@ -509,7 +524,7 @@ class LMSequence(Distribution):
 
     def __repr__(self) -> str:
         c = self.constraint.name if self.constraint is not None else None
-        return (f"LMSequence(lm={type(self.lm).__name__}, prompt_len={len(self.prompt)}, constraint={c}, "
+        return (f"LMSequence(lm={type(self.lm).__name__}, prompt_len={self.prompt.shape[-1]}, constraint={c}, "
                 f"stop={self.stop_ids.tolist()}, max_len={self.max_len}, batch_shape={tuple(self.batch_shape)}"
                 + (f", chunk={self.chunk})" if self.chunk else ")"))
 

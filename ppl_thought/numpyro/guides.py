@@ -10,6 +10,7 @@ sampling ``"z"``), ``dist(x)`` (the NumPyro distribution of that site), ``sample
 - :class:`Causal` (3.33): the LM decoded under the lifting automaton with the masked softmax (Def 2.8).
 - :class:`Explanatory` (Def 3.9, Section 5.6.2): the prompt ``x <explain> [mode tag]``, then the lifting.
 - :class:`Posterior`: Q_* of (2.24) by enumeration (a table over the lifting).
+- :class:`Inquisitive`: Q_bullet of (3.22) by enumeration, P(z) ||grad_theta log P(z)|| (a table, as Posterior).
 - :class:`HMMGuide` (defined with the HMM in ppl_thought/numpyro/models/hmm.py): the step-wise guides of
   ``ptn.models.HMM``, the exact posterior (backward messages) and the filtering proposal, as programs.
 """
@@ -45,6 +46,7 @@ from ppl_thought.numpyro.distributions import (
     masked_log_softmax,
     tables,
 )
+from ppl_thought.numpyro.inquisitive import inquisitive_table
 from ppl_thought.numpyro.lm.base import LM
 from ppl_thought.numpyro.lm_state import LMState
 from ppl_thought.numpyro.models.hmm import HMMGuide, HMMGuideProgram
@@ -553,5 +555,40 @@ class Posterior(Sampler):
                         TableRule(support, lq, self.lifting(x), len(self.projection.vocab)), self.event_length(x))
 
 
-__all__ = ["Causal", "Explanatory", "HMMGuide", "HMMGuideProgram", "Identity", "MarginalRule", "Posterior",
-           "Predictive", "Proposal", "Sampler", "SamplerProgram", "TableDistribution", "TableRule", "lifting_state"]
+@checked_jax
+class Inquisitive(Posterior):
+    """The inquisitive sampler Q_bullet of (3.22), Def 3.2, exactly for small models (torch: ``pt.guides.Inquisitive``):
+
+        Q_bullet(z | x) ∝ P_f^{<=|z|}(z) * || grad_theta log P_f^{<=|z|}(z) ||,   z in lifting(x),
+
+    theta = every parameter of the prior (the norm of the concatenated per-sequence gradient, one ``jax.jacrev``:
+    :mod:`ppl_thought.numpyro.inquisitive`); ``centered=True`` is Remark 3.7's translation-invariant variant, the
+    distance to the mean gradient. A table over the lifting like :class:`Posterior`: ``guide(x)``, ``log_prob``,
+    ``program(x)`` for ``ptn.infer.Importance`` / ``SMC``. Tables are cached per x: :meth:`clear` after the prior's
+    parameters change."""
+
+    def __init__(self, model: SupportsExactPosterior, centered: bool = False, limit: int = 2_000):
+        super().__init__(model, limit)
+        for need in ("enumerate_log_joint", "z_dist", "prior"):
+            if not hasattr(model, need):
+                raise ConfigError(f"Inquisitive needs a ptn.models.SlowThinking-like model (with {need}); got "
+                                  f"{type(model).__name__}")
+        self.centered = bool(centered)
+
+    def table(self, x: ArrayLike) -> tuple[np.ndarray, jax.Array]:
+        x = np.asarray(x, np.int64)
+        key = ("inquisitive", self.centered, tuple(x.tolist()))
+        c = self._cache()
+        if key not in c:
+            with jax.ensure_compile_time_eval():  # concrete even when first asked inside a trace
+                c[key] = inquisitive_table(self.model, x, self.centered, self.limit)
+        return c[key]
+
+    def clear(self) -> None:
+        """Forget the cached tables (call after the prior's parameters change)."""
+        self.__dict__.pop("_automata", None)
+
+
+__all__ = ["Causal", "Explanatory", "HMMGuide", "HMMGuideProgram", "Identity", "Inquisitive", "MarginalRule",
+           "Posterior", "Predictive", "Proposal", "Sampler", "SamplerProgram", "TableDistribution", "TableRule",
+           "lifting_state"]

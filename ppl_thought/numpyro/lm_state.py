@@ -36,10 +36,11 @@ import numpy as np
 from numpyro.distributions import Distribution, constraints
 
 from ppl_thought.checks import integer
-from ppl_thought.errors import ConfigError, MalformedSequenceError, UnknownTokenError
-from ppl_thought.numpyro.boundary import ArrayLike, SupportsTokenRule, as_numpy, checked_jax
+from ppl_thought.errors import ConfigError, MalformedSequenceError
+from ppl_thought.numpyro.boundary import ArrayLike, SupportsTokenRule, checked_jax
 from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, token_step, tree_where
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.numpyro.prompts import encode, prompt_array
 from ppl_thought.validation import per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
 
@@ -125,39 +126,8 @@ class LMState:
                 or int(getattr(rule, "vocab_size", V)) != V:
             raise ConfigError(f"rule must be a ptn.dist.TokenRule over the LM's {V} tokens (or a rule with start, "
                               f"log_probs, step and is_final over them), got {rule!r}")
-        if prompt is None:
-            p = jnp.zeros((0,), jnp.int32)
-        elif isinstance(prompt, jax.Array):
-            if prompt.ndim > 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
-                raise MalformedSequenceError(f"prompt must be integer ids, 1-D (shared by every row) or [n, P] "
-                                             f"(per row), got shape {tuple(prompt.shape)}, dtype {prompt.dtype}")
-            p = prompt.astype(jnp.int32)
-            p = p if p.ndim == 2 else p.reshape(-1)
-            if not isinstance(prompt, jax.core.Tracer):
-                _check_range(np.asarray(p), V)
-        else:
-            a = as_numpy("prompt", prompt, where="LMState.start")
-            if a.ndim > 2 or (a.size and not np.issubdtype(a.dtype, np.integer)):
-                raise MalformedSequenceError(f"prompt must be integer ids, 1-D (shared by every row) or [n, P] "
-                                             f"(per row), got shape {a.shape}, dtype {a.dtype}")
-            _check_range(a.reshape(-1), V)
-            p = jnp.asarray(a if a.ndim == 2 else a.reshape(-1), jnp.int32)
-        params = lm.params
-        if p.ndim == 2:  # per-row prompts
-            r = p.shape[0]
-            if r == 0 or n % r:
-                raise MalformedSequenceError(f"a per-row prompt [r, P] needs r dividing n = {n} (each prompt to n / r "
-                                             f"consecutive rows), got r = {r}")
-            ctx = jnp.concatenate([jnp.full((n, 1), BOS_ID, jnp.int32), jnp.repeat(p, n // r, axis=0)], 1)
-            valid = ctx != PAD_ID
-            cache = lm.init_cache(n, ctx.shape[1] + room)
-            logp, cache = lm.apply(params, cache, ctx, valid=valid)
-            last = valid.sum(1) - 1  # each row's last prompt token (<bos> for an empty prompt)
-            return cls(lm, rule, logp[jnp.arange(n), last], cache, rule.start(n), room)
-        ctx = jnp.concatenate([jnp.full((1,), BOS_ID, jnp.int32), p])
-        cache = lm.init_cache(n, ctx.shape[0] + room)
-        logp, cache = lm.apply(params, cache, jnp.broadcast_to(ctx, (n, ctx.shape[0])))
-        return cls(lm, rule, logp[:, -1], cache, rule.start(n), room)
+        logp, cache = encode(lm, lm.params, prompt_array(prompt, V, "prompt"), n, room)  # the one home of prompts
+        return cls(lm, rule, logp, cache, rule.start(n), room)
 
     @property
     def n(self) -> int:
@@ -244,11 +214,6 @@ def _feed(lm: LM, params: Any, cache: Any, v: jax.Array, valid: jax.Array) -> tu
     out0 = jnp.zeros((n, K, int(lm.vocab_size)), jnp.float32)
     _, cache, out = jax.lax.while_loop(lambda c: c[0] < width, body, (jnp.zeros((), jnp.int32), cache, out0))
     return out, cache
-
-
-def _check_range(a: np.ndarray, V: int) -> None:
-    if a.size and (a.min() < 0 or a.max() >= V):
-        raise UnknownTokenError(f"prompt contains ids outside the vocabulary [0, {V})")
 
 
 # ---------------------------------------------------------------------------------------------- the sites

@@ -126,7 +126,8 @@ class ActiveLift(_RunCheck, Messenger):
         V = len(vocab)
         self.omega_ids = np.array(sorted(set(omega)), np.int64)
         self._omega_auto = _alphabet_automaton(V, self.omega_ids, "Omega^T")
-        self._sigma_rule = TokenRule(_alphabet_automaton(V, np.asarray(vocab.observable_ids), "Sigma*"), V)
+        self._sigma_auto = _alphabet_automaton(V, np.asarray(vocab.observable_ids), "Sigma*")
+        self._sigma_rule = TokenRule(self._sigma_auto, V)
         self._met, self._seen, self._runs = False, [], 0
 
     needs = "the observed token-sequence site"
@@ -146,10 +147,41 @@ class ActiveLift(_RunCheck, Messenger):
         self.vocab.check_ids(a, "x")
         return a[a != PAD_ID].astype(np.int64)
 
+    def _rows(self, x: ArrayLike) -> np.ndarray | jax.Array:
+        """x as right-padded rows ``[B, L]``: a 2-D array (one x per row), or a traced 1-D / 2-D x (its values
+        unread: the engines' compiled runs); checked when concrete."""
+        if isinstance(x, jax.core.Tracer):
+            if x.ndim not in (1, 2):
+                raise MalformedSequenceError(f"x must be 1-D or [B, L] ids, got shape {tuple(x.shape)}")
+            return (x[None] if x.ndim == 1 else x).astype(jnp.int32)
+        a = as_numpy("x", x, where="ActiveLift")
+        if a.ndim != 2:
+            raise MalformedSequenceError(f"x must be [B, L] right-padded ids here, got shape {a.shape}")
+        self.vocab.check_ids(a, "x")
+        real = a != PAD_ID
+        if a.shape[1] and (real[:, 1:] & ~real[:, :-1]).any():
+            raise MalformedSequenceError("padding inside x: <pad> must only fill the end of a row")
+        return a.astype(np.int64)
+
+    def _per_row(self, x: ArrayLike) -> bool:
+        return isinstance(x, jax.core.Tracer) or (not isinstance(x, str) and np.ndim(x) == 2)
+
     def sampler(self, x: ArrayLike) -> LMSequence:
-        """Q^{<=T}(. | x) (6.1): the LM after ``x <s>``, masked to Omega."""
-        return LMSequence(self.lm, prompt=np.concatenate([self._x(x), [THINK_ID]]), constraint=self._omega_auto,
-                          max_len=self.latent_len)
+        """Q^{<=T}(. | x) (6.1): the LM after ``x <s>``, masked to Omega. A 1-D x (or text) gives batch shape
+        ``()``; per-row x ``[B, L]`` right-padded with ``<pad>`` gives batch ``[B]``, row b the LM after
+        ``x_b <s>`` (per-row prompts: each row equals the 1-D sampler of its x, :func:`~ppl_thought.numpyro.
+        distributions.encode`); a traced x is read as per-row rows ``[1, L]``."""
+        if not self._per_row(x):
+            return LMSequence(self.lm, prompt=np.concatenate([self._x(x), [THINK_ID]]), constraint=self._omega_auto,
+                              max_len=self.latent_len)
+        rows = self._rows(x)
+        xp = jnp if isinstance(rows, jax.Array) else np
+        B = rows.shape[0]
+        padded = xp.concatenate([rows, xp.full((B, 1), PAD_ID, rows.dtype)], 1)
+        length = (rows != PAD_ID).sum(1)
+        think = xp.arange(rows.shape[1] + 1)[None] == length[:, None]  # <s> right after each row's last token
+        prompt = xp.where(think, THINK_ID, padded)
+        return LMSequence(self.lm, prompt=prompt, constraint=self._omega_auto, max_len=self.latent_len)
 
     def prior(self) -> LMSequence:
         """P^{<=T} (6.6): the LM after ``<s>`` alone (Q with x = emptyset), masked to Omega."""
@@ -179,8 +211,11 @@ class ActiveLift(_RunCheck, Messenger):
         return z
 
     def sampler_log_probs(self, z: ArrayLike, x: ArrayLike) -> jax.Array:
-        """``[B, T]``: log Q(z_t | x, z_<t) of (6.1), one teacher-forced pass over ``<bos> x <s> z``."""
-        return self.sampler(x).step_log_probs(self._z(z))[0]
+        """``[B, T]``: log Q(z_t | x, z_<t) of (6.1), one teacher-forced pass over ``<bos> x <s> z``. ``x``: one
+        sequence shared by the B latents, or per-row ``[B, L]`` right-padded (or ``[1, L]``)."""
+        zi = self._z(z)
+        steps = self.sampler(x).step_log_probs(zi)[0]
+        return steps.reshape((-1, zi.shape[-1])) if steps.ndim > 2 else steps
 
     def prior_log_probs(self, z: ArrayLike) -> jax.Array:
         """``[B, T]``: log P(z_t | z_<t), one pass over ``<bos> <s> z``."""
@@ -188,10 +223,15 @@ class ActiveLift(_RunCheck, Messenger):
 
     def generator_log_probs(self, x: ArrayLike, z: ArrayLike) -> jax.Array:
         """``[B, T + 1]``: log G^{<=t}(x | z_<=t) for t = 0..T (column t reads the first t latent tokens): the
-        teacher-forced sum of log G over the tokens of x, log G([x] | z_<=t) of (6.21)."""
-        zi, xa = self._z(z), self._x(x)
-        if len(xa) > self.max_x_len:
-            raise MalformedSequenceError(f"x is longer than max_x_len = {self.max_x_len}")
+        teacher-forced sum of log G over the tokens of x, log G([x] | z_<=t) of (6.21). ``x``: one sequence, or
+        per-row ``[B, L]`` right-padded (or ``[1, L]``)."""
+        zi = self._z(z)
+        xa = self._rows(x) if self._per_row(x) else self._x(x)
+        if not isinstance(xa, jax.core.Tracer):
+            if int((np.asarray(xa) != PAD_ID).sum(-1).max(initial=0)) > self.max_x_len:
+                raise MalformedSequenceError(f"x is longer than max_x_len = {self.max_x_len}")
+            if xa.ndim == 2 and xa.shape[0] not in (1, zi.shape[0]):
+                raise MalformedSequenceError(f"{xa.shape[0]} rows of x for {zi.shape[0]} latent sequences")
         cols = [GeneratorSequence(self.generator_lm, zi[:, :t], self._sigma_rule, self.max_x_len)
                 .step_log_probs(xa)[0].sum(-1) for t in range(self.latent_len + 1)]  # T + 1 prefixes, not particles
         return jnp.stack(cols, 1)
