@@ -162,3 +162,21 @@ def test_cost_aware_prices_the_segments_of_a_program():
     a = ptn.infer.Importance(len(lifting)).run(cost, guide, rng_key=jax.random.PRNGKey(0))
     b = ptn.infer.Importance(len(lifting)).run(prog, guide, rng_key=jax.random.PRNGKey(0))
     np.testing.assert_allclose(np.asarray(a.log_weights), np.asarray(b.log_weights), atol=1e-6)
+
+
+def test_the_decoders_continuation_view_stays_transformed():
+    """``decoding_view`` reads ``program.continuation(...)``: on a transformed program it is the inner program's view
+    under a copy of the same transform (not the bare inner view), other attributes are the inner program's."""
+
+    class WithView(UserHMM):
+        label = "inner"
+
+        def continuation(self, max_new_tokens: int = 1):
+            view = UserHMM()
+            view.max_steps = max_new_tokens
+            return view
+
+    prog = T.Forgetful()(WithView())
+    view = prog.continuation(max_new_tokens=3)
+    assert isinstance(view, T.Transformed) and isinstance(view.transform, T.Forgetful)
+    assert view.transform is not prog.transform and view.max_steps == 3 and prog.label == "inner"

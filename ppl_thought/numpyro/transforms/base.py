@@ -197,7 +197,10 @@ class Transformed(Program):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("inner", "transform"):
             raise AttributeError(name)
-        return getattr(self.inner, name)
+        value = getattr(self.inner, name)
+        if name == "continuation" and callable(value):  # the decoders' view stays under the transform
+            return lambda **options: Transformed(value(**options), self.transform._copy())
+        return value
 
     @property
     def base(self) -> Any:
