@@ -4,7 +4,9 @@
 SPEC holds the LM tables the torch side built (the same weights on both backends); CELLS lists
 ``[model_kind, guide_kind, engine, n, seeds]``; OUT gets, per cell, the log Z-hat of every seed and the
 delta-method SE of each Importance run (Importance: (3.2); SMC: the generic engine core over
-``ptn.Program``s, SlowThinking as ``model.program(x)`` with ``guide.program(x)``)."""
+``ptn.Program``s, SlowThinking as ``model.program(x)`` with ``guide.program(x)``). A decode cell
+(``engine = "decode:METHOD"``, model ``"hmm_decode"``: the user's HMM with a prompt of 3 observations and 2
+output steps) gets ``ptn.infer.decode``'s output tokens, and for ``best_of_k`` every candidate and its score."""
 
 import json
 import os
@@ -128,6 +130,51 @@ class DropsOneProposalTerm(PlanThinkGuide):
         return jnp.broadcast_to(t == x.shape[0] - 1, (think.n,))
 
 
+class HMMDecode(HMM):
+    """The user HMM as a decoding program: x_t observed for t < len(x) (the prompt), an output ``"y"`` after
+    (``ptn.observe(..., None)``, masked before the end of the prompt), ``max_steps`` steps in all."""
+
+    def step(self, state, t, x):
+        probs = jnp.where(t == 0, self.lam[None], self.A[state["z"]])
+        z = ptn.sample("z", nd.Categorical(probs=probs))
+        state["z"] = z
+        P = x.shape[0]
+        d = nd.Categorical(probs=self.B[z])
+        with numpyro.handlers.mask(mask=t < P):
+            ptn.observe("x", d, x[jnp.minimum(t, P - 1)])
+        with numpyro.handlers.mask(mask=t >= P):
+            ptn.observe("y", d, None)
+        return jnp.broadcast_to(t == self.max_steps - 1, z.shape)
+
+
+class EnumerateZ(ptn.Program):
+    """A guide proposing the state path ``table[i % K]`` to particle i (a point mass: log q = 0), so the log weights
+    of K particles (or of any multiple of K) are log p(x, z_k) for every path z_k once: best-of-K's scores are then
+    exact, log p(x y) - log K."""
+
+    def __init__(self, table):
+        self.table = jnp.asarray(table, jnp.int32)  # [K, T]
+        self.max_steps = int(self.table.shape[1])
+
+    def step(self, state, t, x):
+        n = ptn.particles()
+        z = self.table[jnp.arange(n) % self.table.shape[0], t]
+        ptn.sample("z", nd.Categorical(probs=jax.nn.one_hot(z, 3)))
+
+
+def decode_cell(guide_kind: str, method: str, n: int, samples: int, spec) -> dict:
+    x = jnp.asarray(spec["hmm_x"], jnp.int32)
+    T, P = int(spec["decode_T"]), int(spec["decode_P"])
+    model = HMMDecode(spec["hmm_A"], spec["hmm_B"], spec["hmm_lam"], T)
+    guide = EnumerateZ(spec["decode_paths"]) if guide_kind == "enumerate" else None
+    out = ptn.infer.decode(model, guide, x[:P], method=method, n=n, num_samples=samples, k=4, rng_key=7)
+    cell = {"tokens": np.asarray(out.tokens).tolist()}
+    if method == "best_of_k":
+        cell["candidates"] = np.asarray(out.stats["candidate_tokens"]).tolist()
+        cell["scores"] = np.asarray(out.stats["scores"]).tolist()
+    return cell
+
+
 def build(model_kind: str, guide_kind: str, spec):
     if model_kind == "hmm":  # ptn.models.HMM as a program, with ptn.guides.HMMGuide (posterior, filtering)
         x = jnp.asarray(spec["hmm_x"], jnp.int32)
@@ -151,8 +198,11 @@ def build(model_kind: str, guide_kind: str, spec):
 def main() -> None:
     spec = dict(np.load(sys.argv[1]))
     cells = json.load(open(sys.argv[2]))
-    out = {}
+    out, exacts = {}, {}
     for model_kind, guide_kind, engine, n, seeds in cells:
+        if engine.startswith("decode:"):
+            out[f"{model_kind}|{guide_kind}|{engine}"] = decode_cell(guide_kind, engine[7:], n, seeds, spec)
+            continue
         model, guide, x = build(model_kind, guide_kind, spec)
         eng = ptn.infer.Importance(n) if engine == "Importance" else ptn.infer.SMC(n, ess_threshold=0.5)
         log_z, ses = [], []
@@ -166,7 +216,9 @@ def main() -> None:
                 log_z.append(float("-inf"))
                 if engine == "Importance":
                     ses.append(float("inf"))
-        exact = float(model.exact_log_prob(x)) if hasattr(model, "exact_log_prob") else None
+        if model_kind not in exacts:  # once per model kind (a new model instance would compile its scorer again)
+            exacts[model_kind] = float(model.exact_log_prob(x)) if hasattr(model, "exact_log_prob") else None
+        exact = exacts[model_kind]
         out[f"{model_kind}|{guide_kind}|{engine}"] = {"log_z": log_z, "ses": ses, "jax_exact": exact}
     assert sys.modules.get("torch") is None and sys.modules.get("pyro") is None
     json.dump(out, open(sys.argv[3], "w"))

@@ -11,12 +11,24 @@ out), over fixed seeds. Each cell passes the torch matrix's bound (``check_unbia
 1, and one Importance run within 3 delta-method SE); a JAX guide that forgets one proposal factor fails that bound
 (Importance and SMC). Without ``--slow`` the cells are the PauseToThink row less Causal and Explanatory (the
 guide family of Predictive), three HMM cells and one user cell.
+
+Decode cells (issue 40): ``pt.infer.decode`` and ``ptn.infer.decode`` on the user's HMM written as a decoding
+program (the first 3 observations the prompt, the last 2 outputs; the same A, B, lambda on both backends), against
+the exact laws by enumeration of the 3^5 state paths. ``best_of_k`` with a guide that proposes every path once
+(K = 243 particles, a point mass each) scores each candidate y by exactly log p(prompt, y) - log K (within 1e-5 of
+the enumeration; on both backends, of each other on a shared candidate) and picks the best one; ``resampling``
+(3.14) with that guide draws from the exact predictive law p(y | prompt) and ``direct`` (3.12) without a guide from
+the prior predictive law, each within two standard deviations of sampling noise. Without ``--slow`` only the torch
+side's best-of-K runs (each JAX decode cell is two XLA compiles; the default run keeps its CPU time); ``--slow``
+runs all three on both backends.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -26,6 +38,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+dist = pytest.importorskip("pyro.distributions")
 pytest.importorskip("jax")
 pytest.importorskip("numpyro")
 
@@ -43,6 +56,93 @@ FULL = [(m, g) for m in ("pause", "sparse", "query_response") for g in JAX_GUIDE
 QUICK = [("pause", g) for g in JAX_GUIDES if g not in ("causal", "explanatory")] + \
         [("hmm", "posterior"), ("hmm", "filtering"), ("hmm_user", "filtering"), ("user", "user_guide")]
 WRONG = ("user", "wrong")  # a guide that forgets one proposal factor: the same bound must fail
+# decode cells [model, guide, "decode:METHOD", n, num_samples]: by default the torch side's exact best-of-K (the
+# JAX side's two XLA compiles per cell would make the default run slower); with --slow every cell on both backends
+DECODE_T, DECODE_P = 5, 3
+DECODE_QUICK = [["hmm_decode", "enumerate", "decode:best_of_k", 3 ** DECODE_T, 1]]
+DECODE_SLOW = DECODE_QUICK + [["hmm_decode", "enumerate", "decode:resampling", 3 ** DECODE_T, 1000],
+                              ["hmm_decode", "none", "decode:direct", 1, 2000]]
+PATHS = np.array(list(itertools.product(range(3), repeat=DECODE_T)), np.int64)  # every state path z_0 .. z_4
+
+
+class TorchHMMDecode(M.pt.Program):
+    """The user HMM as a decoding program on the torch side: x_t observed for t < len(x) (the prompt), an output
+    after (``pt.observe(name, d, None)``), T steps."""
+
+    def __init__(self, hmm, T: int):
+        self.A, self.B, self.lam, self.T = hmm.A, hmm.B, hmm.lam, T
+
+    def init(self, state, x):
+        state["z"] = torch.zeros(M.pt.particles(), dtype=torch.long)
+
+    def step(self, state, t, x):
+        n = M.pt.particles()
+        probs = self.lam.expand(n, 3) if t == 0 else self.A[state["z"]]
+        z = M.pt.sample(f"z_{t}", dist.Categorical(probs))
+        state["z"] = z
+        M.pt.observe(f"x_{t}", dist.Categorical(self.B[z]), x[t].expand(n) if t < len(x) else None)
+        return torch.ones(n, dtype=torch.bool) if t + 1 == self.T else None
+
+
+class TorchEnumerateZ(M.pt.Program):
+    """Particle i proposes the path ``PATHS[i % K]`` (a point mass: log q = 0)."""
+
+    def step(self, state, t, x):
+        n = M.pt.particles()
+        z = torch.as_tensor(PATHS)[torch.arange(n) % len(PATHS), t]
+        M.pt.sample(f"z_{t}", dist.Categorical(torch.nn.functional.one_hot(z, 3).double()))
+        return torch.ones(n, dtype=torch.bool) if t + 1 == DECODE_T else None
+
+
+def decode_exact() -> tuple[dict, dict, dict]:
+    """(log p(prompt, y), the predictive law p(y | prompt), the prior predictive law of y) by enumeration of the
+    state paths, y = (x_3, x_4) the outputs, the prompt the first 3 observations of the matrix's x."""
+    hmm, hx = M.hmm()
+    A, B, lam = (a.double().numpy() for a in (hmm.A, hmm.B, hmm.lam))
+    x = hx.numpy()[:DECODE_P]
+    joint, prior = {}, {}
+    for y in itertools.product(range(2), repeat=DECODE_T - DECODE_P):
+        obs = np.concatenate([x, y])
+        j = pr = 0.0
+        for z in PATHS:
+            pz = lam[z[0]] * np.prod([A[z[t - 1], z[t]] for t in range(1, DECODE_T)])
+            j += pz * np.prod([B[z[t], obs[t]] for t in range(DECODE_T)])
+            pr += pz * np.prod([B[z[t], obs[t]] for t in range(DECODE_P, DECODE_T)])
+        joint[y], prior[y] = math.log(j), pr
+    z = sum(math.exp(v) for v in joint.values())
+    return joint, {y: math.exp(v) / z for y, v in joint.items()}, prior
+
+
+def torch_decode_cell(guide_kind: str, method: str, n: int, samples: int) -> dict:
+    hmm, hx = M.hmm()
+    torch.manual_seed(7)
+    M.pyro.set_rng_seed(7)
+    guide = TorchEnumerateZ() if guide_kind == "enumerate" else None
+    out = M.pt.infer.decode(TorchHMMDecode(hmm, DECODE_T), guide, hx[:DECODE_P], method=method, n=n,
+                            num_samples=samples, k=4)
+    cell = {"tokens": out.tokens.tolist()}
+    if method == "best_of_k":
+        cell["candidates"] = out.stats["candidate_tokens"].tolist()
+        cell["scores"] = [float(v) for v in out.stats["scores"]]
+    return cell
+
+
+def check_decode(key: str, cell: dict, backend: str) -> None:
+    """A decode cell of one backend against the exact answers (module docstring)."""
+    joint, predictive, prior = decode_exact()
+    method = key.split("|")[2][7:]
+    if method == "best_of_k":
+        cands = [tuple(int(v) for v in c) for c in cell["candidates"]]
+        for c, score in zip(cands, cell["scores"]):
+            assert abs(score + math.log(len(PATHS)) - joint[c]) < 1e-5, (backend, key, c, score, joint[c])
+        best = max(range(len(cands)), key=lambda i: cell["scores"][i])
+        assert tuple(cell["tokens"][0]) == cands[best], (backend, key)
+        return
+    want = predictive if method == "resampling" else prior
+    rows = [tuple(int(v) for v in r) for r in cell["tokens"]]
+    got = {y: rows.count(y) / len(rows) for y in want}
+    noise = 0.5 * sum(2 * math.sqrt(p * (1 - p) / len(rows)) for p in want.values()) + 0.01
+    assert 0.5 * sum(abs(got[y] - want[y]) for y in want) < noise, (backend, key, got, want)
 
 
 def torch_side() -> tuple[dict, dict]:
@@ -60,6 +160,7 @@ def torch_side() -> tuple[dict, dict]:
     user, ux = M.user_program()
     spec["user_x"] = ux.numpy()
     exact["user"] = M.user_exact_log_prob(user, ux)
+    spec.update(decode_T=np.int64(DECODE_T), decode_P=np.int64(DECODE_P), decode_paths=PATHS)
     return spec, exact
 
 
@@ -79,6 +180,9 @@ def test_matrix_on_both_backends_against_the_same_exact_answers(request, tmp_pat
     spec, exact = torch_side()
     np.savez(tmp_path / "spec.npz", **spec)
     todo = [[m, g, e, particles(m, g), seeds] for m, g in [*cells, WRONG] for e in ("Importance", "SMC")]
+    decode_cells = DECODE_SLOW if slow else DECODE_QUICK
+    jax_decode = DECODE_SLOW if slow else []  # two XLA compiles per decode cell: the JAX side with --slow
+    todo += jax_decode
     (tmp_path / "cells.json").write_text(json.dumps(todo))
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "_jax_matrix_worker.py"), str(tmp_path / "spec.npz"),
                         str(tmp_path / "cells.json"), str(tmp_path / "out.json")], capture_output=True, text=True,
@@ -86,8 +190,24 @@ def test_matrix_on_both_backends_against_the_same_exact_answers(request, tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert len(out) == len(todo)
+    torch_decoded = {}
+    for m, g, e, n, s in decode_cells:  # the torch side of the decode cells, in this process
+        key = f"{m}|{g}|{e}"
+        torch_decoded[key] = torch_decode_cell(g, e[7:], n, s)
+        check_decode(key, torch_decoded[key], "torch")
+        if key not in out:
+            continue
+        check_decode(key, out[key], "JAX")
+        if e == "decode:best_of_k":  # both exact: a candidate both drew has the same score within 1e-5
+            jax_scores = {tuple(c): v for c, v in zip(out[key]["candidates"], out[key]["scores"])}
+            t_cell = torch_decoded[key]
+            shared = [(v, jax_scores[tuple(c)]) for c, v in zip(t_cell["candidates"], t_cell["scores"])
+                      if tuple(c) in jax_scores]
+            assert shared and all(abs(a - b) < 1e-5 for a, b in shared), (key, shared)
     for key, cell in out.items():
         model_kind, guide_kind, engine = key.split("|")
+        if engine.startswith("decode:"):
+            continue
         log_z = torch.tensor(cell["log_z"], dtype=torch.float64)
         ses = torch.tensor(cell["ses"], dtype=torch.float64)
         if cell["jax_exact"] is not None:  # the JAX enumeration agrees with the torch one

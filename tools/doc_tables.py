@@ -323,7 +323,8 @@ def backends(d: dict) -> str:
     rows = ["| workload | N | torch particle-steps/s | JAX particle-steps/s | JAX / torch | JAX compile s |",
             "|---|---|---|---|---|---|"]
     for key, label in (("is", "SlowThinking, Importance"), ("smc", "SlowThinking, SMC (ESS 0.5)"),
-                       ("program", "user program, bootstrap SMC")):
+                       ("program", "user program, bootstrap SMC"), ("decode", "user program, decode (3.14), 4 sets"),
+                       ("svi", "user HMM program, one SVI step (3.25)")):
         for n, r in d.get(key, {}).items():
             comp = d.get("compile_s", {}).get(key, {}).get(n)
             rows.append(f"| {label} | {n} | {r['torch']:,.0f} | {r['jax']:,.0f} | {r['ratio_jax_over_torch']:.2f} | "
@@ -333,10 +334,23 @@ def backends(d: dict) -> str:
     lfp, lfe = par.get("max_abs_log_prob_diff", float("nan")), par.get("max_abs_exact_diff", float("nan"))
     tail = (f"A fresh `ptn.infer.SMC(N)` object on the user program, same configuration: "
             f"{', '.join(f'{v * 1000:.1f} ms (N = {n})' for n, v in fresh.items())} (no recompilation). "
+            + _new_instance(d) +
             f"Parity on the same weights: max |log P(z)| difference {lfp:.1e}, max |exact log p(x)| difference "
             f"{lfe:.1e}. jax {d.get('jax')} on {d.get('jax_device')}; load average "
             f"{d.get('load_average_before', [float('nan')])[0]:.1f} before the run. " + _provenance(d, BACKENDS_CMD))
     return "\n".join(rows) + "\n\n" + tail + "\n"
+
+
+def _new_instance(d: dict) -> str:
+    """The runs of a new program instance of the same class (``new_instance_s``, ``new_instance_compiles``)."""
+    secs, comp = d.get("new_instance_s", {}), d.get("new_instance_compiles", {})
+    parts = []
+    for key, label in (("smc", "SMC"), ("decode", "decode")):
+        if secs.get(key):
+            parts.append(f"{label}: " + ", ".join(f"{v * 1000:.1f} ms (N = {n}, {comp.get(key, {}).get(n)} compiles)"
+                                                  for n, v in secs[key].items()))
+    return (f"A new instance of the user program's class (other weights) with a new engine: {'; '.join(parts)}. "
+            if parts else "")
 
 
 # ---------------------------------------------------------------------------------------------- benchmarks

@@ -22,9 +22,9 @@ from ppl_thought.errors import ConfigError, NotInImageError, TooLargeToEnumerate
 from ppl_thought.numpyro.boundary import ArrayLike, checked_jax
 from ppl_thought.numpyro.distributions import NEG_INF, LMSequence, ProjectionDelta, TokenRule, tables
 from ppl_thought.numpyro.lm.base import LM
-from ppl_thought.numpyro.lm_state import LMState
 from ppl_thought.numpyro.params import param_tree
 from ppl_thought.numpyro.program import Program, factor, particles, sample
+from ppl_thought.numpyro.transforms.base import sequence_start
 from ppl_thought.projections.automaton import Automaton
 from ppl_thought.projections.base import Projection, as_id_array
 from ppl_thought.vocab import PAD_ID
@@ -197,7 +197,8 @@ class SlowThinkingProgram(Program):
 
     def init(self, state: dict[str, Any]) -> None:
         n = particles()
-        state["lm"] = LMState.start(self.model.prior, n, rule=self.rule, max_len=self.max_len)
+        # the step view's effect (transforms such as Forgetful act on it): LMState.start of z's law, Dom(Proj) masked
+        state["lm"] = sequence_start("z", self.model.z_dist(len(self.xa)), n)
         state["lift"] = jnp.full((n,), self.lift.start, jnp.int32)
         state["toks"] = jnp.full((n, self.max_len), PAD_ID, jnp.int32)
         state["length"] = jnp.zeros((n,), jnp.int32)

@@ -17,15 +17,20 @@ Apply one as on the torch side, ``Forgetful()(ProjectionLift(proj)(model))``, or
 ``Forgetful(fn=model)`` / ``with Forgetful(): ...``. Calling a transform on a model returns a new handler bound to
 that model (the transform itself stays unbound, so one transform may be applied to several models). A run of a
 bound transform that met nothing it acts on raises :class:`~ppl_thought.errors.TransformError` naming what it
-needs and the sequence sites the run had (the torch checks of issue 41). Step-wise ``ptn.Program`` states
-(``ptn.dist.LMState``) are not sequence sites: a program whose steps sample none is refused the same way.
+needs and the sequence sites the run had (the torch checks of issue 41).
+
+The step view: a ``ptn.Program`` starts its ``ptn.dist.LMState`` with :func:`sequence_start` (an effect; the torch
+``pt.transforms.sequence_start``), which :class:`Forgetful` and :class:`Persistent` act on; :class:`CostAware`
+prices the segments and tokens the program samples from such a state. ``T(program)`` is a :class:`Transformed`
+program that every engine runs; a program that starts no sequence (or, for CostAware, samples no latent segment)
+is refused with a ``TransformError`` while the engine traces it.
 """
 
 from ppl_thought.numpyro.handlers import ProjectionLift
 from ppl_thought.numpyro.transforms.active import ActiveLift, GeneratorSequence
-from ppl_thought.numpyro.transforms.base import Transform, compose
+from ppl_thought.numpyro.transforms.base import Transform, Transformed, compose, sequence_start
 from ppl_thought.numpyro.transforms.cost import CostAware, latent_lengths
 from ppl_thought.numpyro.transforms.thinking import Forgetful, ForgetfulLM, Persistent, Ubiquitous, forgetful_keep
 
 __all__ = ["ActiveLift", "CostAware", "Forgetful", "ForgetfulLM", "GeneratorSequence", "Persistent", "ProjectionLift",
-           "Transform", "Ubiquitous", "compose", "forgetful_keep", "latent_lengths"]
+           "Transform", "Transformed", "Ubiquitous", "compose", "forgetful_keep", "latent_lengths", "sequence_start"]

@@ -12,26 +12,44 @@ import jax.numpy as jnp
 from ppl_thought.checks import cost_weight
 from ppl_thought.numpyro.boundary import Array, ArrayLike, checked_jax
 from ppl_thought.numpyro.distributions import LMSequence
+from ppl_thought.numpyro.lm_state import NextToken, Segment
+from ppl_thought.numpyro.program import is_output
 from ppl_thought.numpyro.transforms.base import Transform
 from ppl_thought.vocab import PAD_ID
 
 __all__ = ["CostAware", "latent_lengths"]
 
+#: the latent sequence sites CostAware prices: whole sequences (whole view), segments and single tokens of an
+#: ``LMState`` (step view: a ``ptn.Program``)
+_PRICED = (LMSequence, Segment, NextToken)
+
+
+def _priced(msg: dict) -> bool:
+    return msg["type"] == "sample" and not msg["is_observed"] and \
+        isinstance(getattr(msg["fn"], "base_dist", msg["fn"]), _PRICED)
+
+
+def _tokens(fn: Any, value: Any) -> jax.Array:
+    """The latent tokens of one site's value per row: ``[..., L]`` sequences / segments counted up to padding, a
+    :class:`NextToken` value ``[...]`` one token each."""
+    v = jnp.asarray(value)
+    if isinstance(fn, NextToken):
+        return (v != PAD_ID).astype(jnp.int32)
+    return (v != PAD_ID).sum(-1)
+
 
 # ---------------------------------------------------------------------------------------------- CostAware
 @checked_jax
 def latent_lengths(trace: dict, n: int) -> jax.Array:
-    """|Z_i| ``[n]``: the tokens of every latent (unobserved) sequence site of a NumPyro trace, per particle (the
-    torch ``pt.transforms.latent_lengths``)."""
+    """|Z_i| ``[n]``: the tokens of every latent (unobserved) sequence site of a NumPyro trace, per particle: whole
+    sequences, and the segments and tokens of a step-wise program's ``LMState`` (the torch
+    ``pt.transforms.latent_lengths``). Output sites (``ptn.observe(name, d, None)``) are not latent."""
     total = jnp.zeros(int(n))
     for site in trace.values():
-        if site["type"] != "sample" or site["is_observed"]:
+        if not _priced(site) or is_output(site):
             continue
         fn = getattr(site["fn"], "base_dist", site["fn"])
-        if not isinstance(fn, LMSequence):
-            continue
-        v = jnp.asarray(site["value"])
-        counts = (v != PAD_ID).reshape(-1, v.shape[-1]).sum(-1).astype(jnp.float32)
+        counts = _tokens(fn, site["value"]).reshape(-1).astype(jnp.float32)
         if counts.shape[0] != n:
             counts = counts.reshape(n, -1).sum(-1) if counts.size % n == 0 else jnp.broadcast_to(counts.sum(), (n,))
         total = total + counts
@@ -49,7 +67,8 @@ class CostAware(Transform):
     w_i the self-normalised importance weights; the loss C_s (T~*_s + D(T_s - T~*_s)) has value C_s T_s and
     gradient T_s grad C_s + C_s grad T~*_s (:meth:`loss`, C_s = L_n - H~(P_*)). The model's distribution is
     unchanged: engines run the transformed model as the inner one; the handler records each latent sequence
-    site's lengths in ``msg["infer"]["latent_tokens"]``.
+    site's lengths in ``msg["infer"]["latent_tokens"]``: whole sequences (whole view) and the segments / tokens a
+    ``ptn.Program`` samples from an ``LMState`` (step view: ``CostAware(w)(program)`` is a program).
 
     Args:
         weight: the cost of one latent token relative to the fixed cost of a sequence (finite, >= 0).
@@ -58,7 +77,8 @@ class CostAware(Transform):
     """
 
     needs = ("a latent sequence site whose length it prices (an unobserved LMSequence, e.g. the thoughts z of "
-             "ProjectionLift(proj)(model)); a model without latent thoughts has nothing to cost")
+             "ProjectionLift(proj)(model), or a segment / token a ptn.Program samples from an LMState); a model "
+             "without latent thoughts has nothing to cost")
 
     def __init__(self, weight: float, entropy: float = 0.0, tau: Callable[[Any], Any] | None = None, *,
                  fn: Callable[..., Any] | None = None):
@@ -73,13 +93,12 @@ class CostAware(Transform):
         return jnp.asarray(self._tau(lengths)) if self._tau is not None else 1.0 + self.weight * lengths
 
     def act(self, msg: dict) -> None:
-        if not msg["is_observed"] and isinstance(getattr(msg["fn"], "base_dist", msg["fn"]), LMSequence):
+        if _priced(msg) and not is_output(msg):
             self._acted()
 
     def postprocess_message(self, msg: dict) -> None:
-        if msg["type"] == "sample" and not msg["is_observed"] and \
-                isinstance(getattr(msg["fn"], "base_dist", msg["fn"]), LMSequence):
-            msg["infer"]["latent_tokens"] = (jnp.asarray(msg["value"]) != PAD_ID).sum(-1)
+        if _priced(msg) and not is_output(msg):
+            msg["infer"]["latent_tokens"] = _tokens(getattr(msg["fn"], "base_dist", msg["fn"]), msg["value"])
 
     def estimate(self, log_p: Array, log_w: Array, lengths: Array) -> tuple[jax.Array, jax.Array]:
         """(T_s, T~*_s) of one batch: ``log_p`` = log P(Z_i) (differentiable), ``log_w`` = log q_i (held fixed),

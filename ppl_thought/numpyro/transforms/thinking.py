@@ -102,7 +102,9 @@ class Forgetful(Transform):
         P^{<=|z|+|y x|}(y^(T+1) x^(T+1) | z) = P(y^(T+1) x^(T+1) | Proj^{<w}(z))          (5.5)
 
     With the query/response projection the likelihood of a conversation is then the product over rounds of (5.8).
-    Acts on every ``LMSequence`` site; the order with :class:`ProjectionLift` does not matter.
+    Acts on every ``LMSequence`` site (whole view) and every :func:`~ppl_thought.numpyro.transforms.sequence_start`
+    of a ``ptn.Program`` (step view: the state is built on the forgetful reading of the site's LM); the order with
+    :class:`ProjectionLift` does not matter.
     """
 
     def __init__(self, fn: Callable[..., Any] | None = None) -> None:
@@ -121,9 +123,16 @@ class Forgetful(Transform):
         fn = msg["fn"]
         if isinstance(fn, LMSequence):
             self._acted()
-            _mark(msg, "forgetful")
+            _mark(msg, "forgetful", msg["name"])
             if not isinstance(fn.lm, ForgetfulLM):
                 msg["fn"] = _rebuild(fn, self.wrap(fn.lm))
+
+    def act_start(self, msg: dict) -> None:
+        dist = msg["args"][0]
+        self._acted()
+        _mark(msg, "forgetful", msg["site"])
+        if not isinstance(dist.lm, ForgetfulLM):  # a fresh wrapper: no memo of a traced copy of the LM survives
+            msg["args"] = (_rebuild(dist, ForgetfulLM(dist.lm)),) + tuple(msg["args"][1:])
 
 
 @checked_jax
@@ -138,7 +147,14 @@ class Persistent(Transform):
             if isinstance(fn.lm, ForgetfulLM):
                 raise TransformError(f"site {msg['name']!r} is both forgetful and persistent: Persistent() and "
                                      "Forgetful() say opposite things about earlier thoughts; apply one of them")
-            _mark(msg, "persistent")
+            _mark(msg, "persistent", msg["name"])
+
+    def act_start(self, msg: dict) -> None:
+        self._acted()
+        if isinstance(msg["args"][0].lm, ForgetfulLM):
+            raise TransformError(f"site {msg['site']!r} is both forgetful and persistent: Persistent() and "
+                                 "Forgetful() say opposite things about earlier thoughts; apply one of them")
+        _mark(msg, "persistent", msg["site"])
 
 
 # ---------------------------------------------------------------------------------------------- Ubiquitous
