@@ -191,7 +191,8 @@ def test_svi_registers_the_three_tables_and_trains_through_loss_model_and_guide(
     svi = numpyro.infer.SVI(loss.model, loss.guide, numpyro.optim.Adam(0.05), loss)
     state = svi.init(jax.random.PRNGKey(0), X)
     assert sorted(svi.get_params(state)) == sorted(f"active/{r}/0" for r in ROLES)
-    state2, value = svi.update(state, X)
+    # compiled (x closed over: ActiveLift reads it concretely); eagerly, each primitive was a compile of its own
+    state2, value = jax.jit(lambda s: svi.update(s, X))(state)
     before, after = svi.get_params(state), svi.get_params(state2)
     assert all(float(jnp.abs(after[k] - before[k]).max()) > 0 for k in before)
     assert np.isfinite(float(value))
