@@ -1,11 +1,17 @@
-"""Test-wide settings: one intra-op thread (small tensors on 2 shared cores are faster and steadier)."""
+"""Test-wide settings: one intra-op thread (small tensors on 2 shared cores are faster and steadier) and XLA's
+cheap compile passes for every JAX test."""
 
+import os
 import warnings
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+# Here, before any test module imports jax: XLA reads XLA_FLAGS once, when its backend starts, so a flag a test
+# module sets after another module started the backend does nothing (the suite's modules used to set it one by one,
+# and which one came first decided). The tests' programs are tiny; XLA's optimising passes cost compile time only.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 warnings.filterwarnings("ignore", category=FutureWarning, module="arviz")
 
 

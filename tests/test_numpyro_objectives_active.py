@@ -83,8 +83,9 @@ def _expected(loss, params: dict, surrogate=None):
     """(E value, E grad surrogate) over the 16 batches, weighted by prod_i Q(z_i | x)."""
     surrogate = surrogate or (lambda p, z: loss.from_latents(p, z, X))
     zb = jnp.asarray(ZS[BATCHES])  # [16, n, T]
-    values = jax.vmap(lambda z: surrogate(params, z)[0])(zb)
-    grads = jax.vmap(lambda z: jax.grad(lambda p: surrogate(p, z)[1])(params))(zb)
+    # jitted: eagerly, every primitive of the enumerations and their gradients is a compile of its own
+    values = jax.jit(jax.vmap(lambda z: surrogate(params, z)[0]))(zb)
+    grads = jax.jit(jax.vmap(lambda z: jax.grad(lambda p: surrogate(p, z)[1])(params)))(zb)
     q = np.exp(np.asarray(loss.bound(params).sampler_log_probs(ZS, X)).sum(-1))
     w = q[BATCHES].prod(1)
     assert abs(w.sum() - 1) < 1e-5  # Q is a distribution on Omega^T
@@ -98,16 +99,16 @@ def test_active_losses_are_unbiased_for_the_enumerated_objective(kind):
     loss = KINDS[kind](_jax_lift(), N)
     params = _params()
     ev, eg = _expected(loss, params)
-    J = float(_exact(kind, loss, params))
+    J = float(jax.jit(lambda p: _exact(kind, loss, p))(params))
     assert abs(ev - J) < TOL, (kind, ev, J)
-    gJ = jax.grad(lambda p: _exact(kind, loss, p))(params)
+    gJ = jax.jit(jax.grad(lambda p: _exact(kind, loss, p)))(params)
     want = {"active/lm/0": gJ["active/lm/0"] if kind != "generator" else 0 * gJ["active/lm/0"],
             "active/generator_lm/0": gJ["active/generator_lm/0"]}
     if kind in ("min_max", "active"):
         want["active/prior_lm/0"] = -gJ["active/prior_lm/0"]  # P maximises
     elif kind == "coding":  # (6.6) on the same particles: P ascends sum_z Q(z) sum_t lp_t
-        want["active/prior_lm/0"] = -jax.grad(lambda p: _exact("min_max", loss, p) - _exact("min_max", loss, {
-            **p, "active/prior_lm/0": jax.lax.stop_gradient(p["active/prior_lm/0"])}))(params)["active/prior_lm/0"]
+        want["active/prior_lm/0"] = -jax.jit(jax.grad(lambda p: _exact("min_max", loss, p) - _exact("min_max", loss, {
+            **p, "active/prior_lm/0": jax.lax.stop_gradient(p["active/prior_lm/0"])})))(params)["active/prior_lm/0"]
     else:
         want["active/prior_lm/0"] = 0 * gJ["active/prior_lm/0"]
     for k, g in want.items():
@@ -145,8 +146,8 @@ def test_active_losses_equal_the_torch_objectives_on_every_batch(kind):
     jloss = (ptn.infer.ConditionalSamplerLoss if kind == "conditional" else KINDS[kind])(_jax_lift(), N)
     params = _params()
     zb = jnp.asarray(ZS[BATCHES])
-    vals, surrs = jax.vmap(lambda z: jloss.from_latents(params, z, X))(zb)
-    grads = jax.vmap(lambda z: jax.grad(lambda p: jloss.from_latents(p, z, X)[1])(params))(zb)
+    vals, surrs = jax.jit(jax.vmap(lambda z: jloss.from_latents(params, z, X)))(zb)
+    grads = jax.jit(jax.vmap(lambda z: jax.grad(lambda p: jloss.from_latents(p, z, X)[1])(params)))(zb)
     tlift = _torch_lift()
     tobj = TORCH[kind](tlift, N)
     for b, idx in enumerate(BATCHES):
@@ -177,8 +178,8 @@ def test_conditional_sampler_loss_is_the_enumerated_cross_entropy():
         return sum(-(q * lift.sampler_log_probs(ZS, X[:m]).sum(-1)).sum() for m in (1, 2)) / 2
 
     ev, eg = _expected(loss, params)
-    assert abs(ev - float(ce(params))) < TOL
-    np.testing.assert_allclose(eg["active/lm/0"], np.asarray(jax.grad(ce)(params)["active/lm/0"]), atol=TOL)
+    assert abs(ev - float(jax.jit(ce)(params))) < TOL
+    np.testing.assert_allclose(eg["active/lm/0"], np.asarray(jax.jit(jax.grad(ce))(params)["active/lm/0"]), atol=TOL)
     with pytest.raises(ActiveLiftError, match=r"\|x\| >= 2"):
         loss.from_latents(params, ZS[:2], X[-1:])
 
@@ -190,7 +191,8 @@ def test_svi_registers_the_three_tables_and_trains_through_loss_model_and_guide(
     svi = numpyro.infer.SVI(loss.model, loss.guide, numpyro.optim.Adam(0.05), loss)
     state = svi.init(jax.random.PRNGKey(0), X)
     assert sorted(svi.get_params(state)) == sorted(f"active/{r}/0" for r in ROLES)
-    state2, value = svi.update(state, X)
+    # compiled (x closed over: ActiveLift reads it concretely); eagerly, each primitive was a compile of its own
+    state2, value = jax.jit(lambda s: svi.update(s, X))(state)
     before, after = svi.get_params(state), svi.get_params(state2)
     assert all(float(jnp.abs(after[k] - before[k]).max()) > 0 for k in before)
     assert np.isfinite(float(value))
