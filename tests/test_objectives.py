@@ -152,6 +152,10 @@ def test_grpo_group_normalised_advantages_and_clipping():
     a = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0]))
     assert abs(float(a.mean())) < 1e-6 and abs(float(a.std(correction=0)) - 1) < 1e-4
     assert torch.equal(group_advantages(torch.ones(4)), torch.zeros(4))
+    # the mean of seven (or twelve) equal float32 rewards is off by an ulp; (r - mean) / (0 + eps) made advantages of
+    # 0.007-0.1 out of it before the tie was decided by max == min
+    for v, n in [(0.1, 7), (0.1, 12), (0.3, 6), (0.7, 12), (0.9, 3)]:
+        assert torch.equal(group_advantages(torch.full((2, n), v)), torch.zeros(2, n))
     with pytest.raises(ValueError):
         group_advantages(torch.tensor([1.0]))
     with pytest.raises(ValueError):

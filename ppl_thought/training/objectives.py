@@ -98,14 +98,16 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages (5.18): A_i = (r_i - mean(r)) / (std(r) + eps), over the last dim.
 
     ``std`` is the population standard deviation (the (5.18) text does not say which); a group
-    with equal rewards gets advantages 0.
+    with equal rewards gets advantages exactly 0 (decided by max == min: the mean of equal floats is not always
+    the value itself, e.g. seven 0.1s in float32, and that rounding divided by eps gave advantages of 0.007-0.1).
     """
     r = torch.as_tensor(rewards, dtype=torch.get_default_dtype())
     if r.ndim == 0 or r.shape[-1] < 2:
         raise ConfigError(f"group_advantages needs a group of at least 2 rewards, got shape {tuple(r.shape)}")
     _finite_rewards(r, "reward")
     centred = r - r.mean(-1, keepdim=True)
-    return centred / (r.std(-1, correction=0, keepdim=True) + eps)
+    spread = r.amax(-1, keepdim=True) > r.amin(-1, keepdim=True)
+    return torch.where(spread, centred / (r.std(-1, correction=0, keepdim=True) + eps), torch.zeros_like(centred))
 
 
 def per_sample_grad_norms(log_p: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:

@@ -317,7 +317,9 @@ class GRPO(ParticleLoss):
     def advantages(self, r: jax.Array) -> jax.Array:
         """(5.18) or (5.17)'s advantages of a group of rewards ``[n]``."""
         if self.advantage == "group":
-            return (r - r.mean()) / (r.std() + self.eps)
+            # equal rewards: exactly 0 (max == min; the compiled mean of equal floats may differ from them by an ulp,
+            # which / eps made advantages of up to 0.1, torch's group_advantages)
+            return jnp.where(r.max() > r.min(), (r - r.mean()) / (r.std() + self.eps), 0.0)
         p_n = r.mean()
         return jnp.where(p_n != 0, r / jnp.where(p_n != 0, p_n, 1.0), 0.0)
 
