@@ -640,14 +640,20 @@ def public_call(fn, draw: tuple[list[int], tuple[str, int] | None],
     pos, kw, opt = _parameters(fn)
     picks, optional = draw
     values = [(_BAD_VALUES[i % len(_BAD_VALUES)]) for i in picks]
-    args = [values[j][1]() for j in range(len(pos))]
-    kwargs = {name: values[len(pos) + j][1]() for j, name in enumerate(kw)}
-    shown = [values[j][0] for j in range(len(pos))] + [f"{n}={values[len(pos) + j][0]}" for j, n in enumerate(kw)]
+    optional_pick = None
     if optional is not None and opt:
-        name = opt[optional[0] % len(opt)]  # a name, index into the optional parameters
-        label, make = _BAD_VALUES[optional[1] % len(_BAD_VALUES)]
-        kwargs[name] = make()
-        shown.append(f"{name}={label}")
+        optional_pick = (opt[optional[0] % len(opt)], _BAD_VALUES[optional[1] % len(_BAD_VALUES)])
+
+    def arguments():  # fresh values for each call (a call may have changed them)
+        a = [values[j][1]() for j in range(len(pos))]
+        k = {name: values[len(pos) + j][1]() for j, name in enumerate(kw)}
+        if optional_pick is not None:
+            k[optional_pick[0]] = optional_pick[1][1]()
+        return a, k
+
+    shown = [values[j][0] for j in range(len(pos))] + [f"{n}={values[len(pos) + j][0]}" for j, n in enumerate(kw)]
+    if optional_pick is not None:
+        shown.append(f"{optional_pick[0]}={optional_pick[1][0]}")
     inputs = f"({', '.join(shown)})"
     if not shown:
         return inputs, "valid", "no argument drawn: not called"
@@ -656,24 +662,30 @@ def public_call(fn, draw: tuple[list[int], tuple[str, int] | None],
     def alarm(signum, frame):
         raise _Timeout()
 
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        with torch.no_grad(), contextlib.redirect_stdout(_io.StringIO()), contextlib.redirect_stderr(_io.StringIO()):
-            out = fn(*args, **kwargs)
-            if _has_nan(out):
-                return inputs, "silent", f"returned {type(out).__name__} holding NaN"
-            return inputs, "valid", f"returned {type(out).__name__}"
-    except _Timeout:
-        return inputs, "crash", f"no answer within {timeout:g} s (a hang)"
-    except PPLThoughtError as e:
-        return inputs, "clear", f"{type(e).__name__}: {e}"[:160]
-    except Exception as e:  # noqa: BLE001 - every other exception is the answer being classified
-        return inputs, ("unclear" if _raised_by_library(e) else "crash"), f"{type(e).__name__}: {e}"[:160]
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        _reset_global_state()
+    # a timeout is retried once with 10x the time (fresh arguments): on a loaded machine a first JAX call can take
+    # more than `timeout` (ptn.lm.Transformer(10**5): 7 s at load 15, 1 s after); a hang is no answer either time
+    for limit in (timeout, 10 * timeout):
+        previous = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, limit)
+        try:
+            args, kwargs = arguments()
+            with torch.no_grad(), contextlib.redirect_stdout(_io.StringIO()), \
+                    contextlib.redirect_stderr(_io.StringIO()):
+                out = fn(*args, **kwargs)
+                if _has_nan(out):
+                    return inputs, "silent", f"returned {type(out).__name__} holding NaN"
+                return inputs, "valid", f"returned {type(out).__name__}"
+        except _Timeout:
+            continue
+        except PPLThoughtError as e:
+            return inputs, "clear", f"{type(e).__name__}: {e}"[:160]
+        except Exception as e:  # noqa: BLE001 - every other exception is the answer being classified
+            return inputs, ("unclear" if _raised_by_library(e) else "crash"), f"{type(e).__name__}: {e}"[:160]
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            _reset_global_state()
+    return inputs, "crash", f"no answer within {10 * timeout:g} s (a hang)"
 
 
 def _raised_by_library(e: Exception) -> bool:
