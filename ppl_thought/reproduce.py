@@ -95,19 +95,28 @@ def _real_verdict(d: dict) -> str:
     return "reproduced" if g["mean"] > 2 * g["se"] else "direction only" if g["mean"] > 0 else "contradicted"
 
 
-def _ltm_iw(d: dict) -> list[tuple[int, float]]:
-    return sorted((int(t), r["iw_ppl"]) for t, r in d["sweep"]["T_fast"].items())
+def _ltm_pair(d: dict) -> tuple[int, dict, dict]:
+    """The largest T_fast of the cosine arm, its row and T_fast = 0's row of ``benchmarks/ltm_tsweep.py``'s table."""
+    cos = d["table"]["cosine"]
+    t = max(cos, key=int)
+    return int(t), cos[t], d["table"]["constant"]["0"]
 
 
 def _ltm_ours(d: dict) -> str:
-    return "IW perplexity by T_fast: " + ", ".join(f"{t}: {p:.2f}" for t, p in _ltm_iw(d))
+    t, big, zero = _ltm_pair(d)
+    p = big["iw_nats_vs_T0_per_sequence"]
+    return (f"IW perplexity, one protocol: T_fast 0: {zero['common_iw_ppl']['mean']:.2f}, {t}: "
+            f"{big['common_iw_ppl']['mean']:.2f}; T_fast {t} - 0: {_pm(p['mean'], p['se'])} nats/token "
+            f"({len(big['seeds'])} seeds x {p['n'] // len(big['seeds'])} sequences; per seed "
+            + ", ".join(f"{x:+.3f}" for x in big["per_seed_iw_nats_vs_T0"]) + ")")
 
 
 def _ltm_verdict(d: dict) -> str:
-    ppl = [p for _, p in _ltm_iw(d)]
-    if all(b < a for a, b in zip(ppl, ppl[1:])):
+    _, big, _ = _ltm_pair(d)
+    p, per_seed = big["iw_nats_vs_T0_per_sequence"], big["per_seed_iw_nats_vs_T0"]
+    if p["mean"] + 2 * p["se"] < 0 and all(x < 0 for x in per_seed):
         return "reproduced"
-    return "direction only" if ppl[-1] < ppl[0] else "contradicted"
+    return "direction only" if p["mean"] < 0 else "contradicted"
 
 
 def _cot_ours(d: dict) -> str:
@@ -194,12 +203,17 @@ REGISTRY: tuple[Reproduction, ...] = (
         "paired gain more than 2 s.e. above 0; above 0 only: direction only",
         "SmolLM2-135M-Instruct, 6 problems, 8 particles", 4, _smollm2),
     Reproduction(
-        "ltm", "LTM: more fast inference steps lower the perplexity", "latent-thought-models Fig 1 / 4 (perplexity "
-        "falls with inference steps)",
-        (PY, "-m", "ppl_thought.experiments.latent_thought", "--sweep", "--quick", "--json",
-         "benchmarks/results/ltm_sweep_quick.json"), "benchmarks/results/ltm_sweep_quick.json", _ltm_ours,
-        _ltm_verdict, "IW perplexity falls at every larger T_fast; lower at the largest than at 0: direction only",
-        "2-layer decoder, 300 updates, one seed, 128 evaluation sequences", 40),
+        "ltm", "LTM: more fast inference steps per mini-batch (T_fast) give a better model",
+        "latent-thought-models Fig 1 / 4 (perplexity falls as T_fast grows)",
+        (PY, "benchmarks/ltm_tsweep.py", "--quick", "--json", "benchmarks/results/ltm_tsweep_quick.json"),
+        "benchmarks/results/ltm_tsweep_quick.json", _ltm_ours, _ltm_verdict,
+        "every model scored by one protocol (100 cosine-decayed inner steps from the prior, IW bound K = 128): the "
+        "IW nats/token at the largest T_fast (cosine inner schedule, Sec 3.2) minus T_fast = 0's, paired per test "
+        "sequence and pooled over seeds, more than 2 s.e. below 0 and below 0 on every seed; below 0 on average "
+        "only: direction only",
+        "quick size of benchmarks/ltm_tsweep.py: its model (2-layer decoder, 300 updates, 128 test sequences), "
+        "cosine arm, T_fast 0 and 16 only, seeds 0-1 (the committed sweep: both arms, T_fast 0-16, 3 seeds); "
+        "the verdict is at this scale", 7),
     Reproduction(
         "cot-vs-loop", "Theorem 5.13: rejection on a weak CoT sampler makes it (near) exact",
         "TV to uniform -> 0 (cot-or-loop Thm 5.13)",
@@ -239,10 +253,12 @@ def _commit(d: dict) -> str | None:
 
 
 def table_rows(root: Path | str | None = None, registry: Sequence[Reproduction] | None = None,
-               seconds: dict[str, float] | None = None, failed: dict[str, str] | None = None) -> list[dict]:
+               seconds: dict[str, float] | None = None, failed: dict[str, str] | None = None,
+               cpu_seconds: dict[str, float] | None = None) -> list[dict]:
     """One row per entry, read from the JSON on disk now: claim, paper, ours, scale, verdict, the JSON's commit,
-    its command; ``seconds`` (the entries run now) and ``failed`` (why an entry did not run) are added."""
-    rows, seconds, failed = [], seconds or {}, failed or {}
+    its command; ``seconds`` (wall) and ``cpu_seconds`` (user + system of the command and its children) of the
+    entries run now and ``failed`` (why an entry did not run) are added."""
+    rows, seconds, failed, cpu_seconds = [], seconds or {}, failed or {}, cpu_seconds or {}
     root = Path(root or ROOT)
     for r in REGISTRY if registry is None else registry:
         row = {"name": r.name, "claim": r.claim, "paper": r.paper, "scale": r.scale, "rule": r.rule,
@@ -258,6 +274,8 @@ def table_rows(root: Path | str | None = None, registry: Sequence[Reproduction] 
                 row["ours"] = f"the JSON does not hold the result ({type(e).__name__}: {e})"
         if r.name in seconds:
             row["seconds"] = round(seconds[r.name], 1)
+        if r.name in cpu_seconds:
+            row["cpu_seconds"] = round(cpu_seconds[r.name], 1)
         rows.append(row)
     return rows
 
@@ -294,6 +312,15 @@ def _argv(command: Sequence[str]) -> list[str]:
     return list(command)
 
 
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's finished children (and theirs): an entry's CPU cost, which,
+    unlike its wall time, does not grow with the machine's load."""
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return u.ru_utime + u.ru_stime
+
+
 def run(names: Sequence[str] | None = None, root: Path | str | None = None,
         registry: Sequence[Reproduction] | None = None, log: Callable[[str], None] = print,
         command: Sequence[str] | str = ("ppl-thought", "reproduce", "--quick")) -> list[dict]:
@@ -308,7 +335,7 @@ def run(names: Sequence[str] | None = None, root: Path | str | None = None,
     logs = root / "out" / "reproduce"
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    seconds, failed = {}, {}
+    seconds, failed, cpu = {}, {}, {}
     for k, r in enumerate(chosen, 1):
         why = r.needs()
         if why:
@@ -316,15 +343,15 @@ def run(names: Sequence[str] | None = None, root: Path | str | None = None,
             log(f"[{k}/{len(chosen)}] {r.name}: skipped ({why})")
             continue
         log(f"[{k}/{len(chosen)}] {r.name}: {' '.join(r.command)} (about {r.minutes:g} min)")
-        t = time.perf_counter()
+        t, c = time.perf_counter(), _children_cpu()
         with open(logs / f"{r.name}.log", "w") as f:
             code = subprocess.run(_argv(r.command), cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-        seconds[r.name] = time.perf_counter() - t
+        seconds[r.name], cpu[r.name] = time.perf_counter() - t, _children_cpu() - c
         if code != 0:
             failed[r.name] = f"not run: exit status {code} (out/reproduce/{r.name}.log)"
         log(f"[{k}/{len(chosen)}] {r.name}: {'done' if code == 0 else f'failed ({code})'} in "
-            f"{seconds[r.name]:.0f} s")
-    rows = table_rows(root, registry, seconds, failed)
+            f"{seconds[r.name]:.0f} s ({cpu[r.name]:.0f} CPU s)")
+    rows = table_rows(root, registry, seconds, failed, cpu)
     out = root / OUT_JSON
     out.parent.mkdir(parents=True, exist_ok=True)
     from ppl_thought.io import atomic_write_json
