@@ -180,8 +180,6 @@ NOT_RECORDED_JSON = {
     "arviz_weighted_after_n200.json": "no command or commit; an arviz_weighted.py run at n = 200, several minutes",
     "arviz_weighted_before.json": "no command or commit; measures commit 44170bd's conversion (an old checkout)",
     "backends_program.json": "no command or commit; benchmarks/backends.py --only program",
-    "chunked_encoding.json": "no command or commit; its numbers are quoted by hand in docs/transforms.md",
-    "custom_program_numpyro.json": "no command or commit; its numbers are quoted by hand in docs/programs.md",
     "demo_quick.json": "no command (ppl-thought demo --quick, 537 s: longer than a quick rerun)",
     "demo_real_quick.json": "no command (ppl-thought demo --quick --parts real, 203 s on a quiet machine)",
     "dyck_thesis_quick.json": "no command or commit; examples/dyck_backtracking.py --quick, 279 s",
