@@ -279,6 +279,8 @@ def table_rows(root: Path | str | None = None, registry: Sequence[Reproduction] 
             try:
                 d = json.loads(path.read_text())
                 row.update(ours=r.ours(d), verdict=r.verdict(d), commit=_commit(d))
+                if d.get("partial"):  # a run stopped before its last replicate: its numbers, no verdict
+                    row.update(ours=f"partial run, stopped early: {row['ours']}", verdict="not run")
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 row["ours"] = f"the JSON does not hold the result ({type(e).__name__}: {e})"
         if r.name in seconds:

@@ -139,3 +139,13 @@ def test_the_committed_table_is_the_registry():
 def test_the_python_of_a_command_is_this_interpreter():
     assert rp._argv(("python", "-m", "x"))[0] == sys.executable
     assert rp._argv(("ppl-thought", "demo"))[-1] == "demo"
+
+
+def test_a_partial_json_shows_its_numbers_and_no_verdict(tmp_path):
+    """A run stopped before its last replicate (sec7 writes ``"partial": true`` after each seed) is not run."""
+    r = _tiny("tiny", "1", "x.json")
+    (tmp_path / "x.json").write_text(json.dumps({"value": 2.0, "partial": True}))
+    (row,) = rp.table_rows(tmp_path, [r])
+    assert row["verdict"] == "not run" and row["ours"] == "partial run, stopped early: value 2.00"
+    (tmp_path / "x.json").write_text(json.dumps({"value": 2.0, "partial": False}))
+    assert rp.table_rows(tmp_path, [r])[0]["verdict"] == "reproduced"
