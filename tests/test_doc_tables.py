@@ -181,7 +181,6 @@ NOT_RECORDED_JSON = {
     "arviz_weighted_before.json": "no command or commit; measures commit 44170bd's conversion (an old checkout)",
     "backends_program.json": "no command or commit; benchmarks/backends.py --only program",
     "demo_quick.json": "no command (ppl-thought demo --quick, 537 s: longer than a quick rerun)",
-    "demo_real_quick.json": "no command (ppl-thought demo --quick --parts real, 203 s on a quiet machine)",
     "dyck_thesis_quick.json": "no command or commit; examples/dyck_backtracking.py --quick, 279 s",
     "dyck_thesis_quick_seed1.json": "no command or commit; dyck_backtracking.py --quick --seed 1, 279 s",
     "engine_core_ab.json": "no command or commit; an A/B against an old checkout (engine_core_ab.py --base)",
