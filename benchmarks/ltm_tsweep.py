@@ -47,6 +47,11 @@ from ppl_thought.models import LatentThought
 from ppl_thought.training import DualRateTrainer
 
 ARMS = ("constant", "cosine")
+#: ``--quick``, the size ``ppl-thought reproduce --quick`` runs (entry "ltm"): the cosine inner schedule only, the
+#: two ends of the T_fast axis of Fig 1/4, two seeds one after the other in this process, the sweep's own model,
+#: updates and common protocol (so the verdict is at the scale of the committed sweep, with fewer T_fast and seeds)
+QUICK = {"seeds": (0, 1), "T": [0, 16], "arms": ("cosine",), "steps": 300, "eval_size": 128, "eval_T": 100,
+         "iw": 128}
 
 
 def _setup(cfg: SweepConfig, seed: int) -> tuple[MarkovMixture, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -62,16 +67,19 @@ def common_eval(ltm: LatentThought, test: torch.Tensor, T: int, lr: float, iw: i
     """The common protocol: T cosine-decayed Adam steps on Eq. 5 from the prior, then the ELBO (16 draws), the
     KL of the fitted q and the IW bound (``iw`` draws from q); totals in nats over the test set."""
     elbo = kl = iw_total = 0.0
+    per_seq: list[float] = []
     for i in range(0, test.shape[0], batch):
         x = test[i:i + batch]
         guide = ltm.fit_local(x, None, T, lr, "cosine")
         with torch.no_grad():
             elbo += float(ltm.elbo(x, guide, None, 16, detach_guide=True).sum())
             kl += float(guide.kl_to_prior(detach=True).sum())
-            iw_total += float(ltm.iw_bound(x, guide.distribution(detach=True), iw).sum())
+            iw_seq = ltm.iw_bound(x, guide.distribution(detach=True), iw)
+            iw_total += float(iw_seq.sum())
+            per_seq += (-iw_seq / x.shape[1]).tolist()
     n = test.numel()
     return {"elbo_ppl": math.exp(-elbo / n), "iw_ppl": math.exp(-iw_total / n), "kl_per_token": kl / n,
-            "iw_nats_per_token": -iw_total / n}
+            "iw_nats_per_token": -iw_total / n, "iw_nats_per_seq": per_seq}
 
 
 def run_seed(cfg: SweepConfig, seed: int, Ts: list[int], eval_T: int, out_dir: str,
@@ -91,7 +99,10 @@ def run_seed(cfg: SweepConfig, seed: int, Ts: list[int], eval_T: int, out_dir: s
 
     if baseline:
         _ar_baseline(cfg, seed, train, test, order, write)
-    for arm, T in [(a, T) for T in _order(Ts) for a in arms if (T > 0 or (baseline and a == "constant"))]:
+    # T_fast = 0 has no inner loop, so no inner schedule: one run, filed under "constant", whatever the arms
+    runs = [("constant" if T == 0 else a, T) for T in _order(Ts) for a in (arms[:1] if T == 0 else arms)
+            if T > 0 or baseline]
+    for arm, T in runs:
         _train_and_eval(cfg, seed, arm, T, eval_T, train, test, order, write)
 
 
@@ -147,6 +158,18 @@ def _ci(xs: list[float]) -> dict:
     return {"mean": m, "lo": m - h, "hi": m + h, "n": n}
 
 
+def _paired_sequences(rs: list[dict], base: dict[int, dict]) -> dict | None:
+    """The IW nats/token of each test sequence minus T_fast = 0's on the same sequence (same seed), pooled over the
+    seeds: mean, standard error and count (None for runs that did not record per-sequence values)."""
+    d = [a - b for r in rs if r["seed"] in base and "iw_nats_per_seq" in r["common"]
+         for a, b in zip(r["common"]["iw_nats_per_seq"], base[r["seed"]]["common"].get("iw_nats_per_seq", []))]
+    if len(d) < 2:
+        return None
+    m = sum(d) / len(d)
+    se = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d))
+    return {"mean": m, "se": se, "n": len(d)}
+
+
 def aggregate(out_dir: str) -> dict:
     runs = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(out_dir, "*_s*.json")))]
     seeds = sorted({r["seed"] for r in runs})
@@ -171,6 +194,8 @@ def aggregate(out_dir: str) -> dict:
                 "own_elbo_ppl": _ci([r["own_elbo_ppl"] for r in rs]),
                 "train_kl_per_token": _ci([r["train_kl_per_token_last10pct"] for r in rs]),
                 "iw_nats_vs_T0": _ci(paired),
+                "per_seed_iw_nats_vs_T0": paired,
+                "iw_nats_vs_T0_per_sequence": _paired_sequences(rs, base),
                 "gap_closed": _ci(gap),
                 "per_seed_iw_ppl": [r["common"]["iw_ppl"] for r in rs],
             }
@@ -217,10 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--command", help="the command lines that produced the runs (recorded in the JSON)")
     ap.add_argument("--tables", metavar="JSON", help="print the Markdown table of an aggregated JSON and exit")
+    ap.add_argument("--quick", action="store_true",
+                    help="the size of `ppl-thought reproduce --quick` (QUICK: seeds 0 and 1, cosine, T_fast 0 and "
+                         "16): runs the seeds here, one after the other, and writes the aggregate to --json")
     args = ap.parse_args(argv)
     if args.tables:
         print(tables(json.load(open(args.tables))), end="")
         return 0
+    if args.quick:
+        return _quick(args.json, argv)
     cfg = SweepConfig(steps=args.steps, eval_size=args.eval_size, iw_samples=args.iw, eval_T=args.eval_T, T_fast=args.T)
     if args.aggregate:
         res = aggregate(args.aggregate)
@@ -233,6 +263,30 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)
     run_seed(cfg, args.seed, args.T, args.eval_T, args.out_dir, tuple(args.arms), not args.no_baseline)
+    return 0
+
+
+def _quick(json_path: str | None, argv: list[str] | None) -> int:
+    """``--quick``: every seed of :data:`QUICK` in this process (a fresh folder for the per-run JSONs), then the
+    aggregate with ``ppl_thought.provenance`` (command, commit, seconds) to ``json_path``."""
+    import tempfile
+
+    from ppl_thought import provenance as pv
+
+    rec = pv.start(__file__, argv, threads=1)
+    q = QUICK
+    cfg = SweepConfig(steps=q["steps"], eval_size=q["eval_size"], iw_samples=q["iw"], eval_T=q["eval_T"], T_fast=q["T"])
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="ltm_tsweep_quick_") as out_dir:
+        for seed in q["seeds"]:
+            run_seed(cfg, seed, q["T"], q["eval_T"], out_dir, q["arms"], True)
+        res = aggregate(out_dir)
+    res.update(config=asdict(cfg), quick=dict(q), seconds_per_seed={
+        str(s): sum(r["seconds"] for r in res["runs"] if r["seed"] == s) for s in res["seeds"]})
+    res = pv.stamped(res, rec)
+    print(tables(res | {"commit": res[pv.KEY]["commit"]}), end="")
+    if json_path:
+        atomic_write_json(json_path, res)
     return 0
 
 

@@ -302,3 +302,37 @@ def test_documented_tsweep_table_equals_the_committed_json():
             diffs = [runs[(arm, int(T), s)]["common"]["iw_nats_per_token"]
                      - runs[("constant", 0, s)]["common"]["iw_nats_per_token"] for s in row["seeds"]]
             assert row["iw_nats_vs_T0"]["mean"] == pytest.approx(sum(diffs) / len(diffs), abs=1e-12)
+
+
+def test_tsweep_quick_pairs_each_test_sequence_with_T_fast_zero(tmp_path: Path):
+    """benchmarks/ltm_tsweep.py at a tiny size with the cosine arm only (as ``--quick`` runs it): T_fast = 0 still
+    runs once (filed under "constant", it has no inner schedule), each run records one IW value per test sequence
+    whose mean is its IW nats/token, and the pooled per-sequence paired difference equals the mean of the per-seed
+    differences (equal sequence counts), with a standard error from the sequences."""
+    import importlib.util
+    import statistics
+
+    from ppl_thought.experiments.latent_thought import SweepConfig
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("ltm_tsweep", root / "benchmarks/ltm_tsweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = SweepConfig(steps=3, eval_size=6, iw_samples=4, eval_T=2, train_size=64, batch_size=8, T_fast=[0, 2])
+    for seed in (0, 1):
+        mod.run_seed(cfg, seed, [0, 2], 2, str(tmp_path), ("cosine",), baseline=True)
+    res = mod.aggregate(str(tmp_path))
+    assert sorted(res["table"]) == ["constant", "cosine"] and list(res["table"]["constant"]) == ["0"]
+    runs = {(r["arm"], r["T_fast"], r["seed"]): r for r in res["runs"] if "arm" in r}
+    assert set(runs) == {("constant", 0, 0), ("constant", 0, 1), ("cosine", 2, 0), ("cosine", 2, 1)}
+    for r in runs.values():
+        per_seq = r["common"]["iw_nats_per_seq"]
+        assert len(per_seq) == 6
+        assert statistics.fmean(per_seq) == pytest.approx(r["common"]["iw_nats_per_token"], abs=1e-6)
+    row = res["table"]["cosine"]["2"]
+    diffs = [a - b for s in (0, 1) for a, b in zip(runs[("cosine", 2, s)]["common"]["iw_nats_per_seq"],
+                                                   runs[("constant", 0, s)]["common"]["iw_nats_per_seq"])]
+    paired = row["iw_nats_vs_T0_per_sequence"]
+    assert paired["n"] == 12 and paired["mean"] == pytest.approx(statistics.fmean(row["per_seed_iw_nats_vs_T0"]),
+                                                                 abs=1e-6)  # float32 sums
+    assert paired["se"] == pytest.approx(statistics.stdev(diffs) / math.sqrt(12))

@@ -93,12 +93,20 @@ def test_verdict_rules_on_hand_made_results():
     Section 7 interval above 0 / around 0 / below 0, the A5 ratio."""
     by = {r.name: r for r in rp.REGISTRY}
 
-    def ltm(ppl):
-        return {"sweep": {"T_fast": {str(t): {"iw_ppl": p} for t, p in zip((0, 2, 4, 8, 16), ppl)}}}
+    def ltm(mean, se, per_seed):
+        """benchmarks/ltm_tsweep.py's table: T_fast 4 and 16 (cosine arm) against T_fast = 0."""
+        row = {"seeds": [0, 1], "common_iw_ppl": {"mean": 6.0}, "per_seed_iw_nats_vs_T0": per_seed,
+               "iw_nats_vs_T0_per_sequence": {"mean": mean, "se": se, "n": 256}}
+        return {"table": {"constant": {"0": {"common_iw_ppl": {"mean": 6.8}}},
+                          "cosine": {"4": {**row, "iw_nats_vs_T0_per_sequence": {"mean": 9.0, "se": 0.1, "n": 256}},
+                                     "16": row}}}
 
-    assert by["ltm"].verdict(ltm([7, 6.9, 6.5, 6.4, 6.0])) == "reproduced"
-    assert by["ltm"].verdict(ltm([7, 6.5, 6.8, 6.4, 6.0])) == "direction only"
-    assert by["ltm"].verdict(ltm([7.09, 6.74, 7.14, 6.36, 7.11])) == "contradicted"  # the committed quick sweep
+    assert by["ltm"].verdict(ltm(-0.156, 0.01, [-0.15, -0.16])) == "reproduced"  # the committed sweep's T_fast 16
+    assert by["ltm"].verdict(ltm(-0.156, 0.01, [-0.3, 0.01])) == "direction only"  # one seed the other way
+    assert by["ltm"].verdict(ltm(-0.01, 0.01, [-0.01, -0.01])) == "direction only"  # within 2 s.e.
+    assert by["ltm"].verdict(ltm(0.006, 0.01, [0.01, 0.002])) == "contradicted"
+    assert "T_fast 16 - 0: -0.156 ± 0.010 nats/token (2 seeds x 128 sequences" in by["ltm"].ours(
+        ltm(-0.156, 0.01, [-0.15, -0.16]))  # the largest T_fast, not T_fast 4
 
     def sec7(mean, lo, hi):
         return {"summary": {"8": {"gain_difference": {"mean": mean}, "seeds": [0, 1, 2],
@@ -131,3 +139,13 @@ def test_the_committed_table_is_the_registry():
 def test_the_python_of_a_command_is_this_interpreter():
     assert rp._argv(("python", "-m", "x"))[0] == sys.executable
     assert rp._argv(("ppl-thought", "demo"))[-1] == "demo"
+
+
+def test_a_partial_json_shows_its_numbers_and_no_verdict(tmp_path):
+    """A run stopped before its last replicate (sec7 writes ``"partial": true`` after each seed) is not run."""
+    r = _tiny("tiny", "1", "x.json")
+    (tmp_path / "x.json").write_text(json.dumps({"value": 2.0, "partial": True}))
+    (row,) = rp.table_rows(tmp_path, [r])
+    assert row["verdict"] == "not run" and row["ours"] == "partial run, stopped early: value 2.00"
+    (tmp_path / "x.json").write_text(json.dumps({"value": 2.0, "partial": False}))
+    assert rp.table_rows(tmp_path, [r])[0]["verdict"] == "reproduced"

@@ -585,8 +585,18 @@ def reproduce_quick(d: dict) -> str:
 
     ran = d.get("ran") or []
     secs = {r["name"]: r["seconds"] for r in d["rows"] if "seconds" in r}
-    how = (f"This table's run executed {', '.join(f'`{n}` ({secs[n]:.0f} s)' if n in secs else f'`{n}`' for n in ran)}"
-           "; the other rows are read from their JSON as committed" if ran else
+    cpu = {r["name"]: r["cpu_seconds"] for r in d["rows"] if "cpu_seconds" in r}
+
+    def took(n: str) -> str:
+        if n not in secs:
+            return f"`{n}`"
+        return f"`{n}` ({secs[n]:.0f} s" + (f", {cpu[n]:.0f} CPU s)" if n in cpu else ")")
+
+    total = (f" (in all {sum(secs.values()) / 60:.1f} min wall at the load below, {sum(cpu.values()) / 60:.1f} CPU min)"
+             if cpu else "")
+    how = (f"This table's run executed {', '.join(took(n) for n in ran)}{total}"
+           + ("; the other rows are read from their JSON as committed" if set(ran) < {r["name"] for r in d["rows"]}
+              else "") if ran else
            "This table's run executed no command: every row is read from its JSON as committed")
     return (markdown(d["rows"]) + f"\n\n{how}. Verdict rules "
             "(`ppl_thought/reproduce.py`, shown by `ppl-thought reproduce --list`): "

@@ -559,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=None, help="processes for the runs (default: the config's)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default: the config's)")
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), help="the remedies to run (default: all)")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file")
     ap.add_argument("--plot", default=None, help="draw Figure 6.1 (right) from the results to this PNG")
     ap.add_argument("--from-json", default=None, help="read the results from this JSON instead of running")
@@ -575,12 +576,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg.workers = args.workers
     if args.steps is not None:
         cfg.steps = args.steps
+    cfg.variants = tuple(args.variants or cfg.variants)
     cfg.__post_init__()
     res = run_active_coding(cfg, args.seed, progress=True)
-    res["command"] = ("python -m ppl_thought.experiments.active_coding" + (" --quick" if args.quick else "")
-                      + f" --seed {args.seed}" + (f" --workers {args.workers}" if args.workers is not None else "")
-                      + (f" --steps {args.steps}" if args.steps is not None else "")
-                      + (f" --json {args.json}" if args.json else ""))
+    res["command"] = run_record["command"]  # the command as retyped from the repository root
     if args.json:
         atomic_write_json(args.json, stamped(res, run_record))  # commit, command, machine, load, seconds
     if args.plot:
