@@ -250,3 +250,21 @@ def decoding_view(program: Any, **options: Any) -> Any:
                           "generates: pass the horizon as one of its arguments")
     return program
 
+
+
+def one_token_step(program: Any, engine: str, spec_type: type, examples: str) -> Any:
+    """``program.one_token_step()`` for a token-level engine (both backends; docs/programs.md, the token-level
+    protocol): the declared step, a ``spec_type`` (the backend's ``OneTokenStep``), or a :class:`ConfigError` that
+    names the method to implement (``examples``: the library's programs that have it)."""
+    name = type(program).__name__
+    ask = getattr(program, "one_token_step", None)
+    spec = ask() if callable(ask) else None
+    where = f"{spec_type.__module__}.{spec_type.__name__}"
+    if spec is None:
+        why = "does not define one_token_step()" if not callable(ask) else "has one_token_step() returning None"
+        raise ConfigError(f"{engine} runs token-level programs: a step is one token of one LM under a token "
+                          f"automaton, declared by one_token_step() -> {where} ({examples} have it); {name} {why}: "
+                          f"implement {name}.one_token_step()")
+    if not isinstance(spec, spec_type):
+        raise ConfigError(f"{name}.one_token_step() must return a {where} or None, got {type(spec).__name__}")
+    return spec

@@ -40,6 +40,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.poutine.runtime import _PYRO_STACK
 
+from ppl_thought import checks
 from ppl_thought.contract import (  # noqa: F401 -- the contract's names, re-exported where programs live
     PARTICLES,
     SHARED_SCALARS,
@@ -331,20 +332,9 @@ class OneTokenStep:
     def of(program: Any, engine: str) -> OneTokenStep:
         """``program.one_token_step()``, or a :class:`~ppl_thought.errors.ConfigError` for ``engine`` that names the
         method to implement (the one check every token-level engine runs)."""
-        from ppl_thought.errors import ConfigError
-
+        spec = checks.one_token_step(program, engine, OneTokenStep,
+                                     "pt.models.Constrained and pt.verifiers.VerifiedLM")
         name = type(program).__name__
-        ask = getattr(program, "one_token_step", None)
-        spec = ask() if callable(ask) else None
-        if spec is None:
-            why = "does not define one_token_step()" if not callable(ask) else "has one_token_step() returning None"
-            raise ConfigError(f"{engine} runs token-level programs: a step is one token of one LM under a token "
-                              f"automaton, declared by Program.one_token_step() -> ppl_thought.program.OneTokenStep "
-                              f"(pt.models.Constrained and pt.verifiers.VerifiedLM have it); {name} {why}: implement "
-                              f"{name}.one_token_step()")
-        if not isinstance(spec, OneTokenStep):
-            raise ConfigError(f"{name}.one_token_step() must return a ppl_thought.program.OneTokenStep or None, got "
-                              f"{type(spec).__name__}")
         check_tokenizer(getattr(spec.rule, "constraint", None), spec.lm, f"{engine} on {name}")
         return spec
 

@@ -35,6 +35,7 @@ import numpyro
 from numpyro.distributions import Distribution
 from numpyro.primitives import _PYRO_STACK, Messenger
 
+from ppl_thought import checks
 from ppl_thought.checks import integer
 from ppl_thought.errors import ConfigError, NumericalError, ProgramError
 from ppl_thought.numpyro.boundary import ArrayLike, as_array, checked_jax, tracing
@@ -253,17 +254,8 @@ class OneTokenStep:
     def of(program: Any, engine: str) -> OneTokenStep:
         """``program.one_token_step()``, or a :class:`~ppl_thought.errors.ConfigError` for ``engine`` that names the
         method to implement."""
+        spec = checks.one_token_step(program, engine, OneTokenStep, "ptn.verifiers.VerifiedLM")
         name = type(program).__name__
-        ask = getattr(program, "one_token_step", None)
-        spec = ask() if callable(ask) else None
-        if spec is None:
-            why = "does not define one_token_step()" if not callable(ask) else "has one_token_step() returning None"
-            raise ConfigError(f"{engine} runs token-level programs: a step is one token of one LM under a token "
-                              f"automaton, declared by one_token_step() -> ppl_thought.numpyro.program.OneTokenStep "
-                              f"(ptn.verifiers.VerifiedLM has it); {name} {why}: implement {name}.one_token_step()")
-        if not isinstance(spec, OneTokenStep):
-            raise ConfigError(f"{name}.one_token_step() must return a ppl_thought.numpyro.program.OneTokenStep or "
-                              f"None, got {type(spec).__name__}")
         if int(getattr(spec.rule, "vocab_size", -1)) != int(spec.lm.vocab_size):
             raise ConfigError(f"{name}.one_token_step(): the rule has {getattr(spec.rule, 'vocab_size', None)} token "
                               f"columns but the LM has vocab_size={spec.lm.vocab_size}")
