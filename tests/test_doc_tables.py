@@ -28,9 +28,7 @@ def test_every_documented_table_equals_its_json():
 
 
 # JSON files that record neither the machine nor the time; their renderings must say so
-NOT_RECORDED = {"smollm2-load": "load times; benchmarks/smollm2_load.py does not record the machine",
-                "real-training-quick": "written before real_training recorded the machine (it does now, provenance()); "
-                                       "54 min to rerun, issue 42's reproduce run"}
+NOT_RECORDED = {"smollm2-load": "load times; benchmarks/smollm2_load.py does not record the machine"}
 
 
 def _recorded(d: dict) -> tuple[bool, bool]:
