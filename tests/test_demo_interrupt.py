@@ -41,7 +41,8 @@ sys.exit(main(sys.argv[1:]))
 
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg", "PYTHONWARNINGS": "ignore"}
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg", "PYTHONWARNINGS": "ignore",
+            "PYTHONFAULTHANDLER": "1"}  # stacks on SIGABRT (a hang, _interrupt)
 
 
 def _interrupt(argv: list[str], when, timeout: float = 600) -> tuple[int, str, str]:
@@ -59,7 +60,14 @@ def _interrupt(argv: list[str], when, timeout: float = 600) -> tuple[int, str, s
             proc.send_signal(signal.SIGINT)
             break
         time.sleep(0.2)
-    proc.wait(timeout=120)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:  # a hang after Ctrl-C: SIGABRT makes faulthandler print every thread's stack
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(timeout=30)
+        for r in readers:
+            r.join(timeout=10)
+        pytest.fail("no exit within 120 s of SIGINT; the process's stacks at SIGABRT:\n" + "".join(err)[-6000:])
     for r in readers:
         r.join(timeout=10)
     return proc.returncode, "".join(out), "".join(err)
