@@ -199,7 +199,6 @@ NOT_RECORDED_JSON = {
     "typecheck_ab.json": "no command or commit; engine_core_ab.py --typecheck-ab at an old commit",
     "typecheck_ab_head.json": "no command or commit; engine_core_ab.py --typecheck-ab, several minutes",
     "verifiers.json": "no command or commit; examples/dyck_backtracking.py (default size), long",
-    "backends.json": "no command; benchmarks/backends.py",
 }
 
 
