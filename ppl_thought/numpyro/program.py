@@ -35,8 +35,7 @@ import numpyro
 from numpyro.distributions import Distribution
 from numpyro.primitives import _PYRO_STACK, Messenger
 
-from ppl_thought import checks
-from ppl_thought.checks import integer
+from ppl_thought.checks import integer, one_token_step
 from ppl_thought.errors import ConfigError, NumericalError, ProgramError
 from ppl_thought.numpyro.boundary import ArrayLike, as_array, checked_jax, tracing
 from ppl_thought.twists import current as current_twists
@@ -254,7 +253,7 @@ class OneTokenStep:
     def of(program: Any, engine: str) -> OneTokenStep:
         """``program.one_token_step()``, or a :class:`~ppl_thought.errors.ConfigError` for ``engine`` that names the
         method to implement."""
-        spec = checks.one_token_step(program, engine, OneTokenStep, "ptn.verifiers.VerifiedLM")
+        spec = one_token_step(program, engine, OneTokenStep, "ptn.verifiers.VerifiedLM")
         name = type(program).__name__
         if int(getattr(spec.rule, "vocab_size", -1)) != int(spec.lm.vocab_size):
             raise ConfigError(f"{name}.one_token_step(): the rule has {getattr(spec.rule, 'vocab_size', None)} token "
