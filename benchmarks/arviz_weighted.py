@@ -15,8 +15,9 @@ the summary mean's error against the exact posterior mean in units of its MCSE, 
 ``az.ess`` over every variable of ``posterior`` (bulk, tail and mean methods) against the importance
 ESS (sum w)^2 / sum w^2 of the run. The script only calls the public conversion, so it runs unchanged
 on an older checkout (``PYTHONPATH=<checkout>``): that is how the "before" numbers were taken
-(benchmarks/results/arviz_weighted_before.json, commit 44170bd's conversion: a resample of size n).
-``--num-draws 200`` gives the same layout with the new conversion (the trade-off in docs/diagnostics.md).
+(commit 44170bd's conversion, a resample of size n; its file is in git history). ``--num-draws 200``
+gives that layout with the current conversion (``benchmarks/results/arviz_weighted_n200.json``; the
+trade-off table in docs/diagnostics.md shows both).
 """
 
 from __future__ import annotations

@@ -174,30 +174,19 @@ RESULTS = ROOT / "benchmarks" / "results"
 # why each is not rerun here. A rerun with the command in the docs (ppl_thought.provenance records both) takes a
 # file off this list; the test below fails while a listed file already records both (the list stays honest).
 NOT_RECORDED_JSON = {
-    "arviz_weighted_after.json": "no command or commit; benchmarks/arviz_weighted.py --seeds 40, several minutes",
-    "arviz_weighted_after_n200.json": "no command or commit; an arviz_weighted.py run at n = 200, several minutes",
-    "arviz_weighted_before.json": "no command or commit; measures commit 44170bd's conversion (an old checkout)",
-    "backends_program.json": "no command or commit; benchmarks/backends.py --only program",
     "demo_quick.json": "no command (ppl-thought demo --quick, 537 s: longer than a quick rerun)",
     "dyck_thesis_quick.json": "no command or commit; examples/dyck_backtracking.py --quick, 279 s",
     "dyck_thesis_quick_seed1.json": "no command or commit; dyck_backtracking.py --quick --seed 1, 279 s",
-    "engine_core_ab.json": "no command or commit; an A/B against an old checkout (engine_core_ab.py --base)",
-    "engines_after.json": "no command or commit; the 'after' side of an engines.py A/B of an old change",
-    "engines_before.json": "no command or commit; the 'before' side: an old checkout",
-    "jax_transformer.json": "no command or commit; benchmarks/jax_transformer.py, timings quoted by hand",
     "llamppl_race.json": "no command or commit; benchmarks/llamppl_race.py, 5 rounds with LLaMPPL",
     "llamppl_race_smollm2_genlm_n16.json": "no command or commit; needs genlm-control and SmolLM2, minutes",
     "ltm_sweep_quick.json": "no command; latent_thought --sweep --quick, longer than a quick rerun",
     "ltm_sweep_quick_seed1.json": "no command; latent_thought --sweep --quick --seed 1, as above",
     "next_token_boosting.json": "no command or commit; next_token_boosting (default size), numbers quoted by hand",
-    "real_constraints_quick.json": "no command or commit; examples/real_constraints.py --quick on SmolLM2",
     "real_thoughts_default.json": "no command or commit; examples/real_thoughts.py at its default size, 622 s",
     "robustness.json": "no command or commit; benchmarks/robustness.py (the classic pass), minutes",
     "smollm2_load.json": "no commit; benchmarks/smollm2_load.py (a rerun at load 12-19 passed 900 s: rerun it quiet)",
     "token_automata.json": "no command or commit; benchmarks/token_automata.py, timings quoted in docs/constraints.md "
                            "(a rerun at load 19 took 537 s and timed builds 20-40x slower: not kept; rerun it quiet)",
-    "typecheck_ab.json": "no command or commit; engine_core_ab.py --typecheck-ab at an old commit",
-    "typecheck_ab_head.json": "no command or commit; engine_core_ab.py --typecheck-ab, several minutes",
     "verifiers.json": "no command or commit; examples/dyck_backtracking.py (default size), long",
 }
 

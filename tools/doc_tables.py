@@ -603,6 +603,32 @@ def reproduce_quick(d: dict) -> str:
             + "; ".join(f"`{r['name']}`: {r['rule']}" for r in d["rows"]) + ". " + _provenance(d) + "\n")
 
 
+# ---------------------------------------------------------------------------------------------- ArviZ layout
+ARVIZ_WEIGHTED_CMD = "python benchmarks/arviz_weighted.py --json benchmarks/results/arviz_weighted.json"
+ARVIZ_WEIGHTED_MODELS = (("slow_thinking", "z_length", "PauseToThink, Importance(200), E\\|z\\|"),
+                         ("hmm", "z_1", "HMM (3 states, T = 4), SMC(200), E[z_1]"))
+
+
+def arviz_weighted(d: dict) -> str:
+    """docs/diagnostics.md: the bounded default layout of ``to_inference_data`` (``arviz_weighted.json``) against
+    one draw per particle (``--num-draws 200``, the ``meta`` file ``arviz_weighted_n200.json``), over the same
+    seeds, against the exact posterior mean (enumeration)."""
+    rows = ["| model, engine | layout | draws | importance ESS | largest `az.ess` | seeds with `az.ess` > ESS "
+            "| RMSE of the summary mean | mean MCSE | beyond 3 MCSE |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, var, label in ARVIZ_WEIGHTED_MODELS:
+        for i, (layout, r) in enumerate((("one draw per particle (`num_draws=n`)", d["meta"][key]),
+                                         ("default (bounded)", d[key]))):
+            v = r[var]
+            beyond = round(v["frac_beyond_3_mcse"] * r["seeds"])
+            head = f"{label} = {r['exact'][var]:.3f}" if i == 0 else ""
+            rows.append(f"| {head} | {layout} | {r['num_draws']:.0f} | {r['ess_importance_mean']:.1f} "
+                        f"| {r['az_ess_max_mean']:.1f} | {100 * r['frac_az_ess_above_importance_ess']:.0f}% "
+                        f"| {v['rmse']:.3f} | {v['mean_mcse']:.3f} | {beyond} of {r['seeds']} |")
+    cmd = pv.of(d["meta"]).get("command") or "python benchmarks/arviz_weighted.py --num-draws 200"
+    return ("\n".join(rows) + f"\n\nThe first row of each model: `{cmd}` (at commit "
+            f"{(pv.of(d['meta']).get('commit') or 'not recorded')[:7]}). {_provenance(d)}\n")
+
+
 @dataclass(frozen=True)
 class Table:
     source: str  # JSON under the repository root
@@ -634,6 +660,8 @@ TABLES: dict[str, Table] = {
     "a5-quick": Table("benchmarks/results/demo_quick.json", a5_quick, DEMO_CMDS["quick"]),
     "real-training-quick": Table("benchmarks/results/real_training_quick.json", real_training, REAL_TRAINING_CMD),
     "reproduce-quick": Table("benchmarks/results/reproduce_quick.json", reproduce_quick, REPRODUCE_CMD),
+    "arviz-weighted": Table("benchmarks/results/arviz_weighted.json", arviz_weighted, ARVIZ_WEIGHTED_CMD,
+                            meta="benchmarks/results/arviz_weighted_n200.json"),
 }
 
 
