@@ -124,8 +124,9 @@ def run_latent_thought(cfg: LTMConfig, out_dir: str | None = None, progress: boo
 
     # LTM: dual-rate learning (Algorithm 1).
     t = time.time()
+    # the committed runs' inner schedule (constant; the trainer's default is the paper's cosine since 2a4d170)
     trainer = DualRateTrainer(ltm, cfg.steps, cfg.inner_steps, slow_lr=cfg.slow_lr, slow_lr_min=cfg.slow_lr_min,
-                              warmup_steps=cfg.warmup, progress=progress)
+                              warmup_steps=cfg.warmup, inner_schedule="constant", progress=progress)
     trainer.fit(train[i] for i in order)
     ltm_train_s = time.time() - t
 
@@ -327,7 +328,8 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict:
         common = dict(slow_lr=cfg.slow_lr, slow_lr_min=cfg.slow_lr_min, warmup_steps=cfg.warmup, progress=progress)
         encoder = None
         if learner == "vb":
-            trainer = DualRateTrainer(ltm, cfg.steps, T, **common)
+            # the committed constant-rate sweep (ltm_sweep_quick*.json; benchmarks/ltm_tsweep.py runs both schedules)
+            trainer = DualRateTrainer(ltm, cfg.steps, T, inner_schedule="constant", **common)
         elif learner == "langevin":
             trainer = LangevinTrainer(ltm, cfg.steps, T, step_size=cfg.langevin_step_size, **common)
         else:

@@ -111,7 +111,10 @@ class DualRateTrainer:
 
     For each mini-batch: re-initialise the local (mu, log sigma^2) of every sequence and take
     ``inner_steps`` = T_fast Adam steps on the ELBO of Eq. 5 with the decoder frozen (fast learning, learning
-    rate linear from ``fast_lr[0]`` = 0.3 to ``fast_lr[1]`` = 0.34 over training, App. A.2); then one AdamW
+    rate linear from ``fast_lr[0]`` = 0.3 to ``fast_lr[1]`` = 0.34 over training, App. A.2, and by default decayed
+    by a cosine to 0 inside the loop, ``inner_schedule="cosine"``, as Sec. 3.2 does "for larger steps": at a
+    constant rate, ``inner_schedule="constant"``, Adam's q never converges and the model is charged the gap,
+    docs/latent-thought.md "Why more inference steps"); then one AdamW
     step (betas 0.9, 0.95; gradient norm clipped to ``grad_clip``) on the decoder with the batch ELBO
     L_batch = (1/B) sum_i L_i, z drawn from the optimised q with the local parameters detached (slow
     learning; rate ``slow_lr`` with linear warmup then cosine decay to ``slow_lr_min``). The loss is
@@ -121,7 +124,7 @@ class DualRateTrainer:
     def __init__(self, ltm: LatentThought, total_steps: int, inner_steps: int = 16,
                  fast_lr: tuple[float, float] = (0.3, 0.34), slow_lr: float = 4e-4, slow_lr_min: float = 4e-5,
                  warmup_steps: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0, num_samples: int = 1,
-                 inner_schedule: str = "constant", progress: bool = True) -> None:
+                 inner_schedule: str = "cosine", progress: bool = True) -> None:
         if total_steps < 1 or inner_steps < 0:
             raise ConfigError(f"need total_steps >= 1 and inner_steps >= 0, got {total_steps}, {inner_steps}")
         self.ltm, self.total_steps, self.inner_steps = ltm, total_steps, inner_steps
