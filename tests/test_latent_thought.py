@@ -269,7 +269,7 @@ def _gap_to_exact_posterior(schedule: str, steps: int, num_samples: int = 1) -> 
 def test_the_trainers_default_inner_loop_is_the_converging_one(schedule):
     """``DualRateTrainer``'s default inner schedule is Sec 3.2's cosine decay: its inner loop (100 steps at rate
     0.34) ends within 0.5 nats of the exact posterior; the same trainer with ``inner_schedule="constant"`` stays more
-    than 1 nat away (the test's failing case: it is what the default was before 2a4d170)."""
+    than 1 nat away (the failing case: the default before bd5c86a)."""
     ltm, mu, var = _conjugate_ltm()
     fitted = []
     fit_local = ltm.fit_local

@@ -124,7 +124,7 @@ def run_latent_thought(cfg: LTMConfig, out_dir: str | None = None, progress: boo
 
     # LTM: dual-rate learning (Algorithm 1).
     t = time.time()
-    # the committed runs' inner schedule (constant; the trainer's default is the paper's cosine since 2a4d170)
+    # the committed runs' inner schedule (constant; the trainer's default is the paper's cosine)
     trainer = DualRateTrainer(ltm, cfg.steps, cfg.inner_steps, slow_lr=cfg.slow_lr, slow_lr_min=cfg.slow_lr_min,
                               warmup_steps=cfg.warmup, inner_schedule="constant", progress=progress)
     trainer.fit(train[i] for i in order)
