@@ -175,7 +175,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 # file off this list; the test below fails while a listed file already records both (the list stays honest).
 NOT_RECORDED_JSON = {
     "demo_quick.json": "no command (ppl-thought demo --quick, 537 s: longer than a quick rerun)",
-    "dyck_thesis_quick.json": "no command or commit; examples/dyck_backtracking.py --quick, 279 s",
     "dyck_thesis_quick_seed1.json": "no command or commit; dyck_backtracking.py --quick --seed 1, 279 s",
     "llamppl_race.json": "no command or commit; benchmarks/llamppl_race.py, 5 rounds with LLaMPPL",
     "llamppl_race_smollm2_genlm_n16.json": "no command or commit; needs genlm-control and SmolLM2, minutes",
