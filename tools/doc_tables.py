@@ -629,6 +629,134 @@ def arviz_weighted(d: dict) -> str:
             f"{(pv.of(d['meta']).get('commit') or 'not recorded')[:7]}). {_provenance(d)}\n")
 
 
+# ---------------------------------------------------------------------------------------------- reliability
+ROBUSTNESS_CMD = "python benchmarks/robustness.py --json benchmarks/results/robustness.json"
+
+
+def robustness(d: dict) -> str:
+    """docs/reliability.md: bad inputs (the hand-written table and the property families), the families' valid
+    draws and the killed writers, as ``benchmarks/robustness.py`` counts them."""
+    i, v, k = d["inputs"], d["valid"], d["kills"]
+    table, fams = d["table"]["tried"], i["tried"] - d["table"]["tried"]
+    draws = {f["draws"] for f in d["property_families"].values()}
+    per = f", {draws.pop()} draws per family" if len(draws) == 1 else ""
+    return (f"| | tried | clear | unclear | silent | crash |\n|---|---|---|---|---|---|\n"
+            f"| bad inputs ({table} from the table, {fams} from the {len(d['property_families'])} property "
+            f"families{per}) | {i['tried']} | {i['clear']} | {i['unclear']} | {i['silent']} | {i['crash']} |\n\n"
+            f"| | tried | ok | wrong |\n|---|---|---|---|\n"
+            f"| valid inputs drawn by the property families | {v['tried']} | {v['ok']} | {v['wrong']} |\n\n"
+            f"| | tried | unloadable |\n|---|---|---|\n"
+            f"| writers killed with SIGKILL while overwriting (checkpoint, saved result) | {k['tried']} "
+            f"| {k['unloadable']} |\n\n{_provenance(d)}\n")
+
+
+# ---------------------------------------------------------------------------------------------- Dyck (verifiers)
+DYCK_QUICK_CMD = "python examples/dyck_backtracking.py --quick --json benchmarks/results/dyck_thesis_quick.json"
+DYCK_FULL_CMD = "python examples/dyck_backtracking.py --json benchmarks/results/verifiers.json"
+DYCK_METHODS = (("sample", "sample"), ("nucleus", "nucleus (top-p 0.9)"), ("tokenwise", "tokenwise"),
+                ("backtracking", "backtracking (Q = 4, B = 4)"), ("vgb", "vgb (first leaf)"),
+                ("smc", "smc (masked)"), ("awrs", "awrs"))
+
+
+def dyck_methods(d: dict) -> str:
+    """docs/verifiers.md, the Dyck sandbox: every method's accuracy, TV to the exact constrained law, distinct
+    completions and calls per sample (``experiments/verifiers.py``, the ``dyck`` entry of its JSON)."""
+    su, r = d["setup"], d["dyck"]
+    rows = ["| method | accuracy | TV | distinct | LM calls / sample | verifier calls / sample |",
+            "|---|---|---|---|---|---|"]
+    for key, label in DYCK_METHODS:
+        m = r[key]
+        vc = f"{m['verifier_calls']:.1f}" if m["verifier_calls"] else "0"
+        rows.append(f"| {label} | {m['accuracy']:.3f} | {m['tv']:.3f} | {m['distinct']:.3f} | {m['lm_calls']:.1f} "
+                    f"| {vc} |")
+    secs = f"; the Dyck part took {su['seconds']:.0f} s" if isinstance(su.get("seconds"), (int, float)) else ""
+    head = (f"Seed {su['seed']}, {su['prompts']} prompts, {su['samples_per_prompt']} samples each; TV floor (as many "
+            f"i.i.d. exact draws) {su['tv_floor']:.3f}{secs}.")
+    tb, oc = d.get("tokenwise_bias"), d.get("oracle_calls")
+    props = ("" if not (tb and oc) else
+             f"\n\nProps 3.1.1-3.1.2 at larger sizes (same JSON): tokenwise rejection puts {tb['measured']:.4f} on "
+             f"1^(D-1)0 where Prop 3.1.2 predicts {tb['predicted']:.3f} (the restricted law: "
+             f"{tb['restricted']:.3f}); LM calls per sample {oc['rejection']:.1f} (rejection, predicted "
+             f"{oc['predicted_rejection']:.0f}) and "
+             f"{oc['tokenwise']:.2f} (tokenwise, predicted {oc['predicted_tokenwise']:.0f}).")
+    return head + "\n\n" + "\n".join(rows) + props + f"\n\n{_provenance(d)}\n"
+
+
+def _errs(t: dict, top_p: str, key: str) -> str:
+    e = t["table_3_3"][f"top_p={top_p}"][key]
+    return f"{e['errors_per_10000']:.0f} +- {e['stderr_per_10000']:.0f}"
+
+
+def _acc(t: dict, table: str, *keys: str) -> str:
+    return " / ".join(f"{t[table][k]['mean']:.3f}" for k in keys)
+
+
+def _span(a: float, b: float) -> str:
+    lo, hi = f"{100 * min(a, b):.0f}", f"{100 * max(a, b):.0f}"
+    return f"{lo}%" if lo == hi else f"{lo}-{hi}%"
+
+
+def dyck_thesis(d: dict) -> str:
+    """docs/verifiers.md, the thesis' Tables 3.1-3.3 at small scale: seed 0 (``dyck_thesis_quick.json``, the
+    ``thesis_tables`` entry) and seed 1 (``--thesis-only --seed 1``, the ``meta`` file), beside the thesis."""
+    runs = [d["thesis_tables"], d["meta"]["thesis_tables"]]
+    th, ours = runs[0]["thesis"], [r["ours"] for r in runs]
+    seeds = " | ".join(f"ours, seed {r['setup']['seed']}" for r in runs)
+    t3 = th["table_3_3"]
+    out = [f"| Table 3.3: errors per 10000 OOD prompts | thesis | {seeds} |", "|---|---|---|---|"]
+    for top_p in ("0.9", "1.0"):
+        plain, back = t3[f"top_p={top_p}"]["Q=0,B=0"], t3[f"top_p={top_p}"]["Q=4,B=4"]
+        out.append(f"| top-p {top_p}, no backtracking (Q = 0) | {plain['errors']:.1f} +- {plain['stderr']:.1f} | "
+                   + " | ".join(_errs(o, top_p, "Q=0,B=0") for o in ours) + " |")
+        out.append(f"| top-p {top_p}, Algorithm 1 (Q = 4, B = 4), trained verifier | {back['errors']:.1f} +- "
+                   f"{back['stderr']:.1f} | " + " | ".join(_errs(o, top_p, "Q=4,B=4") for o in ours) + " |")
+        out.append(f"| top-p {top_p}, Algorithm 1, exact verifier | - | "
+                   + " | ".join(_errs(o, top_p, "Q=4,B=4,exact_verifier") for o in ours) + " |")
+    b = ("B=1", "B=2", "B=4", "B=8")
+    out += ["", f"| Tables 3.1-3.2: accuracy at error-inducing prefixes | thesis | {seeds} |", "|---|---|---|---|",
+            f"| nucleus top-p 0.9 / greedy | {th['table_3_1']['nucleus_0.9']:.3f} / {th['table_3_1']['greedy']:.3f} | "
+            + " | ".join(_acc(o, "table_3_1", "nucleus_0.9", "greedy") for o in ours) + " |",
+            "| one forced backtrack, B = 1 / 2 / 4 / 8, then top-p 0.9 | "
+            + " / ".join(f"{th['table_3_1'][k]:.3f}" for k in b) + " | "
+            + " | ".join(_acc(o, "table_3_1", *b) for o in ours) + " |"]
+    for q in (1, 4):
+        keys = tuple(f"Q={q},B={bb}" for bb in (2, 4, 6))
+        label = "Algorithm 1, trained verifier, Q = 1: B = 2 / 4 / 6" if q == 1 else "Q = 4: B = 2 / 4 / 6"
+        out.append(f"| {label} | " + " / ".join(f"{th['table_3_2'][k]:.3f}" for k in keys) + " | "
+                   + " | ".join(_acc(o, "table_3_2", *keys) for o in ours) + " |")
+    va = th["verifier_val_accuracy"]
+    out += ["", f"| the LM and the verifier | thesis | {seeds} |", "|---|---|---|---|",
+            f"| OOD accuracy, top-p 0.9 (verifier-data prompts) | {th['ood_accuracy_nucleus_0.9']} | "
+            + " | ".join(f"{o['ood_accuracy_nucleus_0.9']:.3f}" for o in ours) + " |",
+            f"| verifier validation accuracy (held out of its balanced data; ours: "
+            f"{ours[0]['verifier']['n_val']} strings) | {va['mean']} +- {va['stderr']} | "
+            + " | ".join(f"{o['verifier']['val_accuracy']:.3f}" for o in ours) + " |",
+            "| verifier vs the exact verifier on every prefix it judged in Table 3.3 | - | "
+            + " | ".join(f"{o['verifier']['audit_table_3_3']['accuracy_vs_exact']:.3f} "
+                         f"({o['verifier']['audit_table_3_3']['calls']} calls)" for o in ours) + " |",
+            "| share of the exact verifier's rejections it missed | - | "
+            + " | ".join(f"{o['verifier']['audit_table_3_3']['miss_rate']:.3f}" for o in ours) + " |"]
+
+    def cut(o: dict, top_p: str) -> str:
+        e = o["table_3_3"][f"top_p={top_p}"]
+        return f"{100 * (1 - e['Q=4,B=4']['mean'] / e['Q=0,B=0']['mean']):.0f}%"
+
+    thesis_cut = [f"{100 * (1 - t3[f'top_p={p}']['Q=4,B=4']['errors'] / t3[f'top_p={p}']['Q=0,B=0']['errors']):.0f}%"
+                  for p in ("0.9", "1.0")]
+    su = [r["setup"] for r in runs]
+    out += ["", "Backtracking with the trained verifier cuts the OOD errors by "
+            + "; ".join(f"{cut(o, '0.9')} at top-p 0.9 and {cut(o, '1.0')} at top-p 1.0 for seed {s['seed']}"
+                        for o, s in zip(ours, su))
+            + f" (the thesis: {thesis_cut[0]} and {thesis_cut[1]}). From error-inducing prefixes nucleus and greedy "
+            "succeed " + " and ".join(_span(o['table_3_1']['nucleus_0.9']['mean'], o['table_3_1']['greedy']['mean'])
+                                        for o in ours)
+            + f" of the time (seeds {' and '.join(str(s['seed']) for s in su)}; the thesis: "
+            f"{100 * th['table_3_1']['nucleus_0.9']:.0f}%). Our model has {su[0]['lm_parameters']} parameters "
+            f"(`setup.lm_parameters`), the thesis' a {th['model']['n_layers']} x {th['model']['d_model']} model. "
+            "Seed 1: " + _provenance(d["meta"]) + " Seed 0: " + _provenance(d)]
+    return "\n".join(out) + "\n"
+
+
 @dataclass(frozen=True)
 class Table:
     source: str  # JSON under the repository root
@@ -660,6 +788,11 @@ TABLES: dict[str, Table] = {
     "a5-quick": Table("benchmarks/results/demo_quick.json", a5_quick, DEMO_CMDS["quick"]),
     "real-training-quick": Table("benchmarks/results/real_training_quick.json", real_training, REAL_TRAINING_CMD),
     "reproduce-quick": Table("benchmarks/results/reproduce_quick.json", reproduce_quick, REPRODUCE_CMD),
+    "robustness": Table("benchmarks/results/robustness.json", robustness, ROBUSTNESS_CMD),
+    "dyck-quick": Table("benchmarks/results/dyck_thesis_quick.json", dyck_methods, DYCK_QUICK_CMD),
+    "dyck-full": Table("benchmarks/results/verifiers.json", dyck_methods, DYCK_FULL_CMD),
+    "dyck-thesis": Table("benchmarks/results/dyck_thesis_quick.json", dyck_thesis, DYCK_QUICK_CMD,
+                         meta="benchmarks/results/dyck_thesis_quick_seed1.json"),
     "arviz-weighted": Table("benchmarks/results/arviz_weighted.json", arviz_weighted, ARVIZ_WEIGHTED_CMD,
                             meta="benchmarks/results/arviz_weighted_n200.json"),
 }
