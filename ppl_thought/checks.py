@@ -114,10 +114,14 @@ def numeric_array(name: str, value, error: type[PPLThoughtError] = ConfigError,
     """Refuse what cannot be read as an array of numbers before ``torch.as_tensor`` / ``np.asarray`` meet it:
     ``None``, a string or bytes (a ``Sequence`` to the type layer), an array of strings or objects, or a list
     holding anything but numbers (``[1.5, 'a']``, a ragged nesting). ``error`` names the argument, the value and
-    what is expected. An array's dtype is read, its elements never are (no host sync for a GPU tensor)."""
-    got = f"got {type(value).__name__} {value!r}"[:200]
+    what is expected. An array's dtype is read, its elements never are (no host sync for a GPU tensor), and the value
+    is formatted only for a message (a repr of a large array costs more than the check)."""
+
+    def got() -> str:
+        return f"got {type(value).__name__} {value!r}"[:200]
+
     if value is None or isinstance(value, str | bytes | bytearray):
-        raise error(f"{name} must be {expects}, {got}")
+        raise error(f"{name} must be {expects}, {got()}")
     dtype = getattr(value, "dtype", None)
     if dtype is not None and not isinstance(value, numbers.Number):
         try:
@@ -136,9 +140,9 @@ def numeric_array(name: str, value, error: type[PPLThoughtError] = ConfigError,
     try:
         arr = np.asarray(value, dtype=float)
     except (TypeError, ValueError, OverflowError, RuntimeError) as e:
-        raise error(f"{name} must be {expects}, {got} ({type(e).__name__}: {e})"[:300]) from None
+        raise error(f"{name} must be {expects}, {got()} ({type(e).__name__}: {e})"[:300]) from None
     if arr.dtype.kind not in "biuf":
-        raise error(f"{name} must be {expects}, {got}")
+        raise error(f"{name} must be {expects}, {got()}")
 
 
 def path(name: str, value):

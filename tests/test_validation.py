@@ -385,3 +385,24 @@ def test_the_raise_scan_sees_a_bare_raise(tmp_path):
         "def g():\n    raise ConfigError('fine')\n")
     assert sorted(_bare_raises(tmp_path)) == [("ppl_thought/m.py", "f", 3, "ValueError"),
                                               ("ppl_thought/m.py", "f", 4, "TypeError")]
+
+
+def test_numeric_array_formats_the_value_only_for_its_message():
+    """checks.numeric_array runs on every Automaton build (each program run): it reads dtypes and numbers, and
+    formats the value (a repr of an array costs more than the check) only when it raises, naming the value."""
+    from ppl_thought import checks
+    from ppl_thought.errors import ConfigError
+
+    class Counted(list):
+        reprs = 0
+
+        def __repr__(self) -> str:
+            Counted.reprs += 1
+            return super().__repr__()
+
+    checks.numeric_array("table", Counted([[0.5, 1.0], [2.0, 3.0]]))
+    checks.numeric_array("table", Counted([torch.zeros(2), np.ones(3)]))
+    assert Counted.reprs == 0
+    with pytest.raises(ConfigError, match=r"table must be .*got Counted \[1\.5, 'a'\]"):
+        checks.numeric_array("table", Counted([1.5, "a"]))
+    assert Counted.reprs == 1
