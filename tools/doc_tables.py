@@ -285,11 +285,13 @@ def _demo_times(d: dict, size: str) -> str:
     rows = ["| part | seconds |", "|---|---|"]
     rows += [f"| {PART_NAMES.get(k, k)} | {v:.0f} |" for k, v in parts.items()]
     rows.append(f"| **all, with plots and ArviZ files** | **{d['seconds']:.0f}** ({d['seconds'] / 60:.1f} min) |")
+    head = f"`ppl-thought demo{' --quick' if size == 'quick' else ''}`"
+    if isinstance(d.get(pv.KEY), dict):  # the provenance line has the load
+        return "\n".join(rows) + f"\n\n{head}. " + _provenance(d, DEMO_CMDS[size]) + "\n"
     load = [d.get("load_average_at_start"), d.get("load_average_at_end")]
     load_s = ("load average " + " at the start, ".join(f"{x:.1f}" for x in load) + " at the end"
               if all(isinstance(x, (int, float)) for x in load) else "load not recorded")
-    return "\n".join(rows) + f"\n\n`ppl-thought demo{' --quick' if size == 'quick' else ''}`: {load_s}. " + \
-        _provenance(d, DEMO_CMDS[size]) + "\n"
+    return "\n".join(rows) + f"\n\n{head}: {load_s}. " + _provenance(d, DEMO_CMDS[size]) + "\n"
 
 
 def demo_quick_times(d: dict) -> str:
@@ -757,6 +759,37 @@ def dyck_thesis(d: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+# ---------------------------------------------------------------------------------------------- boosting (A5)
+BOOSTING_CMD = ("python -m ppl_thought.experiments.next_token_boosting "
+                "--json benchmarks/results/next_token_boosting.json")
+
+
+def boosting(d: dict) -> str:
+    """docs/diagnostics.md: Theorem 3, Lemmas 1-2 and the eps sweep of next-token boosting on the A5 task
+    (``experiments/next_token_boosting.py`` at its default size)."""
+    c, t3, l1, l2 = d["config"], d["theorem3"], d["lemma1"], d["lemma2"]
+    n_win = c["n"] - c["k"] + 1
+    by_eps = {e["eps"]: e for e in d["eps_sweep"]}
+    big = [e for e in (1.0, 4.0) if e in by_eps]
+    after = " / ".join(f"{x['advantage_after']:.3f}" for x in [d["eps_sweep"][0]] + [by_eps[e] for e in big])
+    rows = [
+        "| | paper | measured |", "|---|---|---|",
+        f"| advantage a (1.2) vs Theorem 3 | a ≤ sqrt(min(k, N) KL / (2N)) = {t3['bound']:.3f} (KL(p‖q) = "
+        f"{d['kl_p_q_nats_per_doc']:.2f} nats/doc, N = {n_win}) | {d['advantage']:.3f} ± {d['advantage_se']:.3f} |",
+        f"| KL fall at eps = a/2, offset m = {d['offset_m']} (Lemma 1) | ≥ a² N / (8k) = "
+        f"{l1['guaranteed_fall_nats_per_doc']:.3f} nats/doc | {l1['measured_fall_nats_per_doc']:.3f} ± "
+        f"{l1['measured_fall_se']:.3f} |",
+        f"| per-token loss fall (Lemma 2) | ≥ {l2['guaranteed_fall_nats_per_token']:.4f} nats/token "
+        f"| {l2['measured_fall_nats_per_token']:.4f} |",
+        f"| advantage after boosting, eps = a/2{''.join(f' / {e:g}' for e in big)} | (not stated) | {after} |"]
+    if big:
+        rows.append(f"| KL fall, eps = {' / '.join(f'{e:g}' for e in big)} | (Lemma 1 needs only eps = a/2) | "
+                    + " / ".join(f"{by_eps[e]['kl_fall_nats_per_doc']:.2f}" for e in big) + " nats/doc |")
+    head = (f"A {c['n_layers']}-layer Transformer (d_model {c['d_model']}) trained for {c['steps']} steps on "
+            f"documents of n = {c['n']} tokens, k = {c['k']}, {c['num_test']} held-out prefixes and documents.")
+    return head + "\n\n" + "\n".join(rows) + f"\n\n{_provenance(d)}\n"
+
+
 @dataclass(frozen=True)
 class Table:
     source: str  # JSON under the repository root
@@ -793,6 +826,7 @@ TABLES: dict[str, Table] = {
     "dyck-full": Table("benchmarks/results/verifiers.json", dyck_methods, DYCK_FULL_CMD),
     "dyck-thesis": Table("benchmarks/results/dyck_thesis_quick.json", dyck_thesis, DYCK_QUICK_CMD,
                          meta="benchmarks/results/dyck_thesis_quick_seed1.json"),
+    "boosting": Table("benchmarks/results/next_token_boosting.json", boosting, BOOSTING_CMD),
     "arviz-weighted": Table("benchmarks/results/arviz_weighted.json", arviz_weighted, ARVIZ_WEIGHTED_CMD,
                             meta="benchmarks/results/arviz_weighted_n200.json"),
 }
