@@ -3,9 +3,10 @@
 Workload: ``SlowThinking(Transformer prior, PauseToThink)`` with a ``Causal`` proposal (a second
 Transformer), one checkpoint per LM saved by the torch side and loaded by the JAX side (one set of weights,
 two frameworks); x of 8 tokens; N in {16, 64, 256} particles (``--quick``: 16, 256, and no decode / SVI
-entries: tests/test_benchmarks_backends.py keeps its time).
+entries; ``--tiny``, the size tests/test_benchmarks_backends.py runs: ``--quick`` with N = 256 alone and
+``TINY_ARCH``, the same code path with half the compilations, no figure to quote).
 
-    python benchmarks/backends.py [--quick] [--json FILE] [--repeats R] [--only program|decode]
+    python benchmarks/backends.py [--quick | --tiny] [--json FILE] [--repeats R] [--only program|decode]
 
 ``program``: the user program of examples/custom_program.py (question -> thought -> answer, 4 swaps, a 4-gram
 Tabular LM) and its NumPyro twin examples/custom_program_numpyro.py, bootstrap SMC (ESS 0.5) on both backends,
@@ -63,6 +64,8 @@ from ppl_thought import provenance as pv
 from ppl_thought.projections import PauseToThink
 
 ARCH = dict(d_model=64, n_layers=2, n_heads=4, max_len=64)
+#: ``--tiny``'s Transformers (the test's size: one layer compiles and runs in a fraction of ARCH's time)
+TINY_ARCH = dict(d_model=16, n_layers=1, n_heads=2, max_len=64)
 
 
 def best_time(fn, repeats: int) -> tuple[float, float, object]:
@@ -90,6 +93,8 @@ _RECORD: dict = {}
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="N in {16, 256}, one timed repetition")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the test's size: --quick with N = 256 alone and a one-layer d_model-16 Transformer")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--only", choices=("all", "program", "decode"), default="all",
@@ -99,7 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     global _RECORD
     _RECORD = pv.record(pv.script(__file__, argv))  # before the run: the code that runs
-    ns = (16, 256) if args.quick else (16, 64, 256)
+    args.quick = args.quick or args.tiny
+    ns = (256,) if args.tiny else (16, 256) if args.quick else (16, 64, 256)
+    arch = TINY_ARCH if args.tiny else ARCH
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if args.only in ("program", "decode"):
         out = {"benchmark": "backends", "n": list(ns), "repeats": repeats, "torch": torch.__version__,
@@ -118,8 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     proj = PauseToThink(vocab, max_thought_len=2)
     x = "abcdabcd"
     torch.manual_seed(0)
-    prior_t = pt.lm.Transformer(V, **ARCH).eval()
-    q_t = pt.lm.Transformer(V, **ARCH).eval()
+    prior_t = pt.lm.Transformer(V, **arch).eval()
+    q_t = pt.lm.Transformer(V, **arch).eval()
     with tempfile.TemporaryDirectory() as tmp:
         prior_j = ptn.lm.Transformer.load(prior_t.save(os.path.join(tmp, "prior")))
         q_j = ptn.lm.Transformer.load(q_t.save(os.path.join(tmp, "q")))
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     out: dict = {"benchmark": "backends", "workload": {"model": "SlowThinking(Transformer, PauseToThink(2))",
                                                        "guide": "Causal(Transformer)", "x_len": len(xt),
-                                                       "arch": ARCH, "vocab_size": V},
+                                                       "arch": arch, "vocab_size": V},
                  "unit": "particle-steps/s: N x L (L = longest latent Dom(Proj) allows for x) / best wall time",
                  "n": list(ns), "repeats": repeats, "torch": torch.__version__, "jax": jax.__version__,
                  "torch_threads": torch.get_num_threads(), "jax_device": str(jax.devices()[0]),
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
             out["log_marginal"][name][str(n)] = {"torch": float(res_t.log_marginal),
                                                  "jax": float(np.asarray(res_j.log_marginal))}
     user_program(out, ns, repeats)
-    if not args.quick:  # --quick (tests/test_benchmarks_backends.py) keeps its time: decode / SVI compile more
+    if not args.quick:  # --quick and --tiny keep their time: decode / SVI compile more
         decode_and_svi(out, ns, repeats)
     out["load_average_after"] = list(os.getloadavg())
     return _write(out, args.json)

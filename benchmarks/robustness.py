@@ -36,7 +36,9 @@ import argparse
 import contextlib
 import io as _io
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -175,47 +177,70 @@ def classify(call, phrase: str) -> tuple[str, str]:
     return "silent", f"returned {type(out).__name__}"
 
 
-_WRITER = """
-import sys, torch
+#: one interpreter pays the imports once, then forks a writer per kill (each fork a process of its own, killed with
+#: SIGKILL mid-write as a freshly started one would be; the zygote itself runs no torch op, so its forks start clean)
+_ZYGOTE = """
+import json, os, sys, torch
 from ppl_thought import io
 from ppl_thought.inference.result import Result, save_result
-path, kind = sys.argv[1], sys.argv[2]
-print("ready", flush=True)
-i = 0
-while True:
-    i += 1
-    w = torch.full((256, 256), float(i))
-    if kind == "result":
-        res = Result(samples={"z": w}, log_weights=torch.zeros(8), log_marginal=torch.tensor(float(i)))
-        save_result(path, res)
-    else:
-        io.save_checkpoint(path, {"w": w}, {"i": i})
+print("imported", flush=True)
+for line in sys.stdin:
+    path, kind = json.loads(line)
+    pid = os.fork()
+    if pid == 0:  # the writer
+        print("ready", os.getpid(), flush=True)
+        i = 0
+        while True:
+            i += 1
+            w = torch.full((256, 256), float(i))
+            if kind == "result":
+                res = Result(samples={"z": w}, log_weights=torch.zeros(8), log_marginal=torch.tensor(float(i)))
+                save_result(path, res)
+            else:
+                io.save_checkpoint(path, {"w": w}, {"i": i})
+    os.waitpid(pid, 0)
+    print("reaped", flush=True)
 """
 
 
 def kill_loop(kills: int, seed: int = 0) -> dict:
+    """``kills`` writers of a checkpoint folder and ``kills`` of a saved result, each killed with SIGKILL 0.2-0.6 s
+    after it starts writing; ``unloadable`` counts the folders that do not load with their own config's tensors."""
     rng = random.Random(seed)
     tried = unloadable = 0
-    with tempfile.TemporaryDirectory() as d:
-        for kind in ("checkpoint", "result"):
-            path = Path(d) / kind
-            for _ in range(kills):
-                proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), kind], stdout=subprocess.PIPE)
-                proc.stdout.readline()
-                time.sleep(rng.uniform(0.2, 0.6))
-                proc.kill()
-                proc.wait()
-                tried += 1
-                try:
-                    if kind == "result":
-                        r = pt.infer.load_result(path)
-                        ok = float(r.samples["z"][0, 0]) == float(r.log_marginal)
-                    else:
-                        state, config, _ = pt.io.load_checkpoint(path)
-                        ok = float(state["w"][0, 0]) == config["i"]
-                except Exception:  # noqa: BLE001 - any failure to load counts
-                    ok = False
-                unloadable += not ok
+    writer = None  # the pid of the writer running, if any
+    zygote = subprocess.Popen([sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert zygote.stdout.readline().strip() == "imported", "the writers' interpreter did not start"
+        with tempfile.TemporaryDirectory() as d:
+            for kind in ("checkpoint", "result"):
+                path = Path(d) / kind
+                for _ in range(kills):
+                    zygote.stdin.write(json.dumps([str(path), kind]) + "\n")
+                    zygote.stdin.flush()
+                    writer = int(zygote.stdout.readline().split()[1])  # "ready PID": it starts writing
+                    time.sleep(rng.uniform(0.2, 0.6))
+                    os.kill(writer, signal.SIGKILL)
+                    assert zygote.stdout.readline().strip() == "reaped"
+                    writer = None
+                    tried += 1
+                    try:
+                        if kind == "result":
+                            r = pt.infer.load_result(path)
+                            ok = float(r.samples["z"][0, 0]) == float(r.log_marginal)
+                        else:
+                            state, config, _ = pt.io.load_checkpoint(path)
+                            ok = float(state["w"][0, 0]) == config["i"]
+                    except Exception:  # noqa: BLE001 - any failure to load counts
+                        ok = False
+                    unloadable += not ok
+    finally:
+        if writer is not None:  # an error mid-loop: no writer outlives the run
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(writer, signal.SIGKILL)
+        zygote.stdin.close()
+        zygote.wait(timeout=60)
     return {"tried": tried, "unloadable": unloadable}
 
 

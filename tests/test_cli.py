@@ -171,14 +171,22 @@ def test_diagnose_refuses_missing_files_and_bad_plot_folders(weighted, tmp_path,
 
 
 # ---------------------------------------------------------------------------------------------- as a command
-def test_a_bad_flag_prints_one_line_and_no_traceback(tmp_path):
-    """The installed command's path: ``python -m ppl_thought.cli`` with bad input of each family."""
+def test_a_bad_flag_prints_one_line_and_no_traceback(tmp_path, capsys, started):
+    """The installed command's path, ``python -m ppl_thought.cli``, in one real subprocess (its exit status and
+    stderr as a shell sees them; each one costs seconds of imports), and bad input of each family through the same
+    ``cli.main`` in-process: a seed torch overflows on, an output path that is a folder, a value ``run_demo``
+    refuses, a misspelt command (argparse's own error)."""
     folder = tmp_path / "folder"
     folder.mkdir()
+    r = subprocess.run([sys.executable, "-m", "ppl_thought.cli", "demo", "--seed", str(2**70)], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stderr[-500:]
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-500:]
+    assert r.stderr.startswith("ppl-thought demo: error: argument --seed"), r.stderr
     for argv in (["demo", "--seed", str(2**70)], ["demo", "--json", str(folder), "--out", str(tmp_path / "o")],
                  ["demo", "--n", "1"], ["dmeo"]):
-        r = subprocess.run([sys.executable, "-m", "ppl_thought.cli", *argv], capture_output=True, text=True,
-                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert r.returncode == 2, (argv, r.stderr[-500:])
-        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-500:]
-        assert r.stderr.startswith("ppl-thought"), r.stderr
+        code, err = run(argv, capsys)
+        assert code == 2, (argv, err[-500:])
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-500:]
+        assert err.startswith("ppl-thought"), err
+    assert started == [] and not (tmp_path / "o").exists()

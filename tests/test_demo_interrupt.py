@@ -81,7 +81,9 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
-def test_ctrl_c_keeps_the_finished_parts_and_a_rerun_is_refused(tmp_path):
+def test_ctrl_c_keeps_the_finished_parts_and_a_rerun_is_refused(tmp_path, monkeypatch, capsys):
+    """The interrupted run is a real process (SIGINT, status 130); the rerun's refusal is ``cli.main`` in-process
+    (its exit status through the installed command: tests/test_cli.py), the demo stubbed so that nothing runs."""
     out = tmp_path / "run"
     status, stdout, err = _interrupt([sys.executable, "-c", TINY, "demo", "--quick", "--parts", "sec7", "a5",
                                       "--out", str(out), "--threads", "1"],
@@ -97,9 +99,17 @@ def test_ctrl_c_keeps_the_finished_parts_and_a_rerun_is_refused(tmp_path):
     assert sorted(os.path.basename(f) for f in saved["files"]) == ["sec7_expl_particles.nc", "sec7_fig7_1.png",
                                                                     "sec7_pred_particles.nc"]
     before = (out / "results.json").read_bytes()
-    rerun = subprocess.run([sys.executable, "-m", "ppl_thought.cli", "demo", "--quick", "--out", str(out)],
-                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
-    assert rerun.returncode == 2 and "--overwrite" in _one_line(rerun.stderr) and "results.json" in rerun.stderr
+    from ppl_thought import cli, demo
+
+    started: list[dict] = []
+    monkeypatch.setattr(demo, "run_demo", lambda **kw: started.append(kw) or {})
+    capsys.readouterr()
+    try:
+        code = cli.main(["demo", "--quick", "--out", str(out)])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and "--overwrite" in _one_line(err) and "results.json" in err and started == []
     assert (out / "results.json").read_bytes() == before  # nothing replaced
 
 

@@ -1,8 +1,11 @@
 """Every ```python block of README.md and docs/*.md runs as pasted, in order within its page (issue 44, item 2).
 
-Each page runs in its own subprocess (a fresh interpreter, one namespace for all of the page's blocks, the working
-directory a temporary folder that links the repository's ``examples/`` as a clone's root has it), so a block can
-use the names an earlier block of the same page defined, and nothing else. One rule marks a block that is not
+Each page runs in a process of its own (one namespace for all of the page's blocks, the working directory a
+temporary folder that links the repository's ``examples/`` as a clone's root has it), so a block can use the names
+an earlier block of the same page defined, and nothing else. The processes are forked from one server interpreter
+that imported the libraries every page imports (``PRELOAD``: torch, JAX, NumPyro, Pyro, ppl_thought, matplotlib,
+ArviZ; about 7 s of CPU a page) and ran nothing else: no JAX backend, no torch op, one thread, so each fork starts
+as a fresh interpreter would after those imports. One rule marks a block that is not
 run, or not run everywhere: an HTML comment on the line right above its fence,
 
     <!-- not-run: why -->        never run (a fragment, a shell session shown as Python, a multi-process launch)
@@ -11,19 +14,24 @@ run, or not run everywhere: an HTML comment on the line right above its fence,
 
 A block marked ``needs`` that cannot run here is skipped together with every later block of its page that reads a
 name a skipped block binds (by the blocks' syntax trees; the page's other blocks run).
-``python tests/test_docs_blocks.py PAGE`` runs one page and prints each block's time.
+``python tests/test_docs_blocks.py PAGE`` runs one page in a fresh interpreter and prints each block's time.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
+import json
 import os
 import pathlib
 import re
+import select
+import signal
 import subprocess
 import sys
 import time
+import traceback
 
 import pytest
 
@@ -97,20 +105,92 @@ def run_page(page: str) -> None:
         print(f"{page}:{line}: ok in {time.perf_counter() - t:.1f} s", flush=True)
 
 
-@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PAGES else p
-                                  for p in PAGES if blocks(p)])
-def test_page_blocks_run_as_pasted(page, tmp_path, request):
-    if page in SLOW_PAGES and not request.config.getoption("--slow"):
-        pytest.skip(f"{page} loads a model of one's own or trains at full size: run with --slow")
-    (tmp_path / "examples").symlink_to(ROOT / "examples")  # pages import the examples "from the repository root"
+#: what the page server imports before it forks (every page imports some of these; none of them starts a thread)
+PRELOAD = ("numpy", "torch", "pyro", "jax", "numpyro", "ppl_thought", "ppl_thought.numpyro", "matplotlib.pyplot")
+
+
+def serve() -> None:
+    """The page server: import ``PRELOAD`` once, then for each request line ``[page, cwd, out, err]`` on stdin fork
+    a child that runs the page there (stdout and stderr into the files ``out`` and ``err``); print
+    ``started PID`` when it forks and ``exit STATUS`` when the child ended."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    from ppl_thought.arviz_compat import import_arviz
+
+    import_arviz()  # as the library imports it (its FutureWarning silenced)
+    from jax._src import xla_bridge
+
+    assert not xla_bridge._backends, "a preloaded module started a JAX backend: forks would share its threads"
+    print("ready", flush=True)
+    for line in sys.stdin:
+        page, cwd, out, err = json.loads(line)
+        pid = os.fork()
+        if pid == 0:  # the page's process
+            status = 1
+            try:
+                for fd, path in ((1, out), (2, err)):
+                    f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    os.dup2(f, fd)
+                    os.close(f)
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                os.chdir(cwd)
+                import torch
+
+                torch.set_num_threads(1)
+                run_page(page)
+                status = 0
+            except BaseException:  # noqa: BLE001 - reported in the page's stderr
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        print(f"started {pid}", flush=True)
+        _, code = os.waitpid(pid, 0)
+        print(f"exit {os.waitstatus_to_exitcode(code)}", flush=True)
+
+
+@pytest.fixture(scope="module")
+def page_server():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            # XLA's cheap passes, as the JAX tests set them: numpyro.md's compilations take a third less
            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_backend_optimization_level=0 "
                                                     "--xla_llvm_disable_expensive_passes=true")}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "test_docs_blocks.py"), page], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{page}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "test_docs_blocks.py"), "--serve"], cwd=ROOT,
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready", "the page server did not start"
+        yield proc
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+
+def _line(proc: subprocess.Popen, timeout: float) -> str:
+    if not select.select([proc.stdout], [], [], timeout)[0]:
+        return ""
+    return proc.stdout.readline().strip()
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PAGES else p
+                                  for p in PAGES if blocks(p)])
+def test_page_blocks_run_as_pasted(page, tmp_path, request, page_server):
+    if page in SLOW_PAGES and not request.config.getoption("--slow"):
+        pytest.skip(f"{page} loads a model of one's own or trains at full size: run with --slow")
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # pages import the examples "from the repository root"
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    page_server.stdin.write(json.dumps([page, str(tmp_path), str(out), str(err)]) + "\n")
+    page_server.stdin.flush()
+    started = _line(page_server, 60)
+    assert started.startswith("started "), f"the page server did not fork for {page} ({started!r})"
+    done = _line(page_server, 900)
+    if not done:  # a hang: end the page's process, whose status line then comes
+        os.kill(int(started.split()[1]), signal.SIGKILL)
+        done = _line(page_server, 60)
+    text = f"{page}:\n{out.read_text()[-3000:]}\n{err.read_text()[-6000:]}"
+    assert done == "exit 0", f"{done or 'no status'}; {text}"
 
 
 def test_markers_are_known():
@@ -128,7 +208,10 @@ def test_markers_are_known():
 
 
 if __name__ == "__main__":
-    import torch
+    if sys.argv[1] == "--serve":
+        serve()
+    else:
+        import torch
 
-    torch.set_num_threads(1)
-    run_page(sys.argv[1])
+        torch.set_num_threads(1)
+        run_page(sys.argv[1])

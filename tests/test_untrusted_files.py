@@ -307,7 +307,12 @@ def _cli(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_diagnose_answers_damaged_folders_and_a_file_as_out_with_one_line(tmp_path):
+def test_diagnose_answers_damaged_folders_and_a_file_as_out_with_one_line(tmp_path, capsys):
+    """Each damage through ``cli.main`` in-process, and the deepest one (a config nested 50 000 levels) once more
+    through the installed command's path, ``python -m ppl_thought.cli``, in a real subprocess (its exit status and
+    stderr as a shell sees them; each one costs seconds of imports)."""
+    from ppl_thought import cli
+
     good = pt.infer.save_result(tmp_path / "good", _result())
     damaged = pt.infer.save_result(tmp_path / "bad", _result())
     header = json.loads((damaged / "config.json").read_text())
@@ -319,12 +324,22 @@ def test_diagnose_answers_damaged_folders_and_a_file_as_out_with_one_line(tmp_pa
     (gone / json.loads((gone / "config.json").read_text())["tensors"]["file"]).unlink()
     a_file = tmp_path / "plots.txt"
     a_file.write_text("x")
+
+    def check(args, code, err, phrase):
+        assert code == 2, (args, err[-500:])
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-500:]
+        assert err.startswith("ppl-thought diagnose:") and phrase in err, err
+
+    r = _cli(deep)
+    check((deep,), r.returncode, r.stderr, "nested")
     cases = [((damaged,), "nope"), ((deep,), "nested"), ((gone,), "missing"), ((good, "--out", a_file), "is a file")]
     for args, phrase in cases:
-        r = _cli(*args)
-        assert r.returncode == 2, (args, r.stderr[-500:])
-        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-500:]
-        assert r.stderr.startswith("ppl-thought diagnose:") and phrase in r.stderr, r.stderr
+        capsys.readouterr()
+        try:
+            code = cli.main(["diagnose", *map(str, args)])
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        check(args, code, capsys.readouterr().err, phrase)
 
 
 def test_numpy_side_reads_the_same_checks(tmp_path):
