@@ -61,11 +61,13 @@ def lifts():
     return _jax_lift(), _torch_lift()
 
 
-def _exact_log_marginal(lift, x, t: int) -> float:
-    """log P_model^{<=t}(x): every prefix z_<=t appears 2^(T - t) times among the 4 sequences."""
-    lp = np.pad(np.cumsum(np.asarray(lift.prior_log_probs(ZS)), -1), ((0, 0), (1, 0)))[:, t]
-    lg = np.asarray(lift.generator_log_probs(x, ZS))[:, t]
-    return float(np.logaddexp.reduce(lp + lg) - (T - t) * math.log(2))
+def _exact_log_marginals(lift, x) -> np.ndarray:
+    """log P_model^{<=t}(x) for t = 0 .. T: every prefix z_<=t appears 2^(T - t) times among the 4 sequences (the
+    log-probs of the 4 sequences in one compile)."""
+    lp, lg = (np.asarray(v) for v in jax.jit(lambda zs: (lift.prior_log_probs(zs),
+                                                         lift.generator_log_probs(x, zs)))(jnp.asarray(ZS)))
+    lp = np.pad(np.cumsum(lp, -1), ((0, 0), (1, 0)))
+    return np.array([np.logaddexp.reduce(lp[:, t] + lg[:, t]) - (T - t) * math.log(2) for t in range(T + 1)])
 
 
 class _Fixed:
@@ -84,11 +86,12 @@ def test_per_row_x_equals_row_by_row_and_torch(lifts):
     lift, tl = lifts
     xs = np.array([[a, b, eos], [b, eos, PAD_ID], [eos, PAD_ID, PAD_ID], [a, eos, PAD_ID]])
     z = ZS[[0, 3, 1, 2]]
-    lq = np.asarray(lift.sampler_log_probs(z, xs))
-    lg = np.asarray(lift.generator_log_probs(xs, z))
     d = lift.sampler(xs)
     assert d.batch_shape == (4,)
-    lqd = np.asarray(d.log_prob(jnp.asarray(z)))
+    # one compile for the three (op by op, each eager primitive was an XLA compile of its own)
+    lq, lg, lqd = (np.asarray(v) for v in jax.jit(lambda zz: (lift.sampler_log_probs(zz, xs),
+                                                              lift.generator_log_probs(xs, zz),
+                                                              d.log_prob(zz)))(jnp.asarray(z)))
     for i, row in enumerate(xs):
         x1 = row[row != PAD_ID]
         one = jax.jit(lambda zi, x1=x1: (lift.sampler_log_probs(zi, x1)[0], lift.generator_log_probs(x1, zi)[0],
@@ -108,7 +111,7 @@ def test_encode_is_exactly_unbiased_and_equals_torch_on_the_same_particles(lifts
     """For every batch of n = 2 latents: (6.17) = (6.18) and = torch's encode on the same particles (1e-5); the
     expectation of p_{t,n} under Q over the 16 batches is P_model^{<=t}(x) for every t (exact, 1e-5)."""
     lift, tl = lifts
-    q = np.exp(np.asarray(lift.sampler_log_probs(ZS, X)).sum(-1))
+    q = np.exp(np.asarray(jax.jit(lambda zs: lift.sampler_log_probs(zs, X))(jnp.asarray(ZS))).sum(-1))
     assert abs(q.sum() - 1) < 1e-5
     both = jax.jit(jax.vmap(lambda z: (ai.encode_from(lift, X, z), ai.encode_from(lift, X, z, False))))
     incs, fulls = (np.asarray(v) for v in both(jnp.asarray(ZS[BATCHES])))  # one compile for the 16 batches
@@ -119,7 +122,7 @@ def test_encode_is_exactly_unbiased_and_equals_torch_on_the_same_particles(lifts
         np.testing.assert_allclose(inc, tactive.encode(tl, torch.as_tensor(X), N).numpy(), atol=1e-5)
         mean += q[batch].prod() * np.exp(inc)
     del tl.sampler
-    exact = np.exp([_exact_log_marginal(lift, X, t) for t in range(T + 1)])
+    exact = np.exp(_exact_log_marginals(lift, X))
     np.testing.assert_allclose(mean, exact, rtol=1e-5)
 
 
@@ -130,7 +133,7 @@ def test_encode_compiled_runs_draw_from_q_and_reuse_one_compile():
     before = ptn.compile_stats()["count"]
     reps = np.array([np.asarray(ptn.infer.encode(lift, X, 4, rng_key=i)) for i in range(150)])
     assert ptn.compile_stats()["count"] - before <= 1
-    exact = [math.exp(_exact_log_marginal(lift, X, t)) for t in range(T + 1)]
+    exact = np.exp(_exact_log_marginals(lift, X))
     for t in range(T + 1):
         p = np.exp(reps[:, t])
         assert abs(p.mean() - exact[t]) < 4 * p.std() / math.sqrt(len(p)) + 1e-7, t
@@ -146,13 +149,14 @@ def test_conditional_encode_is_consistent_and_its_weights_equal_torch(lifts):
     weights it sums (log G([x] | z) + log P(z) - log Q(z | x)) equal torch's within 1e-5."""
     lift, tl = lifts
     x_q, x_r = X[:1], X[1:]
-    exact = _exact_log_marginal(lift, X, T) - _exact_log_marginal(lift, x_q, T)
+    exact = _exact_log_marginals(lift, X)[T] - _exact_log_marginals(lift, x_q)[T]
     est = np.array([float(ptn.infer.conditional_encode(lift, x_q, x_r, 256, rng_key=i)) for i in range(10)])
     assert abs(est.mean() - exact) < 4 * est.std() / math.sqrt(len(est)) + 0.02
     for x in (X, x_q):
         lp, lq, lg = tactive._log_weights(tl, torch.as_tensor(ZS), torch.as_tensor(x)[None])
         want = (lp.sum(-1) - lq.sum(-1) + lg[:, -1]).detach().numpy()
-        np.testing.assert_allclose(np.asarray(ai.whole_log_weights(lift, jnp.asarray(ZS), x)), want, atol=1e-5)
+        got = jax.jit(lambda zs, x=x: ai.whole_log_weights(lift, zs, x))(jnp.asarray(ZS))  # one compile
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
 def test_conditional_decode_laws_against_enumeration():
@@ -163,10 +167,11 @@ def test_conditional_decode_laws_against_enumeration():
     lift = ptn.transforms.ActiveLift(q, VOCAB, T, ["0", "1"], max_x_len=2, prior_lm=p, generator_lm=g)  # G sees z
     x = np.array([a])
     conts = np.asarray(VOCAB.observable_ids).tolist()  # X = a x', x' one token of Sigma (max_x_len = 2)
-    lq = np.asarray(lift.sampler_log_probs(ZS, x)).sum(-1)
-    lp = np.asarray(lift.prior_log_probs(ZS)).sum(-1)
-    lg_x = np.asarray(lift.generator_log_probs(x, ZS))[:, -1]
-    lg_full = np.stack([np.asarray(lift.generator_log_probs(np.array([a, c]), ZS))[:, -1] for c in conts], 1)
+    # the enumerated laws' terms in one compile (op by op, each eager primitive was an XLA compile of its own)
+    lq, lp, lg_x, lg_full = (np.asarray(v) for v in jax.jit(lambda zs: (
+        lift.sampler_log_probs(zs, x).sum(-1), lift.prior_log_probs(zs).sum(-1),
+        lift.generator_log_probs(x, zs)[:, -1],
+        jnp.stack([lift.generator_log_probs(np.array([a, c]), zs)[:, -1] for c in conts], 1)))(jnp.asarray(ZS)))
     direct = np.exp(np.logaddexp.reduce(lq[:, None] + lg_full - lg_x[:, None], 0))
     target = np.logaddexp.reduce(lp[:, None] + lg_full, 0)
     target = np.exp(target - np.logaddexp.reduce(target))

@@ -17,6 +17,7 @@ pytest.importorskip("numpyro")
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import numpyro  # noqa: E402
 import numpyro.distributions as nd  # noqa: E402
 
 import ppl_thought.numpyro as ptn  # noqa: E402
@@ -194,6 +195,33 @@ def test_the_whole_trace_importance_path_keys_by_configuration_too():
         est.append(float(res.log_marginal))
         assert abs(est[-1] - float(m.exact_log_prob(x))) < 3 * float(res.log_marginal_stderr) + 1e-4
     assert compiles() == before and abs(est[0] - est[1]) > 0.05
+
+
+def test_a_cache_hit_of_the_whole_trace_path_neither_retraces_nor_recompiles(monkeypatch):
+    """A whole-trace model run again (another seed, another instance of the same configuration) calls the compiled
+    function it stored exactly as the first run did: JAX traces the weight function once in three runs (a
+    keyword call on the hit path was a second trace and a second XLA compile of the whole run), and each run's
+    weights are the exact p(y = 1) of the coin (no guide: the prior proposes, w = p(y | z))."""
+    from ppl_thought.numpyro.infer import importance
+
+    traced = []
+    inner = importance.log_weight_fn
+    monkeypatch.setattr(importance, "log_weight_fn", lambda *a: traced.append(1) or inner(*a))
+
+    class Flip:
+        def __init__(self, p: float):
+            self.p = jnp.asarray(p, jnp.float32)
+
+        def __call__(self, y):
+            z = numpyro.sample("z", nd.Bernoulli(probs=self.p))
+            numpyro.sample("y", nd.Bernoulli(probs=jnp.where(z == 1, 0.9, 0.2)), obs=y)
+
+    before = compiles()
+    for seed, p in enumerate((0.25, 0.25, 0.6)):
+        res = ptn.infer.Importance(8).run(Flip(p), None, 1, rng_key=seed)
+        z = np.asarray(res.samples["z"])
+        np.testing.assert_allclose(np.asarray(res.log_weights), np.log(np.where(z == 1, 0.9, 0.2)), atol=1e-6)
+    assert compiles() - before <= 1 and len(traced) == 1, (len(traced), ptn.compile_stats()["compiles"][-1:])
 
 
 def test_the_fingerprint_keys_arrays_by_shape_and_values_by_value():

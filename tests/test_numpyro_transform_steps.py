@@ -146,18 +146,26 @@ def test_a_program_without_a_sequence_start_is_refused(transform):
 def test_cost_aware_prices_the_segments_of_a_program():
     """CostAware(w)(program): every latent segment's ``latent_tokens`` is its token count, ``latent_lengths`` of the
     whole trace is |Z| (the lifting's z drawn), and the engines' numbers are the program's (CostAware changes no
-    number)."""
-    tl, jl = tabular_pair(5, order=3)  # a small table: the whole trace below runs op by op
+    number). The whole trace is traced under one ``jax.jit`` (run op by op, each eager primitive was an XLA compile
+    of its own: ~130 of them)."""
+    tl, jl = tabular_pair(5, order=3)
     model = ptn.models.SlowThinking(jl, PROJ)
     prog = model.program(X)
     cost = T.CostAware(0.1)(prog)
-    tr = trace(seed(cost, 3)).get_trace()
-    segs = [k for k, s in tr.items() if s["type"] == "sample" and k.startswith("z_")]
+
+    @jax.jit
+    def whole_trace():
+        tr = trace(seed(cost, 3)).get_trace()
+        segs = {k: (s["value"], s["infer"]["latent_tokens"]) for k, s in tr.items()
+                if s["type"] == "sample" and k.startswith("z_")}
+        return segs, T.latent_lengths(tr, 1)
+
+    segs, lengths = whole_trace()
     assert len(segs) == len(X)
-    for k in segs:
-        assert int(tr[k]["infer"]["latent_tokens"][0]) == int((np.asarray(tr[k]["value"]) != PAD_ID).sum())
-    total = sum(int((np.asarray(tr[k]["value"]) != PAD_ID).sum()) for k in segs)
-    assert float(T.latent_lengths(tr, 1)[0]) == total
+    for value, tokens in segs.values():
+        assert int(tokens[0]) == int((np.asarray(value) != PAD_ID).sum())
+    total = sum(int((np.asarray(value) != PAD_ID).sum()) for value, _ in segs.values())
+    assert float(lengths[0]) == total
     lifting, guide = lifting_guide(model)
     a = ptn.infer.Importance(len(lifting)).run(cost, guide, rng_key=jax.random.PRNGKey(0))
     b = ptn.infer.Importance(len(lifting)).run(prog, guide, rng_key=jax.random.PRNGKey(0))

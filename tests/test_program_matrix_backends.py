@@ -10,7 +10,8 @@ guide as ``guide.program(x)``) for every guide family the JAX side has (the torc
 out), over fixed seeds. Each cell passes the torch matrix's bound (``check_unbiased``: mean Z-hat / Z within 3 SE of
 1, and one Importance run within 3 delta-method SE); a JAX guide that forgets one proposal factor fails that bound
 (Importance and SMC). Without ``--slow`` the cells are the PauseToThink row less Causal and Explanatory (the
-guide family of Predictive), three HMM cells and one user cell.
+guide family of Predictive) and Identity (the guide-program path of Posterior and Predictive), two HMM cells (the
+library's HMM with HMMGuide.posterior, the user's HMM with its filtering guide) and one user cell.
 
 Decode cells (issue 40): ``pt.infer.decode`` and ``ptn.infer.decode`` on the user's HMM written as a decoding
 program (the first 3 observations the prompt, the last 2 outputs; the same A, B, lambda on both backends), against
@@ -52,9 +53,13 @@ FULL = [(m, g) for m in ("pause", "sparse", "query_response") for g in JAX_GUIDE
        [("hmm", "posterior"), ("hmm", "filtering"), ("hmm", "bootstrap"), ("hmm_user", "filtering"),
         ("hmm_user", "bootstrap"), ("user", "user_guide"), ("user", "bootstrap")]
 # the default run: each cell costs two XLA compiles (Importance, SMC; the seeds after the first are ~10 ms), so
-# Predictive stands for the three LM guides (Causal and Explanatory run with --slow)
-QUICK = [("pause", g) for g in JAX_GUIDES if g not in ("causal", "explanatory")] + \
-        [("hmm", "posterior"), ("hmm", "filtering"), ("hmm_user", "filtering"), ("user", "user_guide")]
+# Predictive stands for the three LM guides (Causal and Explanatory run with --slow); Identity (the model's prior
+# program as the guide) runs the same guide-program path as Posterior and Predictive (and its weights are checked
+# exactly against torch by default in tests/test_numpyro_backend.py); ptn.guides.HMMGuide.filtering is the class
+# of HMMGuide.posterior in another configuration (the filtering proposal of a program runs by default as the user's
+# HMMFilter): both with --slow
+QUICK = [("pause", g) for g in JAX_GUIDES if g not in ("causal", "explanatory", "identity")] + \
+        [("hmm", "posterior"), ("hmm_user", "filtering"), ("user", "user_guide")]
 WRONG = ("user", "wrong")  # a guide that forgets one proposal factor: the same bound must fail
 # decode cells [model, guide, "decode:METHOD", n, num_samples]: by default the torch side's exact best-of-K (the
 # JAX side's two XLA compiles per cell would make the default run slower); with --slow every cell on both backends

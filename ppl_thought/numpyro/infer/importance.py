@@ -190,7 +190,8 @@ class Importance(StepEngine):
         if hit is not None:
             _COMPILED.move_to_end(key)
             record_hit()
-            return functools.partial(hit[0], arrays=fp.arrays)
+            jitted_hit, arrays = hit[0], fp.arrays  # called as ``first`` called it: positionally (jit keys a
+            return lambda keys: jitted_hit(keys, arrays)  # keyword argument apart: a retrace and a second compile)
 
         def weights(keys, arrays):
             m, g = fp.rebuild(arrays)
