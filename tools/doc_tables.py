@@ -271,6 +271,12 @@ def real_quick(d: dict) -> str:
     return "\n".join(rows) + f"\n\n{cfg}. " + _provenance(d, cmd) + "\n"
 
 
+def real_default(d: dict) -> str:
+    """docs/demo.md: ``examples/real_thoughts.py`` at its default size (``real_thoughts_default.json``), the same
+    table as the demo's quick part."""
+    return real_quick({"real": d, **({pv.KEY: d[pv.KEY]} if pv.KEY in d else {})})
+
+
 def _ess(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}"
 
@@ -827,6 +833,8 @@ TABLES: dict[str, Table] = {
     "dyck-thesis": Table("benchmarks/results/dyck_thesis_quick.json", dyck_thesis, DYCK_QUICK_CMD,
                          meta="benchmarks/results/dyck_thesis_quick_seed1.json"),
     "boosting": Table("benchmarks/results/next_token_boosting.json", boosting, BOOSTING_CMD),
+    "real-default": Table("benchmarks/results/real_thoughts_default.json", real_default,
+                          "python examples/real_thoughts.py --json benchmarks/results/real_thoughts_default.json"),
     "arviz-weighted": Table("benchmarks/results/arviz_weighted.json", arviz_weighted, ARVIZ_WEIGHTED_CMD,
                             meta="benchmarks/results/arviz_weighted_n200.json"),
 }
