@@ -186,3 +186,45 @@ def test_svi_trains_a_guide_that_samples_segments():
     kl = _kl(np.asarray(res.params["g/0"]))
     assert kl0 > 0.3 and kl < 0.1 * kl0, (kl0, kl)
     assert abs(float(np.mean(res.losses[-50:])) - kl) < 0.1, (np.mean(res.losses[-50:]), kl)
+
+
+# ---------------------------------------------------------------------------------------------- CostAware in SVI
+class Enumerate(ptn.Program):
+    """A guide proposing every segment once: particle k gets ``table[k]`` (a Delta, log Q = 0)."""
+
+    max_steps = 1
+
+    def __init__(self, table: np.ndarray):
+        self.table = table
+
+    def step(self, state, t):
+        ptn.sample("z", numpyro.distributions.Delta(jnp.asarray(self.table), event_dim=1))
+        return jnp.ones(self.table.shape[0], bool)
+
+
+@pytest.mark.parametrize("objective", ["elbo", "one_sampler"])
+def test_cost_aware_loss_of_a_program_is_the_enumerated_cost_aware_loss(objective):
+    """``loss(CostAware(w)(Model()), guide)`` of ``ptn.infer.ELBO`` / ``OneSampler`` over the enumerated segments
+    (each particle one segment, log Q = 0) is (5.27)'s C_s T_s exactly: C_s = the objective's value on the
+    enumeration (-mean log P for the ELBO, -log mean P for the one-sampler) minus H~, T_s = mean (1 + w |z_k|),
+    within 1e-5; without CostAware the loss is C_s + H~ alone."""
+    table = _segments()
+    lp = _closed_form(table)[0]
+    w, h = 0.5, 0.25
+    tau = 1 + w * (table != PAD_ID).sum(1)
+    loss = ptn.infer.ELBO(len(table)) if objective == "elbo" else ptn.infer.OneSampler(len(table))
+    c = -lp.mean() if objective == "elbo" else -np.log(np.exp(lp).mean())
+    got = float(loss.loss(jax.random.PRNGKey(0), {}, ptn.transforms.CostAware(w, entropy=h)(Model()),
+                          Enumerate(table)))
+    assert abs(got - (c - h) * tau.mean()) < 1e-5 * max(1.0, abs(got)), (got, (c - h) * tau.mean())
+    plain = float(loss.loss(jax.random.PRNGKey(0), {}, Model(), Enumerate(table)))
+    assert abs(plain - c) < 1e-5, (plain, c)
+
+
+def test_svi_trains_a_cost_aware_program():
+    """numpyro.infer.SVI(CostAware(w)(Model()), Guide(), Adam, ELBO(32)) runs and its loss falls."""
+    svi = numpyro.infer.SVI(ptn.transforms.CostAware(0.5)(Model()), Guide(), numpyro.optim.Adam(0.1),
+                            ptn.infer.ELBO(32))
+    res = svi.run(jax.random.PRNGKey(1), 150, progress_bar=False)
+    losses = np.asarray(res.losses)
+    assert np.isfinite(losses).all() and losses[-30:].mean() < 0.5 * losses[:10].mean(), losses[[0, -1]]
