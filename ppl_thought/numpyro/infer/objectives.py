@@ -253,7 +253,7 @@ class ParticleLoss(_NumPyroELBO):
         value_c, surr_c = self.surrogate(k1, param_map, model, guide, *args, **kwargs)
         cost_kwargs = {k: v for k, v in kwargs.items() if k != "sequences"}
         log_p, log_q, _ = self.particles(k2, param_map, model, guide, *args, **cost_kwargs)
-        lengths = _LENGTHS[0]
+        lengths, _LENGTHS[0] = _LENGTHS[0], None  # no tracer kept past this trace
         log_w = jnp.where(jnp.isneginf(log_p), -jnp.inf, log_p - log_q)
         return cost.loss(value_c, surr_c, log_p, log_w, lengths)
 
