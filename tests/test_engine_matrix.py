@@ -225,6 +225,13 @@ NOT_ENGINES = {
     "ptn.infer.Decoded": "the result type of decode",
     "ptn.infer.LangevinState": "the state type of MALA / ULA",
     "ptn.infer.log_marginal_stderr": "a statistic of weights",
+    "ptn.verifiers.ProcessVerifier": "a verifier (Def 3.1.3), an argument of the engines",
+    "ptn.verifiers.as_verifier": "wraps a verifier for the engines",
+    "ptn.verifiers.VerifiedLM": "a program (the LM restricted to a verifier's set): the engines' input",
+    "ptn.verifiers.LocallyOptimalProposal": "a guide program (VerifierSMC's proposal)",
+    "ptn.verifiers.TokenSteps": "the guide program VerifierSMC builds from any token-level program",
+    "ptn.verifiers.DRAWS": "VerifiedLM's draw modes' names",
+    "ptn.verifiers.dyck": "builds a Dyck automaton",
 }
 
 
@@ -242,7 +249,9 @@ def _exports() -> set[str]:
         import ppl_thought.numpyro.infer as ni
     except ImportError:  # the torch side alone
         return names
-    return names | {f"ptn.infer.{n}" for n in ni.__all__}
+    import ppl_thought.numpyro.verifiers as nv
+
+    return names | {f"ptn.infer.{n}" for n in ni.__all__} | {f"ptn.verifiers.{n}" for n in nv.__all__}
 
 
 def test_every_export_is_accounted_for():
@@ -401,6 +410,7 @@ def _objectives(name: str, file: str = "test_numpyro_objectives.py"):
 
 _MORE, _ACTIVE = "test_numpyro_objectives_more.py", "test_numpyro_objectives_active.py"
 _ACTIVE_INF = "test_numpyro_active_inference.py"
+_VERIF = "test_numpyro_verifiers.py"
 JAX_CELLS = {
     "ptn.infer.Importance": [jax_importance_general],
     "ptn.infer.SMC": [jax_smc_general],
@@ -432,6 +442,14 @@ JAX_CELLS = {
     "ptn.infer.conditional_encode": [_objectives("test_conditional_encode_is_consistent_and_its_weights_equal_torch",
                                                  _ACTIVE_INF)],
     "ptn.infer.conditional_decode": [_objectives("test_conditional_decode_laws_against_enumeration", _ACTIVE_INF)],
+    # the JAX verifier engines (ptn.verifiers) on a VerifiedLM and on a user's token-level program, against the
+    # enumerated restricted law, the locally renormalised law and Z (and torch's weights on the same draws)
+    "ptn.verifiers.RejectionSampling": [_objectives("test_rejection_sampling_has_the_restricted_law", _VERIF)],
+    "ptn.verifiers.TokenwiseRejection": [_objectives("test_tokenwise_rejection_has_its_own_biased_law", _VERIF),
+                                         _objectives("test_a_users_token_program_runs_through_the_engines", _VERIF)],
+    "ptn.verifiers.VerifierSMC": [_objectives("test_verifier_smc_weights_are_exact_and_its_law_is_the_restricted_one",
+                                              _VERIF),
+                                  _objectives("test_torch_and_jax_give_the_same_weights_and_decisions", _VERIF)],
 }
 
 #: engines that do not run a program yet: each is tried on a program and must fail; when one starts to run, its

@@ -9,8 +9,8 @@ context). Its sites:
 * ``state.next_token()``: a NumPyro distribution over one token per row ``[n]``;
 * ``state.segment(stop=ids, max_tokens=k)``: a distribution over the next segment of every row, ``[n, k]``
   right-padded with ``<pad>``: sampled in one lockstep ``lax.while_loop`` of at most k tokens that stops once every
-  row ended (the cache carried), scored by
-  one teacher-forced pass from the current cache. A segment ends at a ``stop`` token (included), in a final
+  row ended (the cache carried; reverse mode differentiates it through its one-pass form, :func:`_differentiable`),
+  scored by one teacher-forced pass from the current cache. A segment ends at a ``stop`` token (included), in a final
   state of the rule, or after ``k`` tokens;
 * ``state.extend(value)``: feed a token ``[n]`` / a segment ``[n, k]`` (padding skipped) / one shared token to
   every row: what the LM reads, and what it wrote.
@@ -197,23 +197,57 @@ def _feed(lm: LM, params: Any, cache: Any, v: jax.Array, valid: jax.Array) -> tu
     work of the tokens it feeds. Token by token, each call continues every row from its cache exactly as one
     pass does (a False token is written nowhere and takes no position), so the outputs are the same; the
     columns after the longest row keep the log-probabilities 0 (no consumer reads them: :meth:`Segment.log_prob`
-    uses those before each row's end). A ``while_loop``: not reverse-differentiable (no engine differentiates
-    through ``extend``). ``K = 1`` is one call."""
-    n, K = v.shape
-    if K == 1:
+    uses those before each row's end). ``K = 1`` is one call. Reverse mode (SVI on a program whose model's LM
+    is trained) differentiates the same function in its one-pass form (:func:`_differentiable`)."""
+    if v.shape[1] == 1:
         return lm.apply(params, cache, v, valid=valid)
-    width = valid.sum(1).max()
+    n, K = v.shape
 
-    def body(c):
-        i, cache, out = c
-        tok = jax.lax.dynamic_slice_in_dim(v, i, 1, axis=1)
-        ok = jax.lax.dynamic_slice_in_dim(valid, i, 1, axis=1)
-        lp, cache = lm.apply(params, cache, tok, valid=ok)
-        return i + 1, cache, jax.lax.dynamic_update_slice_in_dim(out, lp.astype(out.dtype), i, axis=1)
+    def loop(params, cache, v, valid):
+        width = valid.sum(1).max()
 
-    out0 = jnp.zeros((n, K, int(lm.vocab_size)), jnp.float32)
-    _, cache, out = jax.lax.while_loop(lambda c: c[0] < width, body, (jnp.zeros((), jnp.int32), cache, out0))
-    return out, cache
+        def body(c):
+            i, cache, out = c
+            tok = jax.lax.dynamic_slice_in_dim(v, i, 1, axis=1)
+            ok = jax.lax.dynamic_slice_in_dim(valid, i, 1, axis=1)
+            lp, cache = lm.apply(params, cache, tok, valid=ok)
+            return i + 1, cache, jax.lax.dynamic_update_slice_in_dim(out, lp.astype(out.dtype), i, axis=1)
+
+        out0 = jnp.zeros((n, K, int(lm.vocab_size)), jnp.float32)
+        _, cache, out = jax.lax.while_loop(lambda c: c[0] < width, body, (jnp.zeros((), jnp.int32), cache, out0))
+        return (out, cache), ()
+
+    def one_pass(params, cache, v, valid, _):
+        out, cache = lm.apply(params, cache, v, valid=valid)
+        used = jnp.arange(K) < valid.sum(1).max()  # the loop leaves the columns after the longest row at 0
+        return jnp.where(used[None, :, None], out.astype(jnp.float32), 0.0), cache
+
+    # every array an argument (a custom_vjp must not close over values of the trace it is differentiated in)
+    return _differentiable(loop, one_pass, params, cache, v, valid)
+
+
+def _differentiable(loop: Callable, twin: Callable, *diff: Any) -> Any:
+    """``loop(*diff) = (y, aux)``, whose reverse-mode derivative is that of ``y = twin(*diff, aux)``: the same
+    function written without a ``lax.while_loop`` (which reverse mode refuses), e.g. one teacher-forced pass over
+    the tokens the loop drew (``aux``: what has no derivative, such as those tokens). Sampling, scoring and
+    forward mode run the loop alone (the forward path is unchanged); only a gradient traces and runs the twin."""
+
+    @jax.custom_vjp
+    def run(*d):
+        return loop(*d)
+
+    def fwd(*d):
+        out = loop(*d)
+        return out, (d, out[1])
+
+    def bwd(res, ct):
+        d, aux = res
+        _, vjp = jax.vjp(lambda *a: twin(*a, aux), *d)
+        return vjp(ct[0])
+
+    run.defvjp(fwd, bwd)
+    y, aux = run(*diff)
+    return y if isinstance(aux, tuple) and not aux else (y, aux)
 
 
 # ---------------------------------------------------------------------------------------------- the sites
@@ -277,24 +311,46 @@ class Segment(Distribution):
         lm, rule, params = st.lm, st.rule, st.lm.params
         done0 = self._done(st.rule_state) | (K == 0)
 
-        keys = jax.random.split(key, max(K, 1))
-
-        def body(carry):
-            i, logp, cache, s, done, lq, toks = carry
-            step = token_step(rule, logp, s, ~done, keys[i], ends=self._ends)  # Def 2.8: draw, advance, ends
-            tok = step.token
-            nlogp, cache = lm.apply(params, cache, jnp.where(done, BOS_ID, tok)[:, None], valid=~done[:, None])
-            logp = jnp.where(done[:, None], logp, nlogp[:, 0])
-            return i + 1, logp, cache, step.state, done | step.ends, lq + step.log_prob, toks.at[i].set(tok)
-
         if K == 0:
             return jnp.zeros((n, 0), jnp.int32), [jnp.zeros(n)]
-        # a while loop, not a scan over K: it stops once every row's segment ended (a segment is often far
-        # shorter than its bound K, e.g. one step of Lemma 2.1 against the whole latent length L)
-        init = (jnp.zeros((), jnp.int32), st.logp, st.cache, st.rule_state, done0, jnp.zeros(n),
-                jnp.full((K, n), PAD_ID, jnp.int32))
-        _, logp, cache, s, _, lq, toks = jax.lax.while_loop(lambda c: (c[0] < K) & ~c[4].all(), body, init)
-        z = toks.T
+        keys = jax.random.split(key, K)
+
+        def loop(params, logp0, cache0, s0, done0, keys):
+            def body(carry):
+                i, logp, cache, s, done, lq, toks = carry
+                step = token_step(rule, logp, s, ~done, keys[i], ends=self._ends)  # Def 2.8: draw, advance, ends
+                tok = step.token
+                nlogp, cache = lm.apply(params, cache, jnp.where(done, BOS_ID, tok)[:, None], valid=~done[:, None])
+                logp = jnp.where(done[:, None], logp, nlogp[:, 0])
+                return i + 1, logp, cache, step.state, done | step.ends, lq + step.log_prob, toks.at[i].set(tok)
+
+            # a while loop, not a scan over K: it stops once every row's segment ended (a segment is often far
+            # shorter than its bound K, e.g. one step of Lemma 2.1 against the whole latent length L)
+            init = (jnp.zeros((), jnp.int32), logp0, cache0, s0, done0, jnp.zeros(n),
+                    jnp.full((K, n), PAD_ID, jnp.int32))
+            _, logp, cache, s, _, lq, toks = jax.lax.while_loop(lambda c: (c[0] < K) & ~c[4].all(), body, init)
+            return (lq, logp, cache), (toks.T, s)
+
+        def one_pass(params, logp0, cache0, s0, done0, keys, aux):
+            """The loop's (log Q, final logp, final cache) as a function of the parameters and the state, the
+            drawn tokens given: one teacher-forced pass over them (the reverse-mode twin, see _differentiable)."""
+            z, _ = aux
+            fed = jnp.cumprod(z != PAD_ID, axis=1).astype(bool)
+            out, cache = lm.apply(params, cache0, z, valid=fed)
+            logps = jnp.concatenate([logp0[:, None], out[:, :-1]], 1)
+
+            def body(s, inp):
+                lp_i, tok, ok = inp
+                step = token_step(rule, lp_i, s, ok, token=tok)
+                return step.state, step.log_prob
+
+            _, steps = jax.lax.scan(body, s0, (jnp.swapaxes(logps, 0, 1), z.T, fed.T))
+            count = fed.sum(1)
+            last = jnp.take_along_axis(out, jnp.clip(count - 1, 0)[:, None, None], 1)[:, 0]
+            return steps.sum(0), jnp.where((count > 0)[:, None], last, logp0), cache
+
+        (lq, logp, cache), (z, s) = _differentiable(loop, one_pass, params, st.logp, st.cache, st.rule_state,
+                                                    done0, keys)
         self.origin._sampled = (z, st.cache, logp, cache, s)  # extend(z) takes the loop's final state
         return z, [lq]
 

@@ -50,6 +50,7 @@ from ppl_thought.numpyro.infer.steps import (
     as_programs,
 )
 from ppl_thought.numpyro.program import is_output, is_program
+from ppl_thought.numpyro.transforms.cost import CostAware, latent_lengths
 from ppl_thought.validation import per_token
 
 __all__ = ["GRPO", "OneSampler", "ParticleLoss", "R1Zero", "SamplerPolicyGradient", "TwoSampler",
@@ -100,10 +101,14 @@ def program_particles(rng_key: Any, param_map: dict, model: Any, guide: Any, n: 
             return out
         return f
 
-    def one(model_fn, guide_fn, key, where):
+    lengths = [jnp.zeros(n)]
+
+    def one(model_fn, guide_fn, key, where, finished=None):
         out = _run_step(recorded(model_fn, "model"), recorded(guide_fn, "guide"), key, n, depth, where, name)
         lp = _sum_sites(traces["model"], n, depth, lambda s: not is_output(s))
         lq = _sum_sites(traces["guide"], n, depth, lambda s: not s["is_observed"])
+        ln = latent_lengths(traces["model"], n)  # |Z_i| of the latent segments / tokens this step drew (CostAware)
+        lengths[0] = lengths[0] + (ln if finished is None else jnp.where(finished, 0.0, ln))
         return out, lp, lq
 
     sm: dict = {}
@@ -122,7 +127,7 @@ def program_particles(rng_key: Any, param_map: dict, model: Any, guide: Any, n: 
             sm2, sg2 = jax.tree.map(lambda a: a, sm), jax.tree.map(lambda a: a, sg)
             tt = jnp.int32(t)
             out, lp, lq = one(lambda sm2=sm2, tt=tt: model.step(sm2, tt, *args, **kwargs),
-                              lambda sg2=sg2, tt=tt: guide.step(sg2, tt, *args, **kwargs), kt, "in step")
+                              lambda sg2=sg2, tt=tt: guide.step(sg2, tt, *args, **kwargs), kt, "in step", finished)
             _same_structure(sm, sm2, name, "model")
             _same_structure(sg, sg2, "the guide", "guide")
             log_p = log_p + jnp.where(finished, 0.0, lp)
@@ -132,6 +137,7 @@ def program_particles(rng_key: Any, param_map: dict, model: Any, guide: Any, n: 
             finished = finished if out.done is None else finished | out.done
     for k in steps[0]:
         values[k] = jnp.stack([s[k] for s in steps], axis=1)
+    _LENGTHS[0] = lengths[0]
     return log_p, log_q, values
 
 
@@ -147,12 +153,34 @@ def _whole_trace_particles(rng_key, param_map, model, guide, n, args, kwargs):
         log_p = sum((site_log_prob(s) for s in m_tr.values() if s["type"] == "sample" and not is_output(s)),
                     jnp.zeros(()))
         values = {k: s["value"] for k, s in g_tr.items() if s["type"] == "sample" and _latent(s)}
-        return log_p, log_q, values
+        return log_p, log_q, values, latent_lengths(m_tr, 1)[0]
 
-    return jax.vmap(one)(jax.random.split(rng_key, n))
+    log_p, log_q, values, lengths = jax.vmap(one)(jax.random.split(rng_key, n))
+    _LENGTHS[0] = lengths
+    return log_p, log_q, values
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+#: the latent lengths |Z_i| of the last particles drawn (set while tracing ``particles``, read right after it by
+#: ``ParticleLoss._cost_aware_surrogate``; a trace-time hand-over, never read across traces)
+_LENGTHS: list = [None]
+
+
+def _cost_aware(model: Any) -> Any:
+    """The ``ptn.transforms.CostAware`` a model is transformed by (``CostAware(w)(program)``, a bound
+    ``CostAware(w)(model)``, or inside a composition), else ``None``."""
+    for _ in range(32):
+        if model is None:
+            return None
+        if isinstance(model, CostAware):
+            return model
+        d = getattr(model, "__dict__", {})
+        if isinstance(d.get("transform"), CostAware):
+            return d["transform"]
+        model = d.get("inner", d.get("fn"))
+    return None
+
+
 def _normalized(log_w: jax.Array) -> jax.Array:
     """softmax(log_w); all zero (never NaN) when every weight is zero."""
     lse = jax.nn.logsumexp(log_w)
@@ -215,9 +243,28 @@ class ParticleLoss(_NumPyroELBO):
         log_p, log_q, values = self.particles(rng_key, param_map, model, guide, *args, **kwargs)
         return self.from_particles(log_p, log_q, values)
 
+    def _cost_aware_surrogate(self, cost: Any, rng_key: Any, param_map: Any, model: Any, guide: Any, *args: Any,
+                             **kwargs: Any) -> tuple[jax.Array, jax.Array]:
+        """The cost-aware loss (5.27) of a model transformed by ``ptn.transforms.CostAware`` (the torch
+        ``CostAware.surrogate``): this loss's value L_n is the cross-entropy estimate C_s = L_n - H~(P_*), and
+        fresh particles give T_s = mean tau(|Z_i|) and T~*_s (:meth:`CostAware.estimate`); value C_s T_s,
+        gradient T_s grad L_n + C_s grad T~*_s."""
+        k1, k2 = jax.random.split(rng_key)
+        value_c, surr_c = self.surrogate(k1, param_map, model, guide, *args, **kwargs)
+        cost_kwargs = {k: v for k, v in kwargs.items() if k != "sequences"}
+        log_p, log_q, _ = self.particles(k2, param_map, model, guide, *args, **cost_kwargs)
+        lengths, _LENGTHS[0] = _LENGTHS[0], None  # no tracer kept past this trace
+        log_w = jnp.where(jnp.isneginf(log_p), -jnp.inf, log_p - log_q)
+        return cost.loss(value_c, surr_c, log_p, log_w, lengths)
+
     @per_token
     def loss_with_mutable_state(self, rng_key: Any, param_map: Any, model: Any, guide: Any, *args: Any,
                                 **kwargs: Any) -> dict[str, Any]:
+        cost = _cost_aware(model)
+        if cost is not None:
+            value, surr = self._cost_aware_surrogate(cost, rng_key, param_map, model, guide, *args, **kwargs)
+            value = jax.lax.stop_gradient(value)
+            return {"loss": value + surr - jax.lax.stop_gradient(surr), "mutable_state": None}
         value, surr = self.surrogate(rng_key, param_map, model, guide, *args, **kwargs)
         value = jax.lax.stop_gradient(value)
         return {"loss": value + surr - jax.lax.stop_gradient(surr), "mutable_state": None}
