@@ -10,8 +10,11 @@ and the predictive sampler (:mod:`ppl_thought.experiments.real_thoughts`): run t
 
 from __future__ import annotations
 
+import _thread
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -360,7 +363,9 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
     order = [p for p in PART_ORDER if p in parts]
     recorded = recorded_part_seconds(quick)
     current = None  # the part running or being saved when Ctrl-C comes: any instant after the run started
+    ctrl_c = _CtrlC()
     try:
+        ctrl_c.__enter__()
         for k, part in enumerate(order, 1):
             current = part
             took = f"; took {recorded[part]:.0f} s in the recorded --quick run" if quick and part in recorded else ""
@@ -374,6 +379,7 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
             PRINTERS[part](results)
             _save(results, arrays, out)  # every finished part's numbers and files are on disk before the next starts
     except KeyboardInterrupt:
+        ctrl_c.taken()  # from here on a Ctrl-C is the one being handled: no more re-raising
         if current is not None and current not in results["finished_parts"]:
             results.pop(current, None)  # a part's own numbers only once it finished
             results["interrupted_in"] = current
@@ -381,6 +387,8 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
         results[KEY] = finish(rec)
         _save(results, arrays, out)
         raise DemoInterrupted(current, out, results["finished_parts"]) from None
+    finally:
+        ctrl_c.__exit__()
     results["load_average_at_end"] = load_average()
     results["seconds"] = round(time.time() - t0, 1)
     results[KEY] = finish(rec)
@@ -388,6 +396,42 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
     print(f"\nwrote {os.path.join(out, 'results.json')} and {len(results['files'])} plot/ArviZ files in "
           f"{results['seconds']} s")
     return results
+
+
+class _CtrlC:
+    """A Ctrl-C that cannot be lost while the demo runs. Python raises ``KeyboardInterrupt`` wherever the main thread
+    happens to be when SIGINT arrives; inside a finaliser (a ``__del__`` or a weakref callback run by the garbage
+    collector) it is printed as "Exception ignored" and the run goes on. So the handler also records the interrupt,
+    and a watchdog thread raises it again in the main thread every second until :func:`run_demo` has taken it.
+    Installed only in the main thread and only over Python's default handler (an ignored SIGINT stays ignored)."""
+
+    def __init__(self) -> None:
+        self.pending, self.done, self.old = threading.Event(), threading.Event(), None
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self.old = signal.signal(signal.SIGINT, self._handler)
+            threading.Thread(target=self._watch, daemon=True, name="ppl-thought Ctrl-C").start()
+        return self
+
+    def _handler(self, signum: int, frame: object) -> None:
+        self.pending.set()
+        raise KeyboardInterrupt
+
+    def _watch(self) -> None:
+        while not self.done.is_set():
+            if self.pending.wait(0.5) and not self.done.wait(1.0):
+                _thread.interrupt_main(signal.SIGINT)  # the first one was swallowed: raise it again
+
+    def taken(self) -> None:
+        self.done.set()
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+            self.old = None
 
 
 class DemoInterrupted(KeyboardInterrupt):

@@ -158,3 +158,38 @@ def test_ctrl_c_at_any_instant_between_parts_is_a_demo_interrupt(tmp_path, monke
     else:  # the part's numbers were complete: they are kept, and the message says it stopped while saving
         assert "while saving Section 7" in str(e.value)
         assert saved["finished_parts"] == ["sec7"] and "interrupted_in" not in saved and "sec7" in saved
+
+
+def test_a_ctrl_c_swallowed_by_a_finaliser_is_raised_again(tmp_path, monkeypatch):
+    """Python turns SIGINT into a KeyboardInterrupt wherever the main thread is; inside a finaliser (``__del__``, a
+    weakref callback) it is printed as "Exception ignored" and the run goes on: a Ctrl-C lost, a demo that keeps
+    training (the full suite caught one: no exit within 120 s of SIGINT, the stack in A5's Adam step). run_demo's
+    watchdog raises it again until the demo has taken it. The part below swallows the first KeyboardInterrupt as a
+    finaliser would and then runs for 30 s: the demo still stops within seconds, DemoInterrupted (on the code before
+    the watchdog the part ran its 30 s and failed with 'not interrupted')."""
+    import threading
+
+    from ppl_thought import demo
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    swallowed: list[float] = []
+
+    def part(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the part runs
+            time.sleep(5)
+        except KeyboardInterrupt:
+            swallowed.append(time.time())  # lost, as in a finaliser
+        t0 = time.time()
+        while time.time() - t0 < 30:
+            time.sleep(0.05)
+        raise AssertionError("not interrupted")
+
+    monkeypatch.setattr(demo, "run_sec7", part)
+    before = signal.getsignal(signal.SIGINT)
+    t0 = time.time()
+    with pytest.raises(demo.DemoInterrupted):
+        demo.run_demo(out=str(tmp_path / "run"), quick=True, parts=("sec7",), progress=False)
+    assert len(swallowed) == 1 and time.time() - t0 < 15
+    assert signal.getsignal(signal.SIGINT) is before  # the demo's handler is gone again
