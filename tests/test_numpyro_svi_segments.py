@@ -1,8 +1,8 @@
 """Gradients through ``ptn.dist.LMState`` segments (issue 40): the segment sampler's ``lax.while_loop`` and
 ``extend``'s token-by-token feed run forward only; reverse mode differentiates the same function in its one-pass
-form (``lm_state._differentiable``), so SVI trains a guide program that samples segments. Checked against the
-closed form of the Tabular LM's gradient (one-hot minus the masked softmax at every visited context, Def 2.8 and
-(2.13)), a finite difference for the Transformer, and the enumerated KL(Q || P) that SVI drives down."""
+form (``loop_grad.loop_with_one_pass_gradient``), so SVI trains a guide program that samples segments. Checked
+against the closed form of the Tabular LM's gradient (one-hot minus the masked softmax at every visited context,
+Def 2.8 and (2.13)), a finite difference for the Transformer, and the enumerated KL(Q || P) that SVI drives down."""
 
 import copy
 import itertools

@@ -30,6 +30,7 @@ from ppl_thought.errors import ConfigError, MalformedSequenceError, NotInImageEr
 from ppl_thought.numpyro.boundary import Array, ArrayLike, Key, SupportsTokenRule, as_array, checked_jax
 from ppl_thought.numpyro.ids import check_ids, pad_to, prompt_ids
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.numpyro.loop_grad import loop_with_one_pass_gradient
 from ppl_thought.numpyro.prompts import encode, prompt_array
 from ppl_thought.projections.automaton import Automaton, forced_runs
 from ppl_thought.projections.base import Projection
@@ -251,18 +252,13 @@ def decode(key: Key, lm: LM, params: Any, rule: SupportsTokenRule, n: int, promp
 @checked_jax
 def decode_chunked(key: Key, lm: LM, params: Any, rule: Any, n: int, prompt: ArrayLike, max_len: int,
                    stop_ids: ArrayLike, chunk: int, latents: Any = None) -> tuple[jax.Array, jax.Array]:
-    """Sample ``n`` sequences under ``rule`` with chunked encoding (module docstring): ``(z int32 [n, max_len],
-    log Q [n])``, the law and log-probabilities of :func:`~ppl_thought.numpyro.distributions.decode`. Rules that
-    are not a :class:`~ppl_thought.numpyro.distributions.TokenRule` over an automaton (the guides' samplers) and
-    ``chunk = 0`` decode token by token.
-
-    Chunked encoding (end of Section 5.6.2): under a constraint automaton a token is *forced* in a state where it
-    is the only admissible one (the masked softmax of Def 2.8 gives it probability 1, 0 if the LM gives it no mass),
-    so no decision is made. Each loop turn draws one token as :func:`decode` does and feeds it together with the
-    run of up to ``chunk`` forced tokens after it (:func:`~ppl_thought.projections.automaton.forced_runs`, the
-    numpy tables both backends read) in one ``lm.apply`` of ``1 + chunk`` columns (``valid`` masks each row's run:
-    rows stand at their own positions). A forced token adds 0 to log Q, or -inf where the LM gives it probability
-    0 (read from the chunk's outputs). A ``lax.while_loop`` that stops once every row ended: one turn per decision."""
+    """Sample ``n`` sequences under ``rule`` with chunked encoding (end of Section 5.6.2): ``(z int32 [n, max_len],
+    log Q [n])``, the law and log Q of :func:`decode` (to which rules not over an automaton and ``chunk = 0`` go).
+    A token is *forced* where it is the only admissible one (Def 2.8's masked softmax gives it probability 1, or 0
+    if the LM gives it no mass): each turn of a ``lax.while_loop`` (stopping once every row ended) draws one token
+    and feeds it with the run of up to ``chunk`` forced tokens after it (``forced_runs``, the numpy tables both
+    backends read) in one ``lm.apply`` of ``1 + chunk`` columns; a forced token adds 0 to log Q, or -inf where the
+    LM gives it probability 0. Reverse mode differentiates log Q by one teacher-forced pass (``loop_grad``)."""
     n, max_len = integer("n", n, minimum=0), integer("max_len", max_len, minimum=0)
     C = integer("chunk", chunk, minimum=0)
     if C == 0 or type(rule) is not TokenRule or rule.t is None:
@@ -271,40 +267,49 @@ def decode_chunked(key: Key, lm: LM, params: Any, rule: Any, n: int, prompt: Arr
     run_len, run_toks, run_states = (const(a, jnp.int32) for a in
                                      forced_runs(rule.constraint, None, tuple(int(t) for t in stops_np), C))
     stops = jnp.asarray(stops_np, jnp.int32)
-    logp, cache = encode(lm, params, prompt, n, max_len, latents)
-    s = rule.start(n)
-    done = rule.is_final(s) | (max_len == 0)
     rows, cols = jnp.arange(n), jnp.arange(C)
 
     def ends(tok, s1):
         return jnp.isin(tok, stops) | rule.is_final(s1)
 
-    def body(c):
-        i, key, logp, cache, s, done, pos, z, lq = c
-        key, k = jax.random.split(key)
-        step = token_step(rule, logp, s, ~done, k, ends=ends)  # the decision: draw, advance, ends (Def 2.8)
-        tok, s1 = step.token, step.state
-        pos1 = pos + (~done)
-        fin = done | step.ends | (pos1 >= max_len)
-        r = jnp.where(fin, 0, jnp.minimum(run_len[s1], max_len - pos1))  # the forced run after the token
-        rt = run_toks[s1]  # [n, C]
-        in_run = cols[None] < r[:, None]
-        feed = jnp.concatenate([jnp.where(done, BOS_ID, tok)[:, None], jnp.where(in_run, rt, PAD_ID)], 1)
-        valid = jnp.concatenate([~done[:, None], in_run], 1)
-        out, cache = lm.apply(params, cache, feed, valid=valid, latents=latents)  # one pass for token and run
-        forced = jnp.take_along_axis(out[:, :C], rt[..., None], -1)[..., 0]  # column j precedes run token j
-        lq = lq + step.log_prob + jnp.where((in_run & jnp.isneginf(forced)).any(1), NEG_INF, 0.0)
-        logp = jnp.where(done[:, None], logp, out[rows, r])
-        z = z.at[rows, jnp.where(done, max_len, pos)].set(tok, mode="drop")
-        z = z.at[rows[:, None], jnp.where(in_run, pos1[:, None] + cols[None], max_len)].set(rt, mode="drop")
-        s2 = jnp.where(fin, s1, run_states[s1, r])
-        pos2 = pos1 + r
-        return i + 1, key, logp, cache, s2, fin | (pos2 >= max_len), pos2, z, lq
+    def loop(params, key, prompt, latents):
+        logp, cache = encode(lm, params, prompt, n, max_len, latents)
+        s = rule.start(n)
+        done = rule.is_final(s) | (max_len == 0)
 
-    init = (jnp.zeros((), jnp.int32), key, logp, cache, s, done, jnp.zeros(n, jnp.int32),
-            jnp.full((n, max_len), PAD_ID, jnp.int32), jnp.zeros(n, jnp.float32))
-    out = jax.lax.while_loop(lambda c: (c[0] < max_len) & ~c[5].all(), body, init)
-    return out[7], out[8]
+        def body(c):
+            i, key, logp, cache, s, done, pos, z, lq = c
+            key, k = jax.random.split(key)
+            step = token_step(rule, logp, s, ~done, k, ends=ends)  # the decision: draw, advance, ends (Def 2.8)
+            tok, s1 = step.token, step.state
+            pos1 = pos + (~done)
+            fin = done | step.ends | (pos1 >= max_len)
+            r = jnp.where(fin, 0, jnp.minimum(run_len[s1], max_len - pos1))  # the forced run after the token
+            rt = run_toks[s1]  # [n, C]
+            in_run = cols[None] < r[:, None]
+            feed = jnp.concatenate([jnp.where(done, BOS_ID, tok)[:, None], jnp.where(in_run, rt, PAD_ID)], 1)
+            valid = jnp.concatenate([~done[:, None], in_run], 1)
+            out, cache = lm.apply(params, cache, feed, valid=valid, latents=latents)  # one pass: token and run
+            forced = jnp.take_along_axis(out[:, :C], rt[..., None], -1)[..., 0]  # column j precedes run token j
+            lq = lq + step.log_prob + jnp.where((in_run & jnp.isneginf(forced)).any(1), NEG_INF, 0.0)
+            logp = jnp.where(done[:, None], logp, out[rows, r])
+            z = z.at[rows, jnp.where(done, max_len, pos)].set(tok, mode="drop")
+            z = z.at[rows[:, None], jnp.where(in_run, pos1[:, None] + cols[None], max_len)].set(rt, mode="drop")
+            s2 = jnp.where(fin, s1, run_states[s1, r])
+            pos2 = pos1 + r
+            return i + 1, key, logp, cache, s2, fin | (pos2 >= max_len), pos2, z, lq
+
+        init = (jnp.zeros((), jnp.int32), key, logp, cache, s, done, jnp.zeros(n, jnp.int32),
+                jnp.full((n, max_len), PAD_ID, jnp.int32), jnp.zeros(n, jnp.float32))
+        out = jax.lax.while_loop(lambda c: (c[0] < max_len) & ~c[5].all(), body, init)
+        return out[8], out[7]
+
+    def one_pass(params, key, prompt, latents, z):  # reverse mode: log Q of the draws by one teacher-forced pass
+        return score(rule, teacher_forced(lm, params, prompt, z, latents), z, max_len, stops_np)[0].sum(-1)
+
+    run = loop if n == 0 or max_len == 0 else (lambda *a: loop_with_one_pass_gradient(loop, one_pass, *a))
+    lq, z = run(params, key, prompt_array(prompt, lm.vocab_size), latents)
+    return z, lq
 
 
 @checked_jax

@@ -9,7 +9,8 @@ context). Its sites:
 * ``state.next_token()``: a NumPyro distribution over one token per row ``[n]``;
 * ``state.segment(stop=ids, max_tokens=k)``: a distribution over the next segment of every row, ``[n, k]``
   right-padded with ``<pad>``: sampled in one lockstep ``lax.while_loop`` of at most k tokens that stops once every
-  row ended (the cache carried; reverse mode differentiates it through its one-pass form, :func:`_differentiable`),
+  row ended (the cache carried; reverse mode differentiates it through its one-pass form,
+  :func:`~ppl_thought.numpyro.loop_grad.loop_with_one_pass_gradient`),
   scored by one teacher-forced pass from the current cache. A segment ends at a ``stop`` token (included), in a final
   state of the rule, or after ``k`` tokens;
 * ``state.extend(value)``: feed a token ``[n]`` / a segment ``[n, k]`` (padding skipped) / one shared token to
@@ -40,6 +41,7 @@ from ppl_thought.errors import ConfigError, MalformedSequenceError
 from ppl_thought.numpyro.boundary import ArrayLike, SupportsTokenRule, checked_jax
 from ppl_thought.numpyro.distributions import NEG_INF, TokenRule, token_step, tree_where
 from ppl_thought.numpyro.lm.base import LM
+from ppl_thought.numpyro.loop_grad import loop_with_one_pass_gradient
 from ppl_thought.numpyro.prompts import encode, prompt_array
 from ppl_thought.validation import per_token
 from ppl_thought.vocab import BOS_ID, PAD_ID
@@ -198,7 +200,8 @@ def _feed(lm: LM, params: Any, cache: Any, v: jax.Array, valid: jax.Array) -> tu
     pass does (a False token is written nowhere and takes no position), so the outputs are the same; the
     columns after the longest row keep the log-probabilities 0 (no consumer reads them: :meth:`Segment.log_prob`
     uses those before each row's end). ``K = 1`` is one call. Reverse mode (SVI on a program whose model's LM
-    is trained) differentiates the same function in its one-pass form (:func:`_differentiable`)."""
+    is trained) differentiates the same function in its one-pass form
+    (:func:`~ppl_thought.numpyro.loop_grad.loop_with_one_pass_gradient`)."""
     if v.shape[1] == 1:
         return lm.apply(params, cache, v, valid=valid)
     n, K = v.shape
@@ -223,31 +226,7 @@ def _feed(lm: LM, params: Any, cache: Any, v: jax.Array, valid: jax.Array) -> tu
         return jnp.where(used[None, :, None], out.astype(jnp.float32), 0.0), cache
 
     # every array an argument (a custom_vjp must not close over values of the trace it is differentiated in)
-    return _differentiable(loop, one_pass, params, cache, v, valid)
-
-
-def _differentiable(loop: Callable, twin: Callable, *diff: Any) -> Any:
-    """``loop(*diff) = (y, aux)``, whose reverse-mode derivative is that of ``y = twin(*diff, aux)``: the same
-    function written without a ``lax.while_loop`` (which reverse mode refuses), e.g. one teacher-forced pass over
-    the tokens the loop drew (``aux``: what has no derivative, such as those tokens). Sampling, scoring and
-    forward mode run the loop alone (the forward path is unchanged); only a gradient traces and runs the twin."""
-
-    @jax.custom_vjp
-    def run(*d):
-        return loop(*d)
-
-    def fwd(*d):
-        out = loop(*d)
-        return out, (d, out[1])
-
-    def bwd(res, ct):
-        d, aux = res
-        _, vjp = jax.vjp(lambda *a: twin(*a, aux), *d)
-        return vjp(ct[0])
-
-    run.defvjp(fwd, bwd)
-    y, aux = run(*diff)
-    return y if isinstance(aux, tuple) and not aux else (y, aux)
+    return loop_with_one_pass_gradient(loop, one_pass, params, cache, v, valid)
 
 
 # ---------------------------------------------------------------------------------------------- the sites
@@ -333,7 +312,7 @@ class Segment(Distribution):
 
         def one_pass(params, logp0, cache0, s0, done0, keys, aux):
             """The loop's (log Q, final logp, final cache) as a function of the parameters and the state, the
-            drawn tokens given: one teacher-forced pass over them (the reverse-mode twin, see _differentiable)."""
+            drawn tokens given: one teacher-forced pass over them (the reverse-mode twin, see loop_grad)."""
             z, _ = aux
             fed = jnp.cumprod(z != PAD_ID, axis=1).astype(bool)
             out, cache = lm.apply(params, cache0, z, valid=fed)
@@ -349,8 +328,8 @@ class Segment(Distribution):
             last = jnp.take_along_axis(out, jnp.clip(count - 1, 0)[:, None, None], 1)[:, 0]
             return steps.sum(0), jnp.where((count > 0)[:, None], last, logp0), cache
 
-        (lq, logp, cache), (z, s) = _differentiable(loop, one_pass, params, st.logp, st.cache, st.rule_state,
-                                                    done0, keys)
+        (lq, logp, cache), (z, s) = loop_with_one_pass_gradient(loop, one_pass, params, st.logp, st.cache,
+                                                                st.rule_state, done0, keys)
         self.origin._sampled = (z, st.cache, logp, cache, s)  # extend(z) takes the loop's final state
         return z, [lq]
 
