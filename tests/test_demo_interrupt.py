@@ -47,7 +47,10 @@ def _env() -> dict:
 
 def _interrupt(argv: list[str], when, timeout: float = 600) -> tuple[int, str, str]:
     """Start ``argv``, send SIGINT once ``when(stdout so far, seconds)`` is true, return (status, stdout, stderr)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    # SIGINT at its default in the child: an ignored SIGINT is inherited through exec, and in the full suite one of
+    # the xdist worker's earlier tests can leave it ignored (the run then never sees the Ctrl-C: two hangs)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out: list[str] = []
     err: list[str] = []
     readers = [threading.Thread(target=lambda s=s, a=a: a.extend(iter(s.readline, "")), daemon=True)
@@ -187,9 +190,12 @@ def test_a_ctrl_c_swallowed_by_a_finaliser_is_raised_again(tmp_path, monkeypatch
         raise AssertionError("not interrupted")
 
     monkeypatch.setattr(demo, "run_sec7", part)
-    before = signal.getsignal(signal.SIGINT)
-    t0 = time.time()
-    with pytest.raises(demo.DemoInterrupted):
-        demo.run_demo(out=str(tmp_path / "run"), quick=True, parts=("sec7",), progress=False)
-    assert len(swallowed) == 1 and time.time() - t0 < 15
-    assert signal.getsignal(signal.SIGINT) is before  # the demo's handler is gone again
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has it (see _interrupt)
+    try:
+        t0 = time.time()
+        with pytest.raises(demo.DemoInterrupted):
+            demo.run_demo(out=str(tmp_path / "run"), quick=True, parts=("sec7",), progress=False)
+        assert len(swallowed) == 1 and time.time() - t0 < 15
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the demo's handler is gone again
+    finally:
+        signal.signal(signal.SIGINT, outer)
