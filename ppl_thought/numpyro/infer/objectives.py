@@ -76,10 +76,11 @@ def _sum_sites(tr: dict, n: int, depth: int, keep: Callable[[dict], bool]) -> ja
 
 @per_token
 def program_particles(rng_key: Any, param_map: dict, model: Any, guide: Any, n: int, args: tuple,
-                      kwargs: dict | None = None) -> tuple[jax.Array, jax.Array, dict]:
+                      kwargs: dict | None = None, *, lengths: bool = False) -> tuple:
     """``(log_p [n], log_q [n], values)`` of n particles of a program and its guide program, as a batch: the
     engines' step runner for init and each of the ``max_steps`` steps (unrolled), parameters substituted from
-    ``param_map``; ``values[name]`` is ``[n, T, ...]`` for a step site, ``[n, ...]`` for an init site."""
+    ``param_map``; ``values[name]`` is ``[n, T, ...]`` for a step site, ``[n, ...]`` for an init site. With
+    ``lengths=True`` a fourth entry: the latent lengths |Z_i| ``[n]`` the model's steps drew (``CostAware``)."""
     kwargs = kwargs or {}
     if guide is None:
         raise SiteMismatchError("the objectives need a guide program that proposes the model's latent sites "
@@ -101,14 +102,15 @@ def program_particles(rng_key: Any, param_map: dict, model: Any, guide: Any, n: 
             return out
         return f
 
-    lengths = [jnp.zeros(n)]
+    drawn = [jnp.zeros(n)]
 
     def one(model_fn, guide_fn, key, where, finished=None):
         out = _run_step(recorded(model_fn, "model"), recorded(guide_fn, "guide"), key, n, depth, where, name)
         lp = _sum_sites(traces["model"], n, depth, lambda s: not is_output(s))
         lq = _sum_sites(traces["guide"], n, depth, lambda s: not s["is_observed"])
-        ln = latent_lengths(traces["model"], n)  # |Z_i| of the latent segments / tokens this step drew (CostAware)
-        lengths[0] = lengths[0] + (ln if finished is None else jnp.where(finished, 0.0, ln))
+        if lengths:  # |Z_i| of the latent segments / tokens this step drew (CostAware)
+            ln = latent_lengths(traces["model"], n)
+            drawn[0] = drawn[0] + (ln if finished is None else jnp.where(finished, 0.0, ln))
         return out, lp, lq
 
     sm: dict = {}
@@ -137,12 +139,12 @@ def program_particles(rng_key: Any, param_map: dict, model: Any, guide: Any, n: 
             finished = finished if out.done is None else finished | out.done
     for k in steps[0]:
         values[k] = jnp.stack([s[k] for s in steps], axis=1)
-    _LENGTHS[0] = lengths[0]
-    return log_p, log_q, values
+    return (log_p, log_q, values, drawn[0]) if lengths else (log_p, log_q, values)
 
 
-def _whole_trace_particles(rng_key, param_map, model, guide, n, args, kwargs):
-    """Particles of a whole-trace model and guide: one trace per particle, vmapped."""
+def _whole_trace_particles(rng_key, param_map, model, guide, n, args, kwargs, lengths=False):
+    """Particles of a whole-trace model and guide: one trace per particle, vmapped (``lengths``: as
+    :func:`program_particles`)."""
 
     def one(key):
         kq, kp = jax.random.split(key)
@@ -153,19 +155,12 @@ def _whole_trace_particles(rng_key, param_map, model, guide, n, args, kwargs):
         log_p = sum((site_log_prob(s) for s in m_tr.values() if s["type"] == "sample" and not is_output(s)),
                     jnp.zeros(()))
         values = {k: s["value"] for k, s in g_tr.items() if s["type"] == "sample" and _latent(s)}
-        return log_p, log_q, values, latent_lengths(m_tr, 1)[0]
+        return (log_p, log_q, values) + ((latent_lengths(m_tr, 1)[0],) if lengths else ())
 
-    log_p, log_q, values, lengths = jax.vmap(one)(jax.random.split(rng_key, n))
-    _LENGTHS[0] = lengths
-    return log_p, log_q, values
+    return jax.vmap(one)(jax.random.split(rng_key, n))
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-#: the latent lengths |Z_i| of the last particles drawn (set while tracing ``particles``, read right after it by
-#: ``ParticleLoss._cost_aware_surrogate``; a trace-time hand-over, never read across traces)
-_LENGTHS: list = [None]
-
-
 def _cost_aware(model: Any) -> Any:
     """The ``ptn.transforms.CostAware`` a model is transformed by (``CostAware(w)(program)``, a bound
     ``CostAware(w)(model)``, or inside a composition), else ``None``."""
@@ -227,10 +222,16 @@ class ParticleLoss(_NumPyroELBO):
     def particles(self, rng_key: Any, param_map: Any, model: Any, guide: Any, *args: Any,
                   **kwargs: Any) -> tuple[jax.Array, jax.Array, dict]:
         """``(log p(z, x) [n], log Q(z | x) [n], guide values)`` for ``num_particles`` draws of the guide."""
+        return self._particles(rng_key, param_map, model, guide, args, kwargs, False)
+
+    def _particles(self, rng_key: Any, param_map: Any, model: Any, guide: Any, args: tuple, kwargs: dict,
+                   lengths: bool) -> tuple:
+        """:meth:`particles`, with the latent lengths |Z_i| as a fourth entry when ``lengths``."""
         if is_program(model) or (guide is not None and is_program(guide)) or (
                 not callable(model) and callable(getattr(model, "as_program", None))):
-            return program_particles(rng_key, param_map, model, guide, self.num_particles, args, kwargs)
-        return _whole_trace_particles(rng_key, param_map, model, guide, self.num_particles, args, kwargs)
+            return program_particles(rng_key, param_map, model, guide, self.num_particles, args, kwargs,
+                                     lengths=lengths)
+        return _whole_trace_particles(rng_key, param_map, model, guide, self.num_particles, args, kwargs, lengths)
 
     @per_token
     def from_particles(self, log_p: jax.Array, log_q: jax.Array, values: dict) -> tuple[jax.Array, jax.Array]:
@@ -252,8 +253,7 @@ class ParticleLoss(_NumPyroELBO):
         k1, k2 = jax.random.split(rng_key)
         value_c, surr_c = self.surrogate(k1, param_map, model, guide, *args, **kwargs)
         cost_kwargs = {k: v for k, v in kwargs.items() if k != "sequences"}
-        log_p, log_q, _ = self.particles(k2, param_map, model, guide, *args, **cost_kwargs)
-        lengths, _LENGTHS[0] = _LENGTHS[0], None  # no tracer kept past this trace
+        log_p, log_q, _, lengths = self._particles(k2, param_map, model, guide, args, cost_kwargs, True)
         log_w = jnp.where(jnp.isneginf(log_p), -jnp.inf, log_p - log_q)
         return cost.loss(value_c, surr_c, log_p, log_w, lengths)
 
