@@ -4,7 +4,8 @@ The vocabulary is random strings of 1..12 characters (printable ASCII, with one 
 a non-ASCII letter), the ids 0..5 being the library's specials. Cases: the lipogram "no letter e"
 (1 DFA state), a regular expression of a few dozen states (capitalised words), bounded-depth Dyck
 over three bracket types with free text between brackets (40 states), and the intersection of the
-last two with the lipogram; each also with ``max_len=32`` (states count tokens). Reported: the build
+last two with the lipogram; each also with ``max_len=32`` (states count tokens); and, to show how the cost grows
+with the reachable states, Dyck at depth 6 (one build, ``deep``). Reported: the build
 seconds (best of N, and the first build's; without ``max_len`` also with one character per gather instead of
 the k-character chunk table, to measure what the chunks save), the DFA and token-automaton state counts,
 the table's size, the mean admissible tokens per state.
@@ -60,6 +61,8 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--vocab", type=int, default=50_000, help="number of random token strings")
     parser.add_argument("--repeats", type=int, default=None, help="best of N builds (default 3, quick 1)")
+    parser.add_argument("--deep-depth", type=int, default=6,
+                        help="depth of the bracket language of the one-build scaling case (0: skip it)")
     args = parser.parse_args()
     run_record = pv.record(pv.script(__file__, None))  # before the run: the code that runs
     repeats = args.repeats or (1 if args.quick else 3)
@@ -96,6 +99,14 @@ def main() -> None:
             print(f"{key:28s} build {secs:7.3f} s (first {first:6.3f} s)   DFA {dfa.num_states:3d} states -> "
                   f"{auto.num_states:5d} token states, {results[key]['mean_admissible_tokens']:8.1f} admissible "
                   "tokens per state")
+    deep = {}
+    if args.deep_depth:  # how the build grows with the reachable states: one build, too slow to repeat
+        deep_dfa = CharDFA.dyck("()[]{}", depth=args.deep_depth, ignore_other=True)
+        secs, _, auto = time_build(deep_dfa, texts, 1)
+        deep = {"depth": args.deep_depth, "dfa_states": deep_dfa.num_states, "token_states": auto.num_states,
+                "build_s": round(secs, 4), "table_mb": round(auto.next_state.nbytes / 2**20, 1)}
+        print(f"dyck depth {args.deep_depth:<17d} build {secs:7.3f} s (one build)   "
+              f"DFA {deep_dfa.num_states} states -> {auto.num_states} token states")
     out = {
         "vocab": args.vocab + len(RESERVED),
         "token_lengths": [1, 12],
@@ -103,6 +114,7 @@ def main() -> None:
         "compile_all_dfas_s": round(compile_s, 4),
         "repeats": repeats,
         "cases": results,
+        "deep": deep,
         "machine": {"python": platform.python_version(), "numpy": np.__version__, "processor": platform.machine(),
                     "cpus": os.cpu_count(), "load_average_1min_at_end": round(os.getloadavg()[0], 2)},
     }

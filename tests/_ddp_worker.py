@@ -7,7 +7,8 @@ SPEC: ``{"record": PREFIX, "runs": [[example args], ...], "hang_after": K or nul
 ``PREFIX.<rank>.json``: per run the example's output, plus every file this process created, renamed or removed
 under ``watch`` (an audit hook, so a write by a rank other than 0 is seen whatever code path makes it). With
 ``hang_after`` every rank stops after step K of the first run (after its checkpoint), touches
-``PREFIX.hang.<rank>`` and waits to be killed.
+``PREFIX.hang.<rank>`` (holding its process id: torchrun starts each worker in a session of its own, so killing
+torchrun's process group does not reach it) and waits to be killed.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ def main() -> None:
 
     def hang(trainer, metrics) -> None:
         if trainer.step_count == hang_after:
-            Path(f"{spec['record']}.hang.{rank}").write_text("waiting to be killed")
+            hang = Path(f"{spec['record']}.hang.{rank}")
+            part = Path(f"{hang}.part")
+            part.write_text(str(os.getpid()))
+            os.replace(part, hang)  # whole when it appears: the test reads the pid at once
             time.sleep(600)
 
     outs = []

@@ -2,6 +2,7 @@
 cheap compile passes for every JAX test."""
 
 import os
+import signal
 import warnings
 
 import pytest
@@ -87,6 +88,23 @@ def smollm2():
 
 
 _LOADS: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_as_found():
+    """A test must leave the process's SIGINT handler as it found it. An ignored SIGINT is inherited by every
+    process a later test starts (through fork and exec), so a Ctrl-C test further on in the same xdist worker
+    sees a child that never gets the interrupt: test_demo_interrupt failed that way in the full suite at 68b8dc3.
+    The handler is put back, and the test that changed it fails, naming the change."""
+    before = signal.getsignal(signal.SIGINT)
+    if before is signal.SIG_IGN:  # set outside any test: at import, in a module or session fixture
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        pytest.fail("SIGINT was ignored before this test began (an import or a wider fixture set it)")
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
+        pytest.fail(f"this test left SIGINT's handler changed: {before!r} -> {after!r}")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -11,6 +11,7 @@ run bit for bit; with per-rank streams (seed + rank) a resume restores every ran
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -102,7 +103,13 @@ def runs(tmp_path_factory):
         assert b.poll() is None, b.communicate()[0][-4000:]
         assert time.time() < deadline, "the run to be killed never reached step 3"
         time.sleep(0.05)
-    os.killpg(b.pid, signal.SIGKILL)  # torchrun and both workers, mid-run
+    # torchrun and both workers, mid-run: torchrun starts each worker in a session of its own (elastic's
+    # start_new_session), so killing torchrun's group alone left the two workers running after the suite
+    workers = [int((tmp / f"B.hang.{r}").read_text()) for r in range(2)]
+    os.killpg(b.pid, signal.SIGKILL)
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     b.wait(timeout=30)
     killed = sorted(p.name for p in (ck / "b").iterdir())
     out_a = _finish(a, tmp, "A")

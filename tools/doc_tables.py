@@ -485,6 +485,38 @@ def smollm2_markers(d: dict) -> str:
                "beyond float rounding).") + "\n")
 
 
+TOKEN_AUTOMATA_CMD = "python benchmarks/token_automata.py --json benchmarks/results/token_automata.json"
+TOKEN_AUTOMATA_ROWS = (("lipogram", 'lipogram "e"'), ("regex", "regex `{regex}`"),
+                       ("dyck", "Dyck over `()[]{{}}`, depth 3, text between brackets"),
+                       ("dyck_and_lipogram", 'the same Dyck AND lipogram "e"'),
+                       ("regex_max_len_32", "regex, `max_len=32`"), ("dyck_max_len_32", "Dyck, `max_len=32`"))
+
+
+def token_automata(d: dict) -> str:
+    """docs/constraints.md: seconds to lift character automata to a 50k-token vocabulary (``token_automata.json``)."""
+    c = d["cases"]
+    lines = [f"On {d['vocab']:,} ids ({d['vocab'] - 6:,} random strings of {d['token_lengths'][0]} to "
+             f"{d['token_lengths'][1]} printable characters, 5% of them with a non-ASCII letter), each build the best "
+             f"of {d['repeats']}:", "",
+             "| constraint | DFA states | token states | build | one char per gather | table |",
+             "|---|---|---|---|---|---|"]
+    for key, label in TOKEN_AUTOMATA_ROWS:
+        r = c[key]
+        build = f"{r['build_s']:.2f} s" + (f" (first build {r['first_build_s']:.2f} s)" if "max_len" in key else "")
+        one = f"{r['build_s_one_char_per_gather']:.2f} s" if "build_s_one_char_per_gather" in r else ""
+        lines.append(f"| {label.format(regex=d['regex'])} | {r['dfa_states']} | {r['token_states']} | {build} | {one} "
+                     f"| {r['table_mb']:g} MB |")
+    ratios = [c[k]["build_s_one_char_per_gather"] / c[k]["build_s"] for k in c if "build_s_one_char_per_gather" in c[k]]
+    text = (f"\nReading one character per gather instead of k is {min(ratios):.1f}-{max(ratios):.1f}x slower. "
+            f"Compiling all four DFAs takes {d['compile_all_dfas_s']:.2f} s.")
+    deep = d.get("deep") or {}
+    if deep:
+        text += (f" The cost grows with the number of reachable states: Dyck over `()[]{{}}` at depth {deep['depth']} "
+                 f"has {deep['dfa_states']} DFA states, {deep['token_states']} token states, and one build took "
+                 f"{deep['build_s']:.1f} s.")
+    return "\n".join(lines) + "\n" + text + " " + _provenance(d) + "\n"
+
+
 LOAD_CMD = "python benchmarks/smollm2_load.py --json benchmarks/results/smollm2_load.json"
 
 
@@ -822,6 +854,7 @@ TABLES: dict[str, Table] = {
     "genlm-smollm2": Table("benchmarks/results/llamppl_race_smollm2_genlm_n16.json", genlm_smollm2, GENLM_CMD),
     "smollm2-markers": Table("benchmarks/results/smollm2_markers.json", smollm2_markers, MARKERS_CMD),
     "smollm2-load": Table("benchmarks/results/smollm2_load.json", smollm2_load, LOAD_CMD),
+    "token-automata": Table("benchmarks/results/token_automata.json", token_automata, TOKEN_AUTOMATA_CMD),
     "active-coding": Table("benchmarks/results/active_coding.json", active_coding, ACTIVE_CODING_CMD),
     "demo-quick-times": Table("benchmarks/results/demo_quick.json", demo_quick_times, DEMO_CMDS["quick"]),
     "a5-quick": Table("benchmarks/results/demo_quick.json", a5_quick, DEMO_CMDS["quick"]),
