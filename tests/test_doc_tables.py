@@ -177,8 +177,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 NOT_RECORDED_JSON = {
     "llamppl_race.json": "no command or commit; benchmarks/llamppl_race.py, 5 rounds with LLaMPPL",
     "llamppl_race_smollm2_genlm_n16.json": "no command or commit; needs genlm-control and SmolLM2, minutes",
-    "ltm_sweep_quick.json": "no command; latent_thought --sweep --quick, longer than a quick rerun",
-    "ltm_sweep_quick_seed1.json": "no command; latent_thought --sweep --quick --seed 1, as above",
     "token_automata.json": "no command or commit; benchmarks/token_automata.py, timings quoted in docs/constraints.md "
                            "(a rerun at load 19 took 537 s and timed builds 20-40x slower: not kept; rerun it quiet)",
     "verifiers.json": "no command or commit; examples/dyck_backtracking.py (default size), long",
