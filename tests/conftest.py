@@ -1,8 +1,11 @@
 """Test-wide settings: one intra-op thread (small tensors on 2 shared cores are faster and steadier) and XLA's
 cheap compile passes for every JAX test."""
 
+import atexit
 import os
+import shutil
 import signal
+import tempfile
 import warnings
 
 import pytest
@@ -13,6 +16,17 @@ torch.set_num_threads(1)
 # module sets after another module started the backend does nothing (the suite's modules used to set it one by one,
 # and which one came first decided). The tests' programs are tiny; XLA's optimising passes cost compile time only.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+# One XLA compilation cache for the whole run, shared by pytest-xdist's workers and every process a test starts (they
+# inherit the environment): many tests compile the same program again in a new process or with a new function
+# object, and XLA's executable is then read back instead of compiled. A fresh folder per run (set here, in the
+# controller, before the workers start; removed when it exits), so a run starts as cold as on a fresh machine.
+# JAX_COMPILATION_CACHE_DIR=... in the environment chooses the folder (and keeps it).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _xla_cache = tempfile.mkdtemp(prefix="ppl_thought_test_xla_")
+    atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 warnings.filterwarnings("ignore", category=FutureWarning, module="arviz")
 
 
