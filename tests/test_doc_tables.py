@@ -29,7 +29,7 @@ def test_every_documented_table_equals_its_json():
 
 # JSON files that record neither the machine nor the time; their renderings must say so
 NOT_RECORDED = {"token-automata": "token_automata.json predates ppl_thought.provenance (rerun it on a quiet machine)",
-                "dyck-full": "verifiers.json predates ppl_thought.provenance (the default-size run takes ~23 min)"}
+}
 
 
 def _recorded(d: dict) -> tuple[bool, bool]:
@@ -179,7 +179,6 @@ NOT_RECORDED_JSON = {
     "llamppl_race_smollm2_genlm_n16.json": "no command or commit; needs genlm-control and SmolLM2, minutes",
     "token_automata.json": "no command or commit; benchmarks/token_automata.py, timings quoted in docs/constraints.md "
                            "(a rerun at load 19 took 537 s and timed builds 20-40x slower: not kept; rerun it quiet)",
-    "verifiers.json": "no command or commit; examples/dyck_backtracking.py (default size), long",
 }
 
 
