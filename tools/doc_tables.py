@@ -517,6 +517,31 @@ def token_automata(d: dict) -> str:
     return "\n".join(lines) + "\n" + text + " " + _provenance(d) + "\n"
 
 
+SELF_REDUCIBLE_CMD = "python benchmarks/self_reducible.py --json benchmarks/results/self_reducible.json"
+
+
+def self_reducible(d: dict) -> str:
+    """docs/verifiers.md: Section 5's sampler against Lemma 5.11's bounds, vs T (``self_reducible.json``)."""
+    tv, ex = d["tv"], d["exact_log_count_error"]
+    sampled = dict(zip(d["sampled_log_count_error"]["T"], d["sampled_log_count_error"]["value"]))
+    rows = [f"Mean over {d['formulas']} random satisfiable 3-CNFs, `m = {d['m']}`, {d['clauses']} clauses (seeds 0-"
+            f"{d['formulas'] - 1}; `|R(x)|` = {', '.join(map(str, d['num_solutions']))}), `bad=\"{d['bad']}\"`. Every "
+            "column is exact but the sampled counting error (`self_reducible_curve`, "
+            f"{d['sampled_log_count_error']['count']} solutions per formula, seed 0).", "",
+            "| T | TV (alpha 0.01, gamma 0.25) | mass outside R | log-count error, sampled | log-count error, exact E "
+            "over q_T | sharp bound | Lemma 5.11 bound | TV (alpha 0.001, gamma 0.25) | its Lemma 5.11 bound | "
+            "TV (alpha 0.01, gamma 0.1) | TV (alpha 0.01, gamma -0.1) | log-count error, exact E (gamma -0.1) |",
+            "|" + "---|" * 12]
+    for i, T in enumerate(d["T"]):
+        smp = f"{sampled[T]:.3f}" if T in sampled else "-"
+        rows.append(f"| {T} | {tv['alpha=0.01,gamma=0.25'][i]:.3f} | {d['mass_outside'][i]:.3f} | {smp} | "
+                    f"{ex['alpha=0.01,gamma=0.25'][i]:.3f} | {d['sharp_bound'][i]:.3g} | {d['lemma_bound'][i]:.3g} | "
+                    f"{tv['alpha=0.001,gamma=0.25'][i]:.3f} | {d['lemma_bound_alpha=0.001'][i]:.3g} | "
+                    f"{tv['alpha=0.01,gamma=0.1'][i]:.3f} | {tv['alpha=0.01,gamma=-0.1'][i]:.4f} | "
+                    f"{ex['alpha=0.01,gamma=-0.1'][i]:.1f} |")
+    return "\n".join(rows) + "\n\n" + _provenance(d) + "\n"
+
+
 LOAD_CMD = "python benchmarks/smollm2_load.py --json benchmarks/results/smollm2_load.json"
 
 
@@ -854,6 +879,7 @@ TABLES: dict[str, Table] = {
     "genlm-smollm2": Table("benchmarks/results/llamppl_race_smollm2_genlm_n16.json", genlm_smollm2, GENLM_CMD),
     "smollm2-markers": Table("benchmarks/results/smollm2_markers.json", smollm2_markers, MARKERS_CMD),
     "smollm2-load": Table("benchmarks/results/smollm2_load.json", smollm2_load, LOAD_CMD),
+    "self-reducible": Table("benchmarks/results/self_reducible.json", self_reducible, SELF_REDUCIBLE_CMD),
     "token-automata": Table("benchmarks/results/token_automata.json", token_automata, TOKEN_AUTOMATA_CMD),
     "active-coding": Table("benchmarks/results/active_coding.json", active_coding, ACTIVE_CODING_CMD),
     "demo-quick-times": Table("benchmarks/results/demo_quick.json", demo_quick_times, DEMO_CMDS["quick"]),
