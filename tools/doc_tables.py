@@ -517,6 +517,27 @@ def token_automata(d: dict) -> str:
     return "\n".join(lines) + "\n" + text + " " + _provenance(d) + "\n"
 
 
+CHUNKED_CMD = "python benchmarks/chunked_encoding.py --json benchmarks/results/chunked_encoding.json"
+
+
+def chunked_encoding(d: dict) -> str:
+    """docs/transforms.md: token-by-token against chunked encoding of thoughts (``chunked_encoding.json``)."""
+    rows = ["| engine | token by token, tokens/s | chunked, tokens/s | speed-up | SMC steps |", "|---|---|---|---|---|"]
+    names = {"importance": "Importance", "smc": "SMC (no resampling: same random stream)"}
+    same = []
+    for k, name in names.items():
+        r = d["results"][k]
+        steps = (f"{r['token_by_token']['steps']} -> {r['chunked']['steps']}" if k == "smc" else "")
+        rows.append(f"| {name} | {r['token_by_token']['tokens_per_s']:,.0f} | {r['chunked']['tokens_per_s']:,.0f} | "
+                    f"{r['speedup']:.1f}x | {steps} |")
+        same.append(r["same_log_weights"])
+    agree = ("Both paths gave the same log weights (to 1e-4) in the run." if all(same)
+             else "**The two paths' log weights differed in this run.**")
+    cfg = (f"{d['num_particles']} particles, |x| = {d['x_len']}, a {d['thought_len']}-token thought every "
+           f"{d['thought_every']} tokens.")
+    return "\n".join(rows) + f"\n\n{cfg} {agree} " + _provenance(d) + "\n"
+
+
 SELF_REDUCIBLE_CMD = "python benchmarks/self_reducible.py --json benchmarks/results/self_reducible.json"
 
 
@@ -879,6 +900,7 @@ TABLES: dict[str, Table] = {
     "genlm-smollm2": Table("benchmarks/results/llamppl_race_smollm2_genlm_n16.json", genlm_smollm2, GENLM_CMD),
     "smollm2-markers": Table("benchmarks/results/smollm2_markers.json", smollm2_markers, MARKERS_CMD),
     "smollm2-load": Table("benchmarks/results/smollm2_load.json", smollm2_load, LOAD_CMD),
+    "chunked-encoding": Table("benchmarks/results/chunked_encoding.json", chunked_encoding, CHUNKED_CMD),
     "self-reducible": Table("benchmarks/results/self_reducible.json", self_reducible, SELF_REDUCIBLE_CMD),
     "token-automata": Table("benchmarks/results/token_automata.json", token_automata, TOKEN_AUTOMATA_CMD),
     "active-coding": Table("benchmarks/results/active_coding.json", active_coding, ACTIVE_CODING_CMD),
