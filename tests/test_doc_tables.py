@@ -175,8 +175,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 # why each is not rerun here. A rerun with the command in the docs (ppl_thought.provenance records both) takes a
 # file off this list; the test below fails while a listed file already records both (the list stays honest).
 NOT_RECORDED_JSON = {
-    "llamppl_race.json": "no command or commit; benchmarks/llamppl_race.py, 5 rounds with LLaMPPL",
-    "llamppl_race_smollm2_genlm_n16.json": "no command or commit; needs genlm-control and SmolLM2, minutes",
     "token_automata.json": "no command or commit; benchmarks/token_automata.py, timings quoted in docs/constraints.md "
                            "(a rerun at load 19 took 537 s and timed builds 20-40x slower: not kept; rerun it quiet)",
 }
