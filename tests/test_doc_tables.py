@@ -62,7 +62,7 @@ def _copy(tmp_path: Path) -> Path:
         src = ROOT / p
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / p)
     for t in doc_tables.TABLES.values():
-        for src in filter(None, (t.source, t.meta)):
+        for src in filter(None, (t.source, t.meta, *t.more)):
             (tmp_path / src).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / src, tmp_path / src)
     return tmp_path

@@ -517,6 +517,42 @@ def token_automata(d: dict) -> str:
     return "\n".join(lines) + "\n" + text + " " + _provenance(d) + "\n"
 
 
+RACE_JITTER = "benchmarks/results/checkpoint_race_jitter.json"
+RACE_JITTER_BEFORE = "benchmarks/results/checkpoint_race_jitter_before.json"
+
+
+def checkpoint_race(d: dict) -> str:
+    """docs/reliability.md: loads racing writers killed at random (``checkpoint_race*.json``)."""
+    rows = ["| run | code | loads | failed | re-read the config | under the lock | writers killed | seconds |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in (d, d["more"][RACE_JITTER], d["more"][RACE_JITTER_BEFORE]):
+        args = pv.of(r)["command"].split("checkpoint_race.py", 1)[1].split(" --json")[0]
+        args = " ".join(a for a in args.split() if a not in ("--readers", "2", "--seed", "0"))
+        rows.append(f"| `{args}` | {pv.of(r)['commit'][:7]} | {r['loads']:,} | {r['failed']:,} | {r['retried']:,} | "
+                    f"{r['locked']:,} | {r['writers']['killed']} | {r['seconds']:.0f} |")
+    clean = all(r["after"]["loads_consistently"] and not r["after"]["temporary_files_after_next_write"]
+                for r in (d, d["more"][RACE_JITTER], d["more"][RACE_JITTER_BEFORE]))
+    after = ("The folder loads after the last kill and the next write leaves no temporary file, in every run."
+             if clean else "**In some run the folder did not load after the last kill, or a temporary file stayed.**")
+    return ("\n".join(rows) + f"\n\n{after} The first row's run: " + _provenance(d) + " The other two record no load: "
+            f"{RACE_JITTER} and {RACE_JITTER_BEFORE}.\n")
+
+
+def robustness_public(d: dict) -> str:
+    """docs/reliability.md: every public callable called with wrong arguments (``robustness_public.json``)."""
+    kinds = ("clear", "valid", "silent", "unclear", "crash")
+    rows = ["| draws per callable | callables covered / total | calls tried | " + " | ".join(kinds) + " |",
+            "|---" * 8 + "|"]
+    worst = []
+    for key, label in (("public_callables", "default"), ("public_callables_slow", "`--slow`")):
+        r = d[key]
+        rows.append(f"| {r['examples_per_callable']} ({label}) | {r['covered']} / {r['total']} | {r['tried']} | "
+                    + " | ".join(str(r[k]) for k in kinds) + " |")
+        w = r["callables_by_worst_answer"]
+        worst.append(f"{r['examples_per_callable']} draws: " + ", ".join(f"{w[k]} {k}" for k in kinds if w.get(k)))
+    return "\n".join(rows) + "\n\nBy callable (worst answer), " + "; ".join(worst) + ". " + _provenance(d) + "\n"
+
+
 CHUNKED_CMD = "python benchmarks/chunked_encoding.py --json benchmarks/results/chunked_encoding.json"
 
 
@@ -880,6 +916,7 @@ class Table:
     render: Callable[[dict], str]
     command: str  # what writes the JSON
     meta: str | None = None  # a second JSON of the same run (``--meta``), passed to ``render`` as d["meta"]
+    more: tuple[str, ...] = ()  # other runs' JSONs the table compares, passed to ``render`` as d["more"][path]
 
 
 REAL_TRAINING_CMD = "python examples/real_training.py --quick --json benchmarks/results/real_training_quick.json"
@@ -900,6 +937,12 @@ TABLES: dict[str, Table] = {
     "genlm-smollm2": Table("benchmarks/results/llamppl_race_smollm2_genlm_n16.json", genlm_smollm2, GENLM_CMD),
     "smollm2-markers": Table("benchmarks/results/smollm2_markers.json", smollm2_markers, MARKERS_CMD),
     "smollm2-load": Table("benchmarks/results/smollm2_load.json", smollm2_load, LOAD_CMD),
+    "checkpoint-race": Table("benchmarks/results/checkpoint_race.json", checkpoint_race,
+                             "python benchmarks/checkpoint_race.py --loads 50000 --readers 2 --seed 0 --dir /dev/shm "
+                             "--json benchmarks/results/checkpoint_race.json", more=(RACE_JITTER, RACE_JITTER_BEFORE)),
+    "robustness-public": Table("benchmarks/results/robustness_public.json", robustness_public,
+                               "python benchmarks/robustness.py --public --json "
+                               "benchmarks/results/robustness_public.json"),
     "chunked-encoding": Table("benchmarks/results/chunked_encoding.json", chunked_encoding, CHUNKED_CMD),
     "self-reducible": Table("benchmarks/results/self_reducible.json", self_reducible, SELF_REDUCIBLE_CMD),
     "token-automata": Table("benchmarks/results/token_automata.json", token_automata, TOKEN_AUTOMATA_CMD),
@@ -927,6 +970,8 @@ def load(name: str, root: Path = ROOT) -> dict:
     d = json.loads((root / t.source).read_text())
     if t.meta:
         d = {**d, "meta": json.loads((root / t.meta).read_text())}
+    if t.more:
+        d = {**d, "more": {m: json.loads((root / m).read_text()) for m in t.more}}
     return d
 
 
