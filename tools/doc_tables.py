@@ -553,6 +553,48 @@ def robustness_public(d: dict) -> str:
     return "\n".join(rows) + "\n\nBy callable (worst answer), " + "; ".join(worst) + ". " + _provenance(d) + "\n"
 
 
+CUSTOM_CMD = "python examples/custom_program.py --quick --json benchmarks/results/custom_program.json"
+CUSTOM_JAX_CMD = ("python examples/custom_program_numpyro.py --quick --json "
+                  "benchmarks/results/custom_program_numpyro.json")
+
+
+def _engine_rows(d: dict, extra: bool) -> list[str]:
+    """The engines of a custom-program example (``custom_program*.json``): log of the mean Z-hat and its SE over the
+    runs, the exact value, ESS/n, resampling steps per run (and, with ``extra``, the Pareto k-hat and the TV of the
+    estimated posterior over thought sequences to the exact one)."""
+    head = "| engine | log Z-hat | SE | exact | ESS/n | resampled per run |"
+    head += " k-hat | TV to exact |" if extra else ""
+    rows = [head, "|---" * (8 if extra else 6) + "|"]
+    for name, r in d["results"].items():
+        res = "" if name.startswith("IS") else f"{r['resampled']:.1f}"
+        row = f"| {name} | {r['log_z']:.3f} | {r['se']:.3f} | {r['exact']:.3f} | {r['ess_fraction']:.2f} | {res} |"
+        if extra:
+            khat = r.get("khat")
+            row += (f" {khat:.2f} |" if isinstance(khat, (int, float)) and math.isfinite(khat) else " - |")
+            row += f" {r['tv_to_exact']:.3f} |"
+        rows.append(row)
+    return rows
+
+
+def custom_program(d: dict) -> str:
+    """docs/programs.md: the torch example's engines and its guide's SVI (``custom_program.json``)."""
+    s = d["svi"]
+    svi = (f"SVI on the guide ({len(s['losses'])} steps): the loss goes from {s['loss_first']:.2f} to "
+           f"{s['loss_last']:.2f} (its floor is -log Z = {-d['exact']['plain']:.2f}, at q = posterior); the ESS/n of "
+           f"the guide's particles from {s['ess_first']:.2f} to {s['ess_last']:.2f}; Importance with the guide from "
+           f"ESS/n {s['is_ess_before']:.2f} to {s['is_ess_after']:.2f}.")
+    return ("\n".join(_engine_rows(d, True)) + f"\n\n{d['runs']} runs of {d['num_particles']} particles each. {svi} "
+            + _provenance(d) + "\n")
+
+
+def custom_program_numpyro(d: dict) -> str:
+    """docs/programs.md: the JAX example's engines and its compile (``custom_program_numpyro.json``)."""
+    return ("\n".join(_engine_rows(d, False)) + f"\n\n{d['runs']} runs of {d['num_particles']} particles each. The "
+            f"first SMC run compiled in {d['compile_s']:.1f} s; a fresh `ptn.infer.SMC({d['num_particles']})` object "
+            f"with the same configuration then ran in {d['rerun_fresh_engine_s']:.3f} s (compiled runs are cached at "
+            "module level, not on the engine object). " + _provenance(d) + "\n")
+
+
 CHUNKED_CMD = "python benchmarks/chunked_encoding.py --json benchmarks/results/chunked_encoding.json"
 
 
@@ -943,6 +985,9 @@ TABLES: dict[str, Table] = {
     "robustness-public": Table("benchmarks/results/robustness_public.json", robustness_public,
                                "python benchmarks/robustness.py --public --json "
                                "benchmarks/results/robustness_public.json"),
+    "custom-program": Table("benchmarks/results/custom_program.json", custom_program, CUSTOM_CMD),
+    "custom-program-numpyro": Table("benchmarks/results/custom_program_numpyro.json", custom_program_numpyro,
+                                    CUSTOM_JAX_CMD),
     "chunked-encoding": Table("benchmarks/results/chunked_encoding.json", chunked_encoding, CHUNKED_CMD),
     "self-reducible": Table("benchmarks/results/self_reducible.json", self_reducible, SELF_REDUCIBLE_CMD),
     "token-automata": Table("benchmarks/results/token_automata.json", token_automata, TOKEN_AUTOMATA_CMD),
