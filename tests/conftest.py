@@ -104,21 +104,36 @@ def smollm2():
 _LOADS: list[str] = []
 
 
+def _sigint_ignored_by_the_os() -> bool:
+    """Whether the kernel ignores SIGINT for this process (``SigIgn`` of /proc/self/status, bit 1), which is what
+    children inherit through exec. C code (an extension, a library) can set it without Python's
+    ``signal.getsignal`` seeing it. False where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
 @pytest.fixture(autouse=True)
 def _sigint_left_as_found():
-    """A test must leave the process's SIGINT handler as it found it. An ignored SIGINT is inherited by every
+    """A test must leave the process's SIGINT handling as it found it. An ignored SIGINT is inherited by every
     process a later test starts (through fork and exec), so a Ctrl-C test further on in the same xdist worker
     sees a child that never gets the interrupt: test_demo_interrupt failed that way in the full suite at 68b8dc3.
     The handler is put back, and the test that changed it fails, naming the change."""
-    before = signal.getsignal(signal.SIGINT)
-    if before is signal.SIG_IGN:  # set outside any test: at import, in a module or session fixture
+    before, os_before = signal.getsignal(signal.SIGINT), _sigint_ignored_by_the_os()
+    if before is signal.SIG_IGN or os_before:  # set outside any test: at import, in a module or session fixture
         signal.signal(signal.SIGINT, signal.default_int_handler)
         pytest.fail("SIGINT was ignored before this test began (an import or a wider fixture set it)")
     yield
-    after = signal.getsignal(signal.SIGINT)
-    if after is not before:
+    after, os_after = signal.getsignal(signal.SIGINT), _sigint_ignored_by_the_os()
+    if after is not before or os_after:
         signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
-        pytest.fail(f"this test left SIGINT's handler changed: {before!r} -> {after!r}")
+        pytest.fail(f"this test left SIGINT's handling changed: {before!r} -> {after!r}, ignored by the kernel: "
+                    f"{os_before} -> {os_after}")
 
 
 def pytest_terminal_summary(terminalreporter):
