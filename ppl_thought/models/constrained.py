@@ -3,7 +3,7 @@
 Masked decoding (``LMSequence(lm, constraint=A)``) draws from the *locally* renormalised law
 q(z) = prod_t p(z_t | z_<t) 1[z_t admitted] / Z_t, which is not the LM conditioned on A: it forgets the
 factors Z_t, the LM's mass on the admitted tokens at each step (on the library's test model the two laws are
-0.48 apart in total variation, docs/constraints.md). :class:`Constrained` is the conditioned law as a
+far apart in total variation, docs/constraints.md). :class:`Constrained` is the conditioned law as a
 ``pt.Program``: each step draws the next token from the masked law and adds the factor log Z_t, so the
 program's density is p(z) 1[z in A] and every engine (Importance, SMC with ``guide=None``) weights its
 particles by prod_t Z_t = p(z) / q(z); exp(log Z-hat) estimates P_LM(A), the mass of the language.
