@@ -28,8 +28,7 @@ def test_every_documented_table_equals_its_json():
 
 
 # JSON files that record neither the machine nor the time; their renderings must say so
-NOT_RECORDED = {"token-automata": "token_automata.json predates ppl_thought.provenance (rerun it on a quiet machine)",
-}
+NOT_RECORDED: dict[str, str] = {}
 
 
 def _recorded(d: dict) -> tuple[bool, bool]:
@@ -174,10 +173,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 # JSONs under benchmarks/results that record no command or no commit (written before ppl_thought.provenance), with
 # why each is not rerun here. A rerun with the command in the docs (ppl_thought.provenance records both) takes a
 # file off this list; the test below fails while a listed file already records both (the list stays honest).
-NOT_RECORDED_JSON = {
-    "token_automata.json": "no command or commit; benchmarks/token_automata.py, timings quoted in docs/constraints.md "
-                           "(a rerun at load 19 took 537 s and timed builds 20-40x slower: not kept; rerun it quiet)",
-}
+NOT_RECORDED_JSON: dict[str, str] = {}  # name -> why; empty since every JSON records its command and commit
 
 
 def _results() -> dict[str, dict]:
