@@ -125,7 +125,7 @@ _CURRENT_TEST = ["(before the first test)"]
 def _watch_sigint(path: str) -> None:
     """PPL_THOUGHT_TEST_WATCH_SIGINT=FILE: a daemon thread polls the kernel's ignore mask every 2 ms and appends to
     FILE (one per process: FILE.<pid>) each change, with the running test and every thread's stack at that moment.
-    A debugging aid for the SIGINT that becomes ignored between tests (see _sigint_left_as_found)."""
+    A debugging aid for an ignored SIGINT (see _sigint_left_as_found)."""
     import threading
     import time
     import traceback
@@ -151,20 +151,22 @@ if os.environ.get("PPL_THOUGHT_TEST_WATCH_SIGINT"):
 
 @pytest.fixture(autouse=True)
 def _sigint_left_as_found(request):
-    """A test must leave the process's SIGINT handling as it found it. An ignored SIGINT is inherited by every
-    process a later test starts (through fork and exec), so a Ctrl-C test further on in the same xdist worker
-    sees a child that never gets the interrupt: test_demo_interrupt failed that way in the full suite at 68b8dc3.
+    """SIGINT at Python's default for every test, and left so. An ignored SIGINT is inherited by every process a
+    test starts (through fork and exec), and a Ctrl-C test then sees a child that never gets the interrupt:
+    test_demo_interrupt hung so in the full suite at 68b8dc3. The cause was the launch, not a test: a shell without
+    job control starts `pytest ... &` with SIGINT ignored (POSIX), xdist's workers inherit it, and Python keeps an
+    inherited SIG_IGN (PPL_THOUGHT_TEST_WATCH_SIGINT showed both workers ignoring it from their start at 259442e).
 
-    A test that changes Python's handler fails, naming the change. SIGINT found ignored when a test begins is put
-    back to Python's default and reported as a warning of that test (not failed), and so is SIGINT ignored by the
-    kernel when a test ends (C code set it, in the test or in a thread): in the full suite at 8ab3877 two tests
-    found it ignored when they began, no test having changed Python's handler;
-    PPL_THOUGHT_TEST_WATCH_SIGINT=FILE records the moment it happens (:func:`_watch_sigint`)."""
+    So SIGINT found ignored when a test begins is put back to Python's default, with a warning naming the likely
+    cause; a test that changes Python's handler fails; SIGINT ignored by the kernel when a test ends (set from C, by
+    the test or a thread) is put back with a warning. PPL_THOUGHT_TEST_WATCH_SIGINT=FILE records each change of the
+    kernel's mask with every thread's stack (:func:`_watch_sigint`)."""
     _CURRENT_TEST[0] = request.node.nodeid
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN or _sigint_ignored_by_the_os():
         signal.signal(signal.SIGINT, signal.default_int_handler)  # also resets the kernel's disposition
-        warnings.warn("SIGINT was ignored when this test began; put back to Python's default", RuntimeWarning,
-                      stacklevel=1)
+        warnings.warn("SIGINT was ignored when this test began (is pytest running in the background of a shell "
+                      "without job control? it then starts with SIGINT ignored); put back to Python's default",
+                      RuntimeWarning, stacklevel=1)
     before = signal.getsignal(signal.SIGINT)
     yield
     after = signal.getsignal(signal.SIGINT)

@@ -47,8 +47,9 @@ def _env() -> dict:
 
 def _interrupt(argv: list[str], when, timeout: float = 600) -> tuple[int, str, str]:
     """Start ``argv``, send SIGINT once ``when(stdout so far, seconds)`` is true, return (status, stdout, stderr)."""
-    # SIGINT at its default in the child: an ignored SIGINT is inherited through exec, and in the full suite one of
-    # the xdist worker's earlier tests can leave it ignored (the run then never sees the Ctrl-C: two hangs)
+    # SIGINT at its default in the child: an ignored SIGINT is inherited through exec, and pytest itself may have
+    # started with it ignored (a shell without job control runs `cmd &` so: POSIX); the child then never sees the
+    # Ctrl-C (two hangs of the full suite started that way)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out: list[str] = []
