@@ -363,32 +363,30 @@ def run_demo(out: str = "out/demo", quick: bool = False, seed: int = 0, n: int =
     order = [p for p in PART_ORDER if p in parts]
     recorded = recorded_part_seconds(quick)
     current = None  # the part running or being saved when Ctrl-C comes: any instant after the run started
-    ctrl_c = _CtrlC()
-    try:
-        ctrl_c.__enter__()
-        for k, part in enumerate(order, 1):
-            current = part
-            took = f"; took {recorded[part]:.0f} s in the recorded --quick run" if quick and part in recorded else ""
-            print(f"[{k}/{len(order)}] {PART_TITLES[part]}: started{took}", flush=True)
-            t = time.time()
-            results[part] = runners[part]()
-            arrays[part] = results[part].pop("_arrays", None)
-            part_seconds[part] = round(time.time() - t, 1)
-            results["finished_parts"].append(part)
+    with _CtrlC() as ctrl_c:  # a Ctrl-C cannot be lost until the except clause has taken it
+        try:
+            for k, part in enumerate(order, 1):
+                current = part
+                took = (f"; took {recorded[part]:.0f} s in the recorded --quick run" if quick and part in recorded
+                        else "")
+                print(f"[{k}/{len(order)}] {PART_TITLES[part]}: started{took}", flush=True)
+                t = time.time()
+                results[part] = runners[part]()
+                arrays[part] = results[part].pop("_arrays", None)
+                part_seconds[part] = round(time.time() - t, 1)
+                results["finished_parts"].append(part)
+                results["seconds"] = round(time.time() - t0, 1)
+                PRINTERS[part](results)
+                _save(results, arrays, out)  # a finished part's numbers and files are on disk before the next starts
+        except KeyboardInterrupt:
+            ctrl_c.taken()  # from here on a Ctrl-C is the one being handled: no more re-raising
+            if current is not None and current not in results["finished_parts"]:
+                results.pop(current, None)  # a part's own numbers only once it finished
+                results["interrupted_in"] = current
             results["seconds"] = round(time.time() - t0, 1)
-            PRINTERS[part](results)
-            _save(results, arrays, out)  # every finished part's numbers and files are on disk before the next starts
-    except KeyboardInterrupt:
-        ctrl_c.taken()  # from here on a Ctrl-C is the one being handled: no more re-raising
-        if current is not None and current not in results["finished_parts"]:
-            results.pop(current, None)  # a part's own numbers only once it finished
-            results["interrupted_in"] = current
-        results["seconds"] = round(time.time() - t0, 1)
-        results[KEY] = finish(rec)
-        _save(results, arrays, out)
-        raise DemoInterrupted(current, out, results["finished_parts"]) from None
-    finally:
-        ctrl_c.__exit__()
+            results[KEY] = finish(rec)
+            _save(results, arrays, out)
+            raise DemoInterrupted(current, out, results["finished_parts"]) from None
     results["load_average_at_end"] = load_average()
     results["seconds"] = round(time.time() - t0, 1)
     results[KEY] = finish(rec)
