@@ -5,7 +5,6 @@ import atexit
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import warnings
 
@@ -119,49 +118,17 @@ def _sigint_ignored_by_the_os() -> bool:
     return False
 
 
-_CURRENT_TEST = ["(before the first test)"]
-
-
-def _watch_sigint(path: str) -> None:
-    """PPL_THOUGHT_TEST_WATCH_SIGINT=FILE: a daemon thread polls the kernel's ignore mask every 2 ms and appends to
-    FILE (one per process: FILE.<pid>) each change, with the running test and every thread's stack at that moment.
-    A debugging aid for an ignored SIGINT (see _sigint_left_as_found)."""
-    import threading
-    import time
-    import traceback
-
-    def run() -> None:
-        state = _sigint_ignored_by_the_os()
-        while True:
-            now = _sigint_ignored_by_the_os()
-            if now != state:
-                state = now
-                stacks = "".join(f"--- thread {tid}\n" + "".join(traceback.format_stack(frame))
-                                 for tid, frame in sys._current_frames().items())
-                with open(f"{path}.{os.getpid()}", "a") as f:
-                    f.write(f"{time.time():.3f} SIGINT ignored={now} during {_CURRENT_TEST[0]}\n{stacks}\n")
-            time.sleep(0.002)
-
-    threading.Thread(target=run, name="sigint-watch", daemon=True).start()
-
-
-if os.environ.get("PPL_THOUGHT_TEST_WATCH_SIGINT"):
-    _watch_sigint(os.environ["PPL_THOUGHT_TEST_WATCH_SIGINT"])
-
-
 @pytest.fixture(autouse=True)
-def _sigint_left_as_found(request):
+def _sigint_left_as_found():
     """SIGINT at Python's default for every test, and left so. An ignored SIGINT is inherited by every process a
     test starts (through fork and exec), and a Ctrl-C test then sees a child that never gets the interrupt:
     test_demo_interrupt hung so in the full suite at 68b8dc3. The cause was the launch, not a test: a shell without
     job control starts `pytest ... &` with SIGINT ignored (POSIX), xdist's workers inherit it, and Python keeps an
-    inherited SIG_IGN (PPL_THOUGHT_TEST_WATCH_SIGINT showed both workers ignoring it from their start at 259442e).
+    inherited SIG_IGN (a thread polling the kernel's mask showed both workers ignoring it from their start).
 
     So SIGINT found ignored when a test begins is put back to Python's default, with a warning naming the likely
     cause; a test that changes Python's handler fails; SIGINT ignored by the kernel when a test ends (set from C, by
-    the test or a thread) is put back with a warning. PPL_THOUGHT_TEST_WATCH_SIGINT=FILE records each change of the
-    kernel's mask with every thread's stack (:func:`_watch_sigint`)."""
-    _CURRENT_TEST[0] = request.node.nodeid
+    the test or a thread) is put back with a warning."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN or _sigint_ignored_by_the_os():
         signal.signal(signal.SIGINT, signal.default_int_handler)  # also resets the kernel's disposition
         warnings.warn("SIGINT was ignored when this test began (is pytest running in the background of a shell "
