@@ -525,13 +525,13 @@ def checkpoint_race(d: dict) -> str:
     """docs/reliability.md: loads racing writers killed at random (``checkpoint_race*.json``)."""
     rows = ["| run | code | loads | failed | re-read the config | under the lock | writers killed | seconds |",
             "|---|---|---|---|---|---|---|---|"]
-    for r in (d, d["more"][RACE_JITTER], d["more"][RACE_JITTER_BEFORE]):
+    runs = (d, d["more"][RACE_JITTER], d["more"][RACE_JITTER_BEFORE])
+    for r in runs:
         args = pv.of(r)["command"].split("checkpoint_race.py", 1)[1].split(" --json")[0]
         args = " ".join(a for a in args.split() if a not in ("--readers", "2", "--seed", "0"))
         rows.append(f"| `{args}` | {pv.of(r)['commit'][:7]} | {r['loads']:,} | {r['failed']:,} | {r['retried']:,} | "
                     f"{r['locked']:,} | {r['writers']['killed']} | {r['seconds']:.0f} |")
-    clean = all(r["after"]["loads_consistently"] and not r["after"]["temporary_files_after_next_write"]
-                for r in (d, d["more"][RACE_JITTER], d["more"][RACE_JITTER_BEFORE]))
+    clean = all(r["after"]["loads_consistently"] and not r["after"]["temporary_files_after_next_write"] for r in runs)
     after = ("The folder loads after the last kill and the next write leaves no temporary file, in every run."
              if clean else "**In some run the folder did not load after the last kill, or a temporary file stayed.**")
     return ("\n".join(rows) + f"\n\n{after} The first row's run: " + _provenance(d) + " The other two record no load: "
